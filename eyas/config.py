@@ -1,0 +1,101 @@
+"""Model and engine configuration.
+
+`ModelConfig` is the architecture of a Llama-family model, read from an HF `config.json` dict (both the classic
+`rope_theta` + `rope_scaling` spelling and transformers 5's `rope_parameters`) or from GGUF metadata.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, asdict
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    fc_bias: bool = False  # EAGLE drafts: optional bias of fc
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope_theta = cfg.get("rope_theta")
+        rope_scaling = cfg.get("rope_scaling")
+        params = cfg.get("rope_parameters")  # transformers >= 5
+        if isinstance(params, dict):
+            rope_theta = params.get("rope_theta", rope_theta)
+            if params.get("rope_type", params.get("type", "default")) != "default":
+                rope_scaling = params
+        if rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)
+            rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if rtype == "default":
+                rope_scaling = None
+            elif rtype != "llama3":
+                raise ValueError(f"unsupported rope_scaling type {rtype!r} (eyas supports 'llama3')")
+            else:
+                rope_scaling["rope_type"] = "llama3"
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            fc_bias=bool(cfg.get("bias", False)),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """An HF LlamaConfig dict (classic spelling), as EAGLE checkpoints carry it."""
+        d = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else self.eos_token_ids,
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
+            "hidden_act": "silu",
+            "bias": self.fc_bias,
+        }
+        return d
+
+    def asdict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,98 @@
+"""A request's state as the engine steps it.
+
+Invariants between steps, for a sequence with committed tokens x_0..x_n (`token_ids`, n + 1 of them) once its
+prefill is done:
+* the target KV cache holds positions 0..n-1 (`num_cached == n`): the last token has no KV yet;
+* the draft KV cache holds `num_draft_cached` positions, and `pending_hidden` holds the target's final hidden states
+  at positions num_draft_cached..n-1, which the draft still has to read (paired with tokens one to the right).
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from eyas.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    target_calls: int = 0  # decode (verify) forwards this request took part in
+    committed: int = 0  # tokens committed by those forwards
+    accepted_by_depth: list[int] = field(default_factory=list)  # [d] = steps whose accepted path reached depth d+1
+
+    @property
+    def tokens_per_call(self) -> float:
+        return self.committed / self.target_calls if self.target_calls else 0.0
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    request_id: str = ""
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    arrival: float = field(default_factory=time.perf_counter)
+    token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    num_draft_cached: int = 0
+    pending_hidden: torch.Tensor | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    text: str = ""  # detokenised output (stop strings trimmed)
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+        if not self.request_id:
+            self.request_id = str(self.seq_id)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def prefill_target(self) -> int:
+        """How many tokens the target must have in its KV before decoding: all, or all but the last sampled one."""
+        return len(self.token_ids) if self.num_output == 0 else len(self.token_ids) - 1
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_cached < self.prefill_target
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: forget every cached state; the committed tokens stay."""
+        self.num_cached = 0
+        self.num_draft_cached = 0
+        self.pending_hidden = None
+        self.num_preemptions += 1
+        self.status = Status.WAITING

@@ -1,0 +1,102 @@
+"""Split tree attention, in plain PyTorch (the reference every fast kernel is held to).
+
+Every forward step of eyas (prefill chunk, plain decode, tree verification, draft level) has the same shape: each of
+B sequences brings Q new tokens (padded). A new token attends to
+
+* the **prefix**: the sequence's committed KV in the paged cache, `context_lens[b]` entries, with no mask; and
+* the **suffix**: the step's own tokens (plus, for draft tree levels, earlier tree tokens) under `suffix_mask`
+  (causal for prefill, the tree's ancestor mask for verification).
+
+The two parts are computed separately, each returning its output and log-sum-exp, and merged exactly:
+`lse = logaddexp(lse_p, lse_s)`, `o = o_p * exp(lse_p - lse) + o_s * exp(lse_s - lse)`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """What the runner tells every attention layer about one step. Shapes: B sequences, Q new tokens each."""
+
+    positions: torch.Tensor  # [B, Q] int64, RoPE positions of the new tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int64, block ids of each sequence in the paged cache
+    context_lens: torch.Tensor  # [B] int64, committed entries each new token attends to without mask
+    suffix_mask: torch.Tensor  # [B, Q, P + Q] bool, visibility among past tree tokens (P) and new tokens (Q)
+    max_context_len: int  # host-side bound on context_lens (prefix gather width)
+    block_size: int
+    slot_mapping: torch.Tensor | None = None  # [B, Q] int64: cache slots for new K/V; None: do not write
+    stash: bool = False  # keep each layer's new K/V in `new_kv` (uncommitted tree tokens)
+    new_kv: dict = field(default_factory=dict)  # layer -> (k, v) [B, Q, KVH, D]
+    past_kv: dict | None = None  # layer -> (k, v) [B, P, KVH, D], earlier tree tokens (draft levels)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """Masked attention with log-sum-exp, GQA-aware, in float32.
+
+    q [B, Q, H, D], k/v [B, L, KVH, D], mask [B, Q, L] bool -> o [B, Q, H, D] (float32), lse [B, Q, H].
+    A row that sees nothing gets o = 0 and lse = -inf, so that it drops out of a merge.
+    """
+    B, Q, H, D = q.shape
+    KVH = k.shape[2]
+    G = H // KVH
+    qg = q.float().view(B, Q, KVH, G, D)
+    s = torch.einsum("bqkgd,blkd->bkgql", qg, k.float()) * scale  # [B, KVH, G, Q, L]
+    s = s.masked_fill(~mask[:, None, None, :, :], float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
+    l = p.sum(dim=-1, keepdim=True)
+    o = torch.einsum("bkgql,blkd->bqkgd", p / l.clamp_min(1e-30), v.float()).reshape(B, Q, H, D)
+    lse = (m + torch.log(l)).squeeze(-1)  # [B, KVH, G, Q]; log(0) = -inf
+    lse = lse.permute(0, 3, 1, 2).reshape(B, Q, H)
+    return o, lse
+
+
+def merge_attention(o1, lse1, o2, lse2):
+    """Exact merge of two attention results over disjoint key sets."""
+    lse = torch.logaddexp(lse1, lse2)
+    w1 = torch.exp(lse1 - lse).unsqueeze(-1)
+    w2 = torch.exp(lse2 - lse).unsqueeze(-1)
+    return o1 * w1 + o2 * w2, lse
+
+
+def gather_prefix(cache: torch.Tensor, block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """The first `length` entries of each sequence's paged cache: [B, length, KVH, D]."""
+    pos = torch.arange(length, device=block_tables.device)
+    slots = block_tables[:, pos // block_size] * block_size + pos % block_size
+    return cache.view(-1, *cache.shape[2:])[slots]
+
+
+def prefix_attention(q, k_cache, v_cache, block_tables, context_lens, max_context_len, block_size, scale):
+    """Attention of every new token over its sequence's committed KV (no mask beyond the length)."""
+    B, Q, H, D = q.shape
+    L = max(int(max_context_len), 1)
+    k = gather_prefix(k_cache, block_tables, L, block_size)
+    v = gather_prefix(v_cache, block_tables, L, block_size)
+    valid = torch.arange(L, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
+    return attend(q, k, v, valid[:, None, :].expand(B, Q, L), scale)
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping):
+    """Store new K/V [B, Q, KVH, D] at flat cache slots [B, Q]; slots < 0 are skipped."""
+    slots = slot_mapping.reshape(-1)
+    keep = slots >= 0
+    kf, vf = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+    k_cache.view(-1, *k_cache.shape[2:])[slots[keep]] = kf[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots[keep]] = vf[keep].to(v_cache.dtype)
+
+
+def split_tree_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                         past_k=None, past_v=None):
+    """Prefix part (paged, no mask) + suffix part (tree mask), merged by log-sum-exp. Returns [B, Q, H, D] float32."""
+    o_p, lse_p = prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                  meta.max_context_len, meta.block_size, scale)
+    ks, vs = k_new, v_new
+    if past_k is not None:
+        ks, vs = torch.cat([past_k, k_new], dim=1), torch.cat([past_v, v_new], dim=1)
+    o_s, lse_s = attend(q, ks, vs, meta.suffix_mask, scale)
+    o, _ = merge_attention(o_p, lse_p, o_s, lse_s)
+    return o

@@ -1,0 +1,78 @@
+"""Sampling on the device, with no host synchronisation and no generator state.
+
+Randomness is a pure function of (request seed, position, stream index): `uniform(seed, counter, index)` hashes the
+three with splitmix64. A request's draws therefore depend only on its own seed and positions, never on what else is
+in the batch, and the same ops run inside a CUDA graph.
+
+Sampling from a distribution p uses the inverse CDF with one uniform: the first token whose cumulative mass exceeds
+u * sum(p). Greedy rows (temperature 0) become one-hot distributions, so the same code serves them exactly.
+"""
+from __future__ import annotations
+
+import torch
+
+_M64 = (1 << 64) - 1
+
+
+def _s64(x: int) -> int:
+    """An unsigned 64-bit constant as torch's signed int64."""
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+_GOLDEN = _s64(0x9E3779B97F4A7C15)
+_MIX1 = _s64(0xBF58476D1CE4E5B9)
+_MIX2 = _s64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch shifts arithmetically)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    z = x + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def uniform(seeds: torch.Tensor, counters: torch.Tensor, index: torch.Tensor | int) -> torch.Tensor:
+    """U[0, 1) float32, one per broadcast element of (seeds, counters, index); strictly inside (0, 1)."""
+    h = splitmix64(splitmix64(seeds.long()) ^ counters.long())
+    h = splitmix64(h + torch.as_tensor(index, dtype=torch.long, device=seeds.device))
+    bits = _shr(h, 40)  # 24 random bits
+    return (bits.float() + 0.5) / float(1 << 24)
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor) -> torch.Tensor:
+    """Target distribution after temperature, top-k and top-p. logits [N, V]; per-row settings [N].
+
+    Rows with temperature 0 give the one-hot of the argmax. top_k <= 0 and top_p = 1 disable the filters.
+    """
+    logits = logits.float()
+    V = logits.shape[-1]
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    x = logits / t[:, None]
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    ranks = torch.arange(V, device=x.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
+    keep_sorted = ranks < k[:, None]
+    sorted_p = torch.softmax(sorted_x.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+    # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    mass_before = sorted_p.cumsum(-1) - sorted_p
+    keep_sorted &= (mass_before < top_p[:, None].float()) | (top_p[:, None] >= 1.0)
+    sorted_x = sorted_x.masked_fill(~keep_sorted, float("-inf"))
+    probs = torch.zeros_like(x).scatter_(-1, order, torch.softmax(sorted_x, dim=-1))
+    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], onehot, probs)
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs [N, V] (unnormalised, non-negative), u [N] in (0, 1) -> token ids [N]."""
+    cdf = probs.float().cumsum(-1)
+    target = (u * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    # float rounding can push the target onto the total: fall back to the most likely token then
+    return torch.where(idx >= probs.shape[-1], probs.argmax(-1), idx)

@@ -1,0 +1,4 @@
+"""Loading targets and drafts: `load_target("smollm2" | hf_dir | file.gguf)`, `load_draft(eagle_dir)`."""
+from eyas.loader.resolve import load_draft, load_target, resolve_device, resolve_dtype
+
+__all__ = ["load_target", "load_draft", "resolve_device", "resolve_dtype"]

