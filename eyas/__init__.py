@@ -1,1 +1,6 @@
-"""eyas"""
+"""eyas: EAGLE-style tree speculative decoding for Llama-family models."""
+from eyas.engine.llm import LLM, CompletionOutput
+from eyas.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "CompletionOutput"]
+__version__ = "0.1.0"

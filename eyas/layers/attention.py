@@ -21,7 +21,6 @@ import torch
 class AttentionMetadata:
     """What the runner tells every attention layer about one step. Shapes: B sequences, Q new tokens each."""
 
-    positions: torch.Tensor  # [B, Q] int64, RoPE positions of the new tokens
     block_tables: torch.Tensor  # [B, max_blocks] int64, block ids of each sequence in the paged cache
     context_lens: torch.Tensor  # [B] int64, committed entries each new token attends to without mask
     suffix_mask: torch.Tensor  # [B, Q, P + Q] bool, visibility among past tree tokens (P) and new tokens (Q)

@@ -108,7 +108,7 @@ def load_gguf(path: str | Path):
         except Exception as e:
             raise ValueError(f"{path}: tensor {t.name} could not be decoded ({e})") from None
         shape = tuple(int(x) for x in reversed(list(t.shape)))
-        w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
+        w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(shape)
         if name.endswith("q_proj.weight"):
             w = unpermute_qk(w, cfg.num_attention_heads)
         elif name.endswith("k_proj.weight"):

@@ -8,7 +8,6 @@ import torch
 
 from eyas.config import ModelConfig
 from eyas.layers.rotary import RotaryEmbedding
-from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
 
 DEFAULT_MODEL = "smollm2"
@@ -97,25 +96,3 @@ def default_draft_path(model: str) -> Path | None:
         p = DRAFTS_DIR / "smollm2"
         return p if (p / "config.json").exists() else None
     return None
-
-
-def load_draft(path: str | Path, target: LlamaForCausalLM, device=None, dtype=None) -> EagleDraft:
-    """An EAGLE-1 checkpoint directory (config.json + safetensors or pytorch_model.bin), checked against the target."""
-    from eyas.loader.hf import load_weights, read_config
-
-    path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"draft {str(path)!r}: not a directory (an EAGLE checkpoint has config.json and weights)")
-    cfg = ModelConfig.from_hf(read_config(path))
-    tcfg = target.config
-    if cfg.hidden_size != tcfg.hidden_size:
-        raise ValueError(f"draft {path}: hidden size {cfg.hidden_size} does not match the target's {tcfg.hidden_size}")
-    if cfg.vocab_size != tcfg.vocab_size:
-        raise ValueError(f"draft {path}: vocabulary {cfg.vocab_size} does not match the target's {tcfg.vocab_size}")
-    state = load_weights(path, allow_bin=True)
-    state = {k.removeprefix("model."): v for k, v in state.items()}
-    draft = EagleDraft(cfg)
-    draft.rope = RotaryEmbedding.for_config(cfg, tcfg.max_position_embeddings)
-    _load_state(draft, state, f"draft {path}")
-    p = next(target.parameters())
-    return draft.to(device=device or p.device, dtype=dtype or p.dtype).eval().requires_grad_(False)

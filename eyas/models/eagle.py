@@ -25,9 +25,11 @@ class EagleDraft(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, input_norm=i > 0) for i in range(cfg.num_hidden_layers))
         self.rope = RotaryEmbedding.for_config(cfg)
 
-    def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, meta, cache) -> torch.Tensor:
-        """token_embeds [B, Q, H] (embedding of token t+1), hidden [B, Q, H] (feature at t) -> predicted h_{t+1}."""
+    def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta=None,
+                cache=None) -> torch.Tensor:
+        """token_embeds [B, Q, H] (embedding of token t+1), hidden [B, Q, H] (target feature at t), positions
+        [B, Q] (= t) -> predicted feature at t+1. Without meta/cache: causal attention over the block (training)."""
         x = self.fc(torch.cat([token_embeds, hidden.to(token_embeds.dtype)], dim=-1))
         for layer in self.layers:
-            x = layer(x, self.rope, meta, cache)
+            x = layer(x, positions, self.rope, meta, cache)
         return x

@@ -29,12 +29,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * D, H, bias=cfg.attention_bias)
         self.scale = D ** -0.5
 
-    def forward(self, x, rope: RotaryEmbedding, meta: AttentionMetadata, cache: KVCache):
+    def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata | None, cache: KVCache | None):
         B, Q, _ = x.shape
         q = self.q_proj(x).view(B, Q, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, Q, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(B, Q, self.n_kv, self.head_dim)
-        q, k = rope(meta.positions, q, k)
+        q, k = rope(positions, q, k)
+        if meta is None:  # dense causal attention over the block itself (training, oracles): no cache involved
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, enable_gqa=True, scale=self.scale)
+            return self.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
         past_k = past_v = None
         if meta.past_kv is not None and self.layer_idx in meta.past_kv:
@@ -68,8 +72,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, meta, cache):
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, cache)
+    def forward(self, x, positions, rope, meta, cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -91,11 +95,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding.for_config(cfg)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
-        """input_ids [B, Q] -> final hidden state [B, Q, H] (after the final norm)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """input_ids, positions [B, Q] -> final hidden state [B, Q, H] (after the final norm).
+
+        With `meta` and `cache`: a paged step (prefix in the cache, suffix under `meta.suffix_mask`).
+        Without: plain causal attention over the block (training and tests)."""
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            x = layer(x, self.rope, meta, cache)
+            x = layer(x, positions, self.rope, meta, cache)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

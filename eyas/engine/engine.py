@@ -1,0 +1,187 @@
+"""LLMEngine: requests in, tokens out. One scheduler, one runner, one block pool, stepped by the caller
+(the offline `LLM`, the server's engine loop, the benchmarks)."""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from eyas.cache.block_manager import BlockManager
+from eyas.cache.kv_cache import KVCache
+from eyas.engine.runner import ModelRunner
+from eyas.engine.scheduler import Scheduler
+from eyas.engine.sequence import Sequence, SpecStats
+from eyas.loader.tokenizer import Tokenizer
+from eyas.models.eagle import EagleDraft
+from eyas.models.llama import LlamaForCausalLM
+from eyas.sampling_params import SamplingParams
+from eyas.spec.tree import Tree
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from kv_cache_bytes
+    kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, 60% of free GPU memory on CUDA
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's context length
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (streaming delta plus the running totals)."""
+    request_id: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+class LLMEngine:
+    def __init__(self, target: LlamaForCausalLM, tokenizer: Tokenizer | None, draft: EagleDraft | None = None,
+                 tree: Tree | None = None, config: EngineConfig | None = None):
+        self.config = cfg = config or EngineConfig()
+        self.target, self.tokenizer, self.draft = target, tokenizer, draft
+        mcfg = target.config
+        self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        num_blocks = cfg.num_blocks or self._blocks_from_memory(target, draft)
+        self.runner = ModelRunner(target, draft, tree, num_blocks, cfg.block_size)
+        self.tree = self.runner.tree
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   self.runner.lookahead)
+        self.seqs: dict[str, Sequence] = {}
+        self.eos_ids = set(mcfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self.step_counts = {"prefill": 0, "decode": 0}
+
+    def _blocks_from_memory(self, target, draft) -> int:
+        cfg = self.config
+        p = next(target.parameters())
+        layers = target.config.num_hidden_layers + (draft.config.num_hidden_layers if draft is not None else 0)
+        per_block = KVCache.bytes_per_block(target.config, layers, cfg.block_size, p.dtype)
+        budget = cfg.kv_cache_bytes
+        if budget is None:
+            if p.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(p.device)
+                budget = int(free * 0.6)
+            else:
+                budget = 1 << 30
+        return max(2, min(budget // per_block, 1 << 20))
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            V = self.target.config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < V for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {V})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Sequence:
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, but the model's context is {self.max_model_len} "
+                             "(prompt and output must fit)")
+        capacity = self.blocks.num_usable * self.blocks.block_size
+        if len(ids) + self.runner.lookahead > capacity:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than the KV cache holds ({capacity} slots)")
+        if request_id is not None and request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        seq = Sequence(ids, params, seed, request_id=request_id or "")
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks. Returns False if it is unknown or already finished."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None or seq.finished:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping ----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        outputs = []
+        for seq in self.scheduler.out_of_capacity:  # it outgrew the whole KV pool
+            outputs.append(self._finish(seq, "length"))
+        self.scheduler.out_of_capacity.clear()
+        if batch is None:
+            if self.has_unfinished() and not outputs:
+                raise RuntimeError("scheduler stalled: unfinished requests but nothing schedulable (a bug)")
+            return outputs
+        self.step_counts[batch.kind] += 1
+        if batch.kind == "prefill":
+            for seq, tok in zip(batch.seqs, self.runner.prefill(batch.seqs, batch.chunk_lens)):
+                if tok is not None:
+                    seq.first_token_time = seq.first_token_time or time.perf_counter()
+                    outputs.append(self._commit(seq, [tok]))
+        else:
+            new_tokens, accepted = self.runner.decode(batch.seqs)
+            for seq, toks, m in zip(batch.seqs, new_tokens, accepted):
+                out = self._commit(seq, toks)
+                st = seq.stats
+                st.target_calls += 1
+                st.committed += len(out.new_token_ids)
+                if len(st.accepted_by_depth) < self.tree.max_depth:
+                    st.accepted_by_depth += [0] * (self.tree.max_depth - len(st.accepted_by_depth))
+                for d in range(m):
+                    st.accepted_by_depth[d] += 1
+                outputs.append(out)
+        return outputs
+
+    def _commit(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        """Append committed tokens, honouring stop tokens, stop strings, max_tokens and the context limit: never
+        emit past them."""
+        p = seq.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        added: list[int] = []
+        reason, stop_text = None, None
+        for t in tokens:
+            seq.token_ids.append(t)
+            added.append(t)
+            if t in stops:
+                reason = "stop"
+            elif seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                reason = "length"
+            if p.stop and self.tokenizer is not None:
+                text = self.tokenizer.decode(seq.output_ids)
+                hit = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+                if hit >= 0:
+                    reason, stop_text = "stop", text[:hit]
+            if reason:
+                break
+        if self.tokenizer is not None:
+            seq.text = stop_text if stop_text is not None else self.tokenizer.decode(seq.output_ids)
+        if reason:
+            return self._finish(seq, reason, added)
+        return RequestOutput(seq.request_id, added, seq.output_ids, seq.text, False, None, seq.num_prompt,
+                             seq.stats)
+
+    def _finish(self, seq: Sequence, reason: str, added: list[int] | None = None) -> RequestOutput:
+        seq.finish_time = time.perf_counter()
+        self.scheduler.finish(seq, reason)
+        self.seqs.pop(seq.request_id, None)
+        return RequestOutput(seq.request_id, added or [], seq.output_ids, seq.text, True, reason, seq.num_prompt,
+                             seq.stats)

@@ -1,0 +1,80 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))` and `.chat(messages, ...)`."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from eyas.engine.engine import EngineConfig, LLMEngine
+from eyas.engine.sequence import SpecStats
+from eyas.loader.eagle import load_draft
+from eyas.loader.resolve import default_draft_path, load_target
+from eyas.sampling_params import SamplingParams
+from eyas.spec.tree import resolve_tree
+
+
+@dataclass
+class CompletionOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # the new tokens only
+    text: str
+    finish_reason: str | None
+    stats: SpecStats = field(default_factory=SpecStats)
+    ttft: float | None = None  # seconds from submission to the first token
+    latency: float | None = None  # seconds from submission to the last token
+
+
+class LLM:
+    """model: "smollm2" | HF directory | .gguf file. draft: EAGLE checkpoint directory, "default" (the draft shipped
+    for smollm2) or None. speculation: None | "chain:K" | "tree:NAME" | a JSON file of paths."""
+
+    def __init__(self, model: str = "smollm2", device: str = "auto", dtype: str = "auto",
+                 draft: str | None = None, speculation: str | None = None, **engine_kwargs):
+        self.target, self.tokenizer = load_target(model, device, dtype)
+        tree = resolve_tree(speculation)
+        if draft == "default":
+            path = default_draft_path(model)
+            if path is None:
+                raise ValueError(f"no default draft is shipped for model {model!r}; pass draft=<EAGLE directory>")
+            draft = str(path)
+        self.draft = load_draft(draft, self.target) if draft is not None else None
+        if tree is not None and self.draft is None:
+            raise ValueError(f"speculation {speculation!r} needs a draft model (draft=...)")
+        if self.draft is not None and tree is None:
+            tree = resolve_tree("chain:3")
+        self.engine = LLMEngine(self.target, self.tokenizer, self.draft, tree, EngineConfig(**engine_kwargs))
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[CompletionOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        engine = self.engine
+        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, plist)]  # validates everything first
+        bar = tqdm(total=len(seqs), desc="generating", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        bar.update(1)
+        finally:
+            bar.close()
+            for s in seqs:  # an exception mid-way must not leak blocks
+                if not s.finished:
+                    engine.abort(s.request_id)
+        return [CompletionOutput(s.prompt_ids, s.output_ids, s.text, s.finish_reason, s.stats,
+                                 (s.first_token_time - s.arrival) if s.first_token_time else None,
+                                 (s.finish_time - s.arrival) if s.finish_time else None) for s in seqs]
+
+    def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool = False):
+        """One conversation (a list of {"role", "content"}) or a list of conversations."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        single = bool(messages) and isinstance(messages[0], dict)
+        convs = [messages] if single else messages
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c)) for c in convs]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)

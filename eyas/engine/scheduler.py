@@ -1,0 +1,106 @@
+"""Continuous batching: waiting and running queues, chunked prefill under a token budget, preemption by recompute.
+
+A step is either a prefill step (chunks of prompts, at most `max_num_batched_tokens` tokens) or a decode step (every
+running sequence whose prefill is done advances by one speculative step). Prefill goes first, as in vLLM v0 and
+nano-vllm. When the KV pool cannot hold the next decode step, the most recently arrived sequence is preempted: its
+blocks are freed and it goes back to the front of the waiting queue, keeping its committed tokens (recompute).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from eyas.cache.block_manager import BlockManager
+from eyas.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    kind: str  # "prefill" or "decode"
+    seqs: list[Sequence]
+    chunk_lens: list[int] = field(default_factory=list)  # prefill: tokens of each sequence in this step
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, lookahead: int):
+        """`lookahead`: KV slots a decode step may fill beyond the committed ones (tree depth + 1)."""
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.lookahead = lookahead
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.out_of_capacity: list[Sequence] = []  # sequences the whole pool can no longer hold: the engine ends them
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.blocks.release(seq.block_table)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def schedule(self) -> ScheduledBatch | None:
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.max_num_batched_tokens
+        seqs, chunks = [], []
+        # sequences admitted earlier whose prompt is still being prefilled (their blocks are already reserved)
+        for seq in [s for s in self.running if s.in_prefill]:
+            if budget == 0:
+                break
+            chunk = min(seq.prefill_target - seq.num_cached, budget)
+            seqs.append(seq)
+            chunks.append(chunk)
+            budget -= chunk
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            chunk = min(seq.prefill_target - seq.num_cached, budget)
+            # admit only if the whole prompt and one decode step fit; the prompt's blocks are reserved at once
+            if self.blocks.blocks_needed(seq.block_table, seq.prefill_target + self.lookahead) > self.blocks.num_free:
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self.blocks.reserve(seq.block_table, seq.prefill_target)
+            seqs.append(seq)
+            chunks.append(chunk)
+            budget -= chunk
+        return ScheduledBatch("prefill", seqs, chunks) if seqs else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        ready = sorted((s for s in self.running if not s.in_prefill), key=lambda s: s.arrival)
+        scheduled: list[Sequence] = []
+        while ready:
+            seq = ready.pop(0)
+            need = seq.num_cached + self.lookahead
+            if self.blocks.blocks_needed([], need) > self.blocks.num_usable:
+                self.out_of_capacity.append(seq)
+                continue
+            while not self.blocks.can_reserve(seq.block_table, need):
+                victims = ready or [seq]
+                victim = victims.pop(-1)  # the latest arrival gives way
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.reserve(seq.block_table, need)
+                scheduled.append(seq)
+        return ScheduledBatch("decode", scheduled) if scheduled else None
+
+    def preempt(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        seq.reset_for_recompute()
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)

@@ -1,0 +1,34 @@
+"""Triton kernels (split tree attention, paged KV writes). See docs/kernels.md.
+
+Nothing here imports Triton until a kernel is first asked for (PEP 562 module `__getattr__`), so that
+`import eyas.kernels` works without Triton and `TRITON_INTERPRET=1` may still be set after it.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "paged_prefix_attention": "tree_attention",
+    "tree_suffix_attention": "tree_attention",
+    "merge_attention_states": "tree_attention",
+    "split_tree_attention_triton": "tree_attention",
+    "choose_num_splits": "tree_attention",
+    "write_kv_triton": "kv_write",
+    "commit_tree_kv_triton": "kv_write",
+    "commit_tree_kv_reference": "kv_write",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

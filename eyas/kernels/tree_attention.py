@@ -1,0 +1,500 @@
+"""Triton kernels for split tree attention (held to `eyas.layers.attention`, the plain-PyTorch reference).
+
+* `paged_prefix_attention`: flash-decoding over the paged cache. Grid (batch x kv-head, query-row tile, KV split).
+  A program takes every query row of one kv head (the Q new tokens x the G query heads sharing that kv head, so
+  GQA loads each K/V tile once for all of them), walks its split of the context through the block table and keeps
+  an online softmax; `_reduce_splits_kernel` merges the splits by log-sum-exp.
+* `tree_suffix_attention`: the new tokens among themselves (plus any earlier tree tokens) under an explicit
+  visibility mask. Grid (batch x kv-head, query-row tile). It can start from a prefix result (o, lse), which
+  fuses the merge of the two parts into it.
+* `merge_attention_states`: a standalone log-sum-exp merge of two partial results.
+* `split_tree_attention_triton`: prefix kernel, then the suffix kernel seeded with the prefix result.
+
+Every function returns float32 o [B, Q, H, D] and lse [B, Q, H] (natural log). A row that sees no key gets o = 0 and
+lse = -inf (the reference gives the same for each part; its final merge of two such parts gives NaN, ours 0).
+
+Triton is imported here, not in `eyas.kernels.__init__`, so that importing the package costs nothing and
+`TRITON_INTERPRET=1` can be set before Triton is first imported.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+_DOT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Shared device helpers
+
+
+@triton.jit
+def _load_q_rows(Q, b, kvh, rows, offs_d, n_rows, G: tl.constexpr, HEAD_D: tl.constexpr,
+                 stride_qb, stride_qq, stride_qh, stride_qd):
+    """The query tile of one kv head: row r is (token r // G, head kvh * G + r % G). Returns [BLOCK_M, BLOCK_D]."""
+    qi = rows // G
+    h = kvh * G + rows % G
+    ptrs = Q + b * stride_qb + qi[:, None] * stride_qq + h[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    mask = (rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_D)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(O, LSE, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i, G: tl.constexpr, HEAD_D: tl.constexpr,
+                stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh):
+    """Normalise an online-softmax state (m_i in log2 units) and store o and the natural-log lse; empty rows get
+    o = 0 and lse = -inf."""
+    qi = rows // G
+    h = kvh * G + rows % G
+    has = l_i > 0.0
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    o = acc * inv[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    row_ok = rows < n_rows
+    o_ptrs = O + b * stride_ob + qi[:, None] * stride_oq + h[:, None] * stride_oh + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D))
+    tl.store(LSE + b * stride_lb + qi * stride_lq + h * stride_lh, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Prefix: paged, unmasked, split over the context
+
+
+@triton.jit
+def _paged_prefix_kernel(
+    Q, K, V, BT, CL, O, LSE,
+    qk_scale,  # softmax scale * log2(e)
+    n_rows,  # Q * G
+    num_kv_heads,
+    num_splits,
+    stride_qb, stride_qq, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_btb, stride_btn,
+    stride_ob, stride_os, stride_oq, stride_oh, stride_od,
+    stride_lb, stride_ls, stride_lq, stride_lh,
+    G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // num_kv_heads
+    kvh = pid_bh % num_kv_heads
+
+    ctx = tl.load(CL + b).to(tl.int32)
+    # This sequence's context is cut into num_splits equal chunks (whole BLOCK_N tiles), so that every split of a
+    # sequence does about the same work whatever the other sequences' lengths are.
+    n_tiles = tl.cdiv(ctx, BLOCK_N)
+    tiles_per_split = tl.cdiv(n_tiles, num_splits)
+    start = pid_s * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_D
+    q = _load_q_rows(Q, b, kvh, rows, offs_d, n_rows, G, HEAD_D, stride_qb, stride_qq, stride_qh, stride_qd)
+    q = q.to(K.dtype.element_ty)
+    if UPCAST:  # the Triton interpreter's bf16 tl.dot is wrong: do its dots in float32 (exact products)
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    bt_row = BT + b * stride_btb
+    k_head = K + kvh * stride_kh
+    v_head = V + kvh * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_ok = pos < end
+        blk = tl.load(bt_row + (pos // PAGE) * stride_btn, mask=n_ok, other=0).to(tl.int64)
+        off = (pos % PAGE).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        # every tile holds at least one valid key, so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    _store_rows(O + pid_s * stride_os, LSE + pid_s * stride_ls, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i,
+                G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    O_part, LSE_part, O, LSE,
+    num_q, num_heads, num_splits,
+    stride_pb, stride_ps, stride_pq, stride_ph, stride_pd,
+    stride_plb, stride_pls, stride_plq, stride_plh,
+    stride_ob, stride_oq, stride_oh, stride_od,
+    stride_lb, stride_lq, stride_lh,
+    BLOCK_S: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (b, q, h) row: o = sum_s o_s exp(lse_s - lse), lse = logsumexp_s lse_s."""
+    pid = tl.program_id(0)
+    h = pid % num_heads
+    qi = (pid // num_heads) % num_q
+    b = pid // (num_heads * num_q)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    lse_s = tl.load(LSE_part + b * stride_plb + offs_s * stride_pls + qi * stride_plq + h * stride_plh,
+                    mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_safe)  # 0 for empty splits
+    total = tl.sum(w, axis=0)
+    o_s = tl.load(O_part + b * stride_pb + offs_s[:, None] * stride_ps + qi * stride_pq + h * stride_ph
+                  + offs_d[None, :] * stride_pd, mask=s_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
+    has = total > 0.0
+    denom = tl.where(has, total, 1.0)
+    o = tl.sum(o_s * w[:, None], axis=0) / denom
+    lse = tl.where(has, m_safe + tl.log(denom), float("-inf"))
+    tl.store(O + b * stride_ob + qi * stride_oq + h * stride_oh + offs_d * stride_od, o.to(O.dtype.element_ty),
+             mask=offs_d < HEAD_D)
+    tl.store(LSE + b * stride_lb + qi * stride_lq + h * stride_lh, lse)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Suffix: the step's own tokens under a mask, optionally seeded with the prefix result (fused merge)
+
+
+@triton.jit
+def _tree_suffix_kernel(
+    Q, K, V, MASK, O, LSE, O0, LSE0,
+    qk_scale,
+    n_rows,  # Q * G
+    kv_len,  # L: keys of the suffix (earlier tree tokens + the new ones)
+    num_kv_heads,
+    stride_qb, stride_qq, stride_qh, stride_qd,
+    stride_kb, stride_kl, stride_kh, stride_kd,
+    stride_vb, stride_vl, stride_vh, stride_vd,
+    stride_mb, stride_mq, stride_ml,
+    stride_ob, stride_oq, stride_oh, stride_od,
+    stride_lb, stride_lq, stride_lh,
+    stride_o0b, stride_o0q, stride_o0h, stride_o0d,
+    stride_l0b, stride_l0q, stride_l0h,
+    G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_INIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    b = pid_bh // num_kv_heads
+    kvh = pid_bh % num_kv_heads
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    qi = rows // G
+    h = kvh * G + rows % G
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_D
+    q = _load_q_rows(Q, b, kvh, rows, offs_d, n_rows, G, HEAD_D, stride_qb, stride_qq, stride_qh, stride_qd)
+    q = q.to(K.dtype.element_ty)
+    if UPCAST:  # the Triton interpreter's bf16 tl.dot is wrong: do its dots in float32 (exact products)
+        q = q.to(tl.float32)
+
+    if HAS_INIT:
+        # A normalised partial result (o0, lse0) is the online-softmax state m = lse0 (log2 units), l = 1, acc = o0.
+        lse0 = tl.load(LSE0 + b * stride_l0b + qi * stride_l0q + h * stride_l0h, mask=row_ok,
+                       other=float("-inf")).to(tl.float32)
+        has0 = lse0 > float("-inf")
+        m_i = tl.where(has0, lse0 * 1.4426950408889634, float("-inf"))
+        l_i = tl.where(has0, 1.0, 0.0)
+        acc = tl.load(O0 + b * stride_o0b + qi[:, None] * stride_o0q + h[:, None] * stride_o0h
+                      + offs_d[None, :] * stride_o0d, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        acc = tl.where(has0[:, None], acc, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    m_base = MASK + b * stride_mb + qi * stride_mq
+    for n0 in range(0, kv_len, BLOCK_N):
+        pos = n0 + offs_n
+        n_ok = pos < kv_len
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        vis = tl.load(m_base[:, None] + pos[None, :] * stride_ml, mask=row_ok[:, None] & n_ok[None, :], other=0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        s = tl.where(vis != 0, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays empty
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + pos[:, None] * stride_vl + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    _store_rows(O, LSE, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i, G, HEAD_D,
+                stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Standalone merge
+
+
+@triton.jit
+def _merge_kernel(
+    O1, L1, O2, L2, O, L,
+    n_rows,
+    stride_o1r, stride_o1d, stride_o2r, stride_o2d, stride_or, stride_od,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    r_ok = rows < n_rows
+    mask = r_ok[:, None] & (offs_d[None, :] < HEAD_D)
+    rows64 = rows.to(tl.int64)
+    l1 = tl.load(L1 + rows64, mask=r_ok, other=float("-inf")).to(tl.float32)
+    l2 = tl.load(L2 + rows64, mask=r_ok, other=float("-inf")).to(tl.float32)
+    m = tl.maximum(l1, l2)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w1 = tl.exp(l1 - m_safe)
+    w2 = tl.exp(l2 - m_safe)
+    total = w1 + w2
+    has = total > 0.0
+    denom = tl.where(has, total, 1.0)
+    o1 = tl.load(O1 + rows64[:, None] * stride_o1r + offs_d[None, :] * stride_o1d, mask=mask, other=0.0)
+    o2 = tl.load(O2 + rows64[:, None] * stride_o2r + offs_d[None, :] * stride_o2d, mask=mask, other=0.0)
+    o = (o1.to(tl.float32) * (w1 / denom)[:, None] + o2.to(tl.float32) * (w2 / denom)[:, None])
+    tl.store(O + rows64[:, None] * stride_or + offs_d[None, :] * stride_od, o.to(O.dtype.element_ty), mask=mask)
+    tl.store(L + rows64, tl.where(has, m_safe + tl.log(denom), float("-inf")), mask=r_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Host side
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _tiles(n_rows: int, head_dim: int, dtype: torch.dtype, kv_len: int | None = None):
+    """(BLOCK_M, BLOCK_N, BLOCK_D). BLOCK_M holds all Q*G rows of a kv head up to 64 (padded to at least 16 for
+    tl.dot); BLOCK_N is 64 keys, 32 when the [M, D] accumulator is large. fp32 inputs take exact (FMA) dots, which
+    need smaller tiles to stay out of local memory (checked with ptxas for sm_90: no spills)."""
+    block_d = max(16, _next_pow2(head_dim))  # any head_dim: loads are masked to it
+    cap_m = 64 if dtype != torch.float32 else 32
+    block_m = min(cap_m, max(16, _next_pow2(n_rows)))
+    if dtype == torch.float32:
+        block_n = 16 if block_m * block_d >= 32 * 128 else 32
+    else:
+        block_n = 32 if block_m * block_d >= 64 * 128 else 64
+    if kv_len is not None:
+        block_n = min(block_n, max(16, _next_pow2(kv_len)))
+    return block_m, block_n, block_d
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 caches get exact fp32 products (no TF32) so that they match the reference; 16-bit types ignore this.
+    return "ieee" if dtype == torch.float32 or _interpreting() else "tf32"
+
+
+def _interpreting() -> bool:
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    """Under TRITON_INTERPRET the interpreter computes bf16 tl.dot wrongly (numpy has no bf16); upcast there."""
+    return dtype == torch.bfloat16 and _interpreting()
+
+
+def _check_dtype(t: torch.Tensor, name: str):
+    if t.dtype not in _DOT_DTYPES:
+        raise TypeError(f"{name}: dtype {t.dtype} not supported (float32, float16 or bfloat16)")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sm_count(device: torch.device | None = None) -> int:
+    """Streaming multiprocessors of `device` (132 for an H100/H200 SXM when there is no CUDA device)."""
+    if device is not None and torch.device(device).type == "cuda":
+        idx = torch.device(device).index
+        return _num_sms(torch.cuda.current_device() if idx is None else idx)
+    return 132
+
+
+def choose_num_splits(num_programs: int, max_context_len: int, num_sms: int = 132, waves: int = 2,
+                      min_tokens_per_split: int = 256, max_splits: int = 64) -> int:
+    """KV splits for the prefix kernel (flash-decoding).
+
+    `num_programs` is the grid without splits (batch x kv-heads x query-row tiles). Splits are added until about
+    `waves` programs per SM exist, but no split gets fewer than `min_tokens_per_split` context tokens (below that
+    the split's fixed cost and the reduction outweigh the parallelism). At batch 1 with 8 kv heads and a 4k
+    context this gives 16 splits (128 programs), at 32k 33 splits (264 programs); a batch that already fills the
+    GPU gets 1 split and no reduction pass."""
+    if num_programs <= 0 or max_context_len <= 0:
+        return 1
+    if num_programs >= num_sms:
+        return 1
+    want = math.ceil(waves * num_sms / num_programs)
+    by_len = max(1, int(max_context_len) // min_tokens_per_split)
+    return int(max(1, min(want, by_len, max_splits)))
+
+
+def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None,
+                           max_context_len=None, block_n=None):
+    """Attention of every new token over its sequence's first `context_lens[b]` cache entries, without mask.
+
+    q [B, Q, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks] (int32/int64);
+    context_lens [B]. `max_context_len` (a host int, optional) only steers the split heuristic; without it the
+    block-table width is used, so that no device value is read back (CUDA-graph safe).
+    Returns o [B, Q, H, D] float32 and lse [B, Q, H] float32; rows with context 0 get o = 0, lse = -inf."""
+    B, NQ, H, D = q.shape
+    _, page, KVH, Dk = k_cache.shape
+    if Dk != D or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
+    if H % KVH:
+        raise ValueError(f"{H} query heads are not a multiple of {KVH} kv heads")
+    if page & (page - 1):
+        raise ValueError(f"block_size must be a power of two, got {page}")
+    for t, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        _check_dtype(t, n)
+    G = H // KVH
+    n_rows = NQ * G
+    BLOCK_M, BLOCK_N, BLOCK_D = _tiles(n_rows, D, k_cache.dtype)
+    if block_n is not None:
+        BLOCK_N = max(16, _next_pow2(block_n))
+    m_tiles = triton.cdiv(n_rows, BLOCK_M)
+    if num_splits is None:
+        bound = max_context_len if max_context_len is not None else block_tables.shape[1] * page
+        num_splits = choose_num_splits(B * KVH * m_tiles, int(bound), device_sm_count(q.device))
+    S = max(1, int(num_splits))
+
+    if B == 0 or NQ == 0:
+        return (torch.zeros((B, NQ, H, D), dtype=torch.float32, device=q.device),
+                torch.full((B, NQ, H), float("-inf"), dtype=torch.float32, device=q.device))
+    o_part = torch.empty((B, S, NQ, H, D), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, S, NQ, H), dtype=torch.float32, device=q.device)
+    _paged_prefix_kernel[(B * KVH, m_tiles, S)](
+        q, k_cache, v_cache, block_tables, context_lens, o_part, lse_part,
+        float(scale) * LOG2E, n_rows, KVH, S,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+        *o_part.stride(), *lse_part.stride(),
+        G=G, HEAD_D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), num_warps=4, num_stages=2,
+    )
+    if S == 1:
+        return o_part[:, 0], lse_part[:, 0]
+    o = torch.empty((B, NQ, H, D), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, NQ, H), dtype=torch.float32, device=q.device)
+    _reduce_splits_kernel[(B * NQ * H,)](
+        o_part, lse_part, o, lse, NQ, H, S,
+        *o_part.stride(), *lse_part.stride(), *o.stride(), *lse.stride(),
+        BLOCK_S=max(2, _next_pow2(S)), HEAD_D=D, BLOCK_D=_next_pow2(D), num_warps=1,
+    )
+    return o, lse
+
+
+def tree_suffix_attention(q, k_new, v_new, suffix_mask, scale, o_init=None, lse_init=None):
+    """Attention of the Q new tokens over the suffix keys under `suffix_mask`.
+
+    q [B, Q, H, D]; k_new/v_new [B, L, KVH, D] (L = Q, or P + Q with earlier tree tokens first);
+    suffix_mask [B, Q, L] bool (or integer, nonzero = visible). With `o_init`/`lse_init` (a normalised partial
+    result over other keys, e.g. the prefix), the result is merged with it in the same pass.
+    Returns o [B, Q, H, D] float32 and lse [B, Q, H] float32."""
+    B, NQ, H, D = q.shape
+    _, L, KVH, Dk = k_new.shape
+    if Dk != D or v_new.shape != k_new.shape or k_new.shape[0] != B:
+        raise ValueError(f"k/v shapes {tuple(k_new.shape)}/{tuple(v_new.shape)} do not fit q {tuple(q.shape)}")
+    if H % KVH:
+        raise ValueError(f"{H} query heads are not a multiple of {KVH} kv heads")
+    if tuple(suffix_mask.shape) != (B, NQ, L):
+        raise ValueError(f"suffix_mask shape {tuple(suffix_mask.shape)}, expected {(B, NQ, L)}")
+    for t, n in ((q, "q"), (k_new, "k_new"), (v_new, "v_new")):
+        _check_dtype(t, n)
+    if suffix_mask.dtype == torch.bool:
+        suffix_mask = suffix_mask.view(torch.uint8)  # same bytes; Triton loads it as an integer
+    G = H // KVH
+    n_rows = NQ * G
+    BLOCK_M, BLOCK_N, BLOCK_D = _tiles(n_rows, D, k_new.dtype, kv_len=L)
+    m_tiles = triton.cdiv(n_rows, BLOCK_M)
+    o = torch.empty((B, NQ, H, D), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, NQ, H), dtype=torch.float32, device=q.device)
+    if B == 0 or NQ == 0:
+        return o, lse
+    has_init = o_init is not None
+    if has_init:
+        if lse_init is None or tuple(o_init.shape) != (B, NQ, H, D) or tuple(lse_init.shape) != (B, NQ, H):
+            raise ValueError("o_init [B, Q, H, D] and lse_init [B, Q, H] must be given together")
+    else:
+        o_init, lse_init = o, lse  # placeholders, never read
+    _tree_suffix_kernel[(B * KVH, m_tiles)](
+        q, k_new, v_new, suffix_mask, o, lse, o_init, lse_init,
+        float(scale) * LOG2E, n_rows, L, KVH,
+        *q.stride(), *k_new.stride(), *v_new.stride(), *suffix_mask.stride(),
+        *o.stride(), *lse.stride(), *o_init.stride(), *lse_init.stride(),
+        G=G, HEAD_D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_INIT=has_init,
+        DOT_PREC=_dot_precision(k_new.dtype), UPCAST=_upcast(k_new.dtype), num_warps=4, num_stages=2,
+    )
+    return o, lse
+
+
+def merge_attention_states(o1, lse1, o2, lse2):
+    """Exact merge of two attention results over disjoint key sets: o [..., D] float32, lse [...] float32.
+    Rows empty in both (lse -inf twice) get o = 0, lse = -inf."""
+    if o1.shape != o2.shape or lse1.shape != lse2.shape or o1.shape[:-1] != lse1.shape:
+        raise ValueError("o1/o2 must share [..., D] and lse1/lse2 its [...] shape")
+    D = o1.shape[-1]
+    o1r, o2r = o1.reshape(-1, D), o2.reshape(-1, D)
+    l1, l2 = lse1.reshape(-1).contiguous(), lse2.reshape(-1).contiguous()
+    n = l1.numel()
+    o = torch.empty((n, D), dtype=torch.float32, device=o1.device)
+    lse = torch.empty((n,), dtype=torch.float32, device=o1.device)
+    if n:
+        BLOCK_R = 16
+        _merge_kernel[(triton.cdiv(n, BLOCK_R),)](
+            o1r, l1, o2r, l2, o, lse, n, *o1r.stride(), *o2r.stride(), *o.stride(),
+            HEAD_D=D, BLOCK_D=_next_pow2(D), BLOCK_R=BLOCK_R, num_warps=4,
+        )
+    return o.view(o1.shape), lse.view(lse1.shape)
+
+
+def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables, context_lens, suffix_mask, scale,
+                                num_splits=None, max_context_len=None, past_k=None, past_v=None):
+    """Prefix (paged, no mask) + suffix (under `suffix_mask`), merged by log-sum-exp: o [B, Q, H, D] float32.
+
+    Same contract as `eyas.layers.attention.split_tree_attention`; `past_k`/`past_v` [B, P, KVH, D] are earlier
+    tree tokens placed before the new ones (suffix_mask is then [B, Q, P + Q]). The merge is fused into the suffix
+    kernel. A row that sees nothing at all gets 0 (the reference gives NaN)."""
+    o_p, lse_p = paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                        num_splits=num_splits, max_context_len=max_context_len)
+    ks, vs = k_new, v_new
+    if past_k is not None:
+        ks, vs = torch.cat([past_k, k_new], dim=1), torch.cat([past_v, v_new], dim=1)
+    o, _ = tree_suffix_attention(q, ks, vs, suffix_mask, scale, o_init=o_p, lse_init=lse_p)
+    return o

@@ -1,0 +1,49 @@
+"""EAGLE-1 draft checkpoints: read (config.json + safetensors or pytorch_model.bin) and write (safetensors)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from eyas.config import ModelConfig
+from eyas.layers.rotary import RotaryEmbedding
+from eyas.loader.hf import load_weights, read_config
+from eyas.loader.resolve import _load_state
+from eyas.models.eagle import EagleDraft
+from eyas.models.llama import LlamaForCausalLM
+
+
+def load_draft(path: str | Path, target: LlamaForCausalLM, device=None, dtype=None) -> EagleDraft:
+    """An EAGLE-1 checkpoint directory (config.json + safetensors or pytorch_model.bin), checked against the target."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"draft {str(path)!r}: not a directory (an EAGLE checkpoint has config.json and weights)")
+    cfg = ModelConfig.from_hf(read_config(path))
+    tcfg = target.config
+    if cfg.hidden_size != tcfg.hidden_size:
+        raise ValueError(f"draft {path}: hidden size {cfg.hidden_size} does not match the target's {tcfg.hidden_size}")
+    if cfg.vocab_size != tcfg.vocab_size:
+        raise ValueError(f"draft {path}: vocabulary {cfg.vocab_size} does not match the target's {tcfg.vocab_size}")
+    state = load_weights(path, allow_bin=True)
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    draft = EagleDraft(cfg)
+    draft.rope = RotaryEmbedding.for_config(cfg, tcfg.max_position_embeddings)
+    _load_state(draft, state, f"draft {path}")
+    p = next(target.parameters())
+    return draft.to(device=device or p.device, dtype=dtype or p.dtype).eval().requires_grad_(False)
+
+
+def save_draft(draft: EagleDraft, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+               extra_config: dict | None = None) -> Path:
+    """Write the EAGLE-1 layout: config.json (a LlamaConfig with the draft's layer count) + model.safetensors."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = draft.config.to_hf()
+    cfg.update(extra_config or {})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in draft.state_dict().items()
+             if not k.startswith("rope.")}
+    save_file(state, str(out / "model.safetensors"))
+    return out

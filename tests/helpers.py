@@ -1,0 +1,53 @@
+"""Tiny random checkpoints written the way real ones are (transformers' save_pretrained; EAGLE layout)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from eyas.config import ModelConfig
+from eyas.loader.eagle import save_draft
+from eyas.models.eagle import EagleDraft
+
+
+def tiny_llama_config(vocab=40, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=None, tie=False,
+                      rope_scaling=None, max_pos=512, **kw):
+    from transformers import LlamaConfig
+    cfg = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+               num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+               tie_word_embeddings=tie, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
+               pad_token_id=None, **kw)
+    if head_dim is not None:
+        cfg["head_dim"] = head_dim
+    if rope_scaling is not None:
+        cfg["rope_scaling"] = rope_scaling
+        cfg["rope_theta"] = 500000.0
+    return LlamaConfig(**cfg)
+
+
+def write_tiny_llama(path: Path, seed=0, **kw) -> Path:
+    """A random Llama checkpoint via transformers' save_pretrained; returns the directory."""
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(**kw)).float()
+    with torch.no_grad():  # larger weights than HF's init, so that outputs depend visibly on the input
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.5 / p.shape[1] ** 0.5 * 4)
+    model.save_pretrained(path)
+    return Path(path)
+
+
+def write_random_draft(path: Path, target_dir: Path, layers=1, seed=1, scale=1.0) -> Path:
+    """A random EAGLE-1 draft matching a target checkpoint's shapes."""
+    raw = json.loads((Path(target_dir) / "config.json").read_text())
+    cfg = ModelConfig.from_hf(raw)
+    cfg.num_hidden_layers = layers
+    torch.manual_seed(seed)
+    draft = EagleDraft(cfg)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() == 2:
+                p.normal_(0, scale / p.shape[1] ** 0.5)
+    return save_draft(draft, path, dtype=torch.float32)
