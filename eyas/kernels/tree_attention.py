@@ -303,7 +303,7 @@ def _next_pow2(x: int) -> int:
 def _tiles(n_rows: int, head_dim: int, dtype: torch.dtype, kv_len: int | None = None):
     """(BLOCK_M, BLOCK_N, BLOCK_D). BLOCK_M holds all Q*G rows of a kv head up to 64 (padded to at least 16 for
     tl.dot); BLOCK_N is 64 keys, 32 when the [M, D] accumulator is large. fp32 inputs take exact (FMA) dots, which
-    need smaller tiles to stay out of local memory (checked with ptxas for sm_90: no spills)."""
+    need smaller tiles (ptxas for sm_90: 16-bit tiles do not spill; fp32 prefix tiles at D >= 96 spill a little)."""
     block_d = max(16, _next_pow2(head_dim))  # any head_dim: loads are masked to it
     cap_m = 64 if dtype != torch.float32 else 32
     block_m = min(cap_m, max(16, _next_pow2(n_rows)))

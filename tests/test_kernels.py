@@ -1,0 +1,466 @@
+"""Triton kernels of eyas.kernels against the plain-PyTorch reference (eyas.layers.attention) and a dense SDPA oracle.
+
+Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1 is set here, before Triton is first
+imported: the interpreter is chosen when a kernel is decorated). With CUDA and TRITON_INTERPRET unset, the same
+tests run the compiled kernels on the GPU, and the `gpu` tests (bf16 on many random shapes, CUDA graphs) run too.
+
+    TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/test_kernels.py   # CPU, interpreter
+    .venv/bin/python -m pytest -q tests/test_kernels.py                      # on a GPU machine: compiled
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # `import torch` does not import triton
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+import math  # noqa: E402
+import random  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from eyas.kernels import (choose_num_splits, commit_tree_kv_reference, commit_tree_kv_triton,  # noqa: E402
+                          merge_attention_states, paged_prefix_attention, split_tree_attention_triton,
+                          tree_suffix_attention, write_kv_triton)
+from eyas.layers.attention import (attend, merge_attention, prefix_attention, split_tree_attention,  # noqa: E402
+                                   write_kv)
+
+DEV = "cpu" if INTERPRET else "cuda"
+TOL = dict(atol=1e-5, rtol=1e-5)
+gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
+                         reason="needs CUDA and compiled (not interpreted) Triton kernels")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Builders
+
+
+def make_cache(B, KVH, D, page, ctx, dtype=torch.float32, spare=3, gen=None, int32_tables=False):
+    """A paged cache with shuffled block ids; block 0 is never used (as in eyas). Returns k, v, tables, lens."""
+    blocks_per_seq = max(1, max(math.ceil(c / page) for c in ctx))
+    num_blocks = 1 + B * blocks_per_seq + spare
+    k = torch.randn(num_blocks, page, KVH, D, generator=gen).to(dtype)
+    v = torch.randn(num_blocks, page, KVH, D, generator=gen).to(dtype)
+    ids = (torch.randperm(num_blocks - 1, generator=gen)[: B * blocks_per_seq] + 1).view(B, blocks_per_seq)
+    tables = ids.to(torch.int32 if int32_tables else torch.int64)
+    lens = torch.tensor(ctx, dtype=torch.int64)
+    return k.to(DEV), v.to(DEV), tables.to(DEV), lens.to(DEV)
+
+
+def tree_mask(B, Q, gen=None, empty_rows=0):
+    """Ancestor masks (self included) of random trees whose parents precede their children: [B, Q, Q] bool.
+    The last `empty_rows` rows see nothing (padding)."""
+    m = torch.zeros(B, Q, Q, dtype=torch.bool)
+    for b in range(B):
+        for i in range(Q):
+            m[b, i, i] = True
+            if i:
+                p = int(torch.randint(0, i, (1,), generator=gen))
+                m[b, i] |= m[b, p]
+        if empty_rows:
+            m[b, Q - empty_rows:] = False
+    return m.to(DEV)
+
+
+def causal_mask(B, Q, P=0):
+    return torch.ones(Q, P + Q, dtype=torch.bool).tril(P)[None].expand(B, Q, P + Q).contiguous().to(DEV)
+
+
+def finite_close(a, b, **tol):
+    """a and b agree where b is finite; where b is -inf, so is a."""
+    fin = torch.isfinite(b)
+    assert torch.equal(torch.isfinite(a), fin)
+    torch.testing.assert_close(a[fin], b[fin], **tol)
+
+
+def ref_prefix(q, kc, vc, bt, cl, scale):
+    return prefix_attention(q, kc, vc, bt.long(), cl, int(cl.max()), kc.shape[1], scale)
+
+
+def dense_oracle(q, k_new, v_new, k_cache, v_cache, tables, lens, mask, scale):
+    """SDPA over [prefix ; suffix] with one explicit boolean mask; the prefix is gathered slot by slot."""
+    B, Q, H, D = q.shape
+    page = k_cache.shape[1]
+    Lp = max(1, int(lens.max()))
+    kp = torch.zeros(B, Lp, *k_cache.shape[2:], dtype=torch.float32, device=q.device)
+    vp = torch.zeros_like(kp)
+    for b in range(B):
+        for t in range(int(lens[b])):
+            blk, off = int(tables[b, t // page]), t % page
+            kp[b, t], vp[b, t] = k_cache[blk, off].float(), v_cache[blk, off].float()
+    see_p = (torch.arange(Lp, device=q.device)[None, :] < lens[:, None])[:, None, :].expand(B, Q, Lp)
+    k = torch.cat([kp, k_new.float()], 1).transpose(1, 2)
+    v = torch.cat([vp, v_new.float()], 1).transpose(1, 2)
+    full = torch.cat([see_p, mask], 2)[:, None]  # [B, 1, Q, Lp + L]
+    o = F.scaled_dot_product_attention(q.float().transpose(1, 2), k, v, attn_mask=full, scale=scale,
+                                       enable_gqa=True)
+    return o.transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Prefix (paged, split)
+
+PREFIX_CASES = [
+    # B, Q, H, KVH, D, page, context lens, splits
+    (3, 1, 4, 4, 32, 16, [0, 1, 37], 1),  # decode, G = 1, empty and single-entry contexts
+    (3, 2, 8, 2, 64, 16, [16, 0, 50], 3),  # G = 4, a full block exactly
+    (2, 3, 8, 1, 32, 8, [1, 45], 4),  # G = 8, block_size 8
+    (2, 4, 4, 2, 128, 32, [70, 33], 2),  # head_dim 128, block_size 32
+    (2, 2, 6, 3, 48, 16, [29, 0], 2),  # head_dim 48 (not a power of two), G = 2
+    (1, 5, 2, 2, 80, 4, [61], None),  # head_dim 80, block_size 4, heuristic splits
+    (1, 1, 4, 2, 32, 16, [5], 7),  # more splits than tiles: most splits are empty
+    (2, 9, 16, 2, 32, 16, [40, 17], 2),  # Q * G = 72 rows > one 64-row tile (two row tiles)
+]
+
+
+@pytest.mark.parametrize("B,Q,H,KVH,D,page,ctx,splits", PREFIX_CASES)
+def test_prefix_matches_reference(B, Q, H, KVH, D, page, ctx, splits):
+    g = torch.Generator().manual_seed(B * 1000 + D + page)
+    kc, vc, bt, cl = make_cache(B, KVH, D, page, ctx, gen=g, int32_tables=(D == 64))
+    q = torch.randn(B, Q, H, D, generator=g).to(DEV)
+    scale = D ** -0.5
+    o, lse = paged_prefix_attention(q, kc, vc, bt, cl, scale, num_splits=splits)
+    ro, rlse = ref_prefix(q, kc, vc, bt, cl, scale)
+    assert o.dtype == lse.dtype == torch.float32 and o.shape == q.shape and lse.shape == q.shape[:3]
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    torch.testing.assert_close(o, ro, **TOL)
+    finite_close(lse, rlse, **TOL)
+    empty = cl == 0
+    assert (o[empty] == 0).all() and (lse[empty] == float("-inf")).all()
+
+
+def test_prefix_split_counts_agree():
+    g = torch.Generator().manual_seed(7)
+    kc, vc, bt, cl = make_cache(3, 2, 32, 16, [130, 1, 77], gen=g)
+    q = torch.randn(3, 2, 4, 32, generator=g).to(DEV)
+    o1, l1 = paged_prefix_attention(q, kc, vc, bt, cl, 0.2, num_splits=1)
+    for s in (2, 3, 5, 9):
+        o, l = paged_prefix_attention(q, kc, vc, bt, cl, 0.2, num_splits=s)
+        torch.testing.assert_close(o, o1, **TOL)
+        torch.testing.assert_close(l, l1, **TOL)
+
+
+def test_prefix_noncontiguous_q_and_max_context_len():
+    g = torch.Generator().manual_seed(3)
+    kc, vc, bt, cl = make_cache(2, 2, 32, 16, [20, 35], gen=g)
+    q = torch.randn(2, 4, 3, 32, generator=g).to(DEV).transpose(1, 2)  # [B, Q=3, H=4, D], strided
+    assert not q.is_contiguous()
+    o, lse = paged_prefix_attention(q, kc, vc, bt, cl, 0.3, max_context_len=35)
+    ro, rlse = ref_prefix(q, kc, vc, bt, cl, 0.3)
+    torch.testing.assert_close(o, ro, **TOL)
+    torch.testing.assert_close(lse, rlse, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefix_half_caches(dtype):
+    g = torch.Generator().manual_seed(11)
+    kc, vc, bt, cl = make_cache(2, 2, 64, 16, [45, 3], dtype=dtype, gen=g)
+    q = torch.randn(2, 2, 4, 64, generator=g).to(dtype).to(DEV)
+    o, lse = paged_prefix_attention(q, kc, vc, bt, cl, 0.125, num_splits=2)
+    ro, rlse = ref_prefix(q, kc, vc, bt, cl, 0.125)
+    torch.testing.assert_close(lse, rlse, atol=1e-4, rtol=1e-4)  # exact products, fp32 sums
+    torch.testing.assert_close(o, ro, atol=2e-2, rtol=2e-2)  # probabilities rounded to 16 bits for P @ V
+
+
+def test_choose_num_splits():
+    # batch 1, 8 kv heads, one row tile: fill ~2 waves of 132 SMs when the context is long enough
+    assert choose_num_splits(8, 32768) * 8 >= 2 * 132
+    assert choose_num_splits(8, 4096) == 16  # capped by >= 256 tokens per split
+    assert choose_num_splits(8, 100) == 1
+    assert choose_num_splits(64 * 8, 4096) == 1  # a large batch fills the GPU by itself
+    assert 1 <= choose_num_splits(1, 10 ** 7) <= 64
+    assert choose_num_splits(0, 0) == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Suffix (tree mask)
+
+SUFFIX_CASES = [
+    # B, Q, P, H, KVH, D, mask kind
+    (2, 7, 0, 4, 2, 32, "tree"),
+    (2, 16, 0, 8, 1, 64, "tree"),  # G = 8
+    (1, 20, 0, 2, 2, 128, "causal"),  # L = 20 > BLOCK_N tiles of 16? (BLOCK_N = 32 here) and D = 128
+    (2, 5, 6, 4, 4, 48, "causal"),  # earlier tree tokens (P = 6) before the new ones, D = 48
+    (2, 6, 0, 6, 2, 32, "empty"),  # tree with two padding rows that see nothing
+    (1, 33, 0, 4, 2, 32, "tree"),  # Q * G = 66 rows: two row tiles, L = 33: two key tiles
+]
+
+
+def suffix_mask_for(kind, B, Q, P, g):
+    if kind == "tree":
+        return tree_mask(B, Q, g)
+    if kind == "causal":
+        return causal_mask(B, Q, P)
+    return tree_mask(B, Q, g, empty_rows=2)
+
+
+@pytest.mark.parametrize("B,Q,P,H,KVH,D,kind", SUFFIX_CASES)
+def test_suffix_matches_reference(B, Q, P, H, KVH, D, kind):
+    g = torch.Generator().manual_seed(Q * 100 + D)
+    q = torch.randn(B, Q, H, D, generator=g).to(DEV)
+    k = torch.randn(B, P + Q, KVH, D, generator=g).to(DEV)
+    v = torch.randn(B, P + Q, KVH, D, generator=g).to(DEV)
+    mask = suffix_mask_for(kind, B, Q, P, g)
+    o, lse = tree_suffix_attention(q, k, v, mask, D ** -0.5)
+    ro, rlse = attend(q, k, v, mask, D ** -0.5)
+    assert not torch.isnan(o).any()
+    torch.testing.assert_close(o, ro, **TOL)
+    finite_close(lse, rlse, **TOL)
+    # the same mask as int8 gives the same result
+    o8, _ = tree_suffix_attention(q, k, v, mask.to(torch.int8), D ** -0.5)
+    torch.testing.assert_close(o8, o, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("empty_prefix", [False, True])
+def test_suffix_with_prefix_state_is_the_merge(empty_prefix):
+    B, Q, H, KVH, D = 2, 6, 4, 2, 32
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, Q, H, D, generator=g).to(DEV)
+    k = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
+    v = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
+    mask = tree_mask(B, Q, g, empty_rows=1)
+    o0 = torch.randn(B, Q, H, D, generator=g).to(DEV)
+    lse0 = torch.randn(B, Q, H, generator=g).to(DEV) * 3
+    lse0[0, :2] = float("-inf")  # no prefix; row 0 still sees its suffix
+    lse0[0, -1] = float("-inf")  # no prefix and an empty suffix row: sees nothing at all
+    o0[0, :2] = 0
+    o0[0, -1] = 0
+    if empty_prefix:
+        lse0[:] = float("-inf")
+        o0[:] = 0
+    o, lse = tree_suffix_attention(q, k, v, mask, 0.2, o_init=o0, lse_init=lse0)
+    so, slse = attend(q, k, v, mask, 0.2)
+    ro, rlse = merge_attention(o0, lse0, so, slse)
+    both_empty = ~torch.isfinite(lse0) & ~torch.isfinite(slse)
+    assert both_empty.any()
+    assert (o[both_empty] == 0).all() and (lse[both_empty] == float("-inf")).all()
+    torch.testing.assert_close(o[~both_empty], ro[~both_empty], **TOL)
+    finite_close(lse, rlse, **TOL)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Merge
+
+
+@pytest.mark.parametrize("D", [32, 48, 128])
+def test_merge_matches_reference(D):
+    g = torch.Generator().manual_seed(D)
+    shape = (3, 5, 4)
+    o1, o2 = torch.randn(*shape, D, generator=g).to(DEV), torch.randn(*shape, D, generator=g).to(DEV)
+    l1, l2 = (torch.randn(*shape, generator=g) * 4).to(DEV), (torch.randn(*shape, generator=g) * 4).to(DEV)
+    l1[0, 0] = float("-inf")  # only the second part
+    l2[1, 1] = float("-inf")  # only the first part
+    l1[2, 2], l2[2, 2] = float("-inf"), float("-inf")  # neither
+    o, lse = merge_attention_states(o1, l1, o2, l2)
+    ro, rlse = merge_attention(o1, l1, o2, l2)
+    fin = torch.isfinite(rlse)
+    torch.testing.assert_close(o[fin], ro[fin], **TOL)
+    finite_close(lse, rlse, **TOL)
+    assert (o[2, 2] == 0).all() and (lse[2, 2] == float("-inf")).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Composed split tree attention
+
+COMPOSED_CASES = [
+    # B, Q, H, KVH, D, page, ctx, splits, P (earlier tree tokens)
+    (3, 6, 4, 2, 32, 16, [0, 1, 37], 2, 0),
+    (2, 8, 8, 1, 64, 16, [16, 53], None, 0),
+    (2, 4, 4, 4, 128, 8, [9, 0], 3, 0),
+    (1, 5, 6, 2, 48, 16, [31], 1, 3),
+    (2, 1, 8, 2, 32, 32, [100, 64], 4, 0),  # plain decode: Q = 1
+]
+
+
+@pytest.mark.parametrize("B,Q,H,KVH,D,page,ctx,splits,P", COMPOSED_CASES)
+def test_split_tree_attention_matches_reference_and_oracle(B, Q, H, KVH, D, page, ctx, splits, P):
+    g = torch.Generator().manual_seed(Q * 31 + D + P)
+    kc, vc, bt, cl = make_cache(B, KVH, D, page, ctx, gen=g)
+    q = torch.randn(B, Q, H, D, generator=g).to(DEV)
+    k_new = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
+    v_new = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
+    past_k = past_v = None
+    if P:
+        past_k = torch.randn(B, P, KVH, D, generator=g).to(DEV)
+        past_v = torch.randn(B, P, KVH, D, generator=g).to(DEV)
+        full = tree_mask(B, P + Q, g)
+        mask = full[:, P:, :].contiguous()  # the new tokens are the last Q nodes of a P + Q node tree
+    else:
+        mask = tree_mask(B, Q, g)
+    scale = D ** -0.5
+    o = split_tree_attention_triton(q, k_new, v_new, kc, vc, bt, cl, mask, scale, num_splits=splits,
+                                    past_k=past_k, past_v=past_v)
+    meta = SimpleNamespace(block_tables=bt, context_lens=cl, suffix_mask=mask, max_context_len=int(cl.max()),
+                           block_size=page)
+    ref = split_tree_attention(q, k_new, v_new, kc, vc, meta, scale, past_k, past_v)
+    torch.testing.assert_close(o, ref, **TOL)
+    ks = k_new if past_k is None else torch.cat([past_k, k_new], 1)
+    vs = v_new if past_v is None else torch.cat([past_v, v_new], 1)
+    torch.testing.assert_close(o, dense_oracle(q, ks, vs, kc, vc, bt, cl, mask, scale), **TOL)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 16), B=st.integers(1, 3), Q=st.integers(1, 9), G=st.sampled_from([1, 2, 3, 8]),
+       KVH=st.integers(1, 2), D=st.sampled_from([32, 64]), page=st.sampled_from([4, 16]),
+       max_ctx=st.integers(0, 60), splits=st.sampled_from([None, 1, 2, 5]))
+def test_split_tree_attention_random(seed, B, Q, G, KVH, D, page, max_ctx, splits):
+    g = torch.Generator().manual_seed(seed)
+    ctx = [int(torch.randint(0, max_ctx + 1, (1,), generator=g)) for _ in range(B)]
+    kc, vc, bt, cl = make_cache(B, KVH, D, page, ctx, gen=g)
+    H = G * KVH
+    q = torch.randn(B, Q, H, D, generator=g).to(DEV)
+    k_new = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
+    v_new = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
+    mask = tree_mask(B, Q, g)
+    o = split_tree_attention_triton(q, k_new, v_new, kc, vc, bt, cl, mask, 0.17, num_splits=splits)
+    torch.testing.assert_close(o, dense_oracle(q, k_new, v_new, kc, vc, bt, cl, mask, 0.17), **TOL)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# KV writes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page,KVH,D", [(16, 2, 32), (8, 3, 48), (4, 1, 128)])
+def test_write_kv_matches_reference(dtype, page, KVH, D):
+    g = torch.Generator().manual_seed(page + D)
+    nb, B, Q = 6, 3, 5
+    kc = torch.randn(nb, page, KVH, D, generator=g).to(dtype).to(DEV)
+    vc = torch.randn(nb, page, KVH, D, generator=g).to(dtype).to(DEV)
+    big = torch.randn(B, Q, KVH + 1, D, generator=g).to(dtype).to(DEV)
+    k = big[:, :, 1:]  # strided view
+    v = torch.randn(B, Q, KVH, D, generator=g).to(dtype).to(DEV)
+    slots = torch.randperm(nb * page, generator=g)[: B * Q].view(B, Q)
+    slots[0, 1] = -1
+    slots[2, 4] = -1
+    slots = slots.to(DEV)
+    kr, vr = kc.clone(), vc.clone()
+    write_kv(kr, vr, k, v, slots)
+    write_kv_triton(kc, vc, k, v, slots)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
+def test_write_kv_casts_to_cache_dtype():
+    g = torch.Generator().manual_seed(1)
+    kc = torch.zeros(4, 16, 2, 32, dtype=torch.bfloat16, device=DEV)
+    vc = torch.zeros_like(kc)
+    k = torch.randn(2, 3, 2, 32, generator=g).to(DEV)
+    v = torch.randn(2, 3, 2, 32, generator=g).to(DEV)
+    slots = torch.tensor([[1, 2, 3], [40, -1, 63]], device=DEV)
+    kr, vr = kc.clone(), vc.clone()
+    write_kv(kr, vr, k, v, slots)
+    write_kv_triton(kc, vc, k, v, slots)
+    # the interpreter truncates float32 -> bf16 where torch and the GPU round to nearest: one bf16 step apart
+    torch.testing.assert_close(kc.float(), kr.float(), atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(vc.float(), vr.float(), atol=0, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_commit_tree_kv_matches_reference(dtype):
+    g = torch.Generator().manual_seed(2)
+    nb, page, KVH, D, B, N, depth = 5, 16, 2, 64, 3, 9, 4
+    kc = torch.randn(nb, page, KVH, D, generator=g).to(dtype).to(DEV)
+    vc = torch.randn(nb, page, KVH, D, generator=g).to(dtype).to(DEV)
+    sk = torch.randn(B, N + 1, KVH, D, generator=g).to(dtype).to(DEV)
+    sv = torch.randn(B, N + 1, KVH, D, generator=g).to(dtype).to(DEV)
+    path = torch.tensor([[0, 2, 5, 9, -1], [0, 1, -1, -1, -1], [0, 3, 4, 8, 6]], device=DEV)
+    slots = torch.tensor([[17, 18, 19, 20, -1], [33, 34, -1, -1, -1], [70, 71, -1, 72, 73]], device=DEV)
+    kr, vr = kc.clone(), vc.clone()
+    commit_tree_kv_reference(kr, vr, sk, sv, path, slots)
+    commit_tree_kv_triton(kc, vc, sk, sv, path, slots)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    # the reference does what it says
+    flat = kr.view(-1, KVH, D)
+    assert torch.equal(flat[19], sk[0, 5]) and torch.equal(flat[72], sk[2, 8]) and torch.equal(flat[34], sk[1, 1])
+    assert torch.equal(flat[71], kc.view(-1, KVH, D)[71])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPU: compiled kernels, bf16, many random shapes (run on an H200; skipped here)
+
+
+def _random_case(rng: random.Random, dtype):
+    B = rng.choice([1, 2, 3, 8])
+    Q = rng.choice([1, 2, 5, 16, 32, 60, 64])
+    KVH = rng.choice([1, 2, 4, 8])
+    G = rng.choice([1, 2, 4, 7, 8])
+    D = rng.choice([64, 128, 96, 32])
+    page = rng.choice([16, 16, 32, 8])
+    ctx = [rng.choice([0, 1, rng.randint(1, 300), rng.randint(300, 5000)]) for _ in range(B)]
+    splits = rng.choice([None, None, 1, 3, 16])
+    gen = torch.Generator().manual_seed(rng.randint(0, 2 ** 30))
+    kc, vc, bt, cl = make_cache(B, KVH, D, page, ctx, dtype=dtype, gen=gen)
+    H = G * KVH
+    q = torch.randn(B, Q, H, D, generator=gen).to(dtype).to(DEV)
+    k_new = torch.randn(B, Q, KVH, D, generator=gen).to(dtype).to(DEV)
+    v_new = torch.randn(B, Q, KVH, D, generator=gen).to(dtype).to(DEV)
+    mask = tree_mask(B, Q, gen) if rng.random() < 0.7 else causal_mask(B, Q)
+    return q, k_new, v_new, kc, vc, bt, cl, mask, D ** -0.5, splits
+
+
+@gpu
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3), (torch.float32, 2e-5)])
+def test_gpu_random_shapes(dtype, atol):
+    rng = random.Random(1234)
+    for _ in range(60):
+        q, k_new, v_new, kc, vc, bt, cl, mask, scale, splits = _random_case(rng, dtype)
+        o = split_tree_attention_triton(q, k_new, v_new, kc, vc, bt, cl, mask, scale, num_splits=splits,
+                                        max_context_len=int(cl.max()))
+        meta = SimpleNamespace(block_tables=bt, context_lens=cl, suffix_mask=mask, max_context_len=int(cl.max()),
+                               block_size=kc.shape[1])
+        ref = split_tree_attention(q, k_new, v_new, kc, vc, meta, scale)
+        torch.testing.assert_close(o, ref, atol=atol, rtol=atol)
+        po, plse = paged_prefix_attention(q, kc, vc, bt, cl, scale, num_splits=splits)
+        ro, rlse = ref_prefix(q, kc, vc, bt, cl, scale)
+        torch.testing.assert_close(po, ro, atol=atol, rtol=atol)
+        finite_close(plse, rlse, atol=atol, rtol=atol)
+        so, slse = tree_suffix_attention(q, k_new, v_new, mask, scale)
+        rso, rslse = attend(q, k_new, v_new, mask, scale)
+        torch.testing.assert_close(so, rso, atol=atol, rtol=atol)
+        finite_close(slse, rslse, atol=atol, rtol=atol)
+
+
+@gpu
+def test_gpu_kv_write_and_commit_bf16():
+    g = torch.Generator().manual_seed(0)
+    nb, page, KVH, D, B, Q = 64, 16, 8, 128, 4, 64
+    kc = torch.zeros(nb, page, KVH, D, dtype=torch.bfloat16, device=DEV)
+    vc = torch.zeros_like(kc)
+    k = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
+    v = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
+    slots = torch.randperm(nb * page, generator=g)[: B * Q].view(B, Q).to(DEV)
+    slots[:, -3:] = -1
+    kr, vr = kc.clone(), vc.clone()
+    write_kv(kr, vr, k, v, slots)
+    write_kv_triton(kc, vc, k, v, slots)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)  # round-to-nearest on both sides
+    sk, sv = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    path = torch.randint(-1, Q, (B, 7), generator=g).to(DEV)
+    cslots = torch.randint(-1, nb * page, (B, 7), generator=g).to(DEV)
+    cslots = torch.where(cslots >= 0, torch.arange(B * 7, device=DEV).view(B, 7) * 3, cslots)  # distinct slots
+    commit_tree_kv_reference(kr, vr, sk, sv, path, cslots)
+    commit_tree_kv_triton(kc, vc, sk, sv, path, cslots)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
+@gpu
+def test_gpu_cuda_graph_capture():
+    """The composed kernel reads nothing back from the device, so a CUDA graph can hold it."""
+    rng = random.Random(7)
+    q, k_new, v_new, kc, vc, bt, cl, mask, scale, _ = _random_case(rng, torch.bfloat16)
+    run = lambda: split_tree_attention_triton(q, k_new, v_new, kc, vc, bt, cl, mask, scale)  # noqa: E731
+    expect = run()  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    q.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, run(), atol=0, rtol=0)
+    assert not torch.equal(out, expect)
