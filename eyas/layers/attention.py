@@ -64,9 +64,8 @@ def merge_attention(o1, lse1, o2, lse2):
 
 def gather_prefix(cache: torch.Tensor, block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     """The first `length` entries of each sequence's paged cache: [B, length, KVH, D]."""
-    pos = torch.arange(length, device=block_tables.device)
-    slots = block_tables[:, pos // block_size] * block_size + pos % block_size
-    return cache.view(-1, *cache.shape[2:])[slots]
+    nb = -(-length // block_size)
+    return cache[block_tables[:, :nb]].flatten(1, 2)[:, :length]
 
 
 def prefix_attention(q, k_cache, v_cache, block_tables, context_lens, max_context_len, block_size, scale):
