@@ -1,0 +1,25 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+MT_BENCH = SHARED / "data" / "mt_bench" / "question.jsonl"
+
+
+def mt_bench_first_turns(n: int | None = None) -> list[str]:
+    if not MT_BENCH.exists():
+        pytest.skip(f"{MT_BENCH} is absent")
+    qs = [json.loads(line)["turns"][0] for line in MT_BENCH.read_text().splitlines() if line.strip()]
+    return qs[:n] if n else qs
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default model, loaded once per test session (float32, CPU)."""
+    from eyas import LLM
+    return LLM("smollm2", device="cpu", dtype="float32")

@@ -1,0 +1,109 @@
+"""eyas's Llama equals HF transformers' LlamaForCausalLM loaded from the same checkpoint directory (1e-4, float32),
+through the dense path and through the paged KV cache (chunked prefill, then token-by-token decoding)."""
+import json
+
+import pytest
+import torch
+
+from eyas.cache.kv_cache import KVCache
+from eyas.engine.runner import StepBatch, causal_block_mask
+from eyas.engine.sequence import Sequence
+from eyas.loader import load_target
+from eyas.sampling_params import SamplingParams
+from helpers import write_tiny_llama
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+CONFIGS = [
+    dict(hidden=32, heads=4, kv_heads=4, tie=False),  # MHA, head dim 8
+    dict(hidden=64, heads=4, kv_heads=2, tie=True),  # GQA 2, head dim 16, tied head
+    dict(hidden=64, heads=8, kv_heads=1, tie=False, rope_scaling=LLAMA3_SCALING),  # MQA, llama3 rope
+    dict(hidden=48, heads=4, kv_heads=2, head_dim=32, tie=True, rope_scaling=LLAMA3_SCALING),  # head_dim != H/heads
+]
+
+
+def hf_logits(path, ids):
+    from transformers import LlamaForCausalLM
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def paged_logits(model, ids, chunk=5, block_size=4):
+    """Chunked prefill through the paged cache, then one token at a time; logits at every position."""
+    cfg = model.config
+    cache = KVCache.allocate(cfg, cfg.num_hidden_layers, 64, block_size, torch.float32, "cpu")
+    seq = Sequence(list(ids), SamplingParams(), seed=0)
+    seq.block_table = list(range(3, 3 + (len(ids) + block_size - 1) // block_size))[::-1]  # scattered, reversed
+    out = []
+    pos = 0
+    while pos < len(ids):
+        q = chunk if pos < 2 * chunk else 1
+        q = min(q, len(ids) - pos)
+        batch = StepBatch([seq], block_size, "cpu")
+        positions = torch.arange(pos, pos + q)[None]
+        meta = batch.meta([pos], causal_block_mask([q], q),
+                          slot_mapping=batch.slots(positions, torch.ones(1, q, dtype=torch.bool)))
+        h = model(torch.tensor([ids[pos: pos + q]]), positions, meta, cache)
+        out.append(model.compute_logits(h)[0])
+        pos += q
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"h{c['hidden']}-q{c['heads']}-kv{c['kv_heads']}")
+def test_logits_equal_hf(tmp_path, cfg):
+    path = write_tiny_llama(tmp_path / "m", vocab=97, layers=3, max_pos=256, **cfg)
+    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    ref = hf_logits(path, ids)
+    model, tok = load_target(str(path), "cpu", "float32")
+    assert tok is None
+    dense = model.compute_logits(model(torch.tensor([ids]), torch.arange(len(ids))[None]))[0]
+    torch.testing.assert_close(dense, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(paged_logits(model, ids), ref, atol=1e-4, rtol=0)
+
+
+def test_classic_rope_spelling(tmp_path):
+    """Checkpoints in the wild write rope_theta + rope_scaling; transformers 5 writes rope_parameters."""
+    path = write_tiny_llama(tmp_path / "m", vocab=50, hidden=32, heads=4, kv_heads=2, rope_scaling=LLAMA3_SCALING)
+    raw = json.loads((path / "config.json").read_text())
+    ids = list(range(1, 30))
+    ref = hf_logits(path, ids)
+    params = raw.pop("rope_parameters", None)
+    if params is not None:  # rewrite the config the old way and check that eyas reads it the same
+        raw["rope_theta"] = params["rope_theta"]
+        raw["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+        (path / "config.json").write_text(json.dumps(raw))
+    model, _ = load_target(str(path), "cpu", "float32")
+    assert model.config.rope_scaling["rope_type"] == "llama3"
+    out = model.compute_logits(model(torch.tensor([ids]), torch.arange(len(ids))[None]))[0]
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+def test_sharded_checkpoint(tmp_path):
+    """Several safetensors files with an index load like one."""
+    from transformers import LlamaForCausalLM
+    path = write_tiny_llama(tmp_path / "m", vocab=50, hidden=64, heads=4, kv_heads=2)
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    a, _ = load_target(str(path), "cpu", "float32")
+    b, _ = load_target(str(tmp_path / "sharded"), "cpu", "float32")
+    for (n1, p1), (n2, p2) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        load_target(str(tmp_path / "missing"), "cpu", "float32")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(ValueError, match="bad.gguf"):
+        load_target(str(bad), "cpu", "float32")
+    d = tmp_path / "empty"
+    d.mkdir()
+    with pytest.raises(ValueError, match="config.json"):
+        load_target(str(d), "cpu", "float32")
+    path = write_tiny_llama(tmp_path / "m", vocab=50)
+    (path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_target(str(path), "cpu", "float32")

@@ -1,0 +1,84 @@
+"""Split tree attention (prefix over the paged cache + suffix under the tree mask, merged by log-sum-exp) equals one
+dense masked attention over [prefix ; tree] computed by torch's scaled_dot_product_attention."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eyas.layers.attention import AttentionMetadata, split_tree_attention
+from eyas.spec.tree import PRESETS, Tree
+
+
+def dense_oracle(q, k_all, v_all, mask, scale):
+    """SDPA over explicit keys with a boolean mask; q [B,Q,H,D], k [B,L,KVH,D], mask [B,Q,L]."""
+    H, KVH = q.shape[2], k_all.shape[2]
+    k = k_all.repeat_interleave(H // KVH, dim=2)
+    v = v_all.repeat_interleave(H // KVH, dim=2)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2).double(), k.transpose(1, 2).double(),
+                                       v.transpose(1, 2).double(), attn_mask=mask[:, None], scale=scale)
+    return o.transpose(1, 2)
+
+
+def random_tree(gen: torch.Generator, n: int) -> Tree:
+    paths = [(0,)]
+    while len(paths) < n:
+        parent = paths[int(torch.randint(len(paths) + 1, (1,), generator=gen)) - 1] if paths else ()
+        parent = parent if torch.rand(1, generator=gen) < 0.8 else ()
+        rank = int(torch.randint(3, (1,), generator=gen))
+        p = tuple(parent) + (rank,)
+        if p not in paths:
+            paths.append(p)
+    return Tree.from_paths([list(p) for p in paths])
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 32), (6, 3, 64)])
+def test_split_equals_dense(seed, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(seed)
+    block_size = 4
+    tree = random_tree(gen, 3 + seed * 3) if seed % 2 else Tree.from_paths(PRESETS["mc_sim_7b_63"])
+    N1 = tree.num_nodes + 1
+    context_lens = torch.tensor([0, 1, 5, 13][: 2 + seed % 3])  # 0, lengths not multiples of the block size
+    B = len(context_lens)
+    num_blocks = 1 + B * 4
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1  # scattered blocks
+    block_tables = perm[: B * 4].view(B, 4)
+    q = torch.randn(B, N1, heads, head_dim, generator=gen)
+    k_new = torch.randn(B, N1, kv_heads, head_dim, generator=gen)
+    v_new = torch.randn(B, N1, kv_heads, head_dim, generator=gen)
+    mask = tree.ancestor_mask[None].expand(B, N1, N1)
+    meta = AttentionMetadata(block_tables=block_tables, context_lens=context_lens, suffix_mask=mask,
+                             max_context_len=int(context_lens.max()), block_size=block_size)
+    scale = head_dim ** -0.5
+    out = split_tree_attention(q, k_new, v_new, k_cache, v_cache, meta, scale)
+
+    # oracle: gather each sequence's prefix by hand, pad, one attention over [prefix ; tree]
+    L = int(context_lens.max())
+    kp = torch.zeros(B, L, kv_heads, head_dim)
+    vp = torch.zeros(B, L, kv_heads, head_dim)
+    for b in range(B):
+        for pos in range(int(context_lens[b])):
+            blk, off = block_tables[b, pos // block_size], pos % block_size
+            kp[b, pos], vp[b, pos] = k_cache[blk, off], v_cache[blk, off]
+    prefix_visible = (torch.arange(L)[None, :] < context_lens[:, None])[:, None, :].expand(B, N1, L)
+    ref = dense_oracle(q, torch.cat([kp, k_new], 1), torch.cat([vp, v_new], 1),
+                       torch.cat([prefix_visible, mask], -1), scale)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_structure():
+    t = Tree.from_paths(PRESETS["mc_sim_7b_63"])
+    assert t.num_nodes == 25 and t.max_depth == 5
+    assert Tree.chain(4).num_nodes == 4 and Tree.chain(4).max_depth == 4
+    # the ancestor mask is the transitive closure of `parents`
+    for i in range(1, 26):
+        anc = {i}
+        j = int(t.parents[i])
+        while j >= 0:
+            anc.add(j)
+            j = int(t.parents[j])
+        assert set(torch.nonzero(t.ancestor_mask[i]).flatten().tolist()) == anc
+        assert int(t.depth[i]) == len(t.paths[i - 1])
+    with pytest.raises(ValueError, match="no parent"):
+        Tree.from_paths([[0], [1, 0]])
