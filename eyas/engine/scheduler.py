@@ -30,6 +30,7 @@ class Scheduler:
         self.lookahead = lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
         self.out_of_capacity: list[Sequence] = []  # sequences the whole pool can no longer hold: the engine ends them
 
     def add(self, seq: Sequence) -> None:
@@ -100,6 +101,7 @@ class Scheduler:
         return ScheduledBatch("decode", scheduled) if scheduled else None
 
     def preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.blocks.release(seq.block_table)
         seq.reset_for_recompute()
         self.running.remove(seq)

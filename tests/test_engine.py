@@ -1,0 +1,115 @@
+"""The non-speculative engine: batching changes nothing, seeded sampling is reproducible and batch-independent,
+top-k/top-p stay inside their sets, bad input raises ValueError."""
+import numpy as np
+import pytest
+import torch
+
+from eyas import LLM, SamplingParams
+from helpers import write_tiny_llama
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "m", vocab=VOCAB, hidden=64, heads=4, kv_heads=2,
+                            layers=2, max_pos=256)
+
+
+@pytest.fixture(scope="module")
+def alone_greedy(tiny_dir):
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    return [llm.generate([p], params)[0].token_ids for p in prompts8()]
+
+
+def prompts8():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 3, 7, 12, 20, 33, 45, 60)]
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {},
+    {"max_num_batched_tokens": 16},  # chunked prefill
+    {"num_blocks": 40, "block_size": 4},  # 156 slots for 8 sequences needing 501: forces preemption
+], ids=["plain", "chunked", "preempt"])
+def test_batching_changes_nothing(tiny_dir, alone_greedy, engine_kwargs):
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32", **engine_kwargs)
+    together = llm.generate(prompts8(), SamplingParams(max_tokens=40, ignore_eos=True))
+    alone = alone_greedy
+    assert [o.token_ids for o in together] == alone
+    assert llm.engine.blocks.num_used == 0
+    if "num_blocks" in engine_kwargs:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(tiny_dir):
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32")
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=s, ignore_eos=True) for s in range(8)]
+    together = [o.token_ids for o in llm.generate(prompts8(), params)]
+    again = [o.token_ids for o in llm.generate(prompts8()[::-1], params[::-1])][::-1]
+    alone = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts8(), params)]
+    assert together == again == alone
+    # different seeds give different samples
+    other = llm.generate(prompts8()[:1], SamplingParams(temperature=1.0, max_tokens=20, seed=1234, ignore_eos=True))
+    assert other[0].token_ids != together[0]
+
+
+def allowed_set(logits: np.ndarray, top_k: int, top_p: float) -> set[int]:
+    """The tokens top-k then top-p may emit, computed independently in numpy (float64)."""
+    order = np.argsort(-logits, kind="stable")
+    if top_k > 0:
+        order = order[:top_k]
+    p = np.exp(logits[order] - logits[order].max())
+    p /= p.sum()
+    before = np.cumsum(p) - p
+    return set(order[before < top_p - 1e-6].tolist()) | {int(order[0])}
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (-1, 0.5), (10, 0.7)])
+def test_top_k_top_p_never_leave_the_set(tiny_dir, top_k, top_p):
+    from transformers import LlamaForCausalLM
+    hf = LlamaForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    prompt = [5, 17, 42]
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0, -1].double().numpy()
+    ok = allowed_set(logits / 1.5, top_k, top_p)  # top-p acts on the tempered distribution
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32", max_num_seqs=512)
+    params = [SamplingParams(temperature=1.5, top_k=top_k, top_p=top_p, max_tokens=1, seed=s) for s in range(400)]
+    firsts = [o.token_ids[0] for o in llm.generate([prompt] * 400, params)]
+    assert set(firsts) <= ok
+    assert len(set(firsts)) > 1  # it does sample
+
+
+def test_bad_input(tiny_dir):
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    for p in (0.0, 1.5, -1):
+        with pytest.raises(ValueError, match="top_p"):
+            SamplingParams(top_p=p)
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([[1] * 300], SamplingParams())
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[1, VOCAB + 5]], SamplingParams())
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate(["text needs a tokenizer"], SamplingParams())
+    assert llm.engine.blocks.num_used == 0 and not llm.engine.has_unfinished()
+
+
+def test_smollm2_text_and_stops(smollm2):
+    out = smollm2.generate(["The capital of France is"], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 16
+    assert out.text == smollm2.tokenizer.decode(out.token_ids)
+    # a stop string cuts the text before it and ends the request there
+    stop_at = out.text.strip().split(" ")[1]
+    cut = smollm2.generate(["The capital of France is"], SamplingParams(max_tokens=16, stop=[stop_at]))[0]
+    assert cut.finish_reason == "stop" and stop_at not in cut.text and out.text.startswith(cut.text)
+    assert len(cut.token_ids) < 16
+    # EOS ends a chat answer unless ignore_eos
+    chat = smollm2.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=32))[0]
+    assert chat.finish_reason == "stop" and chat.token_ids[-1] == smollm2.tokenizer.eos_token_id

@@ -1,0 +1,594 @@
+"""The OpenAI-compatible server (issue 6), against REAL servers: uvicorn on a free loopback port in a background thread.
+
+* `spec` (slow): SmolLM2 with a random EAGLE draft and tree speculation; its offline reference outputs are computed
+  with `LLM.chat` / `LLM.generate` on the same `LLM` before the server takes it over. A random draft is rarely
+  accepted, but greedy (and seeded) output must not depend on speculation, batching or the transport.
+* `tiny`: a random tiny Llama without a tokenizer (token-id prompts), for admission control, engine failures and the
+  command line; its engine is throttled so that "a request still running" is not a race.
+Every request loop is bounded in count and time.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from eyas import LLM, SamplingParams
+from eyas.serve.api_server import _resolve_draft, _TextStream, add_serve_parser, create_app, run_serve
+from helpers import write_tiny_llama
+
+MODEL = "smollm2"
+SPECULATION = "tree:8"
+MAX_MODEL_LEN = 1024
+
+# ---- a live server -----------------------------------------------------------------------------------------------
+
+
+class LiveServer:
+    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread."""
+
+    def __init__(self, app):
+        import uvicorn
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+
+    @property
+    def engine(self):
+        return self.app.state.server.engine
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        """Samples of /metrics as {"name{label=value,...}": value}, parsed by prometheus_client."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+                out[f"{s.name}{{{labels}}}"] = s.value
+        return out
+
+    def wait_idle(self, timeout=60.0) -> dict[str, float]:
+        """Poll /metrics until no request runs or waits and the KV cache is empty; return that scrape."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if (m["eyas:kv_cache_used_blocks{}"] == 0 and m["eyas:num_requests_running{}"] == 0
+                    and m["eyas:num_requests_waiting{}"] == 0):
+                return m
+            assert time.monotonic() < deadline, f"the server did not go idle: {m}"
+            time.sleep(0.05)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+# ---- the speculative SmolLM2 server and its offline references -----------------------------------------------------
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour of the sky."}],
+]
+COMPLETION_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
+PROMPTS = [
+    "Hello, my name is",
+    "Once upon a time, in a land far away, there lived a",
+    "List three fruits:",
+    "The quick brown fox",
+    "Explain in one sentence why the sky is blue. The sky is blue because",
+    "1, 2, 3, 4,",
+    "Write a haiku about the sea:\n",
+    "In 1969, the first humans",
+]
+
+
+def concurrent_cases() -> list[dict]:
+    """32 clients: chat or completion, 8 prompts of different lengths, 4..16 tokens, greedy or seeded sampling,
+    some with a stop string."""
+    cases = []
+    for i in range(32):
+        c = dict(chat=i % 2 == 1, prompt=PROMPTS[i % 8], max_tokens=4 + (i * 5) % 13,
+                 temperature=0.0 if i % 3 == 0 else 0.8, seed=1000 + i, stop=["\n"] if i % 4 == 2 else None)
+        cases.append(c)
+    return cases
+
+
+N_SEED, N_CHOICES = 77, 3
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    from eyas.loader.eagle import save_draft
+    from eyas.loader.resolve import load_target
+    from eyas.models.eagle import EagleDraft
+
+    target, _ = load_target(MODEL, "cpu", "float32")
+    cfg = copy.copy(target.config)
+    cfg.num_hidden_layers = 1
+    torch.manual_seed(0)
+    draft_dir = save_draft(EagleDraft(cfg), tmp_path_factory.mktemp("draft"), dtype=torch.float32)
+    del target
+    llm = LLM(MODEL, device="cpu", dtype="float32", draft=str(draft_dir), speculation=SPECULATION,
+              max_num_seqs=64, num_blocks=512, max_model_len=MAX_MODEL_LEN)
+    assert llm.draft is not None and llm.engine.tree.max_depth > 1
+
+    # offline references (greedy), with speculation on, before the server takes the LLM over
+    greedy = SamplingParams(max_tokens=16)
+    refs = {"chat": [llm.chat(c, greedy)[0] for c in CONVERSATIONS],
+            "completion": llm.generate(COMPLETION_PROMPTS, greedy)}
+    tok = llm.tokenizer
+    cases = concurrent_cases()
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c["prompt"]}])) if c["chat"]
+           else c["prompt"] for c in cases]
+    params = [SamplingParams(max_tokens=c["max_tokens"], temperature=c["temperature"], seed=c["seed"], stop=c["stop"])
+              for c in cases]
+    refs["concurrent"] = llm.generate(ids, params)
+    refs["n"] = llm.generate([PROMPTS[0]] * N_CHOICES, [SamplingParams(max_tokens=10, temperature=0.9, seed=N_SEED + j)
+                                                        for j in range(N_CHOICES)])
+    assert llm.engine.blocks.num_used == 0
+
+    server = LiveServer(create_app(llm, MODEL, max_queue=64))
+    server.refs = refs
+    yield server
+    server.close()
+
+
+# ---- acceptance 1: the openai client gets the offline text ---------------------------------------------------------
+
+@pytest.mark.slow
+def test_openai_client_chat_and_completions_match_offline(spec):
+    client = spec.client()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    for conv, ref in zip(CONVERSATIONS, spec.refs["chat"]):
+        r = client.chat.completions.create(model=MODEL, messages=conv, max_tokens=16, temperature=0)
+        assert r.choices[0].message.content == ref.text
+        assert r.choices[0].message.role == "assistant"
+        assert r.choices[0].finish_reason == ref.finish_reason
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert r.usage.completion_tokens == len(ref.token_ids)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+        chunks = list(client.chat.completions.create(model=MODEL, messages=conv, max_tokens=16, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == ref.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] \
+            == [ref.finish_reason]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+        assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert all(c.usage is None for c in chunks[:-1])
+
+    for prompt, ref in zip(COMPLETION_PROMPTS, spec.refs["completion"]):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+        assert r.choices[0].text == ref.text
+        assert r.choices[0].finish_reason == ref.finish_reason
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                                stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+        # without include_usage there is no usage chunk
+        assert all(c.usage is None for c in chunks)
+
+
+@pytest.mark.slow
+def test_n_choices_with_derived_seeds(spec):
+    """n samples; choice j of a request with seed s samples as an offline request with seed s + j."""
+    refs = spec.refs["n"]
+    assert len({r.text for r in refs}) > 1  # the seeds do differ
+    r = spec.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0.9,
+                                         seed=N_SEED, n=N_CHOICES)
+    assert [c.index for c in r.choices] == list(range(N_CHOICES))
+    assert [c.text for c in r.choices] == [x.text for x in refs]
+    assert r.usage.prompt_tokens == len(refs[0].prompt_token_ids)  # the prompt counts once
+    assert r.usage.completion_tokens == sum(len(x.token_ids) for x in refs)
+    chunks = list(spec.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0.9,
+                                                   seed=N_SEED, n=N_CHOICES, stream=True))
+    texts = [""] * N_CHOICES
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert texts == [x.text for x in refs]
+
+
+# ---- acceptance 2: 32 concurrent streaming clients ----------------------------------------------------------------
+
+@pytest.mark.slow
+def test_32_concurrent_streaming_clients_match_offline(spec):
+    cases, refs = concurrent_cases(), spec.refs["concurrent"]
+
+    async def one(client, c):
+        kw = dict(model=MODEL, max_tokens=c["max_tokens"], temperature=c["temperature"], seed=c["seed"],
+                  stop=c["stop"], stream=True, stream_options={"include_usage": True})
+        if c["chat"]:
+            stream = await client.chat.completions.create(messages=[{"role": "user", "content": c["prompt"]}], **kw)
+        else:
+            stream = await client.completions.create(prompt=c["prompt"], **kw)
+        text, finish, usage = "", None, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for ch in chunk.choices:
+                text += (ch.delta.content or "") if c["chat"] else ch.text
+                finish = ch.finish_reason or finish
+        return text, finish, usage
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=spec.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=300) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, c) for c in cases)), timeout=400)
+
+    t0 = time.monotonic()
+    results = asyncio.run(main())
+    elapsed = time.monotonic() - t0
+    mismatches = [(i, got[0], ref.text) for i, (got, ref) in enumerate(zip(results, refs)) if got[0] != ref.text]
+    assert not mismatches, mismatches
+    for (text, finish, usage), ref in zip(results, refs):
+        assert finish == ref.finish_reason
+        assert usage.completion_tokens == len(ref.token_ids)
+        assert usage.prompt_tokens == len(ref.prompt_token_ids)
+    m = spec.wait_idle()
+    assert m["eyas:kv_cache_used_blocks{}"] == 0 and m["eyas:kv_cache_usage_perc{}"] == 0
+    assert spec.engine.blocks.num_used == 0 and not spec.engine.has_unfinished()
+    print(f"32 concurrent streams: {elapsed:.1f} s")
+
+
+# ---- acceptance 3: disconnects free their blocks -------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_disconnected_clients_free_their_blocks(spec):
+    before = spec.wait_idle()
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 500, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=60) as http:
+        streams = []
+        try:
+            for _ in range(3):
+                cm = http.stream("POST", spec.url + "/v1/completions", json=body)
+                r = cm.__enter__()
+                streams.append(cm)
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                got = 0
+                for line in lines:  # wait for two chunks of generated text
+                    got += line.startswith("data: {")
+                    if got == 2:
+                        break
+            during = spec.metrics()
+            assert during["eyas:kv_cache_used_blocks{}"] > 0
+            assert during["eyas:num_requests_running{}"] == 3
+        finally:
+            for cm in streams:  # leave mid-stream: the connection closes
+                cm.__exit__(None, None, None)
+    after = spec.wait_idle(timeout=30)
+    assert after["eyas:kv_cache_used_blocks{}"] == 0
+    aborted = "eyas:request_success_total{finish_reason=abort}"
+    assert after[aborted] - before[aborted] == 3
+    assert spec.engine.blocks.num_used == 0
+
+    # a non-streaming client that gives up (its read times out) is aborted too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(spec.url + "/v1/completions", json={**body, "stream": False}, timeout=2.0)
+    after2 = spec.wait_idle(timeout=30)
+    assert after2[aborted] - after[aborted] == 1
+    # and the server goes on serving
+    r = spec.client().completions.create(model=MODEL, prompt=COMPLETION_PROMPTS[0], max_tokens=16, temperature=0)
+    assert r.choices[0].text == spec.refs["completion"][0].text
+
+
+# ---- acceptance 4: bad input -----------------------------------------------------------------------------------------
+
+def _bad_requests():
+    chat = "/v1/chat/completions"
+    cmpl = "/v1/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    long_prompt = "hello " * (MAX_MODEL_LEN + 10)
+    return [
+        # (path, body (str: raw), status, words in the message, param)
+        (chat, '{"model": "smollm2", "messages": [', 400, "JSON", None),
+        (cmpl, "not json at all", 400, "JSON", None),
+        (cmpl, "[1, 2, 3]", 422, "dictionary", None),
+        (chat, {"model": MODEL}, 422, "messages", "messages"),
+        (chat, {"model": MODEL, "messages": "hi"}, 422, "messages", "messages"),
+        (chat, {"model": MODEL, "messages": msgs, "temperature": "hot"}, 422, "temperature", "temperature"),
+        (cmpl, {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 422, "max_tokens", "max_tokens"),
+        (cmpl, {"model": MODEL, "prompt": "hi", "stream": "yes"}, 422, "stream", "stream"),
+        (cmpl, {"model": MODEL, "prompt": {"text": "hi"}}, 422, "prompt", "prompt"),
+        (chat, {"model": MODEL, "messages": [{"role": "user", "content": long_prompt}]}, 400, "context length",
+         "messages"),
+        (cmpl, {"model": MODEL, "prompt": long_prompt}, 400, "context length", "prompt"),
+        (cmpl, {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+        (chat, {"model": MODEL, "messages": msgs, "max_tokens": -3}, 400, "max_tokens", "max_tokens"),
+        (chat, {"model": MODEL, "messages": msgs, "max_tokens": MAX_MODEL_LEN}, 400, "context length",
+         "max_tokens"),
+        (cmpl, {"model": MODEL, "prompt": "hi", "max_tokens": 10 ** 6, "stream": True}, 400, "context length",
+         "max_tokens"),
+        (chat, {"model": MODEL, "messages": msgs, "temperature": -0.5}, 400, "temperature", "temperature"),
+        (cmpl, {"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p", "top_p"),
+        (cmpl, {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n must be", "n"),
+        (cmpl, {"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop", "stop"),
+        (cmpl, {"model": MODEL, "prompt": ""}, 400, "empty", "prompt"),
+        (cmpl, {"model": MODEL, "prompt": [10 ** 9]}, 400, "token ids", "prompt"),
+        (chat, {"model": "gpt-4o", "messages": msgs}, 404, "does not exist", "model"),
+        (cmpl, {"model": "gpt-4o", "prompt": "hi", "stream": True}, 404, "does not exist", "model"),
+    ]
+
+
+@pytest.mark.slow
+def test_bad_inputs_get_openai_errors_and_the_server_goes_on(spec):
+    failures = []
+    with httpx.Client(base_url=spec.url, timeout=60) as http:
+        for path, body, status, words, param in _bad_requests():
+            if isinstance(body, str):
+                r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+            else:
+                r = http.post(path, json=body)
+            try:
+                err = r.json()["error"]
+                assert r.status_code == status
+                assert set(err) == {"message", "type", "param", "code"}
+                assert words.lower() in err["message"].lower()
+                assert err["param"] == param
+                assert err["type"] == "invalid_request_error"
+            except (AssertionError, KeyError, ValueError) as e:
+                failures.append((path, str(body)[:80], r.status_code, r.text[:300], repr(e)))
+        assert not failures, "\n".join(map(str, failures))
+        assert http.get("/nope").json()["error"]["message"]
+        assert http.get("/health").json() == {"status": "ok"}
+
+    # the official client sees the same errors as its exception classes
+    client = spec.client()
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.completions.create(model=MODEL, prompt="hi", extra_body={"top_p": "all"})
+    # then a normal request is served normally, with nothing left behind
+    r = client.chat.completions.create(model=MODEL, messages=CONVERSATIONS[0], max_tokens=16, temperature=0)
+    assert r.choices[0].message.content == spec.refs["chat"][0].text
+    assert spec.wait_idle()["eyas:kv_cache_used_blocks{}"] == 0
+
+
+# ---- acceptance 5: /metrics -----------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_metrics_parse_and_move(spec):
+    r = httpx.get(spec.url + "/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    for name, kind in [("eyas:time_to_first_token_seconds", "histogram"),
+                       ("eyas:time_per_output_token_seconds", "histogram"),
+                       ("eyas:e2e_request_latency_seconds", "histogram"),
+                       ("eyas:prompt_tokens", "counter"), ("eyas:generation_tokens", "counter"),
+                       ("eyas:num_requests_running", "gauge"), ("eyas:num_requests_waiting", "gauge"),
+                       ("eyas:kv_cache_usage_perc", "gauge"), ("eyas:spec_tokens_per_call", "gauge"),
+                       ("eyas:spec_accepted_tokens_by_depth", "counter"), ("eyas:spec_verify_steps", "counter"),
+                       ("eyas:spec_draft_forwards", "counter"), ("eyas:request_tokens_per_call", "histogram")]:
+        assert name in families and families[name].type == kind, name
+    depth = spec.engine.tree.max_depth
+    assert {s.labels["depth"] for s in families["eyas:spec_accepted_tokens_by_depth"].samples
+            if s.name.endswith("_total")} == {str(d) for d in range(1, depth + 1)}
+
+    before = spec.wait_idle()
+    ref = spec.refs["chat"][0]
+    out = spec.client().chat.completions.create(model=MODEL, messages=CONVERSATIONS[0], max_tokens=16, temperature=0)
+    assert out.choices[0].message.content == ref.text
+    after = spec.wait_idle()
+
+    def moved(key):
+        return after[key] - before[key]
+
+    n_out = len(ref.token_ids)
+    assert moved("eyas:prompt_tokens_total{}") == len(ref.prompt_token_ids)
+    assert moved("eyas:generation_tokens_total{}") == n_out
+    assert moved("eyas:time_to_first_token_seconds_count{}") == 1
+    assert moved("eyas:e2e_request_latency_seconds_count{}") == 1
+    assert moved("eyas:time_per_output_token_seconds_count{}") == n_out - 1
+    assert moved("eyas:e2e_request_latency_seconds_sum{}") > 0
+    assert moved(f"eyas:request_success_total{{finish_reason={ref.finish_reason}}}") == 1
+    assert moved("eyas:engine_steps_total{kind=prefill}") >= 1
+    verify = moved("eyas:spec_verify_steps_total{}")
+    assert verify >= 1 and moved("eyas:engine_steps_total{kind=decode}") == verify
+    assert moved("eyas:spec_draft_forwards_total{}") == verify * depth
+    assert moved("eyas:spec_target_calls_total{}") == ref.stats.target_calls
+    assert moved("eyas:spec_committed_tokens_total{}") == ref.stats.committed
+    for d in range(depth):
+        assert moved(f"eyas:spec_accepted_tokens_by_depth_total{{depth={d + 1}}}") == ref.stats.accepted_by_depth[d]
+    assert after["eyas:spec_tokens_per_call{}"] >= 1.0
+    assert after["eyas:spec_tree_depth{}"] == depth
+    assert after["eyas:kv_cache_total_blocks{}"] == spec.engine.blocks.num_usable
+
+
+# ---- the tiny server: admission control, failures, token-id prompts --------------------------------------------------
+
+TINY_VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny"), vocab=TINY_VOCAB)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    """max_num_seqs=1, max_queue=1: two requests in flight at most. Each engine step sleeps 20 ms."""
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32", max_num_seqs=1, num_blocks=64)
+    step = llm.engine.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+
+    llm.engine.step = slow_step
+    server = LiveServer(create_app(llm, "tiny", max_queue=1))
+    yield server
+    server.close()
+
+
+def _tiny_body(**kw):
+    return {"model": "tiny", "prompt": [1, 2, 3, 4, 5], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            **kw}
+
+
+def test_token_id_prompts_and_usage(tiny):
+    r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=5, prompt=[[1, 2, 3], [4, 5]]),
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    j = r.json()
+    assert [c["finish_reason"] for c in j["choices"]] == ["length", "length"]
+    assert j["usage"] == {"prompt_tokens": 5, "completion_tokens": 10, "total_tokens": 15}
+    # no tokenizer: a clear 400 for chat and for text prompts
+    r = httpx.post(tiny.url + "/v1/chat/completions",
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+    assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
+    r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(prompt="hello"), timeout=60)
+    assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
+    r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(prompt=[TINY_VOCAB]), timeout=60)
+    assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
+    tiny.wait_idle()
+
+
+def test_full_queue_gets_503_with_retry_after(tiny):
+    tiny.wait_idle()
+    with httpx.Client(timeout=60) as http:
+        held = []
+        try:
+            for _ in range(2):  # one running, one waiting: the engine is full
+                cm = http.stream("POST", tiny.url + "/v1/completions", json=_tiny_body(stream=True))
+                r = cm.__enter__()
+                held.append(cm)
+                assert r.status_code == 200
+            m = tiny.metrics()
+            assert m["eyas:num_requests_running{}"] + m["eyas:num_requests_waiting{}"] == 2
+            for stream in (False, True):
+                r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=4, stream=stream),
+                               timeout=60)
+                assert r.status_code == 503, r.text
+                assert int(r.headers["retry-after"]) >= 1
+                err = r.json()["error"]
+                assert err["code"] == "server_overloaded" and "retry" in err["message"]
+            with pytest.raises(openai.InternalServerError):  # 503, as the official client sees it
+                tiny.client().completions.create(model="tiny", prompt=[1, 2], max_tokens=2)
+        finally:
+            for cm in held:
+                cm.__exit__(None, None, None)
+    m = tiny.wait_idle(timeout=30)
+    assert m["eyas:request_success_total{finish_reason=abort}"] >= 2
+    r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=3), timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_engine_failure_fails_the_batch_not_the_server(tiny):
+    tiny.wait_idle()
+    engine = tiny.engine
+    step = engine.step
+    calls = {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected failure")
+        return step()
+
+    engine.step = failing_step
+    try:
+        r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=3), timeout=60)
+        assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+        calls["n"] = 0
+        with httpx.stream("POST", tiny.url + "/v1/completions", json=_tiny_body(max_tokens=3, stream=True),
+                          timeout=60) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert "injected failure" in json.loads(events[0][6:])["error"]["message"]
+        assert events[-1] == "data: [DONE]"
+    finally:
+        engine.step = step
+    m = tiny.wait_idle()
+    assert m["eyas:request_success_total{finish_reason=error}"] == 2
+    r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=3), timeout=60)
+    assert r.status_code == 200 and httpx.get(tiny.url + "/health", timeout=10).json() == {"status": "ok"}
+
+
+# ---- pieces --------------------------------------------------------------------------------------------------------
+
+def test_streamed_text_is_always_a_prefix_of_the_final_text():
+    ts = _TextStream(["STOP"])  # the engine trims "STOP" from the final text: never send its beginning
+    assert ts.delta("Hello ST", False) == "Hello"
+    assert ts.delta("Hello STO", False) == " "
+    assert ts.delta("Hello STO\ufffd", False) == ""  # an incomplete character is held back too
+    assert ts.delta("Hello ", True) == ""  # the final text, "STOP" trimmed: what was sent is its prefix
+    ts = _TextStream([])
+    assert ts.delta("ab\ufffd", False) == "ab" and ts.delta("abc", False) == "c" and ts.delta("abc", True) == ""
+
+
+def test_serve_command_line(tiny_dir):
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve"])
+    assert args.func is run_serve and args.model == "smollm2" and args.draft == "auto"
+    assert (args.host, args.port, args.max_queue) == ("127.0.0.1", 8000, 256)
+    assert _resolve_draft("smollm2", "none") is None
+    assert _resolve_draft(str(tiny_dir), "auto") is None  # no shipped draft for other models
+    from eyas.loader.resolve import default_draft_path
+    assert _resolve_draft("smollm2", "auto") == ("default" if default_draft_path("smollm2") else None)
+
+
+def test_eyas_serve_subprocess(tiny_dir):
+    """`eyas serve` through the real command line, in its own process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "eyas.cli", "serve", "--model", str(tiny_dir), "--served-model-name", "tiny",
+           "--device", "cpu", "--dtype", "float32", "--port", str(port), "--num-blocks", "32",
+           "--log-level", "warning"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "eyas serve did not come up"
+            time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"] == "tiny"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
