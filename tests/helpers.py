@@ -51,3 +51,37 @@ def write_random_draft(path: Path, target_dir: Path, layers=1, seed=1, scale=1.0
             if p.dim() == 2:
                 p.normal_(0, scale / p.shape[1] ** 0.5)
     return save_draft(draft, path, dtype=torch.float32)
+
+
+def write_mirror_pair(path: Path, vocab=24, layers=2, seed=0) -> tuple[Path, Path]:
+    """A tiny target and a draft that nearly copies it, so that long draft paths are accepted.
+
+    The target's embedding rows have RMS 1 and all its norm weights are 1, so its first input norm is (almost)
+    the identity and its final norm only rescales. The draft's fc passes the token embedding through, and its
+    layers are the target's: the draft is the target minus the first token of the context, which greedy
+    verification accepts most of the time.
+    """
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(seed)
+    hf = LlamaForCausalLM(tiny_llama_config(vocab=vocab, hidden=32, layers=layers, heads=4, kv_heads=2)).float()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 1.5 / p.shape[1] ** 0.5)
+            else:
+                p.fill_(1.0)  # norm weights
+        e = hf.model.embed_tokens.weight
+        e.div_(e.pow(2).mean(-1, keepdim=True).sqrt())
+    target_dir = Path(path) / "target"
+    hf.save_pretrained(target_dir)
+    cfg = ModelConfig.from_hf(json.loads((target_dir / "config.json").read_text()))
+    draft = EagleDraft(cfg)
+    with torch.no_grad():
+        H = cfg.hidden_size
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, :H] = torch.eye(H)
+        sd = hf.state_dict()
+        for name, p in draft.named_parameters():
+            if name.startswith("layers."):
+                p.copy_(sd["model." + name])
+    return target_dir, save_draft(draft, Path(path) / "draft", dtype=torch.float32)

@@ -1,0 +1,172 @@
+"""Speculative decoding is exact: greedy output equals plain decoding token for token, and every cache holds exactly
+the committed history afterwards."""
+import pytest
+import torch
+
+from eyas import LLM, SamplingParams
+from eyas.loader.eagle import load_draft
+from helpers import write_mirror_pair, write_random_draft, write_tiny_llama
+
+SPECS = ["chain:1", "chain:4", "tree:8", "tree:mc_sim_7b_63"]
+
+
+@pytest.fixture(scope="module")
+def random_pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("random")
+    target = write_tiny_llama(d / "t", vocab=17, hidden=32, heads=4, kv_heads=2, layers=2)
+    return target, write_random_draft(d / "d", target, layers=1)
+
+
+@pytest.fixture(scope="module")
+def mirror_pair(tmp_path_factory):
+    return write_mirror_pair(tmp_path_factory.mktemp("mirror"), vocab=24, layers=2)
+
+
+def prompts6():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 17, (n,), generator=g).tolist() for n in (1, 2, 5, 9, 16, 23)]
+
+
+def plain(target, prompts, params):
+    return [o.token_ids for o in LLM(str(target), device="cpu", dtype="float32").generate(prompts, params)]
+
+
+@pytest.mark.parametrize("pair", ["random_pair", "mirror_pair"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_greedy_equals_plain(request, pair, spec):
+    target, draft = request.getfixturevalue(pair)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = plain(target, prompts6(), params)
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec)
+    outs = llm.generate(prompts6(), params)  # 6 sequences of different lengths together
+    assert [o.token_ids for o in outs] == ref
+    assert llm.generate([prompts6()[3]], params)[0].token_ids == ref[3]  # batch size 1
+    tpc = sum(o.stats.committed for o in outs) / sum(o.stats.target_calls for o in outs)
+    if pair == "mirror_pair" and spec != "chain:1":
+        assert tpc > 2.0, tpc  # long paths were accepted, so the deep code paths ran
+    # with the pool forced to preempt
+    small = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec,
+                num_blocks=24, block_size=4)
+    assert [o.token_ids for o in small.generate(prompts6(), params)] == ref
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.blocks.num_used == 0
+
+
+def test_stops_inside_an_accepted_run(mirror_pair):
+    target, draft = mirror_pair
+    ref = plain(target, prompts6(), SamplingParams(max_tokens=30, ignore_eos=True))
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation="chain:4")
+    # max_tokens cuts an accepted run short
+    outs = llm.generate(prompts6(), SamplingParams(max_tokens=7, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r[:7] for r in ref]
+    # a stop token inside an accepted run ends the output right after it
+    stop = ref[2][5]
+    outs = llm.generate(prompts6(), SamplingParams(max_tokens=30, stop_token_ids=[stop]))
+    for o, r in zip(outs, ref):
+        expect = r[: r.index(stop) + 1] if stop in r else r
+        assert o.token_ids == expect
+
+
+def _dense_kv(model_layers, rope, run):
+    """K (after RoPE) and V of every layer of a dense forward, captured with hooks on k_proj / v_proj."""
+    ks, vs, hooks = {}, {}, []
+    for i, layer in enumerate(model_layers):
+        a = layer.self_attn
+        hooks.append(a.k_proj.register_forward_hook(lambda m, inp, out, i=i: ks.__setitem__(i, out)))
+        hooks.append(a.v_proj.register_forward_hook(lambda m, inp, out, i=i: vs.__setitem__(i, out)))
+    positions = run()
+    for h in hooks:
+        h.remove()
+    out = []
+    for i, layer in enumerate(model_layers):
+        a = layer.self_attn
+        k = ks[i].view(1, -1, a.n_kv, a.head_dim)
+        _, k = rope(positions, k.new_zeros(1, k.shape[1], a.n_heads, a.head_dim), k)
+        out.append((k[0], vs[i].view(-1, a.n_kv, a.head_dim)))
+    return out
+
+
+def _paged(cache, layer, block_table, n, block_size):
+    slots = [block_table[p // block_size] * block_size + p % block_size for p in range(n)]
+    flat_k = cache.k[layer].reshape(-1, *cache.k.shape[3:])
+    flat_v = cache.v[layer].reshape(-1, *cache.v.shape[3:])
+    return flat_k[slots], flat_v[slots]
+
+
+@pytest.mark.parametrize("spec", ["chain:4", "tree:mc_sim_7b_63"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_caches_hold_exactly_the_committed_history(mirror_pair, spec, temperature):
+    target_dir, draft_dir = mirror_pair
+    llm = LLM(str(target_dir), device="cpu", dtype="float32", draft=str(draft_dir), speculation=spec,
+              block_size=4)
+    engine = llm.engine
+    seqs = [engine.add_request(p, SamplingParams(temperature=temperature, max_tokens=200, seed=7, ignore_eos=True))
+            for p in prompts6()[2:5]]
+    for _ in range(12):
+        engine.step()
+    target, draft = llm.target, llm.draft
+    for seq in seqs:
+        assert not seq.finished and seq.stats.target_calls > 0
+        n = seq.num_cached
+        assert n == len(seq.token_ids) - 1
+        ids = torch.tensor([seq.token_ids[:n]])
+        pos = torch.arange(n)[None]
+        hidden = {}
+
+        def run_target():
+            hidden["h"] = target(ids, pos)
+            return pos
+
+        ref = _dense_kv(target.model.layers, target.rope, run_target)
+        for layer, (k, v) in enumerate(ref):
+            pk, pv = _paged(engine.runner.cache, layer, seq.block_table, n, 4)
+            torch.testing.assert_close(pk, k, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(pv, v, atol=1e-5, rtol=1e-5)
+        # draft: pairs (x_{t+1}, h_t) for t < num_draft_cached, with the target's true features
+        m = seq.num_draft_cached
+        assert 0 < m <= n
+        dids = torch.tensor([seq.token_ids[1: m + 1]])
+        dpos = torch.arange(m)[None]
+        ref = _dense_kv(draft.layers, draft.rope,
+                        lambda: (draft(target.embed(dids), hidden["h"][:, :m], dpos), dpos)[1])
+        for layer, (k, v) in enumerate(ref):
+            pk, pv = _paged(engine.runner.draft_cache, layer, seq.block_table, m, 4)
+            torch.testing.assert_close(pk, k, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(pv, v, atol=1e-5, rtol=1e-5)
+    for seq in seqs:
+        engine.abort(seq.request_id)
+    assert engine.blocks.num_used == 0
+
+
+def test_draft_mismatch_is_refused(tmp_path, random_pair):
+    target, _ = random_pair
+    other = write_tiny_llama(tmp_path / "o", vocab=23, hidden=32, heads=4, kv_heads=2)
+    bad = write_random_draft(tmp_path / "bad", other)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(str(target), device="cpu", dtype="float32", draft=str(bad), speculation="chain:2")
+    wide = write_tiny_llama(tmp_path / "w", vocab=17, hidden=64, heads=4, kv_heads=2)
+    with pytest.raises(ValueError, match="hidden size"):
+        LLM(str(target), device="cpu", dtype="float32", draft=str(write_random_draft(tmp_path / "bw", wide)),
+            speculation="chain:2")
+    with pytest.raises(ValueError, match="draft"):
+        LLM(str(target), device="cpu", dtype="float32", speculation="chain:2")
+    with pytest.raises(ValueError, match="preset"):
+        LLM(str(target), device="cpu", dtype="float32", draft=str(_), speculation="tree:nope")
+
+
+def test_eagle_checkpoint_layouts(tmp_path, random_pair):
+    """pytorch_model.bin with a `model.` prefix-free EAGLE layout loads like safetensors."""
+    from safetensors.torch import load_file
+    target, draft_dir = random_pair
+    llm = LLM(str(target), device="cpu", dtype="float32")
+    a = load_draft(draft_dir, llm.target)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "config.json").write_text((draft_dir / "config.json").read_text())
+    sd = load_file(str(draft_dir / "model.safetensors"))
+    sd["embed_tokens.weight"] = torch.zeros(17, 32)  # EAGLE checkpoints may carry an embedding: ignored
+    torch.save(sd, bin_dir / "pytorch_model.bin")
+    b = load_draft(bin_dir, llm.target)
+    for (n1, p1), (n2, p2) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    assert "input_layernorm" not in "".join(n for n, _ in a.named_parameters() if n.startswith("layers.0."))
