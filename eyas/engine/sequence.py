@@ -37,7 +37,7 @@ class SpecStats:
         return self.committed / self.target_calls if self.target_calls else 0.0
 
 
-@dataclass
+@dataclass(eq=False)  # identity: sequences are compared by `is` in the queues
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams

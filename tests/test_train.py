@@ -1,0 +1,288 @@
+"""Draft training: the loss against hand-computed values, data formatting and batching, the unrolled evaluation,
+a short CPU training run of a tiny draft against a tiny target, exact resume, and make-distill-data."""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyas.train.data import (collate, conversation_segments, load_examples, make_example, plan_epoch,
+                             split_heldout)
+from eyas.train.loss import distill_loss
+
+from helpers import write_tiny_llama
+
+
+# ---- 1. the loss, by hand ----------------------------------------------------------------------------------------
+
+def test_loss_matches_hand_computed_values():
+    ln = math.log
+    dh = torch.tensor([[0.5, -1.0], [2.0, 0.0], [0.0, 3.0]])
+    th = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.2, 0.0]])
+    dl = torch.tensor([[0.0, 0.0, ln(2)], [0.0, 0.0, 5.0], [ln(3), ln(2), 0.0]])
+    tl = torch.tensor([[0.0, ln(2), 0.0], [5.0, 0.0, 0.0], [ln(3), 0.0, 0.0]])
+    mask = torch.tensor([True, False, True])  # the middle position (large errors) must not count
+
+    # SmoothL1 (beta 1): 0.5 d^2 below 1, |d| - 0.5 above; averaged over H, then over masked positions
+    l1_0 = (0.5 * 0.5 ** 2 + (1.0 - 0.5)) / 2  # d = (0.5, -1.0)
+    l1_2 = (0.5 * 0.2 ** 2 + (3.0 - 0.5)) / 2  # d = (-0.2, 3.0)
+    l1 = (l1_0 + l1_2) / 2
+    # soft CE: target p = softmax(tl), draft q = softmax(dl)
+    ce_0 = -(0.25 * ln(0.25) + 0.5 * ln(0.25) + 0.25 * ln(0.5))  # p = (1/4, 1/2, 1/4), q = (1/4, 1/4, 1/2)
+    ce_2 = -(0.6 * ln(0.5) + 0.2 * ln(1 / 3) + 0.2 * ln(1 / 6))  # p = (3/5, 1/5, 1/5), q = (1/2, 1/3, 1/6)
+    ce = (ce_0 + ce_2) / 2
+
+    out = distill_loss(dh, th, dl, tl, mask)  # defaults w_ce = 0.1, w_l1 = 1.0
+    assert out.l1.item() == pytest.approx(l1, rel=1e-6)
+    assert out.ce.item() == pytest.approx(ce, rel=1e-6)
+    assert out.loss.item() == pytest.approx(0.1 * ce + 1.0 * l1, rel=1e-6)
+    assert out.count.item() == 2 and out.correct.item() == 1  # position 2 agrees (argmax 0), position 0 does not
+
+    out = distill_loss(dh, th, dl, tl, mask.float(), w_ce=0.5, w_l1=2.0)
+    assert out.loss.item() == pytest.approx(0.5 * ce + 2.0 * l1, rel=1e-6)
+
+    # batched [B, T, ...] layout gives the same numbers; gradients flow to the draft side only
+    dh2 = dh[None].clone().requires_grad_(True)
+    out = distill_loss(dh2, th[None], dl[None], tl[None], mask[None])
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(0.1 * ce + 1.0 * l1, rel=1e-6)
+    assert torch.all(dh2.grad[0, 1] == 0) and torch.any(dh2.grad[0, 0] != 0)
+
+
+# ---- data ----------------------------------------------------------------------------------------------------------
+
+def test_plan_epoch_covers_everything_within_budget_and_is_deterministic():
+    rng = np.random.RandomState(0)
+    lengths = rng.randint(5, 300, size=500).tolist()
+    plan = plan_epoch(lengths, batch_tokens=1024, max_batch=16, seed=3, epoch=0)
+    flat = sorted(i for b in plan for i in b)
+    assert flat == list(range(500))
+    for b in plan:
+        assert len(b) <= 16 and (len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 1024)
+    assert plan == plan_epoch(lengths, 1024, 16, 3, 0)
+    assert plan != plan_epoch(lengths, 1024, 16, 3, 1)
+    pad = sum(max(lengths[i] for i in b) * len(b) for b in plan) / sum(lengths)
+    assert pad < 1.2  # length grouping keeps padding small
+
+
+def test_examples_collate_and_heldout_split(tmp_path):
+    f = tmp_path / "toks.jsonl.gz"
+    with gzip.open(f, "wt") as fh:
+        for n in range(10):
+            fh.write(json.dumps({"input_ids": list(range(3 + n)), "loss_mask": [0, 0] + [1] * (1 + n)}) + "\n")
+        fh.write(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [1, 1, 0]}) + "\n")  # nothing to learn at t+2
+    exs = load_examples([f], max_len=8)
+    assert len(exs) == 10 and max(len(e) for e in exs) == 8
+    assert exs[0].prompt_ids() == [0, 1]
+    ids, mask = collate(exs, [0, 5])
+    assert ids.shape == (2, 8) and mask[0].tolist() == [False, False, True] + [False] * 5
+    train, held = split_heldout(exs, 3, seed=0)
+    assert len(train) == 7 and len(held) == 3
+    assert make_example([1, 2], [1, 1], 10) is None
+
+
+def _smollm2_tokenizer():
+    pytest.importorskip("gguf")
+    from eyas.loader.gguf import _reader, read_metadata
+    from eyas.loader.resolve import smollm2_path
+    from eyas.loader.tokenizer import Tokenizer
+    try:
+        path = smollm2_path()
+    except ValueError as e:
+        pytest.skip(str(e))
+    return Tokenizer.from_gguf_metadata(read_metadata(_reader(path)))
+
+
+def test_chat_template_mask_covers_assistant_turns_only():
+    tok = _smollm2_tokenizer()
+    conv = {"conversations": [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "It is 4."},
+                               {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6."}]}
+    from eyas.train.data import normalize_messages, tokenize_conversation
+    msgs = normalize_messages(conv)
+    ex = tokenize_conversation(tok, msgs, 4096)
+    full = tok.apply_chat_template(msgs, add_generation_prompt=False)
+    assert ex.ids.tolist() == tok.encode(full)  # segment-wise tokenisation equals whole-text tokenisation
+    masked = tok.decode([t for t, m in zip(ex.ids.tolist(), ex.mask) if m], skip_special_tokens=False)
+    assert masked == "It is 4.<|im_end|>\n6.<|im_end|>\n"
+    prompt = tok.decode(ex.prompt_ids(), skip_special_tokens=False)
+    assert prompt == tok.apply_chat_template(msgs[:1], add_generation_prompt=True)
+    segs = conversation_segments(tok, msgs)
+    assert [a for _, a in segs] == [False, False, True, False, False, True]
+
+
+# ---- the unrolled evaluation --------------------------------------------------------------------------------------
+
+def test_unrolled_streams_match_step_by_step_chains():
+    from eyas.config import ModelConfig
+    from eyas.models.eagle import EagleDraft
+    from eyas.train.trainer import unrolled_streams
+
+    cfg = ModelConfig(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    draft = EagleDraft(cfg).eval()
+    B, T, H = 2, 9, 16
+    emb, feats = torch.randn(B, T, H), torch.randn(B, T, H)
+    pos = torch.arange(T)[None].expand(B, T)
+    with torch.no_grad():
+        s1, s2, s3 = unrolled_streams(draft, emb, feats, pos, 3)
+        torch.testing.assert_close(s1, draft(emb, feats, pos), atol=1e-5, rtol=1e-5)
+        for t in (0, 3, 6):  # a chain rooted at t: history with true features, then the draft's own features
+            f1 = draft(emb[:, : t + 1], feats[:, : t + 1], pos[:, : t + 1])[:, -1]
+            x2 = torch.cat([feats[:, : t + 1], f1[:, None]], 1)
+            f2 = draft(emb[:, : t + 2], x2, pos[:, : t + 2])[:, -1]
+            x3 = torch.cat([x2, f2[:, None]], 1)
+            f3 = draft(emb[:, : t + 3], x3, pos[:, : t + 3])[:, -1]
+            torch.testing.assert_close(s2[:, t + 1], f2, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(s3[:, t + 2], f3, atol=1e-5, rtol=1e-5)
+
+
+# ---- training on a tiny target --------------------------------------------------------------------------------------
+
+VOCAB, PROMPT, SEQ = 64, 8, 64
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """A tiny target whose layers are scaled down (its predictions then depend mostly on the current token, which a
+    short run can learn), and data sampled from the target itself, stored pre-tokenised: 8 prompt tokens, then the
+    target's own continuation (the loss mask)."""
+    from eyas.loader import load_target
+    root = tmp_path_factory.mktemp("tiny_train")
+    tdir = write_tiny_llama(root / "target", vocab=VOCAB, hidden=64, layers=2, heads=4, kv_heads=2)
+    state = load_file(str(tdir / "model.safetensors"))
+    for k, v in state.items():
+        if ".layers." in k and v.dim() == 2:
+            state[k] = (v * 0.3).contiguous()
+    save_file(state, str(tdir / "model.safetensors"), metadata={"format": "pt"})
+    target, _ = load_target(str(tdir), "cpu", "float32")
+    g = torch.Generator().manual_seed(0)
+    N = 240
+    ids = torch.randint(0, VOCAB, (N, PROMPT), generator=g)
+    with torch.no_grad():
+        for _ in range(SEQ - PROMPT):
+            pos = torch.arange(ids.shape[1])[None].expand(N, -1)
+            probs = target.compute_logits(target(ids, pos)[:, -1]).softmax(-1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=g)], 1)
+    data = root / "data.jsonl.gz"
+    with gzip.open(data, "wt") as f:
+        for r in ids.tolist():
+            f.write(json.dumps({"input_ids": r, "loss_mask": [0] * PROMPT + [1] * (SEQ - PROMPT)}) + "\n")
+    return tdir, data, target
+
+
+def _cfg(tdir, data, out, **kw):
+    from eyas.train.trainer import TrainConfig
+    base = dict(target=str(tdir), data=[str(data)], out=str(out), device="cpu", batch_tokens=1024, heldout=40,
+                lr=3e-3, noise_std=0.05, tpc_prompts=8, tpc_max_tokens=24, progress=False, seed=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_short_training_lowers_heldout_loss_and_beats_chance(tiny_setup, tmp_path):
+    from eyas import LLM, SamplingParams
+    from eyas.train.trainer import train
+
+    tdir, data, target = tiny_setup
+    before = train(_cfg(tdir, data, tmp_path / "b", lr=0.0, max_steps=1, tpc_prompts=0), target)
+    before = before["final_metrics"]["layers-1"]
+    summary = train(_cfg(tdir, data, tmp_path / "a", epochs=10, eval_every=40), target)
+    after = summary["final_metrics"]["layers-1"]
+    # chance: always predicting the target's most frequent top-1 token on the held-out positions
+    from eyas.train.data import load_examples, split_heldout
+    _, held = split_heldout(load_examples([data]), 40, 0)
+    with torch.no_grad():
+        top = torch.cat([target.compute_logits(target(torch.tensor(e.ids, dtype=torch.long)[None],
+                                                      torch.arange(len(e))[None]))[0, PROMPT:].argmax(-1)
+                         for e in held])
+    chance = top.bincount().max().item() / len(top)
+    assert summary["steps"] == summary["schedule_steps"] and summary["finished"]
+    assert after["loss"] < 0.6 * before["loss"]
+    assert after["acc_by_depth"][0] > max(0.35, 4 * chance), (after, chance)
+    assert after["acc_by_depth"][2] > 3 * chance
+    assert after["tpc_chain:3"] > 1.3
+    assert len(summary["evals"]) >= 3  # periodic evaluation ran
+
+    # the output is an EAGLE checkpoint the engine loads; training.json records the run
+    out = tmp_path / "a"
+    info = json.loads((out / "training.json").read_text())
+    assert info["loss_weights"] == {"w_ce": 0.1, "w_l1": 1.0} and info["steps"] == summary["steps"]
+    assert info["final_metrics"]["acc_by_depth"] == after["acc_by_depth"]
+    assert load_file(str(out / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+    llm = LLM(str(tdir), device="cpu", dtype="float32", draft=str(out), speculation="chain:3")
+    prompt = load_examples([data])[0].prompt_ids()
+    res = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    plain = LLM(str(tdir), device="cpu", dtype="float32").generate(
+        prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    assert res.token_ids == plain.token_ids and res.stats.tokens_per_call > 1.0
+
+
+def test_resume_repeats_the_uninterrupted_loss_curve(tiny_setup, tmp_path):
+    from eyas.train.trainer import main, train
+
+    tdir, data, target = tiny_setup
+    kw = dict(layers=[1, 2], max_steps=8, heldout=40, tpc_prompts=0, noise="uniform", noise_std=0.2)
+    full = train(_cfg(tdir, data, tmp_path / "full", **kw), target)["history"]
+    assert len(full) == 8
+    part = train(_cfg(tdir, data, tmp_path / "part", stop_after=3, **kw), target)
+    assert part["steps"] == 3 and not part["finished"]
+    # resume through the command line (target and data loaded from disk this time)
+    rc = main(["--target", str(tdir), "--data", str(data), "--out", str(tmp_path / "part"), "--layers", "1", "2",
+               "--device", "cpu", "--batch-tokens", "1024", "--heldout", "40", "--lr", "3e-3", "--max-steps", "8",
+               "--tpc-prompts", "0", "--noise-std", "0.2", "--resume", "auto", "--no-progress"])
+    assert rc == 0
+    info = json.loads((tmp_path / "part" / "training.json").read_text())
+    curve = info["loss_curve"]
+    assert [c["step"] for c in curve] == list(range(1, 9))
+    for c, h in zip(curve, full):
+        for L in ("layers-1", "layers-2"):
+            assert c[L] == pytest.approx(h[L]["loss"], rel=1e-6, abs=1e-7)
+    for L in (1, 2):
+        a = load_file(str(tmp_path / "full" / f"layers-{L}" / "model.safetensors"))
+        b = load_file(str(tmp_path / "part" / f"layers-{L}" / "model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- make-distill-data ------------------------------------------------------------------------------------------------
+
+def write_tiny_chat_model(path: Path, tok) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template (an HF directory)."""
+    write_tiny_llama(path, vocab=tok.vocab_size, hidden=32, layers=1, heads=4, kv_heads=2)
+    tok.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token}))
+    return path
+
+
+def test_make_distill_data_regenerates_assistant_turns(tmp_path):
+    from eyas import LLM, SamplingParams
+    from eyas.train.distill_data import main
+
+    tok = _smollm2_tokenizer()
+    mdir = write_tiny_chat_model(tmp_path / "m", tok)
+    src = tmp_path / "in.jsonl"
+    convs = [[{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi!"},
+              {"role": "user", "content": "Tell me more."}, {"role": "assistant", "content": "No."}],
+             [{"role": "user", "content": "One question"}, {"role": "assistant", "content": "One answer"}],
+             [{"role": "user", "content": "skipped by --limit"}, {"role": "assistant", "content": "x"}]]
+    src.write_text("".join(json.dumps({"id": f"c{i}", "conversations": c}) + "\n" for i, c in enumerate(convs)))
+    out = tmp_path / "out.jsonl.gz"
+    assert main(["--model", str(mdir), "--data", str(src), "--out", str(out), "--max-tokens", "6",
+                 "--batch-size", "2", "--limit", "2", "--device", "cpu"]) == 0
+    recs = [json.loads(x) for x in gzip.open(out, "rt")]
+    assert [r["id"] for r in recs] == ["c0", "c1"]
+    c0 = recs[0]["conversations"]
+    assert [m["role"] for m in c0] == ["user", "assistant", "user", "assistant"]
+    assert c0[0]["content"] == "Hello" and c0[2]["content"] == "Tell me more."
+    # each assistant turn is what the model itself says after the regenerated history
+    llm = LLM(str(mdir), device="cpu", dtype="float32")
+    p = SamplingParams(temperature=0, max_tokens=6)
+    assert c0[1]["content"] == llm.chat(c0[:1], p)[0].text
+    assert c0[3]["content"] == llm.chat(c0[:3], p)[0].text
+    assert load_examples([out], tok)  # and the result is training data
