@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from eyas.cache.kv_cache import KVCache
-from eyas.engine.runner import StepBatch, causal_block_mask
-from eyas.engine.sequence import Sequence
+from eyas.layers.attention import MetaBuilder
+from eyas.spec.drafter import causal_mask
 from eyas.loader import load_target
-from eyas.sampling_params import SamplingParams
 from helpers import write_tiny_llama
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -33,17 +32,16 @@ def paged_logits(model, ids, chunk=5, block_size=4):
     """Chunked prefill through the paged cache, then one token at a time; logits at every position."""
     cfg = model.config
     cache = KVCache.allocate(cfg, cfg.num_hidden_layers, 64, block_size, torch.float32, "cpu")
-    seq = Sequence(list(ids), SamplingParams(), seed=0)
-    seq.block_table = list(range(3, 3 + (len(ids) + block_size - 1) // block_size))[::-1]  # scattered, reversed
+    block_table = list(range(3, 3 + (len(ids) + block_size - 1) // block_size))[::-1]  # scattered, reversed
     out = []
     pos = 0
     while pos < len(ids):
         q = chunk if pos < 2 * chunk else 1
         q = min(q, len(ids) - pos)
-        batch = StepBatch([seq], block_size, "cpu")
+        build = MetaBuilder(torch.tensor([block_table]), block_size, pos)
         positions = torch.arange(pos, pos + q)[None]
-        meta = batch.meta([pos], causal_block_mask([q], q),
-                          slot_mapping=batch.slots(positions, torch.ones(1, q, dtype=torch.bool)))
+        meta = build(torch.tensor([pos]), causal_mask(torch.tensor([q]), q),
+                     slot_mapping=build.slots(positions, torch.ones(1, q, dtype=torch.bool)))
         h = model(torch.tensor([ids[pos: pos + q]]), positions, meta, cache)
         out.append(model.compute_logits(h)[0])
         pos += q

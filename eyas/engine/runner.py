@@ -1,10 +1,9 @@
 """The model runner: owns the device, the KV caches and the models, and executes scheduled steps.
 
-Two kinds of step:
-* `prefill(seqs, chunk_lens)`: runs prompt chunks through the target, writes their KV, samples the first token of
-  sequences whose prompt is complete, and keeps the target's hidden states for the draft.
-* `decode(seqs)`: one speculative step, draft -> verify -> accept -> commit (`spec_step` below). With no draft the
-  tree is the bare root and this is plain decoding: one token per sequence.
+* `prefill(seqs, chunk_lens)`: runs prompt chunks through the target (writing their KV), lets the draft read the
+  committed pairs the chunk completes, and samples the first token of sequences whose prompt is complete.
+* `decode(seqs)`: one speculative step (`eyas.spec.step.spec_step`: draft -> verify -> accept -> commit), run eagerly
+  or replayed from a CUDA graph. With no draft the tree is the bare root: plain decoding.
 """
 from __future__ import annotations
 
@@ -12,77 +11,36 @@ import torch
 
 from eyas.cache.kv_cache import KVCache
 from eyas.engine.sequence import Sequence
-from eyas.layers.attention import AttentionMetadata, write_kv
+from eyas.layers.attention import MetaBuilder
 from eyas.layers.sampler import logits_to_probs, sample_from, uniform
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
-from eyas.spec.drafter import draft_tree
+from eyas.spec.drafter import catch_up, causal_mask
+from eyas.spec.step import DecodeInputs, DecodeOutputs, spec_step
 from eyas.spec.tree import Tree
-from eyas.spec.verifier import accept_tree
 
 
-class StepBatch:
-    """Host-side description of a batch turned into device tensors once per step."""
-
-    def __init__(self, seqs: list[Sequence], block_size: int, device):
-        self.seqs = seqs
-        self.device = device
-        self.block_size = block_size
-        width = max(1, max(len(s.block_table) for s in seqs))
-        bt = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            bt[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
-        self.block_tables_cpu = bt
-        self.block_tables = bt.to(device)
-        p = [s.params for s in seqs]
-        self.temperature = torch.tensor([x.temperature for x in p], dtype=torch.float32, device=device)
-        self.top_k = torch.tensor([x.top_k for x in p], dtype=torch.long, device=device)
-        self.top_p = torch.tensor([x.top_p for x in p], dtype=torch.float32, device=device)
-        self.seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=device)
-
-    def slots(self, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Flat cache slots of (sequence, position) pairs [B, Q] (CPU tensors); -1 where not valid."""
-        bs = self.block_size
-        blk = self.block_tables_cpu.gather(1, (positions // bs).clamp(max=self.block_tables_cpu.shape[1] - 1))
-        return torch.where(valid, blk * bs + positions % bs, torch.full_like(positions, -1)).to(self.device)
-
-    def meta(self, context_lens: list[int], suffix_mask: torch.Tensor, slot_mapping=None, stash=False,
-             past_kv=None) -> AttentionMetadata:
-        return AttentionMetadata(
-            block_tables=self.block_tables,
-            context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
-            suffix_mask=suffix_mask.to(self.device),
-            max_context_len=max(context_lens),
-            block_size=self.block_size,
-            slot_mapping=slot_mapping,
-            stash=stash,
-            past_kv=past_kv,
-        )
-
-
-def causal_block_mask(lens: list[int], Q: int) -> torch.Tensor:
-    """[B, Q, Q]: causal among each sequence's valid tokens; padded rows see themselves (never an empty row)."""
-    causal = torch.tril(torch.ones(Q, Q, dtype=torch.bool))
-    valid = torch.arange(Q)[None, :] < torch.tensor(lens)[:, None]  # [B, Q]
-    return (causal[None] & valid[:, None, :]) | torch.eye(Q, dtype=torch.bool)[None]
-
-
-def padded(rows: list[list[int]], Q: int) -> tuple[torch.Tensor, torch.Tensor]:
+def padded(rows: list[list[int]], Q: int) -> torch.Tensor:
     out = torch.zeros(len(rows), Q, dtype=torch.long)
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    valid = torch.arange(Q)[None, :] < torch.tensor([len(r) for r in rows])[:, None]
-    return out, valid
+    return out
+
+
+def block_tables_of(seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
+    width = width or max(1, max(len(s.block_table) for s in seqs))
+    return padded([s.block_table for s in seqs], width)
 
 
 class ModelRunner:
     def __init__(self, target: LlamaForCausalLM, draft: EagleDraft | None, tree: Tree | None, num_blocks: int,
-                 block_size: int):
+                 block_size: int, use_triton: bool | None = None, cuda_graphs: bool = False):
         p = next(target.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.target, self.draft = target, draft
         self.tree = tree if (tree is not None and draft is not None) else Tree.chain(0)
         self.block_size = block_size
+        self.use_triton = (self.device.type == "cuda") if use_triton is None else use_triton
         cfg = target.config
         self.cache = KVCache.allocate(cfg, cfg.num_hidden_layers, num_blocks, block_size, self.dtype, self.device)
         self.draft_cache = None
@@ -90,96 +48,124 @@ class ModelRunner:
             dc = draft.config
             self.draft_cache = KVCache.allocate(dc, dc.num_hidden_layers, num_blocks, block_size, self.dtype,
                                                 self.device)
+        self.graphs = None
+        if cuda_graphs:
+            from eyas.engine.cuda_graph import GraphedStep
+            self.graphs = GraphedStep(self)
 
     @property
     def lookahead(self) -> int:
-        """KV slots a decode step may commit per sequence: the root plus one per tree level."""
+        """KV slots a decode step may commit per sequence: the root plus one per tree level. Also the most
+        committed pairs the draft has to catch up on at a decode step."""
         return self.tree.max_depth + 1
+
+    def _meta(self, seqs, max_context_len: int) -> MetaBuilder:
+        return MetaBuilder(block_tables_of(seqs).to(self.device), self.block_size, max_context_len, self.use_triton)
 
     # ---- prefill ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], chunk_lens: list[int]) -> list[int | None]:
         """Run prompt chunks; return the first sampled token of each sequence whose prompt completes (else None)."""
-        batch = StepBatch(seqs, self.block_size, self.device)
-        Q = max(chunk_lens)
-        ids, valid = padded([s.token_ids[s.num_cached: s.num_cached + c] for s, c in zip(seqs, chunk_lens)], Q)
-        start = torch.tensor([s.num_cached for s in seqs])[:, None]
-        positions = start + torch.arange(Q)[None, :]
-        meta = batch.meta([s.num_cached for s in seqs], causal_block_mask(chunk_lens, Q),
-                          slot_mapping=batch.slots(positions, valid))
-        pos_dev = torch.where(valid, positions, torch.zeros_like(positions)).to(self.device)
-        hidden = self.target(ids.to(self.device), pos_dev, meta, self.cache)
+        dev = self.device
+        B, Q = len(seqs), max(chunk_lens)
+        meta = self._meta(seqs, max(s.num_cached for s in seqs))
+        ids = padded([s.token_ids[s.num_cached: s.num_cached + c] for s, c in zip(seqs, chunk_lens)], Q).to(dev)
+        start = torch.tensor([s.num_cached for s in seqs], device=dev)
+        lens = torch.tensor(chunk_lens, device=dev)
+        ar = torch.arange(Q, device=dev)[None, :]
+        valid = ar < lens[:, None]
+        m = meta(start, causal_mask(lens, Q), slot_mapping=meta.slots(start[:, None] + ar, valid))
+        hidden = self.target(ids, torch.where(valid, start[:, None] + ar, 0), m, self.cache)
 
-        last = torch.tensor(chunk_lens, device=self.device) - 1
-        rows = torch.arange(len(seqs), device=self.device)
-        logits = self.target.compute_logits(hidden[rows, last])
-        probs = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
-        counters = torch.tensor([s.num_cached + c - 1 for s, c in zip(seqs, chunk_lens)], device=self.device)
-        sampled = sample_from(probs, uniform(batch.seeds, counters, 0)).tolist()
-
+        rows = torch.arange(B, device=dev)
+        logits = self.target.compute_logits(hidden[rows, lens - 1])
+        p = [s.params for s in seqs]
+        probs = logits_to_probs(logits, torch.tensor([x.temperature for x in p], device=dev),
+                                torch.tensor([x.top_k for x in p], device=dev),
+                                torch.tensor([x.top_p for x in p], device=dev))
+        seeds = torch.tensor([s.seed for s in seqs], device=dev)
+        sampled = sample_from(probs, uniform(seeds, start + lens - 1, 0))
+        if self.draft is not None:
+            self._draft_prefill(seqs, chunk_lens, hidden, meta)
+        sampled = sampled.tolist()
         out: list[int | None] = []
         for i, (s, c) in enumerate(zip(seqs, chunk_lens)):
-            if self.draft is not None:
-                h = hidden[i, :c]
-                s.pending_hidden = h if s.pending_hidden is None else torch.cat([s.pending_hidden, h])
             s.num_cached += c
-            completes = s.num_cached == s.prefill_target
-            out.append(sampled[i] if completes and s.num_output == 0 else None)
+            out.append(sampled[i] if s.num_cached == s.prefill_target and s.num_output == 0 else None)
         return out
 
+    def _draft_prefill(self, seqs, chunk_lens, hidden, meta) -> None:
+        """The draft reads the pairs (x_{t+1}, h_t) whose both halves this chunk made known: all but the chunk's last
+        position, whose next token is not known yet. That hidden state waits in `pending_hidden`."""
+        dev = self.device
+        tok_rows, feats = [], []
+        for i, (s, c) in enumerate(zip(seqs, chunk_lens)):
+            end = s.num_cached + c  # target KV length after this chunk
+            tok_rows.append(s.token_ids[s.num_draft_cached + 1: end])
+            h = hidden[i, :c]
+            feats.append(h if s.pending_hidden is None else torch.cat([s.pending_hidden[:1], h]))
+        lens = [len(r) for r in tok_rows]
+        P = max(max(lens), 1)
+        H = hidden.shape[-1]
+        hid = torch.zeros(len(seqs), P, H, dtype=hidden.dtype, device=dev)
+        for i, f in enumerate(feats):
+            hid[i, : lens[i]] = f[: lens[i]]
+        if max(lens) > 0:
+            start = torch.tensor([s.num_draft_cached for s in seqs], device=dev)
+            catch_up(self.draft, self.target, self.draft_cache, padded(tok_rows, P).to(dev), hid,
+                     torch.tensor(lens, device=dev), start, meta)
+        for i, (s, c) in enumerate(zip(seqs, chunk_lens)):
+            s.num_draft_cached += lens[i]
+            s.pending_hidden = feats[i][lens[i]:][:1]  # h at the chunk's last position
+
     # ---- decode: one speculative step -----------------------------------------------------------------------
+    def decode_inputs(self, seqs: list[Sequence], width: int | None = None) -> DecodeInputs:
+        """Pack the sequences' host state into device tensors (the only host->device traffic of a step)."""
+        dev = self.device
+        P = self.lookahead
+        cat_tokens, cat_hidden = [], []
+        for s in seqs:
+            if self.draft is not None:
+                cat_tokens.append(s.token_ids[s.num_draft_cached + 1: s.num_cached + 1])
+                h = s.pending_hidden
+                cat_hidden.append(h if h.shape[0] == P else torch.cat([h, h.new_zeros(P - h.shape[0], h.shape[1])]))
+        p = [s.params for s in seqs]
+        return DecodeInputs(
+            root_tokens=torch.tensor([s.token_ids[-1] for s in seqs], device=dev),
+            num_cached=torch.tensor([s.num_cached for s in seqs], device=dev),
+            num_draft_cached=torch.tensor([s.num_draft_cached for s in seqs], device=dev),
+            block_tables=block_tables_of(seqs, width).to(dev),
+            catchup_tokens=padded(cat_tokens, P).to(dev) if self.draft is not None else None,
+            catchup_hidden=torch.stack(cat_hidden) if self.draft is not None else None,
+            temperature=torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev),
+            top_k=torch.tensor([x.top_k for x in p], dtype=torch.long, device=dev),
+            top_p=torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev),
+            seeds=torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev),
+            max_context_len=max(s.num_cached for s in seqs),
+        )
+
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[int]]:
-        """spec_step: draft -> verify -> accept -> commit, for every sequence at once.
+        """One speculative step for all sequences (see `spec_step` for what each cache holds before and after).
+        Returns (new tokens per sequence: accepted draft tokens + bonus, accepted draft tokens per sequence)."""
+        if self.graphs is not None and self.graphs.can_run(seqs):
+            out = self.graphs.run(seqs)
+        else:
+            out = spec_step(self.target, self.draft, self.tree, self.cache, self.draft_cache,
+                            self.decode_inputs(seqs), self.block_size, self.use_triton)
+        return self._apply(seqs, out)
 
-        Before: the target KV holds positions 0..n-1 of each sequence (n = num_cached), the last committed token
-        x_n has no KV yet, and the draft KV plus `pending_hidden` cover the same history (see Sequence).
-        After: the target KV holds 0..n+m (the root and the m accepted draft tokens), the new committed tokens are
-        the m accepted ones plus a bonus token sampled from the target, and `pending_hidden` holds the target's
-        hidden states at the accepted positions, for the draft to read next step. Rejected branches leave nothing
-        in any cache. Returns (new tokens per sequence, accepted draft tokens per sequence).
-        """
-        tree = self.tree
-        batch = StepBatch(seqs, self.block_size, self.device)
-        B, N1 = len(seqs), tree.num_nodes + 1
-        n = [s.num_cached for s in seqs]
-        node_tokens = torch.zeros(B, N1, dtype=torch.long, device=self.device)
-        node_tokens[:, 0] = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
-        if tree.num_nodes:
-            draft_tree(self.draft, self.target, self.draft_cache, tree, batch, node_tokens)
-
-        # verify: one target forward over root + tree, split tree attention, K/V stashed (not yet committed)
-        n_dev = torch.tensor(n, device=self.device)
-        positions = n_dev[:, None] + tree.depth.to(self.device)[None, :]
-        meta = batch.meta(n, tree.ancestor_mask[None].expand(B, N1, N1), stash=True)
-        hidden = self.target(node_tokens, positions, meta, self.cache)
-        logits = self.target.compute_logits(hidden)  # [B, N+1, V]
-        V = logits.shape[-1]
-        probs = logits_to_probs(logits.view(B * N1, V), batch.temperature.repeat_interleave(N1),
-                                batch.top_k.repeat_interleave(N1), batch.top_p.repeat_interleave(N1)).view(B, N1, V)
-        path, num_accepted, bonus = accept_tree(probs, node_tokens, tree, batch.seeds, n_dev)
-
-        # commit: the accepted path's K/V go to positions n..n+m of the paged cache
-        D1 = path.shape[1]
-        rows = torch.arange(B, device=self.device)[:, None]
-        node = path.clamp(min=0)
-        keep = torch.arange(D1, device=self.device)[None, :] <= num_accepted[:, None]
-        commit_pos = n_dev[:, None] + torch.arange(D1, device=self.device)[None, :]
-        slots = batch.slots(commit_pos.cpu(), keep.cpu())
-        for layer, (k, v) in meta.new_kv.items():
-            write_kv(self.cache.k[layer], self.cache.v[layer], k[rows, node], v[rows, node], slots)
-
+    def _apply(self, seqs: list[Sequence], out: DecodeOutputs) -> tuple[list[list[int]], list[int]]:
         # the one host synchronisation of the step
-        path_tokens = node_tokens.gather(1, node)
-        m_host = num_accepted.tolist()
-        tok_host = path_tokens.tolist()
-        bonus_host = bonus.tolist()
-        accepted_hidden = hidden[rows, node] if self.draft is not None else None
+        m_host = out.num_accepted[: len(seqs)].tolist()
+        tok_host = out.path_tokens[: len(seqs)].tolist()
+        bonus_host = out.bonus[: len(seqs)].tolist()
         new_tokens = []
         for i, s in enumerate(seqs):
             m = m_host[i]
             new_tokens.append(tok_host[i][1: m + 1] + [bonus_host[i]])
+            s.num_draft_cached = s.num_cached if self.draft is not None else 0
             s.num_cached += m + 1
-            if accepted_hidden is not None:
-                s.pending_hidden = accepted_hidden[i, : m + 1]
+            if out.accepted_hidden is not None:
+                s.pending_hidden = out.accepted_hidden[i].clone()  # rows 0..m valid
         return new_tokens, m_host

@@ -30,6 +30,25 @@ class AttentionMetadata:
     stash: bool = False  # keep each layer's new K/V in `new_kv` (uncommitted tree tokens)
     new_kv: dict = field(default_factory=dict)  # layer -> (k, v) [B, Q, KVH, D]
     past_kv: dict | None = None  # layer -> (k, v) [B, P, KVH, D], earlier tree tokens (draft levels)
+    use_triton: bool = False  # the Triton kernels of eyas.kernels instead of this reference (CUDA)
+
+
+@dataclass
+class MetaBuilder:
+    """What stays fixed across the forwards of one step (block tables, backend); builds each forward's metadata."""
+
+    block_tables: torch.Tensor
+    block_size: int
+    max_context_len: int
+    use_triton: bool = False
+
+    def __call__(self, context_lens, suffix_mask, **kw) -> AttentionMetadata:
+        return AttentionMetadata(block_tables=self.block_tables, context_lens=context_lens, suffix_mask=suffix_mask,
+                                 max_context_len=self.max_context_len, block_size=self.block_size,
+                                 use_triton=self.use_triton, **kw)
+
+    def slots(self, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        return slots_for(self.block_tables, positions, valid, self.block_size)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
@@ -79,17 +98,27 @@ def prefix_attention(q, k_cache, v_cache, block_tables, context_lens, max_contex
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
-    """Store new K/V [B, Q, KVH, D] at flat cache slots [B, Q]; slots < 0 are skipped."""
-    slots = slot_mapping.reshape(-1)
-    keep = slots >= 0
+    """Store new K/V [B, Q, KVH, D] at flat cache slots [B, Q]. Slots < 0 are not stored: they go to slot 0 of the
+    scratch block 0, which no sequence reads (static shapes, so this also runs inside a CUDA graph)."""
+    slots = slot_mapping.reshape(-1).clamp(min=0)
     kf, vf = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
-    k_cache.view(-1, *k_cache.shape[2:])[slots[keep]] = kf[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots[keep]] = vf[keep].to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = kf.to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = vf.to(v_cache.dtype)
+
+
+def slots_for(block_tables: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, block_size: int):
+    """Flat cache slots of positions [B, Q] through each sequence's block table; -1 where not valid."""
+    blk = block_tables.gather(1, (positions // block_size).clamp(0, block_tables.shape[1] - 1))
+    return torch.where(valid, blk * block_size + positions % block_size, torch.full_like(positions, -1))
 
 
 def split_tree_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                          past_k=None, past_v=None):
     """Prefix part (paged, no mask) + suffix part (tree mask), merged by log-sum-exp. Returns [B, Q, H, D] float32."""
+    if meta.use_triton:
+        from eyas.kernels import split_tree_attention_triton
+        return split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                           meta.suffix_mask, scale, past_k=past_k, past_v=past_v)
     o_p, lse_p = prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                   meta.max_context_len, meta.block_size, scale)
     ks, vs = k_new, v_new

@@ -45,7 +45,11 @@ class Attention(nn.Module):
             past_k, past_v = meta.past_kv[self.layer_idx]
         o = split_tree_attention(q, k, v, k_cache, v_cache, meta, self.scale, past_k, past_v)
         if meta.slot_mapping is not None:
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            if meta.use_triton:
+                from eyas.kernels import write_kv_triton
+                write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping)
+            else:
+                write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         if meta.stash:
             meta.new_kv[self.layer_idx] = (k, v)
         return self.o_proj(o.to(x.dtype).reshape(B, Q, -1))

@@ -1,0 +1,494 @@
+"""The OpenAI-compatible HTTP server: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (streaming via SSE and
+not), `/health`, `/metrics`. FastAPI + uvicorn; the engine runs in its own thread (see async_engine.py).
+
+    eyas serve --model smollm2 [--draft default] [--speculation tree:8] [--host 127.0.0.1] [--port 8000]
+
+Status codes: 400 for bad values (and malformed JSON), 422 for a body that does not fit the schema (wrong types,
+missing fields), 404 for an unknown model name (as OpenAI does), 503 with Retry-After when the engine is full,
+500 for a bug. Every error body is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import replace
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from eyas.sampling_params import SamplingParams
+from eyas.serve.async_engine import AsyncEngine, EngineDead, EngineError, QueueFull
+from eyas.serve.metrics import CONTENT_TYPE, Metrics
+from eyas.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
+                                 api_error_response, completion_id, error_response, make_usage)
+
+log = logging.getLogger("eyas.serve")
+
+MAX_N = 128  # choices per request (n x prompts)
+SEED_LIMIT = 1 << 63
+RETRY_AFTER_S = 1
+
+
+# ---- request -> engine inputs ------------------------------------------------------------------------------------
+
+def _param_of(message: str) -> str | None:
+    word = message.split(" ", 1)[0]
+    return word if word in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop") else None
+
+
+def _sampling_params(req, max_tokens: int | None) -> SamplingParams:
+    if req.presence_penalty not in (None, 0, 0.0) or req.frequency_penalty not in (None, 0, 0.0):
+        raise APIError("presence_penalty and frequency_penalty are not supported (only 0)", param="presence_penalty")
+    if req.seed is not None and not 0 <= req.seed < SEED_LIMIT:
+        raise APIError(f"seed must be an integer in [0, 2**63), got {req.seed}", param="seed")
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            max_tokens=1 if max_tokens is None else max_tokens,  # the real value is set per prompt
+            seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos)
+    except ValueError as e:
+        raise APIError(str(e), param=_param_of(str(e))) from None
+
+
+def _choice_seed(seed: int | None, j: int) -> int | None:
+    """Choice j of a request with seed s samples as an offline request with seed s + j (mod 2**63)."""
+    return None if seed is None else (seed + j) % SEED_LIMIT
+
+
+class _TextStream:
+    """Streaming deltas of one choice's text. The engine gives the full text so far (stop strings trimmed); we hold
+    back a possible stop-string prefix (longest stop - 1 characters) and an incomplete UTF-8 tail (U+FFFD), so that
+    what was sent is always a prefix of the final text."""
+
+    def __init__(self, stops: list[str]):
+        self.sent = ""
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def delta(self, text: str, finished: bool) -> str:
+        upto = len(text)
+        if not finished:
+            while upto > 0 and text[upto - 1] == "\ufffd":  # the incomplete tail first, then a stop's prefix
+                upto -= 1
+            upto -= self.hold
+        if upto <= len(self.sent):
+            return ""
+        if not text.startswith(self.sent):  # cannot happen with byte-level BPE; never resend
+            log.warning("streamed text is not a prefix of the final text")
+        new = text[len(self.sent):upto]
+        self.sent = text[:upto]
+        return new
+
+
+def _validation_response(errors) -> JSONResponse:
+    """Malformed JSON -> 400; a body that does not fit the schema -> 422, naming the fields."""
+    bad_json = [x for x in errors if x.get("type") == "json_invalid"]
+    if bad_json:
+        ctx = bad_json[0].get("ctx") or {}
+        return error_response("We could not parse the JSON body of your request: "
+                              f"{ctx.get('error', bad_json[0].get('msg'))}", 400)
+    parts, param = [], None
+    for x in errors[:5]:
+        loc = [str(p) for p in x.get("loc", ()) if p != "body"]
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{'.'.join(loc) or 'body'}: {x.get('msg')}")
+    return error_response("Invalid request: " + "; ".join(parts), 422, param=param)
+
+
+async def _parse(request: Request, model):
+    """The body as `model`, whatever the Content-Type says (curl users forget it)."""
+    body = await request.body()
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise _BadBody(_validation_response(e.errors())) from None
+
+
+class _BadBody(Exception):
+    def __init__(self, response: JSONResponse):
+        self.response = response
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# ---- the app -----------------------------------------------------------------------------------------------------
+
+class Server:
+    """Holds the engine loop and the metrics; the handlers of `create_app` call it."""
+
+    def __init__(self, llm, served_model_name: str, max_queue: int, aliases: tuple[str, ...] = ()):
+        self.engine = engine = getattr(llm, "engine", llm)  # an LLM or an LLMEngine
+        self.tokenizer = engine.tokenizer
+        self.model_name = served_model_name
+        self.names = {served_model_name, *aliases}
+        self.metrics = Metrics(served_model_name)
+        self.async_engine = AsyncEngine(engine, self.metrics, max_queue=max_queue)
+        self.max_model_len = engine.max_model_len
+
+    # ---- validation -----------------------------------------------------------------------------------------
+    def check_model(self, name: str) -> None:
+        if name not in self.names:
+            raise APIError(f"The model '{name}' does not exist; this server serves "
+                           f"{', '.join(repr(n) for n in sorted(self.names))}.", status=404, param="model",
+                           code="model_not_found")
+
+    def prompt_ids(self, prompt, param: str) -> list[int]:
+        try:
+            return self.engine.encode(prompt)
+        except ValueError as e:
+            raise APIError(str(e), param=param) from None
+
+    def fit(self, ids: list[int], max_tokens: int | None, param: str, max_param: str) -> int:
+        """The output budget of one prompt: max_tokens, or the rest of the context when None."""
+        L, P = self.max_model_len, len(ids)
+        if P >= L:
+            raise APIError(f"This model's maximum context length is {L} tokens, but the prompt has {P} tokens "
+                           "(prompt and output must fit). Please shorten the prompt.", param=param,
+                           code="context_length_exceeded")
+        if max_tokens is None:
+            return L - P
+        if max_tokens < 1:
+            raise APIError(f"{max_param} must be an integer >= 1, got {max_tokens}", param=max_param)
+        if P + max_tokens > L:
+            raise APIError(f"This model's maximum context length is {L} tokens. However, you requested "
+                           f"{P + max_tokens} tokens ({P} in the prompt, {max_tokens} in the completion). "
+                           f"Please reduce the length of the prompt or {max_param}.", param=max_param,
+                           code="context_length_exceeded")
+        return max_tokens
+
+    def common_checks(self, req) -> None:
+        self.check_model(req.model)
+        if not 1 <= req.n <= MAX_N:
+            raise APIError(f"n must be an integer in [1, {MAX_N}], got {req.n}", param="n")
+
+    # ---- submission -----------------------------------------------------------------------------------------
+    async def submit(self, prefix: str, prompts: list[list[int]], budgets: list[int], base: SamplingParams,
+                     n: int, arrival: float):
+        if len(prompts) * n > MAX_N:
+            raise APIError(f"at most {MAX_N} choices per request (prompts x n), got {len(prompts) * n}", param="n")
+        items = []
+        for p, (ids, budget) in enumerate(zip(prompts, budgets)):
+            for j in range(n):
+                params = replace(base, max_tokens=budget, seed=_choice_seed(base.seed, j))
+                items.append((f"{prefix}-{p * n + j}", list(ids), params))
+        try:
+            queue = await self.async_engine.add(items, arrival)
+        except QueueFull as e:
+            raise APIError(str(e), status=503, type="server_error", code="server_overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineDead as e:
+            raise APIError(str(e), status=503, type="server_error", code="engine_dead") from None
+        except EngineError as e:
+            raise APIError(str(e), status=500, type="server_error") from None
+        except ValueError as e:
+            raise APIError(str(e), param=_param_of(str(e))) from None
+        return queue, [rid for rid, _, _ in items]
+
+    async def collect(self, request: Request, queue, ids: list[str]) -> dict:
+        """Non-streaming: wait for every choice, aborting them if the client disconnects meanwhile."""
+        finals: dict = {}
+
+        async def run():
+            async for idx, out in AsyncEngine.results(queue, len(ids)):
+                if out.finished:
+                    finals[idx] = out
+
+        task = asyncio.ensure_future(run())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    log.info("client disconnected: aborting %d request(s)", len(ids))
+                    raise APIError("the client closed the connection", status=499, code="client_closed_request")
+            try:
+                task.result()
+            except EngineError as e:
+                raise APIError(str(e), status=500, type="server_error") from None
+            return finals
+        finally:
+            if not task.done():
+                task.cancel()
+            self.async_engine.abort(ids)  # no-op for the finished ones
+
+
+def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
+               aliases: tuple[str, ...] = ()) -> FastAPI:
+    """`llm`: an `eyas.LLM` (or an `LLMEngine`). The engine thread starts and stops with the app's lifespan."""
+    server = Server(llm, served_model_name or "smollm2", max_queue, aliases)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.async_engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            server.async_engine.shutdown()
+
+    app = FastAPI(title="eyas", description="OpenAI-compatible server of eyas", lifespan=lifespan)
+    app.state.server = server
+
+    # ---- errors ---------------------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return api_error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, e: RequestValidationError):
+        return _validation_response(e.errors())
+
+    @app.exception_handler(_BadBody)
+    async def _bad_body(request, e: _BadBody):
+        return e.response
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        return error_response(str(e.detail), e.status_code, code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request, e: Exception):
+        log.exception("internal error")
+        return error_response(f"internal server error: {e!r}", 500, type="server_error")
+
+    # ---- routes ---------------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not server.async_engine.alive:
+            return error_response("the engine loop is not running", 503, type="server_error")
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        from eyas import __version__
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    def card(name):
+        return ModelCard(id=name, root=server.model_name, max_model_len=server.max_model_len)
+
+    @app.get("/v1/models")
+    async def models():
+        return ModelList(data=[card(n) for n in sorted(server.names)]).model_dump()
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        server.check_model(name)
+        return card(name).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        arrival = time.perf_counter()
+        req = await _parse(request, CompletionRequest)
+        server.common_checks(req)
+        if req.logprobs:
+            raise APIError("logprobs are not supported", param="logprobs")
+        if req.echo:
+            raise APIError("echo is not supported", param="echo")
+        if req.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError("best_of is not supported (only best_of == n)", param="best_of")
+        p = req.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
+            prompts = [p]
+        elif isinstance(p, list) and p:
+            prompts = list(p)
+        else:
+            raise APIError("the prompt is empty", param="prompt")
+        base = _sampling_params(req, req.max_tokens)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
+        ids = [server.prompt_ids(x, "prompt") for x in prompts]
+        budgets = [server.fit(x, max_tokens, "prompt", "max_tokens") for x in ids]
+        cid = completion_id("cmpl")
+        queue, rids = await server.submit(cid, ids, budgets, base, req.n, arrival)
+        num_prompt = sum(len(x) for x in ids)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _stream(server, queue, rids, cid, req.model, "text_completion", num_prompt, include_usage,
+                           base.stop)
+        finals = await server.collect(request, queue, rids)
+        choices = [{"index": i, "text": finals[i].text, "logprobs": None, "finish_reason": finals[i].finish_reason}
+                   for i in range(len(rids))]
+        return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": req.model,
+                "choices": choices,
+                "usage": make_usage(num_prompt, sum(len(o.token_ids) for o in finals.values()))}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        arrival = time.perf_counter()
+        req = await _parse(request, ChatCompletionRequest)
+        server.common_checks(req)
+        if req.logprobs:
+            raise APIError("logprobs are not supported", param="logprobs")
+        if req.tools:
+            raise APIError("tools are not supported", param="tools")
+        if server.tokenizer is None:
+            raise APIError("this model has no tokenizer, so no chat template: use /v1/completions with token ids",
+                           param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = server.tokenizer.apply_chat_template(messages)
+        except (ValueError, jinja2.TemplateError) as e:
+            raise APIError(f"could not apply the chat template: {e}", param="messages") from None
+        max_tokens, max_param = req.max_tokens, "max_tokens"
+        if req.max_completion_tokens is not None:
+            max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+        base = _sampling_params(req, max_tokens)
+        ids = server.prompt_ids(server.tokenizer.encode(text), "messages")
+        budget = server.fit(ids, max_tokens, "messages", max_param)
+        cid = completion_id("chatcmpl")
+        queue, rids = await server.submit(cid, [ids], [budget], base, req.n, arrival)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _stream(server, queue, rids, cid, req.model, "chat.completion.chunk", len(ids), include_usage,
+                           base.stop)
+        finals = await server.collect(request, queue, rids)
+        choices = [{"index": i, "message": {"role": "assistant", "content": finals[i].text}, "logprobs": None,
+                    "finish_reason": finals[i].finish_reason} for i in range(len(rids))]
+        return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
+                "choices": choices,
+                "usage": make_usage(len(ids), sum(len(o.token_ids) for o in finals.values()))}
+
+    return app
+
+
+def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: str, num_prompt: int,
+            include_usage: bool, stops: list[str]) -> StreamingResponse:
+    """SSE: one chunk per new text of a choice, a finish chunk per choice, the usage chunk when asked for, then
+    `data: [DONE]`. A client that goes away cancels this generator: its requests are aborted (KV blocks freed)."""
+    created = int(time.time())
+    chat = obj == "chat.completion.chunk"
+    n = len(rids)
+
+    def chunk(choices, usage=None):
+        c = {"id": cid, "object": obj, "created": created, "model": model, "choices": choices}
+        if include_usage:
+            c["usage"] = usage
+        return _sse(c)
+
+    def choice(i, text=None, finish=None, role=False):
+        if chat:
+            delta = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    async def events():
+        texts = [_TextStream(stops) for _ in range(n)]
+        completion_tokens = [0] * n
+        try:
+            if chat:
+                for i in range(n):
+                    yield chunk([choice(i, "", role=True)])
+            async for i, out in AsyncEngine.results(queue, n):
+                completion_tokens[i] = len(out.token_ids)
+                delta = texts[i].delta(out.text, out.finished)
+                if delta:
+                    yield chunk([choice(i, delta)])
+                if out.finished:
+                    yield chunk([choice(i, None if chat else "", finish=out.finish_reason)])
+            if include_usage:
+                yield chunk([], make_usage(num_prompt, sum(completion_tokens)))
+            yield "data: [DONE]\n\n"
+        except EngineError as e:
+            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+            yield "data: [DONE]\n\n"
+        finally:
+            server.async_engine.abort(rids)  # a no-op for finished requests; frees the rest on a disconnect
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# ---- command line ------------------------------------------------------------------------------------------------
+
+def _resolve_draft(model: str, draft: str | None) -> str | None:
+    """'auto' -> the shipped default draft when the model has one; 'none' -> no draft."""
+    from eyas.loader.resolve import default_draft_path
+    if draft in (None, "none"):
+        return None
+    if draft == "auto":
+        return "default" if default_draft_path(model) is not None else None
+    return draft
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn)",
+                              description="OpenAI-compatible server: /v1/models, /v1/completions, "
+                                          "/v1/chat/completions, /health, /metrics")
+    p.add_argument("--model", default="smollm2", help="'smollm2', an HF directory or a .gguf file")
+    p.add_argument("--draft", default="auto",
+                   help="EAGLE draft directory, 'default' (the draft shipped for smollm2), 'none', or 'auto' "
+                        "(default: the shipped draft when there is one, so speculation is on)")
+    p.add_argument("--speculation", default=None,
+                   help="chain:K | tree:NAME (mc_sim_7b_63, 8, 16) | tree JSON file (default with a draft: chain:3)")
+    p.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting beyond the running batch at most; more get 503 with Retry-After")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def build_llm(args):
+    from eyas import LLM
+    kwargs = dict(max_num_seqs=args.max_num_seqs, block_size=args.block_size)
+    if args.max_model_len is not None:
+        kwargs["max_model_len"] = args.max_model_len
+    if args.num_blocks is not None:
+        kwargs["num_blocks"] = args.num_blocks
+    return LLM(args.model, device=args.device, dtype=args.dtype, draft=_resolve_draft(args.model, args.draft),
+               speculation=args.speculation, **kwargs)
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    llm = build_llm(args)
+    spec = f"speculation {llm.engine.tree.name}" if llm.draft is not None else "no speculation"
+    log.info("serving %s (%s) on http://%s:%d", args.served_model_name or args.model, spec, args.host, args.port)
+    app = create_app(llm, args.served_model_name or args.model, max_queue=args.max_queue)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eyas.serve.api_server ...`, the same as `eyas serve ...`."""
+    parser = argparse.ArgumentParser(prog="eyas")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    args = parser.parse_args(["serve", *(argv if argv is not None else __import__("sys").argv[1:])])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,336 @@
+"""The engine loop: one thread owns the (not thread-safe) `LLMEngine` and steps it while there is work.
+
+The asyncio side (the HTTP handlers) never touches the engine. It hands commands in through `_inbox` (a list under
+a condition variable: add a group of requests, abort requests), and gets outputs back on a per-request
+`asyncio.Queue`, filled from the loop thread with `loop.call_soon_threadsafe` (one call per engine step).
+
+Between two engine steps the loop thread drains the inbox, so new requests join the running batch at the next step
+(continuous batching) and aborted ones leave it, their KV blocks freed at once.
+
+Admission is bounded: at most `max_num_seqs + max_queue` requests live in the engine (the running batch plus a
+waiting queue of `max_queue`); beyond that `add` raises `QueueFull` and the server answers 503 with Retry-After.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from eyas.engine.engine import LLMEngine, RequestOutput
+from eyas.sampling_params import SamplingParams
+from eyas.serve.metrics import Metrics
+
+log = logging.getLogger("eyas.serve")
+
+
+class QueueFull(Exception):
+    """The engine holds as many requests as it may; try again later."""
+
+
+class EngineDead(RuntimeError):
+    """The engine loop is not running."""
+
+
+class EngineError(RuntimeError):
+    """An engine step failed; the requests in it were aborted."""
+
+
+@dataclass
+class _Tracker:
+    """Loop-thread-side state of one live request (one choice)."""
+    queue: asyncio.Queue
+    index: int  # the choice index within its HTTP request
+    arrival: float
+    first: float | None = None
+    last: float | None = None
+    calls: int = 0
+    committed: int = 0
+    accepted: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Add:
+    items: list[tuple[str, list[int] | str, SamplingParams]]  # (request id, prompt, params), one per choice
+    queue: asyncio.Queue
+    future: asyncio.Future
+    arrival: float
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None, max_queue: int = 256):
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._cv = threading.Condition()
+        self._inbox: list = []
+        self._lock = threading.Lock()  # guards _in_flight
+        self._in_flight = 0  # requests handed in and not yet finished or aborted
+        self._trackers: dict[str, _Tracker] = {}  # loop thread only
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._dead: str | None = None
+        self._steps_seen = dict(engine.step_counts)
+        self.spec_depth = engine.tree.max_depth if engine.draft is not None else 0
+        if metrics is not None:
+            metrics.set_tree_depth(self.spec_depth)
+            metrics.kv_total.set(engine.blocks.num_usable)
+            self._update_gauges()
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the loop thread; outputs are delivered on `loop` (default: the running loop)."""
+        if self._thread is not None:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="eyas-engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def capacity(self) -> int:
+        return self.engine.scheduler.max_num_seqs + self.max_queue
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._in_flight
+
+    # ---- the asyncio side -----------------------------------------------------------------------------------
+    async def add(self, items: list[tuple[str, list[int] | str, SamplingParams]],
+                  arrival: float | None = None) -> asyncio.Queue:
+        """Hand in a group of requests (the choices of one HTTP request), all or none. Returns the queue on which
+        `(choice index, RequestOutput)` items arrive (or an `EngineError`). Raises QueueFull, EngineDead, or the
+        engine's ValueError for bad input (nothing is left behind then)."""
+        if not self.alive:
+            raise EngineDead(self._dead or "the engine loop is not running")
+        with self._lock:
+            if self._in_flight + len(items) > self.capacity:
+                raise QueueFull(f"the server is at capacity ({self._in_flight} requests in flight, at most "
+                                f"{self.capacity}); retry later")
+            self._in_flight += len(items)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._submit(_Add(items, queue, fut, arrival or time.perf_counter()))
+        try:
+            await fut
+        except asyncio.CancelledError:  # the client went away while we waited: undo (the add comes first)
+            self.abort([rid for rid, _, _ in items])
+            raise
+        return queue
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (unknown or finished ones are ignored). Safe from any thread."""
+        if request_ids:
+            self._submit(_Abort(list(request_ids)))
+
+    def _submit(self, cmd) -> None:
+        with self._cv:
+            self._inbox.append(cmd)
+            self._cv.notify()
+
+    @staticmethod
+    async def results(queue: asyncio.Queue, n: int):
+        """Yield (index, RequestOutput) until all `n` choices have finished; raises an EngineError item."""
+        done = 0
+        while done < n:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item[1].finished:
+                done += 1
+
+    # ---- the loop thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while True:
+                with self._cv:
+                    while not self._inbox and not self._stopping and not eng.has_unfinished():
+                        self._cv.wait(timeout=1.0)
+                    cmds, self._inbox = self._inbox, []
+                    stopping = self._stopping
+                for cmd in cmds:
+                    if isinstance(cmd, _Add):
+                        self._handle_add(cmd)
+                    else:
+                        self._handle_abort(cmd.request_ids, "abort")
+                if stopping:
+                    self._handle_abort(list(self._trackers), "abort")
+                    break
+                if eng.has_unfinished():
+                    try:
+                        outs = eng.step()
+                    except Exception as e:  # never kill the loop: fail the requests of this batch, go on
+                        log.error("engine step failed:\n%s", traceback.format_exc())
+                        self._fail_all(e)
+                        outs = []
+                    self._dispatch(outs)
+                self._update_gauges()
+        except BaseException as e:  # a bug in the loop itself: say so on /health and to every waiting client
+            self._dead = f"the engine loop stopped: {e!r}"
+            log.critical("engine loop died:\n%s", traceback.format_exc())
+            self._fail_all(e)
+
+    def _deliver(self, deliveries: list[tuple[asyncio.Queue, object]]) -> None:
+        if not deliveries or self._loop is None:
+            return
+
+        def put():
+            for q, item in deliveries:
+                q.put_nowait(item)
+
+        try:
+            self._loop.call_soon_threadsafe(put)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            pass
+
+    def _resolve(self, fut: asyncio.Future, exc: BaseException | None) -> None:
+        def set_():
+            if not fut.done():
+                if exc is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(exc)
+
+        try:
+            self._loop.call_soon_threadsafe(set_)
+        except RuntimeError:
+            pass
+
+    def _release(self, n: int) -> None:
+        with self._lock:
+            self._in_flight -= n
+
+    def _handle_add(self, cmd: _Add) -> None:
+        eng, added = self.engine, []
+        try:
+            for rid, prompt, params in cmd.items:
+                eng.add_request(prompt, params, request_id=rid)
+                added.append(rid)
+        except Exception as e:
+            for rid in added:
+                eng.abort(rid)
+            self._release(len(cmd.items))
+            self._resolve(cmd.future, e if isinstance(e, ValueError) else EngineError(f"could not add: {e!r}"))
+            return
+        for i, (rid, _, _) in enumerate(cmd.items):
+            self._trackers[rid] = _Tracker(cmd.queue, i, cmd.arrival)
+        self._resolve(cmd.future, None)
+
+    def _handle_abort(self, request_ids: list[str], reason: str) -> None:
+        for rid in request_ids:
+            tr = self._trackers.pop(rid, None)
+            if tr is None:
+                continue
+            self.engine.abort(rid)
+            self._release(1)
+            if self.metrics is not None:
+                self.metrics.finished(reason).inc()
+
+    def _fail_all(self, e: BaseException) -> None:
+        err = EngineError(f"the engine failed while serving this request: {e!r}")
+        deliveries = []
+        for rid, tr in list(self._trackers.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                pass
+            deliveries.append((tr.queue, err))
+            self._trackers.pop(rid, None)
+            self._release(1)
+            if self.metrics is not None:
+                self.metrics.finished("error").inc()
+        self._deliver(deliveries)
+
+    def _dispatch(self, outs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        deliveries = []
+        m = self.metrics
+        for out in outs:
+            tr = self._trackers.get(out.request_id)
+            if tr is None:
+                continue
+            if m is not None:
+                self._account(tr, out, now)
+            deliveries.append((tr.queue, (tr.index, out)))
+            if out.finished:
+                del self._trackers[out.request_id]
+                self._release(1)
+        self._deliver(deliveries)
+        if m is not None:
+            counts = self.engine.step_counts
+            for kind in ("prefill", "decode"):
+                d = counts[kind] - self._steps_seen.get(kind, 0)
+                if d > 0:
+                    m.steps[kind].inc(d)
+                    if kind == "decode" and self.spec_depth:
+                        m.verify_steps.inc(d)
+                        m.draft_forwards.inc(d * self.spec_depth)
+            self._steps_seen = dict(counts)
+
+    def _account(self, tr: _Tracker, out: RequestOutput, now: float) -> None:
+        m = self.metrics
+        k = len(out.new_token_ids)
+        if k:
+            if tr.first is None:
+                tr.first = now
+                m.ttft.observe(now - tr.arrival)
+                m.prompt_tokens.inc(out.num_prompt_tokens)
+            else:
+                gap = (now - tr.last) / k
+                for _ in range(k):
+                    m.ttit.observe(gap)
+            tr.last = now
+            m.generation_tokens.inc(k)
+        st = out.stats
+        m.add_spec(st.target_calls - tr.calls, st.committed - tr.committed)
+        tr.calls, tr.committed = st.target_calls, st.committed
+        for d, v in enumerate(st.accepted_by_depth):
+            prev = tr.accepted[d] if d < len(tr.accepted) else 0
+            if v > prev:
+                m.accepted(d + 1).inc(v - prev)
+        tr.accepted = list(st.accepted_by_depth)
+        if out.finished:
+            m.e2e.observe(now - tr.arrival)
+            m.req_prompt_tokens.observe(out.num_prompt_tokens)
+            m.req_gen_tokens.observe(len(out.token_ids))
+            if st.target_calls:
+                m.req_tpc.observe(st.tokens_per_call)
+            m.finished(out.finish_reason or "stop").inc()
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        eng = self.engine
+        with self._cv:
+            handed_in = sum(len(c.items) for c in self._inbox if isinstance(c, _Add))
+        m.running.set(len(eng.scheduler.running))
+        m.waiting.set(len(eng.scheduler.waiting) + handed_in)
+        used, usable = eng.blocks.num_used, eng.blocks.num_usable
+        m.kv_used.set(used)
+        m.kv_usage.set(used / usable if usable else 0.0)

@@ -1,0 +1,191 @@
+"""Request and response models of the OpenAI-compatible API, and OpenAI's error JSON.
+
+Requests are validated in two layers:
+* the schema (pydantic): a field of the wrong type, a missing field, a body that is not a JSON object -> 422;
+* the values (here, `SamplingParams` and the engine): `max_tokens` < 1 or beyond the context, `temperature` < 0,
+  a prompt longer than the context, an unknown model, ... -> 400 (404 for an unknown model, as OpenAI does).
+Unknown extra fields are ignored, as vLLM does, so that clients sending newer OpenAI fields keep working.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+
+# ---- errors -------------------------------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """Raised by handlers; turned into `{"error": {...}}` with its HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(message: str, status: int = 400, type: str = "invalid_request_error", param: str | None = None,
+                   code: str | int | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
+
+
+def api_error_response(e: APIError) -> JSONResponse:
+    return error_response(e.message, e.status, e.type, e.param, e.code, e.headers)
+
+
+# ---- requests -----------------------------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    # strict numbers: `"max_tokens": true` or `"n": 2.5` is a schema error, not 1 or 2; an int is a valid float.
+    # No NaN or infinity: they would reach the sampler.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: StrictBool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by both endpoints. Types are checked here; values by SamplingParams and the engine."""
+    model: str
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None  # None: 1.0, OpenAI's default
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None  # not in OpenAI's API; vLLM's extension
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: StrictBool = False  # vLLM's extension
+    user: str | None = None
+    # accepted for compatibility, but only their neutral values (checked in the server)
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    # a string, a list of strings, a list of token ids, or a list of lists of token ids
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None  # the newer name of max_tokens
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    response_format: dict | None = None
+
+
+# ---- responses ----------------------------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens).model_dump()
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+def completion_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "eyas"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,44 @@
+"""The EAGLE-1 distillation loss.
+
+    loss = w_ce * CE(draft logits, softmax(target logits)) + w_l1 * SmoothL1(draft feature, target feature)
+
+Both terms are averaged over the masked positions: SmoothL1 (beta 1) is first averaged over the hidden dimension,
+the cross-entropy is summed over the vocabulary (soft labels from the target), exactly as SafeAILab/EAGLE computes
+them. Defaults w_ce = 0.1, w_l1 = 1.0 as in the paper.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class LossOut:
+    loss: torch.Tensor  # scalar, differentiable
+    ce: torch.Tensor  # scalar (detached)
+    l1: torch.Tensor  # scalar (detached)
+    correct: torch.Tensor  # number of masked positions whose draft argmax equals the target's (detached)
+    count: torch.Tensor  # number of masked positions
+
+
+def distill_loss(draft_hidden: torch.Tensor, target_hidden: torch.Tensor, draft_logits: torch.Tensor,
+                 target_logits: torch.Tensor, mask: torch.Tensor | None = None, w_ce: float = 0.1,
+                 w_l1: float = 1.0) -> LossOut:
+    """hidden [..., H], logits [..., V], mask [...] (bool or 0/1; None = all positions). Computed in float32."""
+    if mask is None:
+        mask = torch.ones(draft_hidden.shape[:-1], device=draft_hidden.device)
+    m = mask.to(torch.float32)
+    count = m.sum()
+    denom = count.clamp(min=1.0)
+    l1 = F.smooth_l1_loss(draft_hidden.float(), target_hidden.float(), reduction="none", beta=1.0).mean(-1)
+    l1 = (l1 * m).sum() / denom
+    p = target_logits.float().softmax(-1)
+    logq = draft_logits.float().log_softmax(-1)
+    ce = -(p * logq).sum(-1)
+    ce = (ce * m).sum() / denom
+    loss = w_ce * ce + w_l1 * l1
+    with torch.no_grad():
+        correct = ((draft_logits.argmax(-1) == target_logits.argmax(-1)).float() * m).sum()
+    return LossOut(loss, ce.detach(), l1.detach(), correct, count)

@@ -1,0 +1,630 @@
+"""EAGLE-1 draft training by online distillation: `eyas train-draft`.
+
+The target is frozen and runs inside the loop. For every batch it computes the final hidden states h (after the
+final norm) and, at the trained positions, its logits; nothing is precomputed to disk. Draft position t reads
+(embed(x_{t+1}), h_t) and must predict h_{t+1} (SmoothL1) and the target's distribution at t+1, i.e. for token
+x_{t+2} (soft cross-entropy through the shared, frozen LM head). The loss mask is the assistant mask of x_{t+2}.
+
+Training: AdamW, linear warm-up then cosine decay, gradient clipping, bf16 autocast on CUDA (fp32 master weights),
+optional uniform or Gaussian noise on the target features (EAGLE: uniform, width 0.2), a fixed seed. Several drafts
+(e.g. `--layers 1 2 3`) can be trained side by side on the same batches: the target runs once per batch for all.
+
+Checkpoints hold drafts, optimisers, schedulers, the noise RNG and the data position (epoch, batch): the batch plan
+is a pure function of (seed, epoch), so a resumed run repeats the uninterrupted run's loss curve.
+
+Evaluation on held-out conversations: the distillation loss, top-1 accuracy per depth (depth d: the draft is unrolled
+on its own predicted features for d-1 steps, with the data's tokens, exactly as a chain step sees it when the
+earlier tokens were accepted) and the TPC of `chain:3` through the engine on the held-out first turns.
+
+Output: the EAGLE-1 checkpoint layout (config.json + model.safetensors, bf16 by default) and `training.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from eyas.models.eagle import EagleDraft
+from eyas.train.data import Example, batch_indices, collate, load_examples, plan_epoch, split_heldout
+from eyas.train.loss import distill_loss
+
+
+@dataclass
+class TrainConfig:
+    data: list[str] = field(default_factory=list)
+    out: str = "runs/draft"
+    target: str = "smollm2"
+    layers: list[int] = field(default_factory=lambda: [1])
+    device: str = "auto"
+    target_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    amp: bool = True  # bf16 autocast for the draft on CUDA
+    max_len: int = 2048
+    limit: int | None = None  # read at most this many conversations
+    heldout: int = 64  # conversations kept out of training, for evaluation
+    batch_tokens: int = 16384  # padded tokens per batch (B * T)
+    max_batch: int = 64
+    epochs: int = 1
+    max_steps: int | None = None  # cap on the schedule's length
+    stop_after: int | None = None  # stop (and checkpoint) at this step; the schedule is unchanged
+    time_budget: float | None = None  # seconds of training after which to stop (and checkpoint)
+    lr: float = 5e-4
+    min_lr_ratio: float = 0.05
+    warmup_steps: int | None = None  # None: 3% of the schedule
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 0.5
+    w_ce: float = 0.1
+    w_l1: float = 1.0
+    noise: str = "uniform"  # none | uniform | gaussian
+    noise_std: float = 0.2  # uniform: U(-std/2, std/2) as EAGLE; gaussian: N(0, std)
+    seed: int = 0
+    init: str | None = None  # start from this EAGLE checkpoint (single draft only)
+    eval_every: int = 0  # steps; 0: only at the end
+    eval_depth: int = 3
+    eval_batch_tokens: int = 8192
+    eval_conversations: int | None = None  # None: all held-out conversations for the loss / accuracy
+    tpc_prompts: int = 32  # held-out first turns for the chain:3 TPC (0: skip)
+    tpc_max_tokens: int = 64
+    save_every: int = 0  # steps; 0: only at the end
+    keep_checkpoints: int = 2
+    resume: str | None = None  # a checkpoint file, or "auto" (latest under out/checkpoints)
+    save_dtype: str = "bfloat16"
+    progress: bool = True
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------------
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _autocast(device: torch.device, enabled: bool):
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled and device.type == "cuda")
+
+
+def lr_lambda(total: int, warmup: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def make_draft(target, layers: int) -> EagleDraft:
+    from eyas.layers.rotary import RotaryEmbedding
+    tcfg = target.config
+    cfg = dataclasses.replace(tcfg, num_hidden_layers=layers, fc_bias=False)
+    draft = EagleDraft(cfg)
+    draft.rope = RotaryEmbedding.for_config(cfg, tcfg.max_position_embeddings)  # as load_draft builds it
+    return draft
+
+
+def _rng_state(noise_gen: torch.Generator) -> dict:
+    st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+          "noise": noise_gen.get_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(st: dict, noise_gen: torch.Generator) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    noise_gen.set_state(st["noise"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def draft_inputs(target, ids: torch.Tensor, amask: torch.Tensor):
+    """One target pass -> (token embeds [B,T-1,H], features h_t [B,T-1,H], positions [B,T-1], target features
+    h_{t+1} [B,T-1,H], loss mask [B,T-1] (assistant mask of x_{t+2}))."""
+    B, T = ids.shape
+    pos = torch.arange(T, device=ids.device)[None, :].expand(B, T)
+    with torch.no_grad():
+        h = target(ids, pos)
+        emb = target.embed(ids[:, 1:])
+    lmask = torch.zeros(B, T - 1, dtype=torch.bool, device=ids.device)
+    lmask[:, : T - 2] = amask[:, 2:]
+    return emb, h[:, :-1], pos[:, :-1], h[:, 1:], lmask
+
+
+def _noise(x: torch.Tensor, kind: str, std: float, gen: torch.Generator) -> torch.Tensor:
+    if kind == "none" or std <= 0:
+        return x
+    if kind == "uniform":
+        n = (torch.rand(x.shape, generator=gen, device=x.device, dtype=torch.float32) - 0.5) * std
+    elif kind == "gaussian":
+        n = torch.randn(x.shape, generator=gen, device=x.device, dtype=torch.float32) * std
+    else:
+        raise ValueError(f"noise must be none, uniform or gaussian, got {kind!r}")
+    return (x.float() + n).to(x.dtype)
+
+
+# ---- unrolled evaluation -----------------------------------------------------------------------------------------
+
+def stream_mask(S: int, T: int, device) -> torch.Tensor:
+    """Attention mask [S*T, S*T] for S streams of the draft over T positions.
+
+    Stream 1 reads the target's features (causal). Stream s >= 2 at index p is the draft's (s-1)-th step of a chain
+    rooted at t = p - s + 1: its input feature is stream s-1's output at p-1, and it sees stream 1 at indices <= t
+    (the draft KV cache of committed history) and stream r (2 <= r <= s) at index p - (s - r) only (its own chain).
+    """
+    p = torch.arange(T, device=device)
+    M = torch.zeros(S * T, S * T, dtype=torch.bool, device=device)
+    for s in range(1, S + 1):
+        for r in range(1, s + 1):
+            if r == 1:
+                blk = p[None, :] <= (p[:, None] - (s - 1))
+            else:
+                blk = p[None, :] == (p[:, None] - (s - r))
+            M[(s - 1) * T: s * T, (r - 1) * T: r * T] = blk
+    return M
+
+
+def _layer_masked(layer, x, positions, rope, mask):
+    a = layer.self_attn
+    h = layer.input_layernorm(x)
+    B, Q, _ = h.shape
+    q = a.q_proj(h).view(B, Q, a.n_heads, a.head_dim)
+    k = a.k_proj(h).view(B, Q, a.n_kv, a.head_dim)
+    v = a.v_proj(h).view(B, Q, a.n_kv, a.head_dim)
+    q, k = rope(positions, q, k)
+    G = a.n_heads // a.n_kv
+    k, v = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, scale=a.scale)
+    x = x + a.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def unrolled_streams(draft: EagleDraft, emb: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
+                     depth: int) -> list[torch.Tensor]:
+    """Outputs [B, T, H] of streams 1..depth (stream d = the draft's d-th chain step, see `stream_mask`)."""
+    B, T, H = feats.shape
+    feats = feats.to(emb.dtype)
+    stream_feats = [feats]
+    outs: list[torch.Tensor] = []
+    for S in range(1, depth + 1):
+        x_in = torch.cat([torch.cat([emb, f], -1) for f in stream_feats], 1)  # [B, S*T, 2H]
+        x = draft.fc(x_in)
+        pos = positions.repeat(1, S)
+        mask = stream_mask(S, T, emb.device)
+        for layer in draft.layers:
+            x = _layer_masked(layer, x, pos, draft.rope, mask)
+        last = x[:, (S - 1) * T:]
+        outs.append(last)
+        nxt = torch.zeros_like(feats)
+        nxt[:, 1:] = last[:, :-1].to(feats.dtype)
+        stream_feats.append(nxt)
+    return outs
+
+
+@torch.no_grad()
+def evaluate(target, drafts: list[EagleDraft], examples: list[Example], cfg: TrainConfig, device,
+             tokenizer=None) -> list[dict]:
+    """Held-out loss, top-1 accuracy by depth and chain:3 TPC, for each draft."""
+    amp = cfg.amp
+    was_training = [d.training for d in drafts]
+    for d in drafts:
+        d.eval()
+    exs = examples if cfg.eval_conversations is None else examples[: cfg.eval_conversations]
+    order = sorted(range(len(exs)), key=lambda i: len(exs[i]))
+    res = [{"loss": 0.0, "ce": 0.0, "l1": 0.0, "n": 0.0, "correct": [0.0] * cfg.eval_depth,
+            "count": [0.0] * cfg.eval_depth} for _ in drafts]
+    i = 0
+    while i < len(order):  # batches of similar length within eval_batch_tokens
+        j = i + 1
+        while j < len(order) and (j - i + 1) * len(exs[order[j]]) <= cfg.eval_batch_tokens:
+            j += 1
+        ids, amask = collate(exs, order[i:j])
+        i = j
+        ids, amask = ids.to(device), amask.to(device)
+        emb, feats, pos, tgt_h, lmask = draft_inputs(target, ids, amask)
+        with _autocast(device, amp):
+            tlog_all = None
+            for k, d in enumerate(drafts):
+                outs = unrolled_streams(d, emb, feats, pos, cfg.eval_depth)
+                r = res[k]
+                sel = lmask
+                if tlog_all is None:
+                    tlog_all = target.compute_logits(tgt_h[sel])  # target logits at t+1, for all depths
+                    tsel_idx = sel.nonzero()
+                out1 = outs[0][sel]
+                lo = distill_loss(out1, tgt_h[sel], target.compute_logits(out1.to(tgt_h.dtype)), tlog_all,
+                                  None, cfg.w_ce, cfg.w_l1)
+                n = float(lo.count)
+                r["loss"] += float(lo.loss) * n
+                r["ce"] += float(lo.ce) * n
+                r["l1"] += float(lo.l1) * n
+                r["n"] += n
+                t_arg = tlog_all.argmax(-1)
+                for dep, o in enumerate(outs):
+                    # stream dep+1 at index p is rooted at p - dep: valid where that root exists
+                    valid = tsel_idx[:, 1] >= dep
+                    d_arg = target.compute_logits(o[sel].to(tgt_h.dtype)).argmax(-1)
+                    r["correct"][dep] += float(((d_arg == t_arg) & valid).sum())
+                    r["count"][dep] += float(valid.sum())
+    out = []
+    for r in res:
+        n = max(r["n"], 1.0)
+        out.append({"loss": r["loss"] / n, "ce": r["ce"] / n, "l1": r["l1"] / n, "positions": int(r["n"]),
+                    "acc_by_depth": [c / max(m, 1.0) for c, m in zip(r["correct"], r["count"])]})
+    if cfg.tpc_prompts > 0:
+        for k, d in enumerate(drafts):
+            out[k].update(tpc_eval(target, d, examples, tokenizer, cfg.tpc_prompts, cfg.tpc_max_tokens))
+    for d, w in zip(drafts, was_training):
+        d.train(w)
+    return out
+
+
+def tpc_eval(target, draft: EagleDraft, examples: list[Example], tokenizer, n_prompts: int, max_tokens: int,
+             speculation: str = "chain:3") -> dict:
+    """TPC of `speculation` through the engine, greedy, on the first turns of held-out conversations."""
+    from eyas.engine.engine import EngineConfig, LLMEngine
+    from eyas.sampling_params import SamplingParams
+    from eyas.spec.tree import resolve_tree
+
+    limit = target.config.max_position_embeddings - max_tokens - 16
+    prompts = [p for p in (e.prompt_ids() for e in examples) if 0 < len(p) <= min(limit, 1024)][:n_prompts]
+    if not prompts:
+        return {}
+    p = next(target.parameters())
+    d = copy.deepcopy(draft).to(device=p.device, dtype=p.dtype).eval().requires_grad_(False)
+    need = sum(len(x) + max_tokens + 16 for x in prompts)
+    engine = LLMEngine(target, tokenizer, d, resolve_tree(speculation),
+                       EngineConfig(num_blocks=need // 16 + len(prompts) * 2 + 8, max_num_seqs=len(prompts)))
+    seqs = [engine.add_request(x, SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0)) for x in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    calls = sum(s.stats.target_calls for s in seqs)
+    committed = sum(s.stats.committed for s in seqs)
+    del engine, d
+    return {f"tpc_{speculation}": committed / max(calls, 1), "tpc_prompts": len(prompts)}
+
+
+# ---- checkpoints -------------------------------------------------------------------------------------------------
+
+def _ckpt_dir(cfg: TrainConfig) -> Path:
+    return Path(cfg.out) / "checkpoints"
+
+
+def latest_checkpoint(cfg: TrainConfig) -> Path | None:
+    files = sorted(_ckpt_dir(cfg).glob("step-*.pt"))
+    return files[-1] if files else None
+
+
+def save_checkpoint(cfg, state: dict) -> Path:
+    d = _ckpt_dir(cfg)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"step-{state['step']:07d}.pt"
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    old = sorted(d.glob("step-*.pt"))
+    for f in old[: max(len(old) - cfg.keep_checkpoints, 0)]:
+        f.unlink()
+    return path
+
+
+# ---- the loop ----------------------------------------------------------------------------------------------------
+
+def _out_dirs(cfg: TrainConfig) -> list[Path]:
+    if len(cfg.layers) == 1:
+        return [Path(cfg.out)]
+    return [Path(cfg.out) / f"layers-{L}" for L in cfg.layers]
+
+
+def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Example] | None = None,
+          heldout_examples: list[Example] | None = None) -> dict:
+    """Train draft(s); returns the summary also written to training.json. `target`/`tokenizer`/examples may be
+    given (tests, several runs in one process); otherwise they are loaded from cfg."""
+    from eyas.loader.eagle import save_draft
+    from eyas.loader.resolve import load_target, resolve_device
+
+    t_start = time.perf_counter()
+    device = resolve_device(cfg.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if target is None:  # loaded on the CPU first: the data is tokenised by forked workers before CUDA starts
+        target, tokenizer = load_target(cfg.target, "cpu", _dtype(cfg.target_dtype, device))
+    target.eval().requires_grad_(False)
+    t_loaded = time.perf_counter()
+    if train_examples is None:
+        if not cfg.data:
+            raise ValueError("no training data: give --data FILE.jsonl[.gz] ...")
+        exs = load_examples(cfg.data, tokenizer, cfg.max_len, cfg.limit, target.config.vocab_size)
+        if len(exs) < 2:
+            raise ValueError(f"the data has {len(exs)} usable conversations; need at least 2")
+        train_examples, held = split_heldout(exs, cfg.heldout, cfg.seed)
+        heldout_examples = held if heldout_examples is None else heldout_examples
+    heldout_examples = heldout_examples or []
+    target.to(device)
+    t_data = time.perf_counter()
+    if not train_examples:
+        raise ValueError("no training examples")
+    for L in cfg.layers:
+        if not 1 <= L <= 3:
+            raise ValueError(f"--layers must be 1, 2 or 3, got {L}")
+    if cfg.init is not None and len(cfg.layers) != 1:
+        raise ValueError("--init works with a single --layers value")
+
+    # drafts, optimisers, schedules
+    torch.manual_seed(cfg.seed)
+    drafts = []
+    for L in cfg.layers:
+        d = make_draft(target, L)
+        if cfg.init is not None:
+            from eyas.loader.hf import load_weights, read_config
+            from eyas.config import ModelConfig
+            icfg = ModelConfig.from_hf(read_config(Path(cfg.init)))
+            if icfg.num_hidden_layers != L:
+                raise ValueError(f"--init {cfg.init} has {icfg.num_hidden_layers} layers, --layers says {L}")
+            st = {k.removeprefix("model."): v.float() for k, v in load_weights(Path(cfg.init), True).items()}
+            d.load_state_dict(st, strict=False)
+        drafts.append(d.to(device=device, dtype=torch.float32).train())
+    opts = [torch.optim.AdamW(d.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                              weight_decay=cfg.weight_decay) for d in drafts]
+    lengths = [len(e) for e in train_examples]
+    per_epoch = [len(plan_epoch(lengths, cfg.batch_tokens, cfg.max_batch, cfg.seed, e)) for e in range(cfg.epochs)]
+    total = sum(per_epoch)
+    if cfg.max_steps is not None:
+        total = min(total, cfg.max_steps)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.03 * total))
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(total, warmup, cfg.min_lr_ratio)) for o in opts]
+    noise_gen = torch.Generator(device=device)
+    noise_gen.manual_seed(cfg.seed + 1)
+
+    step, epoch0, batch0 = 0, 0, 0
+    history: list[dict] = []
+    evals: list[dict] = []
+    tokens_seen = 0
+    train_time = 0.0
+    resume = cfg.resume
+    if resume == "auto":
+        resume = latest_checkpoint(cfg)
+    if resume:
+        ck = torch.load(resume, map_location="cpu", weights_only=False)
+        if ck["layers"] != list(cfg.layers):
+            raise ValueError(f"checkpoint {resume} trains layers {ck['layers']}, not {cfg.layers}")
+        for d, s in zip(drafts, ck["drafts"]):
+            d.load_state_dict(s)
+        for o, s in zip(opts, ck["optims"]):
+            o.load_state_dict(s)
+        for sc, s in zip(scheds, ck["scheds"]):
+            sc.load_state_dict(s)
+        _set_rng_state(ck["rng"], noise_gen)
+        step, epoch0, batch0 = ck["step"], ck["epoch"], ck["batch"]
+        history, evals = ck["history"], ck["evals"]
+        tokens_seen, train_time = ck["tokens_seen"], ck["train_time"]
+
+    def checkpoint(epoch, batch):
+        return save_checkpoint(cfg, {
+            "step": step, "epoch": epoch, "batch": batch, "layers": list(cfg.layers),
+            "drafts": [d.state_dict() for d in drafts], "optims": [o.state_dict() for o in opts],
+            "scheds": [s.state_dict() for s in scheds], "rng": _rng_state(noise_gen), "history": history,
+            "evals": evals, "tokens_seen": tokens_seen, "train_time": train_time, "config": asdict(cfg)})
+
+    def run_eval():
+        if not heldout_examples:
+            return
+        st = _rng_state(noise_gen)  # evaluation must not disturb the training RNG streams
+        res = evaluate(target, drafts, heldout_examples, cfg, device, tokenizer)
+        _set_rng_state(st, noise_gen)
+        evals.append({"step": step, "drafts": {f"layers-{L}": r for L, r in zip(cfg.layers, res)}})
+        msg = "; ".join(f"L{L}: loss {r['loss']:.4f} acc@depth " + "/".join(f"{a:.3f}" for a in r["acc_by_depth"])
+                        + (f" tpc(chain:3) {r['tpc_chain:3']:.3f}" if "tpc_chain:3" in r else "")
+                        for L, r in zip(cfg.layers, res))
+        tqdm.write(f"[eval step {step}] {msg}")
+
+    if step == 0 and cfg.eval_every:
+        run_eval()
+    tty = sys.stderr.isatty()
+    bar = tqdm(total=total, initial=step, disable=not cfg.progress, desc="train-draft", dynamic_ncols=True,
+               mininterval=0.5 if tty else 15.0)
+    stopped = None
+    epoch, bi = epoch0, batch0
+    t_window, tok_window = time.perf_counter(), 0
+    try:
+        for epoch in range(epoch0, cfg.epochs):
+            plan = plan_epoch(lengths, cfg.batch_tokens, cfg.max_batch, cfg.seed, epoch)
+            bi = batch0 if epoch == epoch0 else 0
+            while bi < len(plan) and step < total:
+                t0 = time.perf_counter()
+                ids, amask = collate(train_examples, plan[bi])
+                ntok = sum(lengths[i] for i in plan[bi])
+                ids, amask = ids.to(device, non_blocking=True), amask.to(device, non_blocking=True)
+                emb, feats, pos, tgt_h, lmask = draft_inputs(target, ids, amask)
+                feats = _noise(feats, cfg.noise, cfg.noise_std, noise_gen)
+                tgt_sel = tgt_h[lmask]
+                with torch.no_grad():
+                    tlog = target.compute_logits(tgt_sel)
+                rec = {"step": step + 1, "tokens": ntok, "positions": int(tgt_sel.shape[0])}
+                for L, d, o, sc in zip(cfg.layers, drafts, opts, scheds):
+                    with _autocast(device, cfg.amp):
+                        out = d(emb, feats, pos)
+                        o_sel = out[lmask]
+                        dlog = target.compute_logits(o_sel.to(tgt_h.dtype))
+                    lo = distill_loss(o_sel, tgt_sel, dlog, tlog, None, cfg.w_ce, cfg.w_l1)
+                    o.zero_grad(set_to_none=True)
+                    lo.loss.backward()
+                    gn = torch.nn.utils.clip_grad_norm_(d.parameters(), cfg.grad_clip)
+                    o.step()
+                    lr = sc.get_last_lr()[0]
+                    sc.step()
+                    cnt = max(float(lo.count), 1.0)
+                    rec[f"layers-{L}"] = {"loss": float(lo.loss.detach()), "ce": float(lo.ce), "l1": float(lo.l1),
+                                          "acc": float(lo.correct) / cnt, "grad_norm": float(gn), "lr": lr}
+                    del out, o_sel, dlog, lo
+                step += 1
+                bi += 1
+                tokens_seen += ntok
+                tok_window += ntok
+                dt = time.perf_counter() - t0
+                train_time += dt
+                history.append(rec)
+                first = rec[f"layers-{cfg.layers[0]}"]
+                now = time.perf_counter()
+                if now - t_window > 2.0:
+                    rate = tok_window / (now - t_window)
+                    t_window, tok_window = now, 0
+                    bar.set_postfix(loss=f"{first['loss']:.4f}", acc=f"{first['acc']:.3f}", tok_s=f"{rate:,.0f}",
+                                    refresh=False)
+                bar.update(1)
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+                    run_eval()
+                if cfg.save_every and step % cfg.save_every == 0 and step < total:
+                    checkpoint(epoch, bi)
+                if cfg.stop_after is not None and step >= cfg.stop_after and step < total:
+                    stopped = f"stop_after={cfg.stop_after}"
+                elif cfg.time_budget is not None and train_time >= cfg.time_budget and step < total:
+                    stopped = f"time_budget={cfg.time_budget}s"
+                if stopped:
+                    break
+            if stopped or step >= total:
+                break
+    finally:
+        bar.close()
+    if bi >= len(plan_epoch(lengths, cfg.batch_tokens, cfg.max_batch, cfg.seed, epoch)):
+        epoch, bi = epoch + 1, 0
+    ck_path = checkpoint(epoch, bi)
+    if stopped is None:
+        run_eval()
+
+    # outputs
+    final = evals[-1]["drafts"] if evals else {}
+    summary_common = {
+        "target": cfg.target, "data": [str(p) for p in cfg.data], "train_conversations": len(train_examples),
+        "heldout_conversations": len(heldout_examples), "epochs": cfg.epochs, "steps": step, "schedule_steps": total,
+        "warmup_steps": warmup, "finished": stopped is None, "stopped": stopped, "tokens_seen": tokens_seen,
+        "train_seconds": round(train_time, 2), "tokens_per_second": round(tokens_seen / max(train_time, 1e-9), 1),
+        "wall_seconds": round(time.perf_counter() - t_start, 2),
+        "load_seconds": round(t_loaded - t_start, 2), "data_seconds": round(t_data - t_loaded, 2),
+        "loss_weights": {"w_ce": cfg.w_ce, "w_l1": cfg.w_l1},
+        "optimizer": {"name": "AdamW", "lr": cfg.lr, "betas": [cfg.beta1, cfg.beta2],
+                      "weight_decay": cfg.weight_decay, "schedule": "linear warm-up + cosine",
+                      "min_lr_ratio": cfg.min_lr_ratio, "grad_clip": cfg.grad_clip},
+        "noise": {"kind": cfg.noise, "std": cfg.noise_std}, "batch_tokens": cfg.batch_tokens, "max_len": cfg.max_len,
+        "seed": cfg.seed, "device": str(device) + (f" ({torch.cuda.get_device_name(device)})"
+                                                   if device.type == "cuda" else ""),
+        "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "amp": bool(cfg.amp and device.type == "cuda"), "checkpoint": str(ck_path),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__,
+    }
+    outs = _out_dirs(cfg)
+    per_draft = {}
+    for L, d, od in zip(cfg.layers, drafts, outs):
+        key = f"layers-{L}"
+        if step > 0:
+            save_draft(d, od, dtype=_dtype(cfg.save_dtype, torch.device("cpu")))
+        info = dict(summary_common, layers=L, final_metrics=final.get(key, {}),
+                    final_train_loss=history[-1][key]["loss"] if history else None,
+                    evals=[{"step": e["step"], **e["drafts"][key]} for e in evals])
+        od.mkdir(parents=True, exist_ok=True)
+        (od / "training.json").write_text(json.dumps(info, indent=2))
+        per_draft[key] = info
+    summary = dict(summary_common, layers=list(cfg.layers), final_metrics=final, outputs=[str(o) for o in outs])
+    summary["loss_curve"] = [{"step": h["step"], **{k: v["loss"] for k, v in h.items() if k.startswith("layers-")}}
+                             for h in history]
+    if len(outs) > 1:
+        (Path(cfg.out) / "training.json").write_text(json.dumps(summary, indent=2))
+    with open(Path(cfg.out) / "metrics.jsonl", "w") as f:
+        for h in history:
+            f.write(json.dumps(h) + "\n")
+        for e in evals:
+            f.write(json.dumps({"eval": e}) + "\n")
+    summary["history"] = history
+    summary["evals"] = evals
+    return summary
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------------------
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `train-draft` on the eyas CLI's subparsers."""
+    d = TrainConfig()
+    p = subparsers.add_parser("train-draft", help="train an EAGLE draft by online distillation from the target",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default=d.target, help="'smollm2', an HF directory or a .gguf file")
+    p.add_argument("--data", nargs="+", required=True, help="jsonl[.gz] files of conversations")
+    p.add_argument("--layers", nargs="+", type=int, default=d.layers,
+                   help="decoder layers of the draft (1, 2 or 3); several values train drafts side by side")
+    p.add_argument("--out", required=True, help="output directory (EAGLE checkpoint + training.json)")
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--target-dtype", default=d.target_dtype)
+    p.add_argument("--no-amp", dest="amp", action="store_false", help="no bf16 autocast on CUDA")
+    p.add_argument("--max-len", type=int, default=d.max_len)
+    p.add_argument("--limit", type=int, default=None, help="read at most N conversations")
+    p.add_argument("--heldout", type=int, default=d.heldout, help="conversations kept out for evaluation")
+    p.add_argument("--batch-tokens", type=int, default=d.batch_tokens)
+    p.add_argument("--max-batch", type=int, default=d.max_batch)
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--stop-after", type=int, default=None, help="stop and checkpoint at this step")
+    p.add_argument("--time-budget", type=float, default=None, help="stop and checkpoint after N seconds of training")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
+    p.add_argument("--warmup-steps", type=int, default=None)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
+    p.add_argument("--w-ce", type=float, default=d.w_ce)
+    p.add_argument("--w-l1", type=float, default=d.w_l1)
+    p.add_argument("--noise", choices=["none", "uniform", "gaussian"], default=d.noise)
+    p.add_argument("--noise-std", type=float, default=d.noise_std)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--init", default=None, help="start from this EAGLE checkpoint")
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-depth", type=int, default=d.eval_depth)
+    p.add_argument("--eval-conversations", type=int, default=None)
+    p.add_argument("--tpc-prompts", type=int, default=d.tpc_prompts)
+    p.add_argument("--tpc-max-tokens", type=int, default=d.tpc_max_tokens)
+    p.add_argument("--save-every", type=int, default=d.save_every)
+    p.add_argument("--resume", default=None, help="a checkpoint file, or 'auto' for the latest under OUT")
+    p.add_argument("--save-dtype", default=d.save_dtype, choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.set_defaults(func=run)
+    return p
+
+
+def config_from_args(args) -> TrainConfig:
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def run(args) -> int:
+    cfg = config_from_args(args)
+    summary = train(cfg)
+    final = summary["final_metrics"]
+    print(json.dumps({"outputs": summary["outputs"], "steps": summary["steps"],
+                      "tokens_per_second": summary["tokens_per_second"], "train_seconds": summary["train_seconds"],
+                      "wall_seconds": summary["wall_seconds"], "final_metrics": final}, indent=2))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eyas.train.trainer")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["train-draft", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
