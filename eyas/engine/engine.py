@@ -28,6 +28,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's context length
+    cuda_graphs: bool = False  # replay whole decode steps from CUDA graphs (device="cuda")
 
 
 @dataclass
@@ -51,7 +52,8 @@ class LLMEngine:
         mcfg = target.config
         self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         num_blocks = cfg.num_blocks or self._blocks_from_memory(target, draft)
-        self.runner = ModelRunner(target, draft, tree, num_blocks, cfg.block_size)
+        self.runner = ModelRunner(target, draft, tree, num_blocks, cfg.block_size, cuda_graphs=cfg.cuda_graphs,
+                                  max_model_len=self.max_model_len)
         self.tree = self.runner.tree
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,

@@ -34,11 +34,12 @@ def block_tables_of(seqs: list[Sequence], width: int | None = None) -> torch.Ten
 
 class ModelRunner:
     def __init__(self, target: LlamaForCausalLM, draft: EagleDraft | None, tree: Tree | None, num_blocks: int,
-                 block_size: int, use_triton: bool | None = None, cuda_graphs: bool = False):
+                 block_size: int, use_triton: bool | None = None, cuda_graphs: bool = False,
+                 max_model_len: int = 0):
         p = next(target.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.target, self.draft = target, draft
-        self.tree = tree if (tree is not None and draft is not None) else Tree.chain(0)
+        self.tree = (tree if (tree is not None and draft is not None) else Tree.chain(0)).to(self.device)
         self.block_size = block_size
         self.use_triton = (self.device.type == "cuda") if use_triton is None else use_triton
         cfg = target.config
@@ -50,8 +51,10 @@ class ModelRunner:
                                                 self.device)
         self.graphs = None
         if cuda_graphs:
+            if self.device.type != "cuda":
+                raise ValueError("CUDA graphs need device='cuda'")
             from eyas.engine.cuda_graph import GraphedStep
-            self.graphs = GraphedStep(self)
+            self.graphs = GraphedStep(self, max_model_len)
 
     @property
     def lookahead(self) -> int:

@@ -39,7 +39,8 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
 def uniform(seeds: torch.Tensor, counters: torch.Tensor, index: torch.Tensor | int) -> torch.Tensor:
     """U[0, 1) float32, one per broadcast element of (seeds, counters, index); strictly inside (0, 1)."""
     h = splitmix64(splitmix64(seeds.long()) ^ counters.long())
-    h = splitmix64(h + torch.as_tensor(index, dtype=torch.long, device=seeds.device))
+    # a Python int is added as a scalar (no host->device copy, so this runs inside CUDA graph capture)
+    h = splitmix64(h + (index if isinstance(index, int) else index.long()))
     bits = _shr(h, 40)  # 24 random bits
     return (bits.float() + 0.5) / float(1 << 24)
 

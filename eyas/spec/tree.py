@@ -38,6 +38,12 @@ class Tree:
     levels: list[range]  # node indices of each depth, levels[0] = range(0, 1)
     topk_per_level: list[int]  # how many draft candidates each level's nodes need (max child rank + 1)
 
+    def to(self, device) -> "Tree":
+        """The same tree with its tensors on `device` (so that a step makes no host->device copies)."""
+        from dataclasses import replace
+        return replace(self, parents=self.parents.to(device), depth=self.depth.to(device), rank=self.rank.to(device),
+                       ancestor_mask=self.ancestor_mask.to(device), children=self.children.to(device))
+
     @property
     def num_nodes(self) -> int:
         """Draft tokens in the tree (the root excluded)."""

@@ -1,0 +1,82 @@
+"""CUDA graphs of the whole speculative step, one per batch-size bucket (and the runner's one tree shape).
+
+The graph replays `spec_step` (draft catch-up, every tree level, verification, acceptance and sampling, and the KV
+commit) from static input buffers. A step pads its batch up to the bucket: padded rows have block tables of zeros,
+so everything they write lands in the scratch block 0, and their outputs are ignored. The reference beside this
+fast path is `spec_step` run eagerly; tests/test_cuda_graph.py holds the two equal.
+"""
+from __future__ import annotations
+
+import torch
+
+from eyas.spec.step import DecodeInputs, DecodeOutputs, spec_step
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class GraphedStep:
+    def __init__(self, runner, max_model_len: int):
+        self.runner = runner
+        bs = runner.block_size
+        self.width = -(-(max_model_len + runner.lookahead + 1) // bs)  # block-table width covering any sequence
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DecodeInputs, DecodeOutputs]] = {}
+        self.pool = None
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in BUCKETS if b >= n), None)
+
+    def can_run(self, seqs) -> bool:
+        return self.bucket(len(seqs)) is not None and all(len(s.block_table) <= self.width for s in seqs)
+
+    def _static_inputs(self, B: int) -> DecodeInputs:
+        r = self.runner
+        dev, P = r.device, r.lookahead
+        z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+        H = r.target.config.hidden_size
+        return DecodeInputs(
+            root_tokens=z(B), num_cached=z(B), num_draft_cached=z(B), block_tables=z(B, self.width),
+            catchup_tokens=z(B, P) if r.draft is not None else None,
+            catchup_hidden=z(B, P, H, dtype=r.dtype) if r.draft is not None else None,
+            temperature=z(B, dtype=torch.float32), top_k=z(B), top_p=torch.ones(B, device=dev), seeds=z(B),
+            max_context_len=self.width * r.block_size)
+
+    def _step(self, inp: DecodeInputs) -> DecodeOutputs:
+        r = self.runner
+        return spec_step(r.target, r.draft, r.tree, r.cache, r.draft_cache, inp, r.block_size, r.use_triton)
+
+    def _capture(self, B: int):
+        static = self._static_inputs(B)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile the Triton kernels and warm the allocator outside the capture
+                self._step(static)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._step(static)
+        self.pool = graph.pool()
+        self.graphs[B] = (graph, static, out)
+
+    @torch.inference_mode()
+    def run(self, seqs) -> DecodeOutputs:
+        n = len(seqs)
+        B = self.bucket(n)
+        if B not in self.graphs:
+            self._capture(B)
+        graph, static, out = self.graphs[B]
+        inp = self.runner.decode_inputs(seqs)
+        for name in ("root_tokens", "num_cached", "num_draft_cached", "temperature", "top_k", "seeds"):
+            buf = getattr(static, name)
+            buf.zero_()
+            buf[:n].copy_(getattr(inp, name))
+        static.top_p.fill_(1.0)
+        static.top_p[:n].copy_(inp.top_p)
+        static.block_tables.zero_()
+        static.block_tables[:n, : inp.block_tables.shape[1]].copy_(inp.block_tables)
+        if static.catchup_tokens is not None:
+            static.catchup_tokens.zero_()
+            static.catchup_tokens[:n].copy_(inp.catchup_tokens)
+            static.catchup_hidden[:n].copy_(inp.catchup_hidden)
+        graph.replay()
+        return out
