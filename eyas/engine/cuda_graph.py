@@ -42,7 +42,8 @@ class GraphedStep:
 
     def _step(self, inp: DecodeInputs) -> DecodeOutputs:
         r = self.runner
-        return spec_step(r.target, r.draft, r.tree, r.cache, r.draft_cache, inp, r.block_size, r.use_triton)
+        return spec_step(r.target, r.draft, r.tree, r.cache, r.draft_cache, inp, r.block_size, r.use_triton,
+                         r.simulated_accept)
 
     def _capture(self, B: int):
         static = self._static_inputs(B)

@@ -49,6 +49,7 @@ class ModelRunner:
             dc = draft.config
             self.draft_cache = KVCache.allocate(dc, dc.num_hidden_layers, num_blocks, block_size, self.dtype,
                                                 self.device)
+        self.simulated_accept: torch.Tensor | None = None  # benchmarks: per-depth acceptance rates (see spec_step)
         self.graphs = None
         if cuda_graphs:
             if self.device.type != "cuda":
@@ -155,7 +156,7 @@ class ModelRunner:
             out = self.graphs.run(seqs)
         else:
             out = spec_step(self.target, self.draft, self.tree, self.cache, self.draft_cache,
-                            self.decode_inputs(seqs), self.block_size, self.use_triton)
+                            self.decode_inputs(seqs), self.block_size, self.use_triton, self.simulated_accept)
         return self._apply(seqs, out)
 
     def _apply(self, seqs: list[Sequence], out: DecodeOutputs) -> tuple[list[list[int]], list[int]]:

@@ -14,7 +14,7 @@ from eyas.layers.attention import MetaBuilder, write_kv
 from eyas.layers.sampler import logits_to_probs
 from eyas.spec.drafter import catch_up, expand_tree
 from eyas.spec.tree import Tree
-from eyas.spec.verifier import accept_tree
+from eyas.spec.verifier import accept_tree, simulate_accept
 
 
 @dataclass
@@ -53,11 +53,13 @@ class DecodeOutputs:
 
 
 def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, block_size: int,
-              use_triton: bool = False) -> DecodeOutputs:
+              use_triton: bool = False, simulated_accept: torch.Tensor | None = None) -> DecodeOutputs:
     """One speculative step for every sequence.
 
     Before: the target KV holds positions 0..n-1 of each sequence, the last committed token x_n has none; the draft
     KV holds 0..d-1 and `catchup_*` carry the committed pairs (x_{t+1}, h_t), t = d..n-1, it has not read.
+    `simulated_accept` (benchmarks of random-weight models): per-depth acceptance rates replace the real acceptance.
+
     After: the target KV holds 0..n+m (root and the m accepted draft tokens; nothing of rejected branches), the draft
     KV holds 0..n-1, and the outputs give the new tokens (accepted path + bonus) and the target's hidden states along
     the path, which are the draft's next catch-up pairs.
@@ -90,7 +92,10 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
                             inp.top_k.repeat_interleave(N1), inp.top_p.repeat_interleave(N1)).view(B, N1, V)
 
     # accept: the longest accepted path and a bonus token (greedy or lossless speculative sampling)
-    path, num_accepted, bonus = accept_tree(probs, node_tokens, tree, inp.seeds, n)
+    if simulated_accept is None:
+        path, num_accepted, bonus = accept_tree(probs, node_tokens, tree, inp.seeds, n)
+    else:  # benchmarks of random-weight models only
+        path, num_accepted, bonus = simulate_accept(node_tokens, tree, simulated_accept, inp.seeds, n, probs)
 
     # commit: the accepted path's K/V go to positions n..n+m
     D1 = path.shape[1]

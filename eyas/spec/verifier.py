@@ -70,3 +70,28 @@ def accept_tree(probs: torch.Tensor, node_tokens: torch.Tensor, tree: Tree, seed
             path[:, d + 1] = torch.where(found, nxt, path[:, d + 1])
             num_accepted += found.long()
     return path, num_accepted, bonus
+
+
+def simulate_accept(node_tokens: torch.Tensor, tree: Tree, accept_prob: torch.Tensor, seeds: torch.Tensor,
+                    counters: torch.Tensor, probs: torch.Tensor):
+    """Replayed acceptance for benchmarks of random-weight models (which accept nothing): descend the tree along
+    each node's best (rank-0) child, accepting depth d with probability accept_prob[d] given depth d-1 was
+    accepted. The bonus is the target's greedy token. Same outputs as `accept_tree`; never used for real output."""
+    B = node_tokens.shape[0]
+    device = node_tokens.device
+    D = tree.max_depth
+    children = tree.children.to(device)
+    path = torch.full((B, D + 1), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    cur = torch.zeros(B, dtype=torch.long, device=device)
+    alive = torch.ones(B, dtype=torch.bool, device=device)
+    num_accepted = torch.zeros(B, dtype=torch.long, device=device)
+    for d in range(D):
+        child = children[cur, 0]
+        ok = alive & (child >= 0) & (uniform(seeds, counters, 1000 + d) < accept_prob[d])
+        cur = torch.where(ok, child, cur)
+        path[:, d + 1] = torch.where(ok, child, path[:, d + 1])
+        num_accepted += ok.long()
+        alive = ok
+    bonus = probs[torch.arange(B, device=device), cur].argmax(-1)
+    return path, num_accepted, bonus

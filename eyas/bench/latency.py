@@ -1,0 +1,170 @@
+"""`eyas bench latency`: TTFT, TTIT (ms per committed token), TPC and tokens/s by batch size, for plain decoding,
+chains and trees, on SmolLM2 with its draft or on random-weight models of real shapes (simulated acceptance).
+
+Writes latency.json, latency.md and latency.png (ms/token against batch size) to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from eyas.engine.engine import EngineConfig, LLMEngine
+from eyas.sampling_params import SamplingParams
+from eyas.spec.tree import resolve_tree
+
+
+def load_models(model: str, draft: str | None, device, dtype):
+    """-> (target, tokenizer, draft or None, simulated: bool)."""
+    from eyas.bench.shapes import SHAPES, random_draft, random_target
+    if model in SHAPES:
+        target = random_target(model, device, dtype)
+        return target, None, random_draft(target), True
+    from eyas.cli import resolve_draft_arg
+    from eyas.engine.llm import LLM
+    llm = LLM(model, device=str(device), dtype=str(dtype).removeprefix("torch."), draft=resolve_draft_arg(model, draft))
+    return llm.target, llm.tokenizer, llm.draft, False
+
+
+def make_prompts(tokenizer, vocab: int, n: int, context: int, prompts_file: str | None) -> list[list[int]]:
+    if tokenizer is not None and prompts_file:
+        from eyas.bench.tpc import read_prompts
+        qs = read_prompts(prompts_file)
+        ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}]))
+               for q in qs]
+        return [ids[i % len(ids)] for i in range(n)]
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(10, vocab, (context,), generator=g).tolist() for _ in range(n)]
+
+
+def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
+             graphs: bool, block_size: int = 16) -> dict:
+    tree = None if mode == "plain" else resolve_tree(mode)
+    longest = max(len(p) for p in prompts)
+    cfg = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, longest), cuda_graphs=graphs,
+                       block_size=block_size, max_model_len=min(target.config.max_position_embeddings,
+                                                                longest + max_tokens + 64),
+                       num_blocks=batch * (-(-(longest + max_tokens + 64) // block_size)) + 8)
+    engine = LLMEngine(target, tokenizer, draft if tree is not None else None, tree, cfg)
+    if simulated_rates is not None and tree is not None:
+        D = engine.tree.max_depth
+        rates = (list(simulated_rates) + [simulated_rates[-1]] * D)[:D]
+        engine.runner.simulated_accept = torch.tensor(rates, device=next(target.parameters()).device)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # warm-up: captures the graph of this batch size and compiles the kernels
+    for p in prompts[:batch]:
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    seqs = [engine.add_request(p, params) for p in prompts[:batch]]
+    first = None
+    while engine.has_unfinished():
+        engine.step()
+        if first is None and all(s.num_output > 0 for s in seqs):
+            sync()
+            first = time.perf_counter()
+    sync()
+    t1 = time.perf_counter()
+    first = first or t1
+    tokens = sum(s.num_output for s in seqs)
+    calls = sum(s.stats.target_calls for s in seqs)
+    decode_tokens = tokens - len(seqs)  # the first token of each comes from prefill
+    steps = max(engine.step_counts["decode"] - 0, 1)
+    return {
+        "mode": mode, "batch": batch, "ttft_ms": (first - t0) * 1000,
+        "ttit_ms": (t1 - first) * 1000 / max(decode_tokens / len(seqs), 1e-9),
+        "tpc": decode_tokens / calls if calls else 1.0, "tokens_per_s": tokens / (t1 - t0),
+        "decode_steps": steps, "new_tokens": max_tokens, "simulated_acceptance": simulated_rates is not None,
+    }
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    sim = " (simulated acceptance)" if meta.get("simulated") else ""
+    out = [f"model `{meta['model']}`{sim}, {meta['device_name']}, {meta['dtype']}, {meta['date']}", "",
+           "| mode | batch | TTFT ms | ms/token (TTIT) | TPC | tokens/s |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        out.append(f"| {r['mode']} | {r['batch']} | {r['ttft_ms']:.1f} | {r['ttit_ms']:.3f} | {r['tpc']:.2f} | "
+                   f"{r['tokens_per_s']:.0f} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        rs = [r for r in rows if r["mode"] == mode]
+        ax.plot([r["batch"] for r in rs], [r["ttit_ms"] for r in rs], marker="o", label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("ms per committed token (per sequence)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    from tqdm.auto import tqdm
+    from eyas.loader.resolve import resolve_device, resolve_dtype
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    target, tokenizer, draft, simulated = load_models(args.model, args.draft, device, dtype)
+    rates = None
+    if simulated:
+        rates = [float(x) for x in args.accept_rates.split(",")]
+    modes = args.modes.split(",")
+    if draft is None:
+        modes = [m for m in modes if m == "plain"]
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    prompts = make_prompts(tokenizer, target.config.vocab_size, max(batches), args.context, args.prompts)
+    graphs = args.cuda_graphs and device.type == "cuda"
+    rows = []
+    for mode in modes:
+        for b in tqdm(batches, desc=mode):
+            rows.append(run_mode(target, tokenizer, draft, mode, b, prompts, args.max_tokens, rates, graphs))
+    meta = {"model": args.model, "draft": args.draft, "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+            "dtype": str(dtype), "date": str(date.today()), "simulated": simulated, "accept_rates": rates,
+            "context": args.context, "max_tokens": args.max_tokens, "cuda_graphs": graphs}
+    if simulated:
+        from eyas.bench.shapes import linear_weight_bytes
+        meta["linear_weight_bytes"] = linear_weight_bytes(target)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "latency.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    (out / "latency.md").write_text(markdown(rows, meta))
+    plot(rows, out / "latency.png", f"{args.model}{' (simulated acceptance)' if simulated else ''}")
+    print(markdown(rows, meta))
+    return 0
+
+
+def add_parser(bench_sub) -> argparse.ArgumentParser:
+    p = bench_sub.add_parser("latency", help="TTFT, ms/token, TPC and tokens/s by batch size")
+    p.add_argument("--model", default="smollm2", help="smollm2, a checkpoint, or llama-3.1-8b-shape, "
+                                                      "llama-3.3-70b-shape, smollm2-shape (random weights)")
+    p.add_argument("--draft", default="auto")
+    p.add_argument("--modes", default="plain,chain:3,tree:8", help="comma-separated: plain, chain:K, tree:NAME")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--context", type=int, default=1024, help="prompt length for random-weight models")
+    p.add_argument("--prompts", default=None, help="MT-Bench question.jsonl (first turns) for real models")
+    p.add_argument("--accept-rates", default="0.8",
+                   help="simulated acceptance: per-depth conditional rates, comma-separated (random weights)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    p.add_argument("--out", default="bench-out/latency")
+    p.set_defaults(func=run)
+    return p

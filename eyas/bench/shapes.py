@@ -1,0 +1,69 @@
+"""Random-weight models of real shapes, built on the device with no download (benchmarks only)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from eyas.config import ModelConfig
+from eyas.layers.rotary import RotaryEmbedding
+from eyas.models.eagle import EagleDraft
+from eyas.models.llama import LlamaForCausalLM
+
+SHAPES = {
+    "llama-3.1-8b-shape": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                      head_dim=128, rope_theta=500000.0, max_position_embeddings=8192,
+                                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 8192}),
+    "llama-3.3-70b-shape": ModelConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                                       head_dim=128, rope_theta=500000.0, max_position_embeddings=8192),
+    "smollm2-shape": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                 num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                                 max_position_embeddings=8192, tie_word_embeddings=True),
+}
+
+
+def _random_init(module: torch.nn.Module, device, dtype, seed: int):
+    module = module.to_empty(device=device).to(dtype)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02, generator=g)
+            else:
+                p.fill_(1.0)
+    return module
+
+
+def random_target(name: str, device, dtype=torch.bfloat16, seed: int = 0) -> LlamaForCausalLM:
+    cfg = SHAPES[name]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = _random_init(model, device, dtype, seed)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rope = RotaryEmbedding.for_config(cfg).to(device)
+    return model.eval().requires_grad_(False)
+
+
+def random_draft(target: LlamaForCausalLM, layers: int = 1, seed: int = 1) -> EagleDraft:
+    cfg = dataclasses.replace(target.config, num_hidden_layers=layers)
+    p = next(target.parameters())
+    with torch.device("meta"):
+        draft = EagleDraft(cfg)
+    draft = _random_init(draft, p.device, p.dtype, seed)
+    draft.rope = RotaryEmbedding.for_config(cfg).to(p.device)
+    return draft.eval().requires_grad_(False)
+
+
+def linear_weight_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes of the weights a decode step must read (every linear layer, the LM head once)."""
+    seen, total = set(), 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            total += m.weight.numel() * m.weight.element_size()
+    return total
