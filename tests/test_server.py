@@ -31,7 +31,7 @@ from eyas.serve.api_server import _resolve_draft, _TextStream, add_serve_parser,
 from helpers import write_tiny_llama
 
 MODEL = "smollm2"
-SPECULATION = "tree:8"
+TREE_PATHS = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
 MAX_MODEL_LEN = 1024
 
 # ---- a live server -----------------------------------------------------------------------------------------------
@@ -122,21 +122,31 @@ def concurrent_cases() -> list[dict]:
 N_SEED, N_CHOICES = 77, 3
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The server shares this process with its clients (event loop, client threads): on 2 cores, two OpenMP
+    threads in the engine spin against them and every small matmul gets slow. One thread is much faster here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
-def spec(tmp_path_factory):
+def spec(tmp_path_factory, smollm2):
     from eyas.loader.eagle import save_draft
-    from eyas.loader.resolve import load_target
     from eyas.models.eagle import EagleDraft
 
-    target, _ = load_target(MODEL, "cpu", "float32")
-    cfg = copy.copy(target.config)
+    cfg = copy.copy(smollm2.target.config)  # a random draft with SmolLM2's shapes (hidden 576, vocab 49152)
     cfg.num_hidden_layers = 1
     torch.manual_seed(0)
-    draft_dir = save_draft(EagleDraft(cfg), tmp_path_factory.mktemp("draft"), dtype=torch.float32)
-    del target
-    llm = LLM(MODEL, device="cpu", dtype="float32", draft=str(draft_dir), speculation=SPECULATION,
+    tmp = tmp_path_factory.mktemp("spec")
+    draft_dir = save_draft(EagleDraft(cfg), tmp / "draft", dtype=torch.float32)
+    tree = tmp / "tree.json"  # a small branching tree (depth 3, 5 nodes): cheap enough for the CPU
+    tree.write_text(json.dumps(TREE_PATHS))
+    llm = LLM(MODEL, device="cpu", dtype="float32", draft=str(draft_dir), speculation=str(tree),
               max_num_seqs=64, num_blocks=512, max_model_len=MAX_MODEL_LEN)
-    assert llm.draft is not None and llm.engine.tree.max_depth > 1
+    assert llm.draft is not None and llm.engine.tree.max_depth == 3
 
     # offline references (greedy), with speculation on, before the server takes the LLM over
     greedy = SamplingParams(max_tokens=16)
@@ -243,6 +253,7 @@ def test_32_concurrent_streaming_clients_match_offline(spec):
                                       timeout=300) as client:
             return await asyncio.wait_for(asyncio.gather(*(one(client, c) for c in cases)), timeout=400)
 
+    before = spec.wait_idle()
     t0 = time.monotonic()
     results = asyncio.run(main())
     elapsed = time.monotonic() - t0
@@ -254,6 +265,10 @@ def test_32_concurrent_streaming_clients_match_offline(spec):
         assert usage.prompt_tokens == len(ref.prompt_token_ids)
     m = spec.wait_idle()
     assert m["eyas:kv_cache_used_blocks{}"] == 0 and m["eyas:kv_cache_usage_perc{}"] == 0
+    # they were batched together: far fewer decode steps than tokens
+    steps = m["eyas:engine_steps_total{kind=decode}"] - before["eyas:engine_steps_total{kind=decode}"]
+    tokens = m["eyas:generation_tokens_total{}"] - before["eyas:generation_tokens_total{}"]
+    assert tokens == sum(len(r.token_ids) for r in refs) and steps < tokens / 4, (steps, tokens)
     assert spec.engine.blocks.num_used == 0 and not spec.engine.has_unfinished()
     print(f"32 concurrent streams: {elapsed:.1f} s")
 
@@ -266,7 +281,7 @@ def test_disconnected_clients_free_their_blocks(spec):
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 500, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with httpx.Client(timeout=60) as http:
-        streams = []
+        streams, readers = [], []
         try:
             for _ in range(3):
                 cm = http.stream("POST", spec.url + "/v1/completions", json=body)
@@ -274,6 +289,7 @@ def test_disconnected_clients_free_their_blocks(spec):
                 streams.append(cm)
                 assert r.status_code == 200
                 lines = r.iter_lines()
+                readers.append(lines)  # keep the iterator alive: collecting it would close the response
                 got = 0
                 for line in lines:  # wait for two chunks of generated text
                     got += line.startswith("data: {")
@@ -312,13 +328,18 @@ def _bad_requests():
         # (path, body (str: raw), status, words in the message, param)
         (chat, '{"model": "smollm2", "messages": [', 400, "JSON", None),
         (cmpl, "not json at all", 400, "JSON", None),
-        (cmpl, "[1, 2, 3]", 422, "dictionary", None),
+        (cmpl, "[1, 2, 3]", 422, "object", None),
         (chat, {"model": MODEL}, 422, "messages", "messages"),
         (chat, {"model": MODEL, "messages": "hi"}, 422, "messages", "messages"),
         (chat, {"model": MODEL, "messages": msgs, "temperature": "hot"}, 422, "temperature", "temperature"),
         (cmpl, {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 422, "max_tokens", "max_tokens"),
         (cmpl, {"model": MODEL, "prompt": "hi", "stream": "yes"}, 422, "stream", "stream"),
         (cmpl, {"model": MODEL, "prompt": {"text": "hi"}}, 422, "prompt", "prompt"),
+        (cmpl, {"model": MODEL, "prompt": "hi", "max_tokens": True}, 422, "max_tokens", "max_tokens"),
+        (cmpl, {"model": MODEL, "prompt": "hi", "n": 2.5}, 422, "n", "n"),
+        (chat, '{"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}', 422,
+         "temperature", "temperature"),
+        (chat, {"model": MODEL, "messages": [{"content": "hi"}]}, 422, "role", "messages"),
         (chat, {"model": MODEL, "messages": [{"role": "user", "content": long_prompt}]}, 400, "context length",
          "messages"),
         (cmpl, {"model": MODEL, "prompt": long_prompt}, 400, "context length", "prompt"),
@@ -359,6 +380,10 @@ def test_bad_inputs_get_openai_errors_and_the_server_goes_on(spec):
                 failures.append((path, str(body)[:80], r.status_code, r.text[:300], repr(e)))
         assert not failures, "\n".join(map(str, failures))
         assert http.get("/nope").json()["error"]["message"]
+        # a JSON body without a JSON Content-Type (curl -d) is still read as JSON
+        r = http.post("/v1/completions", content=json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+                      headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         assert http.get("/health").json() == {"status": "ok"}
 
     # the official client sees the same errors as its exception classes

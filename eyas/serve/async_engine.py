@@ -76,6 +76,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # guards _in_flight
         self._in_flight = 0  # requests handed in and not yet finished or aborted
         self._trackers: dict[str, _Tracker] = {}  # loop thread only
+        self._outbox: list = []  # loop thread only: callbacks for the event loop, posted by _publish
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -165,6 +166,8 @@ class AsyncEngine:
 
     # ---- the loop thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
+        """Each iteration: take the commands, publish (gauges, then acks), step, publish (gauges, then outputs).
+        Gauges are set before the clients hear anything, so a scrape after a reply sees at least that state."""
         eng = self.engine
         try:
             while True:
@@ -180,6 +183,9 @@ class AsyncEngine:
                         self._handle_abort(cmd.request_ids, "abort")
                 if stopping:
                     self._handle_abort(list(self._trackers), "abort")
+                if cmds or stopping:
+                    self._publish()
+                if stopping:
                     break
                 if eng.has_unfinished():
                     try:
@@ -189,24 +195,32 @@ class AsyncEngine:
                         self._fail_all(e)
                         outs = []
                     self._dispatch(outs)
-                self._update_gauges()
+                    self._publish()
         except BaseException as e:  # a bug in the loop itself: say so on /health and to every waiting client
             self._dead = f"the engine loop stopped: {e!r}"
             log.critical("engine loop died:\n%s", traceback.format_exc())
             self._fail_all(e)
+            self._publish()
 
-    def _deliver(self, deliveries: list[tuple[asyncio.Queue, object]]) -> None:
-        if not deliveries or self._loop is None:
+    def _publish(self) -> None:
+        """Update the gauges, then run the callbacks gathered for the event loop (acks, outputs) in one call."""
+        self._update_gauges()
+        fns, self._outbox = self._outbox, []
+        if not fns or self._loop is None:
             return
 
-        def put():
-            for q, item in deliveries:
-                q.put_nowait(item)
+        def run():
+            for fn in fns:
+                fn()
 
         try:
-            self._loop.call_soon_threadsafe(put)
+            self._loop.call_soon_threadsafe(run)
         except RuntimeError:  # the event loop is closed: nobody is listening
             pass
+
+    def _deliver(self, deliveries: list[tuple[asyncio.Queue, object]]) -> None:
+        if deliveries:
+            self._outbox.append(lambda: [q.put_nowait(item) for q, item in deliveries])
 
     def _resolve(self, fut: asyncio.Future, exc: BaseException | None) -> None:
         def set_():
@@ -216,10 +230,7 @@ class AsyncEngine:
                 else:
                     fut.set_exception(exc)
 
-        try:
-            self._loop.call_soon_threadsafe(set_)
-        except RuntimeError:
-            pass
+        self._outbox.append(set_)
 
     def _release(self, n: int) -> None:
         with self._lock:

@@ -124,55 +124,6 @@ def make_usage(prompt_tokens: int, completion_tokens: int) -> dict:
                  total_tokens=prompt_tokens + completion_tokens).model_dump()
 
 
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
 def completion_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
