@@ -5,6 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # Triton kernels run under the interpreter on CPU-only machines (CI)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
