@@ -35,7 +35,7 @@ def make_prompts(tokenizer, vocab: int, n: int, context: int, prompts_file: str 
     if tokenizer is not None and prompts_file:
         from eyas.bench.tpc import read_prompts
         qs = read_prompts(prompts_file)
-        ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}]))
+        ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q["text"]}]))
                for q in qs]
         return [ids[i % len(ids)] for i in range(n)]
     g = torch.Generator().manual_seed(0)

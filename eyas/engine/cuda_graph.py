@@ -19,7 +19,8 @@ class GraphedStep:
         self.runner = runner
         bs = runner.block_size
         self.width = -(-(max_model_len + runner.lookahead + 1) // bs)  # block-table width covering any sequence
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DecodeInputs, DecodeOutputs]] = {}
+        # one graph per (bucket, all requests greedy)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, DecodeInputs, DecodeOutputs]] = {}
         self.pool = None
 
     def bucket(self, n: int) -> int | None:
@@ -40,32 +41,34 @@ class GraphedStep:
             temperature=z(B, dtype=torch.float32), top_k=z(B), top_p=torch.ones(B, device=dev), seeds=z(B),
             max_context_len=self.width * r.block_size)
 
-    def _step(self, inp: DecodeInputs) -> DecodeOutputs:
+    def _step(self, inp: DecodeInputs, greedy: bool) -> DecodeOutputs:
         r = self.runner
         return spec_step(r.target, r.draft, r.tree, r.cache, r.draft_cache, inp, r.block_size, r.use_triton,
-                         r.simulated_accept)
+                         r.simulated_accept, greedy)
 
-    def _capture(self, B: int):
+    def _capture(self, key: tuple[int, bool]):
+        B, greedy = key
         static = self._static_inputs(B)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile the Triton kernels and warm the allocator outside the capture
-                self._step(static)
+                self._step(static, greedy)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._step(static)
+            out = self._step(static, greedy)
         self.pool = graph.pool()
-        self.graphs[B] = (graph, static, out)
+        self.graphs[key] = (graph, static, out)
 
     @torch.inference_mode()
     def run(self, seqs) -> DecodeOutputs:
+        from eyas.engine.runner import all_greedy
         n = len(seqs)
-        B = self.bucket(n)
-        if B not in self.graphs:
-            self._capture(B)
-        graph, static, out = self.graphs[B]
+        key = (self.bucket(n), all_greedy(seqs))
+        if key not in self.graphs:
+            self._capture(key)
+        graph, static, out = self.graphs[key]
         inp = self.runner.decode_inputs(seqs)
         for name in ("root_tokens", "num_cached", "num_draft_cached", "temperature", "top_k", "seeds"):
             buf = getattr(static, name)

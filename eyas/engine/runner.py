@@ -32,6 +32,10 @@ def block_tables_of(seqs: list[Sequence], width: int | None = None) -> torch.Ten
     return padded([s.block_table for s in seqs], width)
 
 
+def all_greedy(seqs: list[Sequence]) -> bool:
+    return all(s.params.temperature == 0.0 for s in seqs)
+
+
 class ModelRunner:
     def __init__(self, target: LlamaForCausalLM, draft: EagleDraft | None, tree: Tree | None, num_blocks: int,
                  block_size: int, use_triton: bool | None = None, cuda_graphs: bool = False,
@@ -156,7 +160,8 @@ class ModelRunner:
             out = self.graphs.run(seqs)
         else:
             out = spec_step(self.target, self.draft, self.tree, self.cache, self.draft_cache,
-                            self.decode_inputs(seqs), self.block_size, self.use_triton, self.simulated_accept)
+                            self.decode_inputs(seqs), self.block_size, self.use_triton, self.simulated_accept,
+                            all_greedy(seqs))
         return self._apply(seqs, out)
 
     def _apply(self, seqs: list[Sequence], out: DecodeOutputs) -> tuple[list[list[int]], list[int]]:

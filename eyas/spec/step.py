@@ -14,7 +14,7 @@ from eyas.layers.attention import MetaBuilder, write_kv
 from eyas.layers.sampler import logits_to_probs
 from eyas.spec.drafter import catch_up, expand_tree
 from eyas.spec.tree import Tree
-from eyas.spec.verifier import accept_tree, simulate_accept
+from eyas.spec.verifier import accept_tree, accept_tree_greedy, simulate_accept
 
 
 @dataclass
@@ -53,12 +53,14 @@ class DecodeOutputs:
 
 
 def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, block_size: int,
-              use_triton: bool = False, simulated_accept: torch.Tensor | None = None) -> DecodeOutputs:
+              use_triton: bool = False, simulated_accept: torch.Tensor | None = None,
+              all_greedy: bool = False) -> DecodeOutputs:
     """One speculative step for every sequence.
 
     Before: the target KV holds positions 0..n-1 of each sequence, the last committed token x_n has none; the draft
     KV holds 0..d-1 and `catchup_*` carry the committed pairs (x_{t+1}, h_t), t = d..n-1, it has not read.
-    `simulated_accept` (benchmarks of random-weight models): per-depth acceptance rates replace the real acceptance.
+    `all_greedy`: every request has temperature 0, so acceptance needs only the target's argmax (no sort over the
+    vocabulary); the result is the same as the general path's. `simulated_accept` (benchmarks of random-weight models): per-depth acceptance rates replace the real acceptance.
 
     After: the target KV holds 0..n+m (root and the m accepted draft tokens; nothing of rejected branches), the draft
     KV holds 0..n-1, and the outputs give the new tokens (accepted path + bonus) and the target's hidden states along
@@ -88,14 +90,17 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     hidden = target(node_tokens, positions, vmeta, cache)
     logits = target.compute_logits(hidden)
     V = logits.shape[-1]
-    probs = logits_to_probs(logits.view(B * N1, V), inp.temperature.repeat_interleave(N1),
-                            inp.top_k.repeat_interleave(N1), inp.top_p.repeat_interleave(N1)).view(B, N1, V)
 
     # accept: the longest accepted path and a bonus token (greedy or lossless speculative sampling)
-    if simulated_accept is None:
+    if simulated_accept is not None:  # benchmarks of random-weight models only
+        path, num_accepted, bonus = simulate_accept(node_tokens, tree, simulated_accept, inp.seeds, n,
+                                                    logits.argmax(-1))
+    elif all_greedy:
+        path, num_accepted, bonus = accept_tree_greedy(logits.argmax(-1), node_tokens, tree)
+    else:
+        probs = logits_to_probs(logits.view(B * N1, V), inp.temperature.repeat_interleave(N1),
+                                inp.top_k.repeat_interleave(N1), inp.top_p.repeat_interleave(N1)).view(B, N1, V)
         path, num_accepted, bonus = accept_tree(probs, node_tokens, tree, inp.seeds, n)
-    else:  # benchmarks of random-weight models only
-        path, num_accepted, bonus = simulate_accept(node_tokens, tree, simulated_accept, inp.seeds, n, probs)
 
     # commit: the accepted path's K/V go to positions n..n+m
     D1 = path.shape[1]

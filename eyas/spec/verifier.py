@@ -72,8 +72,35 @@ def accept_tree(probs: torch.Tensor, node_tokens: torch.Tensor, tree: Tree, seed
     return path, num_accepted, bonus
 
 
+def accept_tree_greedy(target_tokens: torch.Tensor, node_tokens: torch.Tensor, tree: Tree):
+    """`accept_tree` for a batch whose requests are all greedy, from the target's argmax at every node
+    (target_tokens [B, N+1]) instead of full distributions: a child is accepted iff it is the target's token."""
+    B = node_tokens.shape[0]
+    device = node_tokens.device
+    children = tree.children.to(device)
+    rows = torch.arange(B, device=device)
+    path = torch.full((B, tree.max_depth + 1), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    cur = torch.zeros(B, dtype=torch.long, device=device)
+    alive = torch.ones(B, dtype=torch.bool, device=device)
+    num_accepted = torch.zeros(B, dtype=torch.long, device=device)
+    for d in range(tree.max_depth):
+        want = target_tokens[rows, cur]
+        nxt = torch.full_like(cur, -1)
+        for j in range(children.shape[1]):
+            child = children[cur, j]
+            hit = (child >= 0) & (node_tokens[rows, child.clamp(min=0)] == want) & (nxt < 0)
+            nxt = torch.where(hit, child, nxt)
+        ok = alive & (nxt >= 0)
+        cur = torch.where(ok, nxt, cur)
+        path[:, d + 1] = torch.where(ok, nxt, path[:, d + 1])
+        num_accepted += ok.long()
+        alive = ok
+    return path, num_accepted, target_tokens[rows, cur]
+
+
 def simulate_accept(node_tokens: torch.Tensor, tree: Tree, accept_prob: torch.Tensor, seeds: torch.Tensor,
-                    counters: torch.Tensor, probs: torch.Tensor):
+                    counters: torch.Tensor, target_tokens: torch.Tensor):
     """Replayed acceptance for benchmarks of random-weight models (which accept nothing): descend the tree along
     each node's best (rank-0) child, accepting depth d with probability accept_prob[d] given depth d-1 was
     accepted. The bonus is the target's greedy token. Same outputs as `accept_tree`; never used for real output."""
@@ -93,5 +120,4 @@ def simulate_accept(node_tokens: torch.Tensor, tree: Tree, accept_prob: torch.Te
         path[:, d + 1] = torch.where(ok, child, path[:, d + 1])
         num_accepted += ok.long()
         alive = ok
-    bonus = probs[torch.arange(B, device=device), cur].argmax(-1)
-    return path, num_accepted, bonus
+    return path, num_accepted, target_tokens[torch.arange(B, device=device), cur]
