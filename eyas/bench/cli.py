@@ -3,8 +3,9 @@ from __future__ import annotations
 
 
 def add_parser(sub) -> None:
-    from eyas.bench import latency, tpc
+    from eyas.bench import latency, peers, tpc
     bench = sub.add_parser("bench", help="benchmarks: tpc (draft quality), latency (speed by batch size)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     tpc.add_tpc_parser(bsub)
     latency.add_parser(bsub)
+    peers.add_parser(bsub)
