@@ -43,7 +43,7 @@ def make_prompts(tokenizer, vocab: int, n: int, context: int, prompts_file: str 
 
 
 def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
-             graphs: bool, block_size: int = 16) -> dict:
+             graphs: bool, block_size: int = 16, profile: bool = False) -> dict:
     tree = None if mode == "plain" else resolve_tree(mode)
     longest = max(len(p) for p in prompts)
     cfg = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, longest), cuda_graphs=graphs,
@@ -74,6 +74,21 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
     sync()
     t1 = time.perf_counter()
     first = first or t1
+    if profile:  # where the GPU time of a few decode steps goes, by kernel
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+        for p in prompts[:batch]:
+            engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        while any(s.in_prefill or s.status.value == "waiting" for s in engine.scheduler.running) or \
+                engine.scheduler.waiting:
+            engine.step()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                engine.step()
+            sync()
+        print(f"--- profile: {mode}, batch {batch}, 3 decode steps ---")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+        while engine.has_unfinished():
+            engine.step()
     tokens = sum(s.num_output for s in seqs)
     calls = sum(s.stats.target_calls for s in seqs)
     decode_tokens = tokens - len(seqs)  # the first token of each comes from prefill
@@ -133,7 +148,8 @@ def run(args) -> int:
     rows = []
     for mode in modes:
         for b in tqdm(batches, desc=mode):
-            rows.append(run_mode(target, tokenizer, draft, mode, b, prompts, args.max_tokens, rates, graphs))
+            rows.append(run_mode(target, tokenizer, draft, mode, b, prompts, args.max_tokens, rates, graphs,
+                                 profile=args.profile))
     meta = {"model": args.model, "draft": args.draft, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
             "dtype": str(dtype), "date": str(date.today()), "simulated": simulated, "accept_rates": rates,
@@ -165,6 +181,7 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    p.add_argument("--profile", action="store_true", help="print the top GPU kernels of 3 decode steps per run")
     p.add_argument("--out", default="bench-out/latency")
     p.set_defaults(func=run)
     return p

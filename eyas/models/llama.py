@@ -111,7 +111,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        # as one 2-D matmul: a strided 3-D input sends F.linear to a batched matmul that re-reads the whole head
+        # per row (measured on the H200: 7.8 ms instead of ~0.3 ms for a 128k vocabulary)
+        H = hidden.shape[-1]
+        return self.lm_head(hidden.reshape(-1, H)).float().view(*hidden.shape[:-1], -1)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
