@@ -170,3 +170,18 @@ def test_eagle_checkpoint_layouts(tmp_path, random_pair):
     for (n1, p1), (n2, p2) in zip(a.state_dict().items(), b.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2)
     assert "input_layernorm" not in "".join(n for n, _ in a.named_parameters() if n.startswith("layers.0."))
+
+
+@pytest.mark.slow
+def test_real_pair_smollm2_with_its_draft(smollm2):
+    """SmolLM2 with the draft trained for it (eyas/drafts/smollm2): greedy speculative output equals plain decoding
+    on 5 MT-Bench prompts, 64 tokens each, and speculation commits more than one token per target call."""
+    from conftest import mt_bench_first_turns
+    convs = [[{"role": "user", "content": q}] for q in mt_bench_first_turns(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    ref = [o.token_ids for o in smollm2.chat(convs, params)]
+    spec = LLM("smollm2", device="cpu", dtype="float32", draft="default", speculation="tree:mc_sim_7b_63")
+    outs = spec.chat(convs, params)
+    assert [o.token_ids for o in outs] == ref
+    tpc = sum(o.stats.committed for o in outs) / sum(o.stats.target_calls for o in outs)
+    assert tpc > 1.0, tpc
