@@ -16,18 +16,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto")
 
 
-def resolve_draft_arg(model: str, draft: str | None) -> str | None:
-    """'auto' -> the shipped default draft if the model has one; 'none' -> None."""
-    from eyas.loader.resolve import default_draft_path
-    if draft in (None, "none"):
-        return None
-    if draft == "auto":
-        return "default" if default_draft_path(model) is not None else None
-    return draft
-
-
 def cmd_generate(args) -> int:
     from eyas import LLM, SamplingParams
+    from eyas.loader.resolve import resolve_draft_arg
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, draft=resolve_draft_arg(args.model, args.draft),
               speculation=args.speculation)

@@ -26,3 +26,14 @@ def smollm2():
     """The embedded default model, loaded once per test session (float32, CPU)."""
     from eyas import LLM
     return LLM("smollm2", device="cpu", dtype="float32")
+
+
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer alone (skips when the model package is absent)."""
+    from eyas.loader.gguf import load_gguf_tokenizer
+    from eyas.loader.resolve import smollm2_path
+    try:
+        path = smollm2_path()
+    except ValueError as e:
+        pytest.skip(str(e))
+    return load_gguf_tokenizer(path)

@@ -14,15 +14,8 @@ from helpers import write_random_draft, write_tiny_llama
 
 
 def _smollm2_tokenizer():
-    pytest.importorskip("gguf")
-    from eyas.loader.gguf import _reader, read_metadata
-    from eyas.loader.resolve import smollm2_path
-    from eyas.loader.tokenizer import Tokenizer
-    try:
-        path = smollm2_path()
-    except ValueError as e:
-        pytest.skip(str(e))
-    return Tokenizer.from_gguf_metadata(read_metadata(_reader(path)))
+    from conftest import smollm2_tokenizer
+    return smollm2_tokenizer()
 
 
 @pytest.fixture(scope="module")

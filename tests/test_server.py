@@ -27,7 +27,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from eyas import LLM, SamplingParams
-from eyas.serve.api_server import _resolve_draft, _TextStream, add_serve_parser, create_app, run_serve
+from eyas.loader.resolve import resolve_draft_arg as _resolve_draft
+from eyas.serve.api_server import _TextStream, add_serve_parser, create_app, run_serve
 from helpers import write_tiny_llama
 
 MODEL = "smollm2"

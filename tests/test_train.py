@@ -88,15 +88,8 @@ def test_examples_collate_and_heldout_split(tmp_path):
 
 
 def _smollm2_tokenizer():
-    pytest.importorskip("gguf")
-    from eyas.loader.gguf import _reader, read_metadata
-    from eyas.loader.resolve import smollm2_path
-    from eyas.loader.tokenizer import Tokenizer
-    try:
-        path = smollm2_path()
-    except ValueError as e:
-        pytest.skip(str(e))
-    return Tokenizer.from_gguf_metadata(read_metadata(_reader(path)))
+    from conftest import smollm2_tokenizer
+    return smollm2_tokenizer()
 
 
 def test_chat_template_mask_covers_assistant_turns_only():

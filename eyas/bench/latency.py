@@ -25,7 +25,7 @@ def load_models(model: str, draft: str | None, device, dtype):
     if model in SHAPES:
         target = random_target(model, device, dtype)
         return target, None, random_draft(target), True
-    from eyas.cli import resolve_draft_arg
+    from eyas.loader.resolve import resolve_draft_arg
     from eyas.engine.llm import LLM
     llm = LLM(model, device=str(device), dtype=str(dtype).removeprefix("torch."), draft=resolve_draft_arg(model, draft))
     return llm.target, llm.tokenizer, llm.draft, False

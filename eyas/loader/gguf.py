@@ -115,3 +115,8 @@ def load_gguf(path: str | Path):
             w = unpermute_qk(w, cfg.num_key_value_heads)
         state[name] = w
     return cfg, state, Tokenizer.from_gguf_metadata(meta)
+
+
+def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
+    """Only the tokenizer of a GGUF file (no tensors are decoded)."""
+    return Tokenizer.from_gguf_metadata(read_metadata(_reader(Path(path))))

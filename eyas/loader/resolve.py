@@ -98,6 +98,15 @@ def load_target(model: str, device="cpu", dtype="float32"):
     return build_target(cfg, state, str(path), device, dtype), tok
 
 
+def resolve_draft_arg(model: str, draft: str | None) -> str | None:
+    """The command line's --draft: 'auto' -> the shipped default draft if the model has one; 'none' -> None."""
+    if draft in (None, "none"):
+        return None
+    if draft == "auto":
+        return "default" if default_draft_path(model) is not None else None
+    return draft
+
+
 def default_draft_path(model: str) -> Path | None:
     if model == DEFAULT_MODEL:
         p = DRAFTS_DIR / "smollm2"

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from eyas.loader.resolve import resolve_draft_arg
 from eyas.sampling_params import SamplingParams
 from eyas.serve.async_engine import AsyncEngine, EngineDead, EngineError, QueueFull
 from eyas.serve.metrics import CONTENT_TYPE, Metrics
@@ -420,16 +421,6 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
 
 # ---- command line ------------------------------------------------------------------------------------------------
 
-def _resolve_draft(model: str, draft: str | None) -> str | None:
-    """'auto' -> the shipped default draft when the model has one; 'none' -> no draft."""
-    from eyas.loader.resolve import default_draft_path
-    if draft in (None, "none"):
-        return None
-    if draft == "auto":
-        return "default" if default_draft_path(model) is not None else None
-    return draft
-
-
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn)",
                               description="OpenAI-compatible server: /v1/models, /v1/completions, "
@@ -463,7 +454,7 @@ def build_llm(args):
         kwargs["max_model_len"] = args.max_model_len
     if args.num_blocks is not None:
         kwargs["num_blocks"] = args.num_blocks
-    return LLM(args.model, device=args.device, dtype=args.dtype, draft=_resolve_draft(args.model, args.draft),
+    return LLM(args.model, device=args.device, dtype=args.dtype, draft=resolve_draft_arg(args.model, args.draft),
                speculation=args.speculation, **kwargs)
 
 
