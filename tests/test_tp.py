@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from eyas.dist import TPEngine, apply_tensor_parallel, spawn
+from eyas.dist.tp import load_sharded
 from eyas.engine.engine import EngineConfig, LLMEngine
-from eyas.loader.eagle import load_draft
 from eyas.loader.resolve import load_target
 from eyas.sampling_params import SamplingParams
 from eyas.spec.tree import resolve_tree
@@ -58,9 +58,8 @@ def run_cases(rank: int, world: int, dirs: dict) -> dict:
         res[f"{name}/kv_heads"] = target.config.num_key_value_heads
 
     # -- speculative decoding with a replicated draft that accepts often
-    target, tok = load_target(dirs["mirror_target"], "cpu", "float32")
-    draft = load_draft(dirs["mirror_draft"], target)
-    apply_tensor_parallel(target, rank, world)
+    target, tok, draft = load_sharded(dirs["mirror_target"], rank, world, "cpu", "float32", dirs["mirror_draft"])
+    assert draft.layers[0].self_attn.n_heads == 4  # replicated
     V = 24
     greedy = SamplingParams(max_tokens=20, ignore_eos=True)
     res["plain/greedy"], _ = _generate(target, tok, None, None, rank, world, greedy, prompts(V))
@@ -157,3 +156,29 @@ def test_indivisible_heads_are_refused(dirs):
     target, _ = load_target(dirs["untied"], "cpu", "float32")
     with pytest.raises(ValueError, match="divisible by 3"):
         apply_tensor_parallel(target, 0, 3)
+
+
+def _hang_on_rank1(rank, world, device):
+    import time
+    if rank == 1:
+        time.sleep(600)
+
+
+def _fail_on_rank1(rank, world, device):
+    if rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+
+
+def test_spawn_never_waits_forever():
+    import time
+    t = time.monotonic()
+    with pytest.raises(TimeoutError):  # a stuck rank: every rank is killed at the deadline
+        spawn(_hang_on_rank1, WORLD, timeout=6, threads=1)
+    with pytest.raises(Exception, match="exit code 1"):  # a failing rank: reported, the survivor not waited for
+        spawn(_fail_on_rank1, WORLD, timeout=60, threads=1)
+    assert time.monotonic() - t < 40
+
+
+def test_load_sharded_refuses_indivisible_heads(dirs):
+    with pytest.raises(ValueError, match="divisible by 3"):
+        load_sharded(dirs["untied"], 0, 3)

@@ -281,3 +281,21 @@ class TPEngine:
         for rid, err in self.last_errors:
             raise ValueError(f"request {rid}: {err}")
         return [results.get(r, []) for r in rids]
+
+
+def load_sharded(model: str, rank: int, world_size: int, device="cpu", dtype="auto", draft: str | None = None,
+                 group=None):
+    """Load a target (and optionally an EAGLE draft, replicated) for one rank: read on the CPU, shard, then move only
+    this rank's slices to `device`. Returns (target, tokenizer, draft or None).
+
+    The checkpoint is still read whole into host memory by each rank before slicing (not yet slice-wise reading of
+    the safetensors/GGUF tensors)."""
+    from eyas.loader.eagle import load_draft
+    from eyas.loader.resolve import load_target, resolve_device, resolve_dtype
+    dev = resolve_device(device) if isinstance(device, str) else device
+    dt = resolve_dtype(dtype, dev)
+    target, tok = load_target(model, "cpu", dt)
+    apply_tensor_parallel(target, rank, world_size, group)
+    target = target.to(dev)
+    d = load_draft(draft, target) if draft is not None else None
+    return target, tok, d
