@@ -82,3 +82,20 @@ def test_tree_structure():
         assert int(t.depth[i]) == len(t.paths[i - 1])
     with pytest.raises(ValueError, match="no parent"):
         Tree.from_paths([[0], [1, 0]])
+
+
+def test_resolve_tree_specs(tmp_path):
+    from eyas.spec.tree import resolve_tree
+    assert resolve_tree(None) is None
+    assert resolve_tree("chain:3").num_nodes == 3
+    assert resolve_tree("tree:16").num_nodes == 16 and resolve_tree("tree:8").num_nodes == 8
+    f = tmp_path / "t.json"
+    f.write_text("[[0], [1], [0, 0], [0, 1], [0, 0, 0]]")
+    t = resolve_tree(str(f))
+    assert t.num_nodes == 5 and t.max_depth == 3 and t.topk_per_level == [2, 2, 1, 0]
+    for bad, msg in (("chain:x", "integer"), ("tree:nope", "preset"), (str(tmp_path / "missing.json"), "exist")):
+        with pytest.raises(ValueError, match=msg):
+            resolve_tree(bad)
+    f.write_text("{not json")
+    with pytest.raises(ValueError, match="JSON"):
+        resolve_tree(str(f))
