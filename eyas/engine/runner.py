@@ -165,10 +165,12 @@ class ModelRunner:
         return self._apply(seqs, out)
 
     def _apply(self, seqs: list[Sequence], out: DecodeOutputs) -> tuple[list[list[int]], list[int]]:
-        # the one host synchronisation of the step
-        m_host = out.num_accepted[: len(seqs)].tolist()
-        tok_host = out.path_tokens[: len(seqs)].tolist()
-        bonus_host = out.bonus[: len(seqs)].tolist()
+        # the one host synchronisation of the step: accepted counts, path tokens and bonus in one transfer
+        n = len(seqs)
+        host = torch.cat([out.num_accepted[:n, None], out.path_tokens[:n], out.bonus[:n, None]], dim=1).tolist()
+        m_host = [row[0] for row in host]
+        tok_host = [row[1:-1] for row in host]
+        bonus_host = [row[-1] for row in host]
         new_tokens = []
         for i, s in enumerate(seqs):
             m = m_host[i]
