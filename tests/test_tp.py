@@ -114,6 +114,9 @@ def test_ranks_commit_the_same_tokens(ranks):
     for key in ranks[0]:
         if key.endswith(("greedy", "sampled", "preempt", "tokens")):
             assert ranks[0][key] == ranks[1][key], key
+    for name in ("untied", "tied"):  # the gathered logits are the same bits on every rank
+        assert torch.equal(ranks[0][f"{name}/dense"], ranks[1][f"{name}/dense"])
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0][f"{name}/paged"], ranks[1][f"{name}/paged"]))
 
 
 @pytest.mark.parametrize("name", ["untied", "tied"])
