@@ -197,6 +197,7 @@ class TPEngine:
         self._ops: list[tuple] = []
         self._ids = 0
         self._stopped = False
+        self.last_errors: list[tuple[str, str]] = []  # (request id, reason) of requests refused at the last step
 
     # rank 0 only
     def add_request(self, prompt, params=None, request_id: str | None = None) -> str:
