@@ -20,10 +20,10 @@ def cmd_generate(args) -> int:
     from eyas import LLM, SamplingParams
     from eyas.loader.resolve import resolve_draft_arg
 
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)  # fail fast
     llm = LLM(args.model, device=args.device, dtype=args.dtype, draft=resolve_draft_arg(args.model, args.draft),
               speculation=args.speculation)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
