@@ -16,12 +16,56 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto")
 
 
+def _sampling_params(args):
+    from eyas import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+
+
+def _timings(n: int, t0: float, first: float | None, t1: float, spec: str = "") -> str:
+    ttft = (first or t1) - t0
+    decode = max(t1 - t0 - ttft, 1e-9)
+    return (f"[{n} tokens | TTFT {ttft * 1000:.1f} ms | {n / (t1 - t0):.1f} tokens/s | "
+            f"{decode * 1000 / max(n - 1, 1):.1f} ms/token{spec}]")
+
+
+def _tp_generate(rank: int, world_size: int, device, args) -> None:
+    """One rank of `eyas generate --tensor-parallel N`: shard the target, replicate the draft, step in lockstep
+    (eyas.dist.TPEngine); rank 0 takes the prompt and prints."""
+    from eyas.dist.tp import TPEngine, load_sharded
+    from eyas.engine.engine import EngineConfig, LLMEngine
+    from eyas.loader.resolve import default_draft_path, resolve_draft_arg
+    from eyas.spec.tree import resolve_tree
+    draft = resolve_draft_arg(args.model, args.draft)
+    if draft == "default":
+        draft = str(default_draft_path(args.model))
+    target, tok, draft_model = load_sharded(args.model, rank, world_size, device, args.dtype, draft=draft)
+    tree = resolve_tree(args.speculation) or (resolve_tree("chain:3") if draft_model is not None else None)
+    tp = TPEngine(LLMEngine(target, tok, draft_model, tree, EngineConfig()), rank, world_size)
+    if rank != 0:
+        tp.generate()
+        return
+    prompt = args.prompt
+    if args.chat:
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]))
+    t0 = time.perf_counter()
+    ids = tp.generate([prompt], _sampling_params(args))[0]
+    t1 = time.perf_counter()
+    print(tok.decode(ids) if tok is not None else ids, flush=True)
+    print(f"\n{_timings(len(ids), t0, None, t1, f' | TP {world_size}')}", file=sys.stderr, flush=True)
+
+
 def cmd_generate(args) -> int:
-    from eyas import LLM, SamplingParams
+    from eyas import LLM
     from eyas.loader.resolve import resolve_draft_arg
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)  # fail fast
+    params = _sampling_params(args)  # bad settings fail before the model loads
+    if args.tensor_parallel > 1:
+        import torch
+        from eyas.dist.launch import spawn
+        cpu = args.device == "cpu" or not torch.cuda.is_available()
+        spawn(_tp_generate, args.tensor_parallel, args, backend="gloo" if cpu else None, threads=1 if cpu else None)
+        return 0
     llm = LLM(args.model, device=args.device, dtype=args.dtype, draft=resolve_draft_arg(args.model, args.draft),
               speculation=args.speculation)
     prompt = args.prompt
@@ -37,15 +81,8 @@ def cmd_generate(args) -> int:
                 sys.stdout.write(out.text[printed:])
                 sys.stdout.flush()
                 printed = len(out.text)
-    total = time.perf_counter() - t0
-    n = seq.num_output
-    ttft = (seq.first_token_time or t0) - t0
-    decode_time = max(total - ttft, 1e-9)
-    spec = ""
-    if llm.draft is not None:
-        spec = f" | TPC {seq.stats.tokens_per_call:.2f} ({engine.tree.name})"
-    print(f"\n\n[{n} tokens | TTFT {ttft * 1000:.1f} ms | {n / total:.1f} tokens/s | "
-          f"{decode_time * 1000 / max(n - 1, 1):.1f} ms/token{spec}]", file=sys.stderr)
+    spec = f" | TPC {seq.stats.tokens_per_call:.2f} ({engine.tree.name})" if llm.draft is not None else ""
+    print(f"\n\n{_timings(seq.num_output, t0, seq.first_token_time, time.perf_counter(), spec)}", file=sys.stderr)
     return 0
 
 
@@ -63,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--tensor-parallel", type=int, default=1,
+                   help="shard the target over N ranks (NCCL on GPUs, gloo on the CPU); the draft is replicated")
     g.set_defaults(func=cmd_generate)
 
     for module, attr in (("eyas.serve.api_server", "add_serve_parser"), ("eyas.train.trainer", "add_parser"),

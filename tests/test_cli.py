@@ -25,3 +25,28 @@ def test_bad_input_exits_2(capsys):
     assert main(["generate", "--model", "smollm2", "--prompt", "hi", "--device", "cpu", "--dtype", "float32",
                  "--draft", "none", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def _tiny_with_tokenizer(tmp_path):
+    """A tiny random Llama whose directory also holds a word-level tokenizer.json (words w0..w39)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from helpers import write_tiny_llama
+    path = write_tiny_llama(tmp_path / "m", vocab=40, hidden=32, heads=4, kv_heads=2, layers=2)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(40)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_generate_tensor_parallel_2_equals_1(tmp_path, capfd):
+    """`eyas generate --tensor-parallel 2` (two gloo ranks on the CPU) prints what the single-process run prints."""
+    path = _tiny_with_tokenizer(tmp_path)
+    common = ["generate", "--model", str(path), "--prompt", "w3 w5 w7 w11", "--max-tokens", "16", "--device", "cpu",
+              "--dtype", "float32", "--draft", "none", "--ignore-eos"]
+    assert main(common) == 0
+    single = capfd.readouterr().out.strip()
+    assert main(common + ["--tensor-parallel", "2"]) == 0
+    out, err = capfd.readouterr()
+    assert out.strip() == single and len(single.split()) == 16
+    assert "TP 2" in err
