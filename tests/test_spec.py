@@ -185,3 +185,32 @@ def test_real_pair_smollm2_with_its_draft(smollm2):
     assert [o.token_ids for o in outs] == ref
     tpc = sum(o.stats.committed for o in outs) / sum(o.stats.target_calls for o in outs)
     assert tpc > 1.0, tpc
+
+
+def test_graph_buffers_take_a_smaller_batch_and_pad_the_rest(mirror_pair):
+    """DecodeInputs.fill_from (what a CUDA graph replay reads): the batch's rows are copied, the rest become padding
+    (zero block tables, so their writes go to the scratch block; top_p 1)."""
+    import dataclasses
+    target, draft = mirror_pair
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation="chain:3")
+    engine = llm.engine
+    seqs = [engine.add_request(p, SamplingParams(temperature=0.5, top_p=0.9, max_tokens=50, seed=3))
+            for p in prompts6()[:3]]
+    for _ in range(4):
+        engine.step()
+    inp = engine.runner.decode_inputs(seqs)
+    big = {f.name: getattr(inp, f.name) for f in dataclasses.fields(inp)}
+    static = dataclasses.replace(inp, **{k: torch.full((8, *v.shape[1:]), 7, dtype=v.dtype)
+                                          if isinstance(v, torch.Tensor) else v for k, v in big.items()})
+    static.block_tables = torch.full((8, inp.block_tables.shape[1] + 5), 7)
+    static.fill_from(inp)
+    for name, v in big.items():
+        if isinstance(v, torch.Tensor):
+            got = getattr(static, name)
+            assert torch.equal(got[:3, : v.shape[1]] if v.dim() >= 2 else got[:3], v), name
+            if name != "catchup_hidden":  # stale features in padded rows are harmless: their outputs are dropped
+                pad = 1.0 if name == "top_p" else 0
+                assert (got[3:] == pad).all(), name
+    assert (static.block_tables[:3, inp.block_tables.shape[1]:] == 0).all()
+    for s in seqs:
+        engine.abort(s.request_id)

@@ -1,8 +1,6 @@
 """Lossless sampling: with a tiny target (vocabulary 6) at temperature 1 and with top-p 0.8, the joint law of the
 first 3 generated tokens over 20,000 seeded runs matches the exact law enumerated from the target alone
 (chi-square), with a random draft and with a deliberately bad one."""
-import itertools
-
 import numpy as np
 import pytest
 import torch

@@ -69,18 +69,6 @@ class GraphedStep:
         if key not in self.graphs:
             self._capture(key)
         graph, static, out = self.graphs[key]
-        inp = self.runner.decode_inputs(seqs)
-        for name in ("root_tokens", "num_cached", "num_draft_cached", "temperature", "top_k", "seeds"):
-            buf = getattr(static, name)
-            buf.zero_()
-            buf[:n].copy_(getattr(inp, name))
-        static.top_p.fill_(1.0)
-        static.top_p[:n].copy_(inp.top_p)
-        static.block_tables.zero_()
-        static.block_tables[:n, : inp.block_tables.shape[1]].copy_(inp.block_tables)
-        if static.catchup_tokens is not None:
-            static.catchup_tokens.zero_()
-            static.catchup_tokens[:n].copy_(inp.catchup_tokens)
-            static.catchup_hidden[:n].copy_(inp.catchup_hidden)
+        static.fill_from(self.runner.decode_inputs(seqs))
         graph.replay()
         return out

@@ -1,7 +1,6 @@
 """The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))` and `.chat(messages, ...)`."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm

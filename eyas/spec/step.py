@@ -32,16 +32,24 @@ class DecodeInputs:
     seeds: torch.Tensor  # [B]
     max_context_len: int  # host-side bound on num_cached (the reference attention's gather width)
 
-    def copy_(self, other: "DecodeInputs") -> None:
-        """In-place update of static (graph) buffers from a step's inputs of the same batch size."""
-        for name in ("root_tokens", "num_cached", "num_draft_cached", "temperature", "top_k", "top_p", "seeds"):
-            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
-        W = other.block_tables.shape[1]
-        self.block_tables.zero_()
-        self.block_tables[:, :W].copy_(other.block_tables, non_blocking=True)
-        if self.catchup_tokens is not None:
-            self.catchup_tokens.copy_(other.catchup_tokens, non_blocking=True)
-            self.catchup_hidden.copy_(other.catchup_hidden, non_blocking=True)
+    def fill_from(self, other: "DecodeInputs") -> None:
+        """Copy a step's inputs (n <= B rows) into these static (CUDA graph) buffers in place. Rows n..B-1 become
+        padding: block tables of zeros, so everything they write lands in the scratch block 0."""
+        n = other.root_tokens.shape[0]
+        for name in ("root_tokens", "num_cached", "num_draft_cached", "temperature", "top_k", "seeds",
+                     "block_tables", "catchup_tokens"):
+            buf = getattr(self, name)
+            if buf is not None:
+                buf.zero_()
+                src = getattr(other, name)
+                if buf.dim() == 2:
+                    buf[:n, : src.shape[1]].copy_(src)
+                else:
+                    buf[:n].copy_(src)
+        self.top_p.fill_(1.0)
+        self.top_p[:n].copy_(other.top_p)
+        if self.catchup_hidden is not None:
+            self.catchup_hidden[:n].copy_(other.catchup_hidden)
 
 
 @dataclass
