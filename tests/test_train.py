@@ -279,3 +279,31 @@ def test_make_distill_data_regenerates_assistant_turns(tmp_path):
     assert c0[1]["content"] == llm.chat(c0[:1], p)[0].text
     assert c0[3]["content"] == llm.chat(c0[:3], p)[0].text
     assert load_examples([out], tok)  # and the result is training data
+
+
+def test_make_distill_data_first_turns_chunks_and_time_budget(tmp_path, capsys):
+    from eyas.train.distill_data import main
+
+    tok = _smollm2_tokenizer()
+    mdir = write_tiny_chat_model(tmp_path / "m", tok)
+    src = tmp_path / "in.jsonl"
+    convs = [[{"role": "user", "content": f"Question {i}"}, {"role": "assistant", "content": "a"},
+              {"role": "user", "content": "and then?"}, {"role": "assistant", "content": "b"}] for i in range(5)]
+    src.write_text("".join(json.dumps({"id": i, "conversations": c}) + "\n" for i, c in enumerate(convs)))
+    common = ["--model", str(mdir), "--data", str(src), "--max-tokens", "5", "--device", "cpu", "--max-turns", "1"]
+    # chunks of 1 conversation through a batch of 1, or everything in one engine call: the same greedy text
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert main(common + ["--out", str(a), "--batch-size", "1", "--chunk", "1"]) == 0
+    assert main(common + ["--out", str(b), "--batch-size", "4"]) == 0
+    ra, rb = ([json.loads(x) for x in open(p)] for p in (a, b))
+    assert ra == rb and len(ra) == 5
+    assert all([m["role"] for m in r["conversations"]] == ["user", "assistant"] for r in ra)
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert info["generated_tokens"] > 0 and info["stopped"] is None
+    # a spent time budget writes nothing more and says why
+    c = tmp_path / "c.jsonl"
+    assert main(common + ["--out", str(c), "--time-budget", "0"]) == 0
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert info["conversations"] == 0 and info["stopped"] == "time_budget=0.0s"
+    with pytest.raises(SystemExit):
+        main(common + ["--out", str(c), "--batch-size", "0"])

@@ -225,9 +225,13 @@ def plan_epoch(lengths: list[int] | np.ndarray, batch_tokens: int, max_batch: in
     return [batches[i] for i in order]
 
 
-def collate(examples: list[Example], idx: list[int], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> ids [B, T] int64 (right-padded with pad_id), mask [B, T] bool (False on padding)."""
+def collate(examples: list[Example], idx: list[int], pad_id: int = 0,
+            multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> ids [B, T] int64 (right-padded with pad_id), mask [B, T] bool (False on padding). T is the longest example
+    rounded up to `multiple`: fewer distinct shapes let the GPU libraries reuse their plans (cuDNN attention builds
+    one per shape)."""
     T = max(len(examples[i]) for i in idx)
+    T = -(-T // multiple) * multiple
     ids = torch.full((len(idx), T), pad_id, dtype=torch.long)
     mask = torch.zeros((len(idx), T), dtype=torch.bool)
     for r, i in enumerate(idx):

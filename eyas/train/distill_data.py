@@ -28,9 +28,10 @@ def _open_out(path: Path):
 
 
 def regenerate(llm, conversations: list[list[dict]], params, max_turns: int | None = None,
-               max_prompt_tokens: int | None = None) -> list[list[dict]]:
+               max_prompt_tokens: int | None = None, stats: dict | None = None) -> list[list[dict]]:
     """New conversations, aligned with the input: the same user (and system) turns, each assistant turn generated
-    by `llm`; None where not even the first turn fits."""
+    by `llm`; None where not even the first turn fits. `params`: one SamplingParams, or one per conversation.
+    `stats` (optional) accumulates "prompt_tokens" and "generated_tokens"."""
     tok = llm.tokenizer
     users = []
     for conv in conversations:
@@ -39,7 +40,10 @@ def regenerate(llm, conversations: list[list[dict]], params, max_turns: int | No
         users.append((system, u[:max_turns] if max_turns else u))
     histories = [list(system) for system, _ in users]
     alive = [True] * len(conversations)
-    limit = max_prompt_tokens or (llm.engine.max_model_len - params.max_tokens - 8)
+    plist = params if isinstance(params, list) else [params] * len(conversations)
+    limit = llm.engine.max_model_len - max(p.max_tokens for p in plist) - 8
+    if max_prompt_tokens:
+        limit = min(limit, max_prompt_tokens)
     rounds = max((len(u) for _, u in users), default=0)
     for r in range(rounds):
         idx, prompts = [], []
@@ -55,20 +59,32 @@ def regenerate(llm, conversations: list[list[dict]], params, max_turns: int | No
             prompts.append(ids)
         if not prompts:
             break
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, [plist[i] for i in idx])
         for i, o in zip(idx, outs):
             histories[i] += [users[i][1][r], {"role": "assistant", "content": o.text}]
+            if stats is not None:
+                stats["prompt_tokens"] = stats.get("prompt_tokens", 0) + len(o.prompt_token_ids)
+                stats["generated_tokens"] = stats.get("generated_tokens", 0) + len(o.token_ids)
     return [h if any(m["role"] == "assistant" for m in h) else None for h in histories]
 
 
 def make_distill_data(model: str, data: list[str], out: str, max_tokens: int = 512, temperature: float = 0.0,
                       batch_size: int = 64, limit: int | None = None, max_turns: int | None = None,
                       device: str = "auto", dtype: str = "auto", draft: str | None = None,
-                      speculation: str | None = None, seed: int = 0, progress: bool = True) -> dict:
+                      speculation: str | None = None, seed: int = 0, progress: bool = True,
+                      time_budget: float | None = None, max_prompt_tokens: int | None = None,
+                      chunk: int | None = None, cuda_graphs: bool | None = None) -> dict:
+    """Regenerate `data` into `out`. `batch_size` requests decode together (continuous batching over chunks of
+    `chunk` conversations, default 4 x batch_size, so the batch stays full while stragglers finish); CUDA graphs are
+    used on a GPU. `time_budget` (seconds): start no new chunk after that; what is done is written."""
     from eyas import LLM, SamplingParams
+    from eyas.loader.resolve import resolve_device
 
     t0 = time.perf_counter()
-    llm = LLM(model, device=device, dtype=dtype, draft=draft, speculation=speculation, max_num_seqs=batch_size)
+    dev = resolve_device(device)
+    graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
+    llm = LLM(model, device=str(dev), dtype=dtype, draft=draft, speculation=speculation, max_num_seqs=batch_size,
+              max_num_batched_tokens=max(2048, 16 * batch_size), cuda_graphs=graphs)
     if llm.tokenizer is None or not llm.tokenizer.chat_template:
         raise ValueError(f"model {model!r} has no chat template: it cannot regenerate conversations")
     records = []
@@ -78,23 +94,43 @@ def make_distill_data(model: str, data: list[str], out: str, max_tokens: int = 5
             records.append((rec.get("id", len(records)), msgs))
         if limit is not None and len(records) >= limit:
             break
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed if temperature > 0 else None)
+    if not records:
+        raise ValueError(f"no conversation with a user turn in {data}")
+    chunk = chunk or 4 * batch_size
     written = turns = 0
-    bar = tqdm(total=len(records), desc="regenerating", disable=not progress)
+    stats: dict = {}
+    stopped = None
+    t_gen = time.perf_counter()
+    bar = tqdm(total=len(records), desc="regenerating", unit="conv", disable=not progress)
     with _open_out(Path(out)) as f:
-        for start in range(0, len(records), batch_size):
-            chunk = records[start: start + batch_size]
-            new = regenerate(llm, [m for _, m in chunk], params, max_turns)
-            for (rid, _), conv in zip(chunk, new):
+        for start in range(0, len(records), chunk):
+            if time_budget is not None and time.perf_counter() - t_gen >= time_budget:
+                stopped = f"time_budget={time_budget}s"
+                break
+            part = records[start: start + chunk]
+            # one seed per conversation: counter-based sampling keyed by (seed, position) would otherwise give
+            # every conversation the same random numbers at the same positions
+            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                     seed=(seed * 1_000_003 + start + j) % (2 ** 63) if temperature > 0 else None)
+                      for j in range(len(part))]
+            new = regenerate(llm, [m for _, m in part], params, max_turns, max_prompt_tokens, stats)
+            for (rid, _), conv in zip(part, new):
                 if conv is None:
                     continue
                 f.write(json.dumps({"id": rid, "conversations": conv, "regenerated_by": model,
                                     "temperature": temperature, "max_tokens": max_tokens}, ensure_ascii=False) + "\n")
                 written += 1
                 turns += sum(m["role"] == "assistant" for m in conv)
-            bar.update(len(chunk))
+            bar.update(len(part))
+            bar.set_postfix(tok_s=f"{stats.get('generated_tokens', 0) / (time.perf_counter() - t_gen):,.0f}",
+                            refresh=False)
     bar.close()
-    return {"conversations": written, "assistant_turns": turns, "seconds": round(time.perf_counter() - t0, 1),
+    gen_s = time.perf_counter() - t_gen
+    return {"conversations": written, "assistant_turns": turns, "read": len(records),
+            "generated_tokens": stats.get("generated_tokens", 0), "prompt_tokens": stats.get("prompt_tokens", 0),
+            "generation_seconds": round(gen_s, 1),
+            "generated_tokens_per_second": round(stats.get("generated_tokens", 0) / max(gen_s, 1e-9), 1),
+            "seconds": round(time.perf_counter() - t0, 1), "stopped": stopped, "cuda_graphs": graphs,
             "out": str(out)}
 
 
@@ -113,6 +149,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="speed generation up with this EAGLE draft (or 'default')")
     p.add_argument("--speculation", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds: start no new chunk after that (what is done is written)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="skip turns whose prompt is longer")
+    p.add_argument("--chunk", type=int, default=None, help="conversations per engine call (default 4 x batch)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.set_defaults(func=run)
@@ -120,9 +160,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    for name in ("max_tokens", "batch_size"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     info = make_distill_data(args.model, args.data, args.out, args.max_tokens, args.temperature, args.batch_size,
                              args.limit, args.max_turns, args.device, args.dtype, args.draft, args.speculation,
-                             args.seed)
+                             args.seed, time_budget=args.time_budget, max_prompt_tokens=args.max_prompt_tokens,
+                             chunk=args.chunk)
     print(json.dumps(info))
     return 0
 

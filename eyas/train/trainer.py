@@ -21,6 +21,7 @@ Output: the EAGLE-1 checkpoint layout (config.json + model.safetensors, bf16 by 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -56,6 +57,7 @@ class TrainConfig:
     heldout: int = 64  # conversations kept out of training, for evaluation
     batch_tokens: int = 16384  # padded tokens per batch (B * T)
     max_batch: int = 64
+    pad_multiple: int = 0  # round batch lengths up to this (0: 64 on CUDA, 1 on the CPU)
     epochs: int = 1
     max_steps: int | None = None  # cap on the schedule's length
     stop_after: int | None = None  # stop (and checkpoint) at this step; the schedule is unchanged
@@ -96,6 +98,15 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 
 def _autocast(device: torch.device, enabled: bool):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled and device.type == "cuda")
+
+
+def attention_backends(device: torch.device):
+    """On CUDA, SDPA without the cuDNN backend: cuDNN builds an execution plan per new shape, and training batches
+    come in many shapes. Flash attention (GQA-aware in bf16) takes the causal passes."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def lr_lambda(total: int, warmup: int, min_ratio: float):
@@ -427,13 +438,27 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
         if not heldout_examples:
             return
         st = _rng_state(noise_gen)  # evaluation must not disturb the training RNG streams
-        res = evaluate(target, drafts, heldout_examples, cfg, device, tokenizer)
+        with attention_backends(device):
+            res = evaluate(target, drafts, heldout_examples, cfg, device, tokenizer)
         _set_rng_state(st, noise_gen)
         evals.append({"step": step, "drafts": {f"layers-{L}": r for L, r in zip(cfg.layers, res)}})
         msg = "; ".join(f"L{L}: loss {r['loss']:.4f} acc@depth " + "/".join(f"{a:.3f}" for a in r["acc_by_depth"])
                         + (f" tpc(chain:3) {r['tpc_chain:3']:.3f}" if "tpc_chain:3" in r else "")
                         for L, r in zip(cfg.layers, res))
         tqdm.write(f"[eval step {step}] {msg}")
+
+    pad_multiple = cfg.pad_multiple or (64 if device.type == "cuda" else 1)
+    pending: list[tuple[dict, torch.Tensor]] = []
+
+    def flush():
+        """Fill the pending history records with their losses, read back from the device in one transfer."""
+        if not pending:
+            return
+        vals = torch.stack([t for _, t in pending]).tolist()
+        for (rec, _), per_draft in zip(pending, vals):
+            for L, (loss, ce, l1, correct, count, gn) in zip(cfg.layers, per_draft):
+                rec[f"layers-{L}"].update(loss=loss, ce=ce, l1=l1, acc=correct / max(count, 1.0), grad_norm=gn)
+        pending.clear()
 
     if step == 0 and cfg.eval_every:
         run_eval()
@@ -449,49 +474,57 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
             bi = batch0 if epoch == epoch0 else 0
             while bi < len(plan) and step < total:
                 t0 = time.perf_counter()
-                ids, amask = collate(train_examples, plan[bi])
+                ids, amask = collate(train_examples, plan[bi], multiple=pad_multiple)
                 ntok = sum(lengths[i] for i in plan[bi])
+                if device.type == "cuda":
+                    ids, amask = ids.pin_memory(), amask.pin_memory()
                 ids, amask = ids.to(device, non_blocking=True), amask.to(device, non_blocking=True)
-                emb, feats, pos, tgt_h, lmask = draft_inputs(target, ids, amask)
-                feats = _noise(feats, cfg.noise, cfg.noise_std, noise_gen)
-                tgt_sel = tgt_h[lmask]
-                with torch.no_grad():
-                    tlog = target.compute_logits(tgt_sel)
-                rec = {"step": step + 1, "tokens": ntok, "positions": int(tgt_sel.shape[0])}
-                for L, d, o, sc in zip(cfg.layers, drafts, opts, scheds):
-                    with _autocast(device, cfg.amp):
-                        out = d(emb, feats, pos)
-                        o_sel = out[lmask]
-                        dlog = target.compute_logits(o_sel.to(tgt_h.dtype))
-                    lo = distill_loss(o_sel, tgt_sel, dlog, tlog, None, cfg.w_ce, cfg.w_l1)
-                    o.zero_grad(set_to_none=True)
-                    lo.loss.backward()
-                    gn = torch.nn.utils.clip_grad_norm_(d.parameters(), cfg.grad_clip)
-                    o.step()
-                    lr = sc.get_last_lr()[0]
-                    sc.step()
-                    cnt = max(float(lo.count), 1.0)
-                    rec[f"layers-{L}"] = {"loss": float(lo.loss.detach()), "ce": float(lo.ce), "l1": float(lo.l1),
-                                          "acc": float(lo.correct) / cnt, "grad_norm": float(gn), "lr": lr}
-                    del out, o_sel, dlog, lo
+                with attention_backends(device):
+                    emb, feats, pos, tgt_h, lmask = draft_inputs(target, ids, amask)
+                    feats = _noise(feats, cfg.noise, cfg.noise_std, noise_gen)
+                    tgt_sel = tgt_h[lmask]
+                    with torch.no_grad():
+                        tlog = target.compute_logits(tgt_sel)
+                    rec = {"step": step + 1, "tokens": ntok, "positions": int(tgt_sel.shape[0])}
+                    stats = []
+                    for L, d, o, sc in zip(cfg.layers, drafts, opts, scheds):
+                        with _autocast(device, cfg.amp):
+                            out = d(emb, feats, pos)
+                            o_sel = out[lmask]
+                            dlog = target.compute_logits(o_sel.to(tgt_h.dtype))
+                        lo = distill_loss(o_sel, tgt_sel, dlog, tlog, None, cfg.w_ce, cfg.w_l1)
+                        o.zero_grad(set_to_none=True)
+                        lo.loss.backward()
+                        gn = torch.nn.utils.clip_grad_norm_(d.parameters(), cfg.grad_clip)
+                        o.step()
+                        rec[f"layers-{L}"] = {"lr": sc.get_last_lr()[0]}
+                        sc.step()
+                        # read back later, in one transfer for many steps: no host sync per step
+                        stats.append(torch.stack([lo.loss.detach(), lo.ce, lo.l1, lo.correct, lo.count,
+                                                  gn.to(lo.loss.device)]).float())
+                        del out, o_sel, dlog, lo
+                pending.append((rec, torch.stack(stats)))
                 step += 1
                 bi += 1
                 tokens_seen += ntok
                 tok_window += ntok
-                dt = time.perf_counter() - t0
-                train_time += dt
                 history.append(rec)
-                first = rec[f"layers-{cfg.layers[0]}"]
                 now = time.perf_counter()
-                if now - t_window > 2.0:
+                if now - t_window > 2.0 or step >= total:
+                    flush()
+                    first = rec[f"layers-{cfg.layers[0]}"]
                     rate = tok_window / (now - t_window)
                     t_window, tok_window = now, 0
                     bar.set_postfix(loss=f"{first['loss']:.4f}", acc=f"{first['acc']:.3f}", tok_s=f"{rate:,.0f}",
                                     refresh=False)
+                dt = time.perf_counter() - t0
+                train_time += dt
                 bar.update(1)
                 if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+                    flush()
                     run_eval()
                 if cfg.save_every and step % cfg.save_every == 0 and step < total:
+                    flush()
                     checkpoint(epoch, bi)
                 if cfg.stop_after is not None and step >= cfg.stop_after and step < total:
                     stopped = f"stop_after={cfg.stop_after}"
@@ -502,6 +535,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
             if stopped or step >= total:
                 break
     finally:
+        flush()
         bar.close()
     if bi >= len(plan_epoch(lengths, cfg.batch_tokens, cfg.max_batch, cfg.seed, epoch)):
         epoch, bi = epoch + 1, 0
@@ -576,6 +610,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--heldout", type=int, default=d.heldout, help="conversations kept out for evaluation")
     p.add_argument("--batch-tokens", type=int, default=d.batch_tokens)
     p.add_argument("--max-batch", type=int, default=d.max_batch)
+    p.add_argument("--pad-multiple", type=int, default=d.pad_multiple,
+                   help="round batch lengths up to a multiple of N (0: 64 on CUDA, 1 on the CPU)")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--stop-after", type=int, default=None, help="stop and checkpoint at this step")
