@@ -107,3 +107,15 @@ def test_shipped_smollm2_draft_speculates_on_the_cpu():
     q = mt_bench_first_turns(1)[0]
     out = llm.chat([{"role": "user", "content": q}], SamplingParams(temperature=0, max_tokens=24))[0]
     assert len(out.token_ids) > 8 and out.stats.tokens_per_call > 1.1, out.stats
+
+
+def test_bench_peers_hf_eager_runs_the_same_weights(tiny_chat, tmp_path):
+    from eyas.cli import main
+    m, _ = tiny_chat
+    out = tmp_path / "peers"
+    assert main(["bench", "peers", "--model", str(m), "--num-prompts", "2", "--max-tokens", "3", "--peers",
+                 "hf-eager", "--device", "cpu", "--out", str(out)]) == 0
+    res = json.loads((out / "peers.json").read_text())["results"]
+    assert list(res) == ["hf-eager"] and res["hf-eager"]["tokens"] == 6 and res["hf-eager"]["ms_per_token"] > 0
+    with pytest.raises(SystemExit):
+        main(["bench", "peers", "--model", str(m), "--peers", "vllm", "--device", "cpu", "--out", str(out)])

@@ -24,6 +24,9 @@ def hf_from_eyas(target):
         hf.tie_weights()
     with torch.device(p.device):  # buffers are not in the state dict: build them for real
         hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg)
+    eos = list(target.config.eos_token_ids)
+    hf.generation_config.eos_token_id = eos or None  # generate() fails on an empty list
+    hf.generation_config.pad_token_id = eos[0] if eos else 0
     return hf.to(p.device, p.dtype).eval()
 
 
@@ -44,6 +47,10 @@ def time_generate(hf, prompts, max_tokens, **kw) -> dict:
     return {"ms_per_token": total_t * 1000 / total_n, "tokens": total_n}
 
 
+PEERS = {"hf-eager": {}, "hf-static-cache": {"cache_implementation": "static"},
+         "hf-prompt-lookup": {"prompt_lookup_num_tokens": 10}}
+
+
 def run(args) -> int:
     from eyas.bench.latency import make_prompts
     from eyas.loader import load_target
@@ -51,8 +58,12 @@ def run(args) -> int:
     prompts = make_prompts(tok, target.config.vocab_size, args.num_prompts, 256, args.prompts)
     hf = hf_from_eyas(target)
     rows = {}
-    for name, kw in (("hf-eager", {}), ("hf-static-cache", {"cache_implementation": "static"}),
-                     ("hf-prompt-lookup", {"prompt_lookup_num_tokens": 10})):
+    wanted = [x.strip() for x in args.peers.split(",") if x.strip()]
+    unknown = sorted(set(wanted) - set(PEERS))
+    if unknown:
+        raise SystemExit(f"unknown peers {unknown}; choose from {', '.join(PEERS)}")
+    for name in wanted:
+        kw = PEERS[name]
         try:
             rows[name] = time_generate(hf, prompts, args.max_tokens, **kw)
         except Exception as e:  # a peer that fails is reported, not fatal
@@ -73,6 +84,7 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--peers", default=",".join(PEERS), help="comma-separated subset of " + ", ".join(PEERS))
     p.add_argument("--out", default="bench-out/peers")
     p.set_defaults(func=run)
     return p

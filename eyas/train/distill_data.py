@@ -153,6 +153,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds: start no new chunk after that (what is done is written)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="skip turns whose prompt is longer")
     p.add_argument("--chunk", type=int, default=None, help="conversations per engine call (default 4 x batch)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.set_defaults(func=run)
@@ -166,7 +167,7 @@ def run(args) -> int:
     info = make_distill_data(args.model, args.data, args.out, args.max_tokens, args.temperature, args.batch_size,
                              args.limit, args.max_turns, args.device, args.dtype, args.draft, args.speculation,
                              args.seed, time_budget=args.time_budget, max_prompt_tokens=args.max_prompt_tokens,
-                             chunk=args.chunk)
+                             chunk=args.chunk, progress=args.progress)
     print(json.dumps(info))
     return 0
 
