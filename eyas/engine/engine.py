@@ -53,7 +53,7 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         num_blocks = cfg.num_blocks or self._blocks_from_memory(target, draft)
         self.runner = ModelRunner(target, draft, tree, num_blocks, cfg.block_size, cuda_graphs=cfg.cuda_graphs,
-                                  max_model_len=self.max_model_len)
+                                  max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs)
         self.tree = self.runner.tree
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
