@@ -125,6 +125,9 @@ def test_caches_hold_exactly_the_committed_history(mirror_pair, spec, temperatur
         # draft: pairs (x_{t+1}, h_t) for t < num_draft_cached, with the target's true features
         m = seq.num_draft_cached
         assert 0 < m <= n
+        # and the features h_t, t = m..n-1, it has still to read wait in the sequence's slot
+        torch.testing.assert_close(engine.runner.draft_hidden[seq.slot, : n - m], hidden["h"][0, m:n], atol=1e-5,
+                                   rtol=1e-5)
         dids = torch.tensor([seq.token_ids[1: m + 1]])
         dpos = torch.arange(m)[None]
         ref = _dense_kv(draft.layers, draft.rope,
@@ -187,30 +190,88 @@ def test_real_pair_smollm2_with_its_draft(smollm2):
     assert tpc > 1.0, tpc
 
 
-def test_graph_buffers_take_a_smaller_batch_and_pad_the_rest(mirror_pair):
-    """DecodeInputs.fill_from (what a CUDA graph replay reads): the batch's rows are copied, the rest become padding
-    (zero block tables, so their writes go to the scratch block; top_p 1)."""
-    import dataclasses
+def _old_decode_inputs(seqs, P, W, with_draft):
+    """The per-field construction the packed inputs replaced (one tensor per field, per-sequence rows)."""
+    def padded(rows, Q):
+        out = torch.zeros(len(rows), Q, dtype=torch.long)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        return out
+    p = [s.params for s in seqs]
+    return dict(
+        root_tokens=torch.tensor([s.token_ids[-1] for s in seqs]),
+        num_cached=torch.tensor([s.num_cached for s in seqs]),
+        num_draft_cached=torch.tensor([s.num_draft_cached for s in seqs]),
+        block_tables=padded([s.block_table for s in seqs], W),
+        catchup_tokens=padded([s.token_ids[s.num_draft_cached + 1: s.num_cached + 1] for s in seqs], P)
+        if with_draft else None,
+        temperature=torch.tensor([x.temperature for x in p], dtype=torch.float32),
+        top_k=torch.tensor([x.top_k for x in p], dtype=torch.long),
+        top_p=torch.tensor([x.top_p for x in p], dtype=torch.float32),
+        seeds=torch.tensor([s.seed for s in seqs], dtype=torch.long),
+        slots=torch.tensor([s.slot for s in seqs], dtype=torch.long))
+
+
+@pytest.mark.parametrize("spec", [None, "chain:3"])
+def test_packed_inputs_equal_the_per_field_ones_and_pad_the_rest(mirror_pair, spec):
+    """The packed step inputs (one buffer, one copy; what a CUDA graph replay reads) equal the per-field construction
+    row for row; rows past the batch are padding (zero block tables, so their writes go to the scratch block; the
+    scratch hidden slot; top_p 1), also after a larger batch used the same buffer."""
     target, draft = mirror_pair
-    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation="chain:3")
-    engine = llm.engine
-    seqs = [engine.add_request(p, SamplingParams(temperature=0.5, top_p=0.9, max_tokens=50, seed=3))
-            for p in prompts6()[:3]]
-    for _ in range(4):
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft) if spec else None, speculation=spec,
+              block_size=4)
+    engine, runner = llm.engine, llm.engine.runner
+    params = [SamplingParams(temperature=0.5 * i, top_p=1 - 0.1 * i, top_k=[-1, 5, 9, 3][i], max_tokens=50, seed=3 + i)
+              for i in range(4)]
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts6()[1:5], params)]
+    for _ in range(5):
         engine.step()
-    inp = engine.runner.decode_inputs(seqs)
-    big = {f.name: getattr(inp, f.name) for f in dataclasses.fields(inp)}
-    static = dataclasses.replace(inp, **{k: torch.full((8, *v.shape[1:]), 7, dtype=v.dtype)
-                                          if isinstance(v, torch.Tensor) else v for k, v in big.items()})
-    static.block_tables = torch.full((8, inp.block_tables.shape[1] + 5), 7)
-    static.fill_from(inp)
-    for name, v in big.items():
-        if isinstance(v, torch.Tensor):
-            got = getattr(static, name)
-            assert torch.equal(got[:3, : v.shape[1]] if v.dim() >= 2 else got[:3], v), name
-            if name != "catchup_hidden":  # stale features in padded rows are harmless: their outputs are dropped
-                pad = 1.0 if name == "top_p" else 0
-                assert (got[3:] == pad).all(), name
-    assert (static.block_tables[:3, inp.block_tables.shape[1]:] == 0).all()
+    assert all(s.num_output > 0 for s in seqs)
+    B = 8
+    for batch in (seqs, seqs[1:3]):  # a smaller batch after a larger one in the same 8-row buffer
+        inp = runner.decode_inputs(batch, B)
+        ref = _old_decode_inputs(batch, runner.lookahead, runner.width, spec is not None)
+        n = len(batch)
+        for name, v in ref.items():
+            got = getattr(inp, name)
+            if v is None:
+                assert got is None
+                continue
+            assert got.shape[0] == B and got.dtype == v.dtype, name
+            assert torch.equal(got[:n], v), name
+            pad = {"top_p": 1.0, "slots": runner.num_slots}.get(name, 0)
+            assert (got[n:] == pad).all(), name
+        assert inp.max_context_len == max(s.num_cached for s in batch)
+    assert len({s.slot for s in seqs}) == 4
     for s in seqs:
         engine.abort(s.request_id)
+    assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_num_seqs))
+    assert all(s.slot == -1 for s in seqs)
+
+
+def test_slots_across_preemption_and_abort(mirror_pair):
+    """Running sequences own distinct slots, others none; preemption and abort give them back; a re-admitted
+    sequence continues exactly (greedy speculative output equals plain decoding), and no block or slot leaks."""
+    target, draft = mirror_pair
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = plain(target, prompts6(), params)
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation="chain:4", num_blocks=24,
+              block_size=4, max_num_seqs=4)
+    engine = llm.engine
+    seqs = [engine.add_request(p, params) for p in prompts6()]
+    victim = engine.add_request(prompts6()[2], params)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        running = engine.scheduler.running
+        assert len({s.slot for s in running}) == len(running)
+        assert all(0 <= s.slot < 4 for s in running)
+        assert all(s.slot == -1 for s in engine.scheduler.waiting)
+        if steps == 6 and not victim.finished:
+            assert engine.abort(victim.request_id)
+            assert victim.slot == -1
+    assert [s.output_ids for s in seqs] == ref
+    assert engine.scheduler.num_preemptions > 0
+    assert sorted(engine.scheduler.free_slots) == [0, 1, 2, 3]
+    assert engine.blocks.num_used == 0

@@ -1,11 +1,14 @@
 """CUDA graphs of the whole speculative step, one per batch-size bucket (and the runner's one tree shape).
 
 The graph replays `spec_step` (draft catch-up, every tree level, verification, acceptance and sampling, and the KV
-commit) from static input buffers. A step pads its batch up to the bucket: padded rows have block tables of zeros,
-so everything they write lands in the scratch block 0, and their outputs are ignored. The reference beside this
-fast path is `spec_step` run eagerly; tests/test_cuda_graph.py holds the two equal.
+commit) from static input buffers: the device side of the runner's packed step inputs (`StepPacker`), so filling them
+is one copy. A step pads its batch up to the bucket: padded rows have block tables of zeros, so everything they write
+lands in the scratch block 0 (and in the scratch slot of the draft's hidden states), and their outputs are ignored.
+The reference beside this fast path is `spec_step` run eagerly; tests/test_cuda_graph.py holds the two equal.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -17,8 +20,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 class GraphedStep:
     def __init__(self, runner, max_model_len: int):
         self.runner = runner
-        bs = runner.block_size
-        self.width = -(-(max_model_len + runner.lookahead + 1) // bs)  # block-table width covering any sequence
+        self.width = runner.width  # block-table width covering any sequence (max_model_len + lookahead + 1 slots)
         # one graph per (bucket, all requests greedy)
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, DecodeInputs, DecodeOutputs]] = {}
         self.pool = None
@@ -30,21 +32,16 @@ class GraphedStep:
         return self.bucket(len(seqs)) is not None and all(len(s.block_table) <= self.width for s in seqs)
 
     def _static_inputs(self, B: int) -> DecodeInputs:
+        """The graph's static inputs: the device views of the runner's B-row packer (filled by one copy per step),
+        with the reference attention's gather width fixed at the widest block table."""
         r = self.runner
-        dev, P = r.device, r.lookahead
-        z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
-        H = r.target.config.hidden_size
-        return DecodeInputs(
-            root_tokens=z(B), num_cached=z(B), num_draft_cached=z(B), block_tables=z(B, self.width),
-            catchup_tokens=z(B, P) if r.draft is not None else None,
-            catchup_hidden=z(B, P, H, dtype=r.dtype) if r.draft is not None else None,
-            temperature=z(B, dtype=torch.float32), top_k=z(B), top_p=torch.ones(B, device=dev), seeds=z(B),
-            max_context_len=self.width * r.block_size)
+        r.decode_inputs([], B)  # all rows padding: the warm-up and capture runs write only to the scratch block/slot
+        return dataclasses.replace(r.packer(B).inputs, max_context_len=self.width * r.block_size)
 
     def _step(self, inp: DecodeInputs, greedy: bool) -> DecodeOutputs:
         r = self.runner
         return spec_step(r.target, r.draft, r.tree, r.cache, r.draft_cache, inp, r.block_size, r.use_triton,
-                         r.simulated_accept, greedy)
+                         r.simulated_accept, greedy, r.draft_hidden)
 
     def _capture(self, key: tuple[int, bool]):
         B, greedy = key
@@ -69,6 +66,6 @@ class GraphedStep:
         if key not in self.graphs:
             self._capture(key)
         graph, static, out = self.graphs[key]
-        static.fill_from(self.runner.decode_inputs(seqs))
+        self.runner.decode_inputs(seqs, key[0])  # one host->device copy into the static buffers
         graph.replay()
         return out

@@ -53,7 +53,7 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         num_blocks = cfg.num_blocks or self._blocks_from_memory(target, draft)
         self.runner = ModelRunner(target, draft, tree, num_blocks, cfg.block_size, cuda_graphs=cfg.cuda_graphs,
-                                  max_model_len=self.max_model_len)
+                                  max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs)
         self.tree = self.runner.tree
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -159,7 +159,7 @@ class LLMEngine:
         p = seq.params
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
         added: list[int] = []
-        reason, stop_text = None, None
+        reason, stop_text, text = None, None, None
         for t in tokens:
             seq.token_ids.append(t)
             added.append(t)
@@ -167,6 +167,7 @@ class LLMEngine:
                 reason = "stop"
             elif seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 reason = "length"
+            text = None
             if p.stop and self.tokenizer is not None:
                 text = self.tokenizer.decode(seq.output_ids)
                 hit = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
@@ -174,8 +175,9 @@ class LLMEngine:
                     reason, stop_text = "stop", text[:hit]
             if reason:
                 break
-        if self.tokenizer is not None:
-            seq.text = stop_text if stop_text is not None else self.tokenizer.decode(seq.output_ids)
+        if self.tokenizer is not None:  # (the stop-string check has just decoded the whole output)
+            seq.text = stop_text if stop_text is not None else text if text is not None else \
+                self.tokenizer.decode(seq.output_ids)
         if reason:
             return self._finish(seq, reason, added)
         return RequestOutput(seq.request_id, added, seq.output_ids, seq.text, False, None, seq.num_prompt,

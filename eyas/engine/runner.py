@@ -4,9 +4,15 @@
   committed pairs the chunk completes, and samples the first token of sequences whose prompt is complete.
 * `decode(seqs)`: one speculative step (`eyas.spec.step.spec_step`: draft -> verify -> accept -> commit), run eagerly
   or replayed from a CUDA graph. With no draft the tree is the bare root: plain decoding.
+
+Host work per decode step is kept small and nearly flat in the batch size: every per-sequence input is packed into one
+(pinned) host buffer and sent with one copy (`StepPacker`); settings and block tables live in per-slot host tables
+(a running sequence owns the slot `seq.slot`, assigned by the scheduler) updated only when they change; the draft's
+pending hidden states stay on the device, in `draft_hidden[slot]`.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from eyas.cache.kv_cache import KVCache
@@ -32,6 +38,53 @@ def block_tables_of(seqs: list[Sequence], width: int | None = None) -> torch.Ten
     return padded([s.block_table for s in seqs], width)
 
 
+class StepPacker:
+    """The inputs of a decode step of B rows, packed in one int64 buffer: a host one (pinned on CUDA) that the runner
+    fills through numpy views, and a device one whose slices are the `DecodeInputs` tensors (a CUDA graph's static
+    inputs are these slices). `send()` is the step's one host->device copy.
+
+    Layout, each field contiguous: root_tokens, num_cached, num_draft_cached, top_k, seeds, slots [B] each;
+    catchup_tokens [B, P] (with a draft); block_tables [B, W]; temperature and top_p [B] float32 each, sharing B
+    int64 words."""
+
+    def __init__(self, B: int, P: int, W: int, with_draft: bool, device: torch.device):
+        self.B = B
+        sizes = [("root_tokens", B), ("num_cached", B), ("num_draft_cached", B), ("top_k", B), ("seeds", B),
+                 ("slots", B)]
+        if with_draft:
+            sizes.append(("catchup_tokens", B * P))
+        sizes += [("block_tables", B * W), ("floats", B)]
+        total = sum(n for _, n in sizes)
+        pin = device.type == "cuda"
+        self.host = torch.zeros(total, dtype=torch.long, pin_memory=pin)
+        self.dev = torch.zeros(total, dtype=torch.long, device=device)
+        self.copied = torch.cuda.Event() if pin else None
+        h, views, off = self.host.numpy(), {}, 0
+        self.np: dict[str, np.ndarray] = {}
+        for name, n in sizes:
+            d, a = self.dev[off: off + n], h[off: off + n]
+            if name == "floats":
+                views["temperature"], views["top_p"] = d.view(torch.float32).view(2, B).unbind(0)
+                fa = a.view(np.float32).reshape(2, B)
+                self.np["temperature"], self.np["top_p"] = fa[0], fa[1]
+            else:
+                shape = {"catchup_tokens": (B, P), "block_tables": (B, W)}.get(name, (B,))
+                views[name], self.np[name] = d.view(shape), a.reshape(shape)
+            off += n
+        self.inputs = DecodeInputs(catchup_tokens=views.pop("catchup_tokens", None), max_context_len=0, **views)
+
+    def wait_host(self) -> None:
+        """Before refilling the host buffer: the previous copy out of it must have finished (it has, after the step's
+        synchronisation, so this costs nothing)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+
+    def send(self) -> None:
+        self.dev.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+
 def all_greedy(seqs: list[Sequence]) -> bool:
     return all(s.params.temperature == 0.0 for s in seqs)
 
@@ -39,7 +92,7 @@ def all_greedy(seqs: list[Sequence]) -> bool:
 class ModelRunner:
     def __init__(self, target: LlamaForCausalLM, draft: EagleDraft | None, tree: Tree | None, num_blocks: int,
                  block_size: int, use_triton: bool | None = None, cuda_graphs: bool = False,
-                 max_model_len: int = 0):
+                 max_model_len: int = 0, max_num_seqs: int = 256):
         p = next(target.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.target, self.draft = target, draft
@@ -54,6 +107,7 @@ class ModelRunner:
             self.draft_cache = KVCache.allocate(dc, dc.num_hidden_layers, num_blocks, block_size, self.dtype,
                                                 self.device)
         self.simulated_accept: torch.Tensor | None = None  # benchmarks: per-depth acceptance rates (see spec_step)
+        self._init_slots(max_num_seqs, max_model_len or cfg.max_position_embeddings)
         self.graphs = None
         if cuda_graphs:
             if self.device.type != "cuda":
@@ -67,6 +121,42 @@ class ModelRunner:
         committed pairs the draft has to catch up on at a decode step."""
         return self.tree.max_depth + 1
 
+    # ---- per-slot state -----------------------------------------------------------------------------------
+    def _init_slots(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Per-slot state of the running sequences; slot `num_slots` is scratch (the padded rows of a graph's batch
+        read and write it). Host tables: block-table rows and sampling settings (written when they change); device:
+        the draft's pending hidden states."""
+        S = self.num_slots = max_num_seqs
+        self.width = -(-(max_model_len + self.lookahead + 1) // self.block_size)  # block-table width for any sequence
+        self.slot_block_tables = np.zeros((S + 1, self.width), dtype=np.int64)
+        self.slot_num_blocks = np.zeros(S + 1, dtype=np.int64)
+        self.slot_temperature = np.zeros(S + 1, dtype=np.float32)
+        self.slot_top_p = np.ones(S + 1, dtype=np.float32)
+        self.slot_top_k = np.zeros(S + 1, dtype=np.int64)
+        self.slot_seed = np.zeros(S + 1, dtype=np.int64)
+        self.draft_hidden = None  # [S + 1, P, H]: h_t for the pairs the draft has not read yet (rows 0..n-d-1)
+        if self.draft is not None:
+            self.draft_hidden = torch.zeros(S + 1, self.lookahead, self.target.config.hidden_size, dtype=self.dtype,
+                                            device=self.device)
+        self.packers: dict[int, StepPacker] = {}
+
+    def _claim_slot(self, s: Sequence) -> None:
+        """A sequence starts (or restarts, after preemption) its prefill in slot `s.slot`: reset the slot's rows."""
+        if not 0 <= s.slot < self.num_slots:
+            raise RuntimeError(f"sequence {s.request_id} has no slot (slot {s.slot})")
+        i = s.slot
+        self.slot_block_tables[i] = 0
+        self.slot_num_blocks[i] = 0
+        p = s.params
+        self.slot_temperature[i], self.slot_top_p[i], self.slot_top_k[i] = p.temperature, p.top_p, p.top_k
+        self.slot_seed[i] = s.seed
+
+    def packer(self, B: int) -> StepPacker:
+        pk = self.packers.get(B)
+        if pk is None:
+            pk = self.packers[B] = StepPacker(B, self.lookahead, self.width, self.draft is not None, self.device)
+        return pk
+
     def _meta(self, seqs, max_context_len: int) -> MetaBuilder:
         return MetaBuilder(block_tables_of(seqs).to(self.device), self.block_size, max_context_len, self.use_triton)
 
@@ -75,6 +165,9 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence], chunk_lens: list[int]) -> list[int | None]:
         """Run prompt chunks; return the first sampled token of each sequence whose prompt completes (else None)."""
         dev = self.device
+        for s in seqs:
+            if s.num_cached == 0:  # admitted (or re-admitted after preemption): the slot is this sequence's now
+                self._claim_slot(s)
         B, Q = len(seqs), max(chunk_lens)
         meta = self._meta(seqs, max(s.num_cached for s in seqs))
         ids = padded([s.token_ids[s.num_cached: s.num_cached + c] for s, c in zip(seqs, chunk_lens)], Q).to(dev)
@@ -104,14 +197,16 @@ class ModelRunner:
 
     def _draft_prefill(self, seqs, chunk_lens, hidden, meta) -> None:
         """The draft reads the pairs (x_{t+1}, h_t) whose both halves this chunk made known: all but the chunk's last
-        position, whose next token is not known yet. That hidden state waits in `pending_hidden`."""
+        position, whose next token is not known yet. That hidden state waits in the slot's row 0 of `draft_hidden`."""
         dev = self.device
         tok_rows, feats = [], []
+        slots = torch.tensor([s.slot for s in seqs], device=dev)
         for i, (s, c) in enumerate(zip(seqs, chunk_lens)):
             end = s.num_cached + c  # target KV length after this chunk
             tok_rows.append(s.token_ids[s.num_draft_cached + 1: end])
             h = hidden[i, :c]
-            feats.append(h if s.pending_hidden is None else torch.cat([s.pending_hidden[:1], h]))
+            # a first chunk starts at pair (x_1, h_0); a later one with the pending h of the previous chunk's end
+            feats.append(h if s.num_cached == 0 else torch.cat([self.draft_hidden[s.slot, :1].to(h.dtype), h]))
         lens = [len(r) for r in tok_rows]
         P = max(max(lens), 1)
         H = hidden.shape[-1]
@@ -122,35 +217,64 @@ class ModelRunner:
             start = torch.tensor([s.num_draft_cached for s in seqs], device=dev)
             catch_up(self.draft, self.target, self.draft_cache, padded(tok_rows, P).to(dev), hid,
                      torch.tensor(lens, device=dev), start, meta)
-        for i, (s, c) in enumerate(zip(seqs, chunk_lens)):
+        last = torch.tensor(chunk_lens, device=dev) - 1
+        self.draft_hidden[slots, 0] = hidden[torch.arange(len(seqs), device=dev), last].to(self.draft_hidden.dtype)
+        for i, s in enumerate(seqs):
             s.num_draft_cached += lens[i]
-            s.pending_hidden = feats[i][lens[i]:][:1]  # h at the chunk's last position
 
     # ---- decode: one speculative step -----------------------------------------------------------------------
-    def decode_inputs(self, seqs: list[Sequence], width: int | None = None) -> DecodeInputs:
-        """Pack the sequences' host state into device tensors (the only host->device traffic of a step)."""
-        dev = self.device
+    @torch.inference_mode()
+    def decode_inputs(self, seqs: list[Sequence], B: int | None = None) -> DecodeInputs:
+        """Pack the sequences' host state into the B-row packer (B >= len(seqs); rows past the batch are padding) and
+        send it to the device: the only host->device traffic of a step. Returns the packer's device views."""
+        n = len(seqs)
+        B = B or n
+        pk = self.packer(B)
+        pk.wait_host()
+        a = pk.np
+        bt, nblk = self.slot_block_tables, self.slot_num_blocks
+        roots, ncs, nds, slots = [], [], [], []
+        cat_tokens = [] if self.draft is not None else None
         P = self.lookahead
-        cat_tokens, cat_hidden = [], []
         for s in seqs:
-            if self.draft is not None:
-                cat_tokens.append(s.token_ids[s.num_draft_cached + 1: s.num_cached + 1])
-                h = s.pending_hidden
-                cat_hidden.append(h if h.shape[0] == P else torch.cat([h, h.new_zeros(P - h.shape[0], h.shape[1])]))
-        p = [s.params for s in seqs]
-        return DecodeInputs(
-            root_tokens=torch.tensor([s.token_ids[-1] for s in seqs], device=dev),
-            num_cached=torch.tensor([s.num_cached for s in seqs], device=dev),
-            num_draft_cached=torch.tensor([s.num_draft_cached for s in seqs], device=dev),
-            block_tables=block_tables_of(seqs, width).to(dev),
-            catchup_tokens=padded(cat_tokens, P).to(dev) if self.draft is not None else None,
-            catchup_hidden=torch.stack(cat_hidden) if self.draft is not None else None,
-            temperature=torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([x.top_k for x in p], dtype=torch.long, device=dev),
-            top_p=torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev),
-            seeds=torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev),
-            max_context_len=max(s.num_cached for s in seqs),
-        )
+            i, table, nc, nd = s.slot, s.block_table, s.num_cached, s.num_draft_cached
+            k = len(table)
+            if nblk[i] != k:  # the table grew (blocks are only appended while a sequence holds its slot)
+                j = nblk[i]
+                bt[i, j:k] = table[j:k]
+                nblk[i] = k
+            tokens = s.token_ids
+            roots.append(tokens[-1])
+            ncs.append(nc)
+            nds.append(nd)
+            slots.append(i)
+            if cat_tokens is not None:
+                row = tokens[nd + 1: nc + 1]
+                cat_tokens += row
+                cat_tokens += [0] * (P - len(row))
+        if n < B:  # padding rows: nothing cached, the scratch slot (its block-table row is zeros)
+            pad = B - n
+            roots += [0] * pad
+            ncs += [0] * pad
+            nds += [0] * pad
+            slots += [self.num_slots] * pad
+            if cat_tokens is not None:
+                cat_tokens += [0] * (pad * P)
+        a["root_tokens"][:] = roots
+        a["num_cached"][:] = ncs
+        a["num_draft_cached"][:] = nds
+        sl = a["slots"]
+        sl[:] = slots
+        if cat_tokens is not None:
+            a["catchup_tokens"].reshape(-1)[:] = cat_tokens
+        np.take(bt, sl, axis=0, out=a["block_tables"])
+        np.take(self.slot_temperature, sl, out=a["temperature"])
+        np.take(self.slot_top_p, sl, out=a["top_p"])
+        np.take(self.slot_top_k, sl, out=a["top_k"])
+        np.take(self.slot_seed, sl, out=a["seeds"])
+        pk.send()
+        pk.inputs.max_context_len = max(ncs)
+        return pk.inputs
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[int]]:
@@ -161,22 +285,21 @@ class ModelRunner:
         else:
             out = spec_step(self.target, self.draft, self.tree, self.cache, self.draft_cache,
                             self.decode_inputs(seqs), self.block_size, self.use_triton, self.simulated_accept,
-                            all_greedy(seqs))
+                            all_greedy(seqs), self.draft_hidden)
         return self._apply(seqs, out)
 
     def _apply(self, seqs: list[Sequence], out: DecodeOutputs) -> tuple[list[list[int]], list[int]]:
-        # the one host synchronisation of the step: accepted counts, path tokens and bonus in one transfer
+        # the one host synchronisation of the step: accepted counts, path tokens and bonus in one transfer (the
+        # accepted path's hidden states stay on the device, in the sequences' slots of `draft_hidden`)
         n = len(seqs)
-        host = torch.cat([out.num_accepted[:n, None], out.path_tokens[:n], out.bonus[:n, None]], dim=1).tolist()
-        m_host = [row[0] for row in host]
-        tok_host = [row[1:-1] for row in host]
-        bonus_host = [row[-1] for row in host]
+        host = out.packed[:n].tolist()
+        m_host = []
         new_tokens = []
-        for i, s in enumerate(seqs):
-            m = m_host[i]
-            new_tokens.append(tok_host[i][1: m + 1] + [bonus_host[i]])
-            s.num_draft_cached = s.num_cached if self.draft is not None else 0
+        with_draft = self.draft is not None
+        for s, row in zip(seqs, host):
+            m = row[0]
+            m_host.append(m)
+            new_tokens.append(row[2: m + 2] + [row[-1]])
+            s.num_draft_cached = s.num_cached if with_draft else 0
             s.num_cached += m + 1
-            if out.accepted_hidden is not None:
-                s.pending_hidden = out.accepted_hidden[i].clone()  # rows 0..m valid
         return new_tokens, m_host

@@ -32,6 +32,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.out_of_capacity: list[Sequence] = []  # sequences the whole pool can no longer hold: the engine ends them
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # a running sequence owns one (Sequence.slot)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -39,10 +40,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            self.free_slots.append(seq.slot)
+            seq.slot = -1
+
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self.blocks.release(seq.block_table)
+        self._release_slot(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -73,6 +80,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            seq.slot = self.free_slots.pop()
             self.running.append(seq)
             self.blocks.reserve(seq.block_table, seq.prefill_target)
             seqs.append(seq)
@@ -103,6 +111,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self.blocks.release(seq.block_table)
+        self._release_slot(seq)
         seq.reset_for_recompute()
         self.running.remove(seq)
         self.waiting.appendleft(seq)

@@ -3,8 +3,13 @@
 Invariants between steps, for a sequence with committed tokens x_0..x_n (`token_ids`, n + 1 of them) once its
 prefill is done:
 * the target KV cache holds positions 0..n-1 (`num_cached == n`): the last token has no KV yet;
-* the draft KV cache holds `num_draft_cached` positions, and `pending_hidden` holds the target's final hidden states
-  at positions num_draft_cached..n-1, which the draft still has to read (paired with tokens one to the right).
+* the draft KV cache holds `num_draft_cached` positions, and the runner's `draft_hidden[slot]` holds (rows
+  0..n-1-num_draft_cached) the target's final hidden states at positions num_draft_cached..n-1, which the draft still
+  has to read (paired with tokens one to the right).
+
+`slot`: while a sequence is running (admitted, not finished or preempted) it owns one slot in 0..max_num_seqs-1,
+assigned by the scheduler; the runner keys its per-sequence device and host state by it and resets that state when a
+prefill starts from scratch (`num_cached == 0`: admission, or re-admission after preemption). -1 when not running.
 """
 from __future__ import annotations
 
@@ -12,8 +17,6 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from eyas.sampling_params import SamplingParams
 
@@ -51,7 +54,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
     num_draft_cached: int = 0
-    pending_hidden: torch.Tensor | None = None
+    slot: int = -1
     stats: SpecStats = field(default_factory=SpecStats)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -93,6 +96,5 @@ class Sequence:
         """Preemption by recompute: forget every cached state; the committed tokens stay."""
         self.num_cached = 0
         self.num_draft_cached = 0
-        self.pending_hidden = None
         self.num_preemptions += 1
         self.status = Status.WAITING

@@ -19,37 +19,20 @@ from eyas.spec.verifier import accept_tree, accept_tree_greedy, simulate_accept
 
 @dataclass
 class DecodeInputs:
-    """One decode step's inputs for B sequences (device tensors; padded rows have num_cached 0, block table 0)."""
+    """One decode step's inputs for B sequences (device tensors; padded rows have num_cached 0, block table 0 and
+    the scratch hidden slot). The runner packs them all into one buffer (`eyas.engine.runner.StepPacker`): these
+    tensors are views of it, so a step's host->device traffic is one copy."""
     root_tokens: torch.Tensor  # [B] the last committed token x_n
     num_cached: torch.Tensor  # [B] n: target KV entries (positions 0..n-1)
     num_draft_cached: torch.Tensor  # [B] draft KV entries
     block_tables: torch.Tensor  # [B, W]
     catchup_tokens: torch.Tensor | None  # [B, P] tokens x_{t+1} for t = num_draft_cached .. n-1 (padded)
-    catchup_hidden: torch.Tensor | None  # [B, P, H] target hidden h_t for the same t (None without a draft)
+    slots: torch.Tensor  # [B] rows of the draft's hidden-state buffer (see `spec_step`)
     temperature: torch.Tensor  # [B]
     top_k: torch.Tensor  # [B]
     top_p: torch.Tensor  # [B]
     seeds: torch.Tensor  # [B]
     max_context_len: int  # host-side bound on num_cached (the reference attention's gather width)
-
-    def fill_from(self, other: "DecodeInputs") -> None:
-        """Copy a step's inputs (n <= B rows) into these static (CUDA graph) buffers in place. Rows n..B-1 become
-        padding: block tables of zeros, so everything they write lands in the scratch block 0."""
-        n = other.root_tokens.shape[0]
-        for name in ("root_tokens", "num_cached", "num_draft_cached", "temperature", "top_k", "seeds",
-                     "block_tables", "catchup_tokens"):
-            buf = getattr(self, name)
-            if buf is not None:
-                buf.zero_()
-                src = getattr(other, name)
-                if buf.dim() == 2:
-                    buf[:n, : src.shape[1]].copy_(src)
-                else:
-                    buf[:n].copy_(src)
-        self.top_p.fill_(1.0)
-        self.top_p[:n].copy_(other.top_p)
-        if self.catchup_hidden is not None:
-            self.catchup_hidden[:n].copy_(other.catchup_hidden)
 
 
 @dataclass
@@ -57,22 +40,24 @@ class DecodeOutputs:
     path_tokens: torch.Tensor  # [B, D+1] tokens of the accepted path, root first (valid up to num_accepted)
     num_accepted: torch.Tensor  # [B] draft tokens accepted
     bonus: torch.Tensor  # [B] the token sampled after the accepted path
-    accepted_hidden: torch.Tensor | None  # [B, D+1, H] target hidden states along the path (for the draft)
+    packed: torch.Tensor  # [B, D+3]: num_accepted, path_tokens, bonus (what the host reads, in one transfer)
 
 
 def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, block_size: int,
               use_triton: bool = False, simulated_accept: torch.Tensor | None = None,
-              all_greedy: bool = False) -> DecodeOutputs:
+              all_greedy: bool = False, draft_hidden: torch.Tensor | None = None) -> DecodeOutputs:
     """One speculative step for every sequence.
 
     Before: the target KV holds positions 0..n-1 of each sequence, the last committed token x_n has none; the draft
-    KV holds 0..d-1 and `catchup_*` carry the committed pairs (x_{t+1}, h_t), t = d..n-1, it has not read.
+    KV holds 0..d-1 and the committed pairs (x_{t+1}, h_t), t = d..n-1, it has not read are `catchup_tokens` and
+    rows 0..n-d-1 of `draft_hidden[slots]` ([num_slots, D+1, H], one row per running sequence, kept on the device).
     `all_greedy`: every request has temperature 0, so acceptance needs only the target's argmax (no sort over the
     vocabulary); the result is the same as the general path's. `simulated_accept` (benchmarks of random-weight models): per-depth acceptance rates replace the real acceptance.
 
     After: the target KV holds 0..n+m (root and the m accepted draft tokens; nothing of rejected branches), the draft
-    KV holds 0..n-1, and the outputs give the new tokens (accepted path + bonus) and the target's hidden states along
-    the path, which are the draft's next catch-up pairs.
+    KV holds 0..n-1, the outputs give the new tokens (accepted path + bonus), and `draft_hidden[slots]` holds the
+    target's hidden states along the accepted path: the draft's next catch-up pairs.
+    With no draft (the bare-root tree: plain decoding) the root's K/V are written straight to the cache.
     """
     B = inp.root_tokens.shape[0]
     device = inp.root_tokens.device
@@ -86,15 +71,19 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     # draft: read the committed history, then expand the tree level by level
     if tree.num_nodes:
         lens = n - inp.num_draft_cached
-        out = catch_up(draft, target, draft_cache, inp.catchup_tokens, inp.catchup_hidden, lens,
+        out = catch_up(draft, target, draft_cache, inp.catchup_tokens, draft_hidden[inp.slots], lens,
                        inp.num_draft_cached, meta)
         root_h = out[torch.arange(B, device=device), (lens - 1).clamp(min=0)]
         expand_tree(draft, target, draft_cache, tree, root_h, n, node_tokens, meta)
 
-    # verify: one target forward over root + tree; split tree attention; K/V stashed, not cached
+    # verify: one target forward over root + tree; split tree attention; K/V stashed, not cached (a bare root, which
+    # is always accepted, writes its K/V to the cache directly)
     positions = n[:, None] + tree.depth.to(device)[None, :]
     mask = tree.ancestor_mask.to(device)[None].expand(B, N1, N1)
-    vmeta = meta(n, mask, stash=True)
+    if tree.num_nodes:
+        vmeta = meta(n, mask, stash=True)
+    else:
+        vmeta = meta(n, mask, slot_mapping=meta.slots(n[:, None], torch.ones(B, 1, dtype=torch.bool, device=device)))
     hidden = target(node_tokens, positions, vmeta, cache)
     logits = target.compute_logits(hidden)
     V = logits.shape[-1]
@@ -114,13 +103,17 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     D1 = path.shape[1]
     rows = torch.arange(B, device=device)[:, None]
     node = path.clamp(min=0)
-    steps = torch.arange(D1, device=device)[None, :]
-    slots = meta.slots(n[:, None] + steps, steps <= num_accepted[:, None])
-    for layer, (k, v) in vmeta.new_kv.items():
+    if vmeta.stash:
+        steps = torch.arange(D1, device=device)[None, :]
+        slots = meta.slots(n[:, None] + steps, steps <= num_accepted[:, None])
+    for layer, (k, v) in vmeta.new_kv.items():  # empty for a bare root
         if use_triton:
             from eyas.kernels import commit_tree_kv_triton
             commit_tree_kv_triton(cache.k[layer], cache.v[layer], k, v, path, slots)
         else:
             write_kv(cache.k[layer], cache.v[layer], k[rows, node], v[rows, node], slots)
-    accepted_hidden = hidden[rows, node] if draft is not None else None
-    return DecodeOutputs(node_tokens.gather(1, node), num_accepted, bonus, accepted_hidden)
+    if draft is not None:
+        draft_hidden[inp.slots] = hidden[rows, node].to(draft_hidden.dtype)  # rows 0..m valid
+    path_tokens = node_tokens.gather(1, node)
+    packed = torch.cat([num_accepted[:, None], path_tokens, bonus[:, None]], dim=1)
+    return DecodeOutputs(path_tokens, num_accepted, bonus, packed)
