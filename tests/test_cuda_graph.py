@@ -9,6 +9,15 @@ from helpers import write_mirror_pair
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def reference_ops(llm):
+    """The eager reference for norm/RoPE/SwiGLU too (the runner switched to the fused kernels on CUDA; the fused
+    projections stay: tests/test_fused_ops.py holds them to the unfused ones)."""
+    from eyas.models.fused import use_fused_ops
+    for m in (llm.target, llm.draft):
+        if m is not None:
+            use_fused_ops(m, False)
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return write_mirror_pair(tmp_path_factory.mktemp("mirror"), vocab=24, layers=2)
@@ -22,6 +31,7 @@ def test_graphs_equal_eager(pair, spec):
     kw = dict(device="cuda", dtype="float32", draft=str(draft) if spec else None, speculation=spec)
     eager = LLM(str(target), **kw)
     eager.engine.runner.use_triton = False
+    reference_ops(eager)
     ref = [o.token_ids for o in eager.generate(prompts, params)]
     graphed = LLM(str(target), cuda_graphs=True, **kw)
     assert [o.token_ids for o in graphed.generate(prompts, params)] == ref
@@ -37,6 +47,7 @@ def test_smollm2_graphs_equal_eager():
     spec = "chain:3" if draft else None
     eager = LLM("smollm2", device="cuda", dtype="float32", draft=draft, speculation=spec)
     eager.engine.runner.use_triton = False
+    reference_ops(eager)
     ref = [o.token_ids for o in eager.generate(prompts, params)]
     graphed = LLM("smollm2", device="cuda", dtype="float32", draft=draft, speculation=spec, cuda_graphs=True)
     assert [o.token_ids for o in graphed.generate(prompts, params)] == ref

@@ -1,5 +1,6 @@
-"""Tensor parallelism on the CPU (gloo, 2 processes): TP = 2 equals TP = 1 (logits within 1e-5 in float32, greedy
-speculative output, seeded sampling), and every rank commits the same tokens.
+"""Tensor parallelism on the CPU (gloo, 2 processes): TP = 2 equals TP = 1 (logits within 1e-5 in float32, also with
+the fast path's fused projections and kernels applied after sharding; greedy speculative output, seeded sampling),
+and every rank commits the same tokens.
 
 One `spawn` runs every case on both ranks (each rank writes its results to a file); the oracle is the unsharded model
 run in the test process with the same code (world size 1)."""
@@ -12,6 +13,7 @@ from eyas.dist import TPEngine, apply_tensor_parallel, spawn
 from eyas.dist.tp import load_sharded
 from eyas.engine.engine import EngineConfig, LLMEngine
 from eyas.loader.resolve import load_target
+from eyas.models.fused import enable_fast_path
 from eyas.sampling_params import SamplingParams
 from eyas.spec.tree import resolve_tree
 from helpers import write_mirror_pair, write_tiny_llama
@@ -56,6 +58,10 @@ def run_cases(rank: int, world: int, dirs: dict) -> dict:
         res[f"{name}/paged"] = seen
         res[f"{name}/paged_tokens"] = toks
         res[f"{name}/kv_heads"] = target.config.num_key_value_heads
+        # the fast path fuses projections after sharding (as the runner does on CUDA): each rank's own shards
+        enable_fast_path(target)
+        with torch.inference_mode():
+            res[f"{name}/dense_fused"] = target.compute_logits(target(ids, torch.arange(9)[None].expand(2, 9)))
 
     # -- speculative decoding with a replicated draft that accepts often
     target, tok, draft = load_sharded(dirs["mirror_target"], rank, world, "cpu", "float32", dirs["mirror_draft"])
@@ -124,6 +130,7 @@ def test_logits_equal_tp1(ranks, oracle, name):
     for r in ranks:
         assert r[f"{name}/kv_heads"] == oracle[f"{name}/kv_heads"] // WORLD  # the KV cache holds this rank's heads
         torch.testing.assert_close(r[f"{name}/dense"], oracle[f"{name}/dense"], atol=1e-5, rtol=TOL_REL)
+        torch.testing.assert_close(r[f"{name}/dense_fused"], oracle[f"{name}/dense"], atol=1e-5, rtol=TOL_REL)
         assert len(r[f"{name}/paged"]) == len(oracle[f"{name}/paged"]) > 1  # prefill + decode steps
         for a, b in zip(r[f"{name}/paged"], oracle[f"{name}/paged"]):
             assert a.shape == b.shape

@@ -1,7 +1,8 @@
 """Tensor parallelism as a transform applied after loading (gpt-fast style): the model code does not know about it.
 
 `apply_tensor_parallel(model, rank, world_size, group)` shards a loaded `LlamaForCausalLM` (or an `EagleDraft`) in
-place, for rank `rank` of `world_size`:
+place, for rank `rank` of `world_size` (before `eyas.models.fused.fuse_projections`, which then fuses each rank's
+shards; the runner does it after sharding):
 
 * attention: q/k/v are column-parallel *by heads* (rank r keeps query heads [r*nh/W, (r+1)*nh/W) and kv heads
   [r*nkv/W, (r+1)*nkv/W), which keeps every query head with its GQA kv head); o_proj is row-parallel and its output
@@ -154,6 +155,9 @@ def apply_tensor_parallel(model: LlamaForCausalLM | EagleDraft, rank: int, world
         raise ValueError(f"rank {rank} is outside world size {W}")
     if getattr(model, "_tp_world_size", 1) != 1:
         raise ValueError("this model is already sharded")
+    from eyas.models.fused import is_fused
+    if is_fused(model):
+        raise ValueError("shard the model before fusing its projections (eyas.models.fused.fuse_projections)")
     what = type(model).__name__
     _check_heads(model.config, W, what)
     layers = model.model.layers if isinstance(model, LlamaForCausalLM) else model.layers

@@ -99,6 +99,11 @@ class ModelRunner:
         self.tree = (tree if (tree is not None and draft is not None) else Tree.chain(0)).to(self.device)
         self.block_size = block_size
         self.use_triton = (self.device.type == "cuda") if use_triton is None else use_triton
+        if self.use_triton:  # fused projections and kernels (eyas.models.fused): in place, after any TP sharding
+            from eyas.models.fused import enable_fast_path
+            for m in (target, draft):
+                if m is not None:
+                    enable_fast_path(m)
         cfg = target.config
         self.cache = KVCache.allocate(cfg, cfg.num_hidden_layers, num_blocks, block_size, self.dtype, self.device)
         self.draft_cache = None

@@ -1,4 +1,4 @@
-"""Triton kernels (split tree attention, paged KV writes). See docs/kernels.md.
+"""Triton kernels (split tree attention, paged KV writes, fused norm/RoPE/SwiGLU). See docs/kernels.md.
 
 Nothing here imports Triton until a kernel is first asked for (PEP 562 module `__getattr__`), so that
 `import eyas.kernels` works without Triton and `TRITON_INTERPRET=1` may still be set after it.
@@ -16,6 +16,12 @@ _EXPORTS = {
     "write_kv_triton": "kv_write",
     "commit_tree_kv_triton": "kv_write",
     "commit_tree_kv_reference": "kv_write",
+    "add_rms_norm_triton": "fused_norm",
+    "add_rms_norm_reference": "fused_norm",
+    "rope_triton": "fused_rope",
+    "rope_reference": "fused_rope",
+    "swiglu_triton": "swiglu",
+    "swiglu_reference": "swiglu",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -43,7 +43,8 @@ def save_draft(draft: EagleDraft, out_dir: str | Path, dtype: torch.dtype = torc
     cfg = draft.config.to_hf()
     cfg.update(extra_config or {})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in draft.state_dict().items()
+    from eyas.models.fused import hf_state_dict  # HF names even if the draft's projections were fused
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in hf_state_dict(draft).items()
              if not k.startswith("rope.")}
     save_file(state, str(out / "model.safetensors"))
     return out

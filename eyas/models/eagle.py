@@ -11,7 +11,7 @@ from torch import nn
 
 from eyas.config import ModelConfig
 from eyas.layers.rotary import RotaryEmbedding
-from eyas.models.llama import DecoderLayer
+from eyas.models.llama import DecoderLayer, takes_fused_path
 
 
 class EagleDraft(nn.Module):
@@ -24,12 +24,18 @@ class EagleDraft(nn.Module):
         self.fc = nn.Linear(2 * H, H, bias=cfg.fc_bias)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, input_norm=i > 0) for i in range(cfg.num_hidden_layers))
         self.rope = RotaryEmbedding.for_config(cfg)
+        self.fused_ops = False  # as LlamaForCausalLM.fused_ops: the Triton kernels, with autograd off only
 
     def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta=None,
                 cache=None) -> torch.Tensor:
         """token_embeds [B, Q, H] (embedding of token t+1), hidden [B, Q, H] (target feature at t), positions
         [B, Q] (= t) -> predicted feature at t+1. Without meta/cache: causal attention over the block (training)."""
         x = self.fc(torch.cat([token_embeds, hidden.to(token_embeds.dtype)], dim=-1))
+        if takes_fused_path(self, x.device):
+            res = None
+            for layer in self.layers:
+                x, res = layer.forward_fused(x, res, positions, self.rope, meta, cache)
+            return res + x  # no final norm: the last residual add stays a plain add
         for layer in self.layers:
             x = layer(x, positions, self.rope, meta, cache)
         return x

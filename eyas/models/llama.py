@@ -3,6 +3,10 @@
 Parameter names follow HF's `LlamaForCausalLM`, so an HF state dict loads as it is. The forward takes a padded
 [B, Q] block of new tokens and an `AttentionMetadata`, and returns the final hidden state after the final norm
 (what EAGLE drafts consume); `compute_logits` applies the LM head.
+
+The eager modules are the reference. For inference on a GPU, `eyas.models.fused` fuses q/k/v and gate/up into one
+projection each and switches the forward to `DecoderLayer.forward_fused` (Triton kernels for residual add + RMSNorm,
+RoPE and SwiGLU); see docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -29,12 +33,31 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * D, H, bias=cfg.attention_bias)
         self.scale = D ** -0.5
 
-    def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata | None, cache: KVCache | None):
+    def fuse_projections(self) -> None:
+        """Replace q/k/v by one `qkv_proj` (weights, and biases if any, concatenated; the originals freed): one GEMM
+        instead of three. For inference, after loading (and after tensor-parallel sharding)."""
+        if hasattr(self, "qkv_proj"):
+            return
+        self.qkv_proj = _concat_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_sizes = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata | None, cache: KVCache | None,
+                fused: bool = False):
+        """`fused`: RoPE by the Triton kernel (`DecoderLayer.forward_fused`); the reference otherwise."""
         B, Q, _ = x.shape
-        q = self.q_proj(x).view(B, Q, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, Q, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, Q, self.n_kv, self.head_dim)
-        q, k = rope(positions, q, k)
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, Q, self.n_heads, self.head_dim)
+        k = k.view(B, Q, self.n_kv, self.head_dim)
+        v = v.view(B, Q, self.n_kv, self.head_dim)
+        if fused:
+            from eyas.kernels import rope_triton
+            q, k = rope_triton(positions, q, k, rope.cos, rope.sin)
+        else:
+            q, k = rope(positions, q, k)
         if meta is None:  # dense causal attention over the block itself (training, oracles): no cache involved
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, enable_gqa=True, scale=self.scale)
@@ -63,8 +86,23 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(H, I, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(I, H, bias=cfg.mlp_bias)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def fuse_projections(self) -> None:
+        """Replace gate/up by one `gate_up_proj` [2I, H] (gate rows first; the originals freed): one GEMM."""
+        if hasattr(self, "gate_up_proj"):
+            return
+        self.gate_up_proj = _concat_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x, fused: bool = False):
+        """`fused`: silu(gate) * up by one Triton kernel; the reference otherwise."""
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        if fused:
+            from eyas.kernels import swiglu_triton
+            return self.down_proj(swiglu_triton(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -79,6 +117,43 @@ class DecoderLayer(nn.Module):
     def forward(self, x, positions, rope, meta, cache):
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, hidden, residual, positions, rope, meta, cache):
+        """The same layer on the fused kernels, carrying the residual stream apart (as vLLM does): the layer's input
+        is hidden + residual (just `hidden` when residual is None, the first layer), and it returns
+        (mlp output, residual), whose sum is what `forward` returns. Each residual add is fused into the RMSNorm
+        that follows it (`eyas.kernels.add_rms_norm_triton`). Inference only: no autograd through the kernels."""
+        from eyas.kernels import add_rms_norm_triton
+        norm = self.input_layernorm
+        if isinstance(norm, nn.Identity):  # EAGLE's first layer: no input norm
+            residual = hidden if residual is None else residual + hidden
+            h = residual
+        else:
+            h, residual = add_rms_norm_triton(hidden, residual, norm.weight, norm.eps)
+        a = self.self_attn(h, positions, rope, meta, cache, fused=True)
+        post = self.post_attention_layernorm
+        h, residual = add_rms_norm_triton(a, residual, post.weight, post.eps)
+        return self.mlp(h, fused=True), residual
+
+
+def takes_fused_path(model: nn.Module, device: torch.device) -> bool:
+    """Whether `model` (fused_ops set) runs the fused kernels now: only with autograd off (the kernels have no
+    backward) and outside autocast (whose mixed dtypes the kernels do not take); the eager reference otherwise."""
+    return (model.fused_ops and not torch.is_grad_enabled()
+            and not torch.is_autocast_enabled(device.type))
+
+
+def _concat_linears(*parts: nn.Linear) -> nn.Linear:
+    """One nn.Linear whose output is the concatenation of `parts`' outputs (same input)."""
+    w = torch.cat([p.weight.detach() for p in parts])
+    has_bias = parts[0].bias is not None
+    if any((p.bias is not None) != has_bias for p in parts):
+        raise ValueError("cannot fuse projections where only some have a bias")
+    out = nn.Linear(w.shape[1], w.shape[0], bias=has_bias, device="meta")
+    out.weight = nn.Parameter(w, requires_grad=parts[0].weight.requires_grad)
+    if has_bias:
+        out.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=parts[0].bias.requires_grad)
+    return out
 
 
 class LlamaModel(nn.Module):
@@ -98,6 +173,9 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding.for_config(cfg)
+        # the fused Triton kernels instead of the eager reference (`eyas.models.fused.use_fused_ops`); they run only
+        # with autograd off (`takes_fused_path`), so training always takes the reference path
+        self.fused_ops = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
@@ -106,6 +184,12 @@ class LlamaForCausalLM(nn.Module):
         With `meta` and `cache`: a paged step (prefix in the cache, suffix under `meta.suffix_mask`).
         Without: plain causal attention over the block (training and tests)."""
         x = self.model.embed_tokens(input_ids)
+        if takes_fused_path(self, x.device):
+            from eyas.kernels import add_rms_norm_triton
+            res = None
+            for layer in self.model.layers:
+                x, res = layer.forward_fused(x, res, positions, self.rope, meta, cache)
+            return add_rms_norm_triton(x, res, self.model.norm.weight, self.model.norm.eps)[0]
         for layer in self.model.layers:
             x = layer(x, positions, self.rope, meta, cache)
         return self.model.norm(x)

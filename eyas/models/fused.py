@@ -1,0 +1,68 @@
+"""The inference fast path of a loaded model: fused projections and fused Triton kernels (issue #5).
+
+The eager modules launch ~50 small kernels per decoder layer; on a GPU a decode step is bound by their count, not
+their work. Two independent transforms cut it:
+
+* `fuse_projections(model)`: in every decoder layer, q/k/v become one `qkv_proj` and gate/up one `gate_up_proj`
+  (weights and biases concatenated, the originals freed): 5 GEMMs -> 2. It changes the parameters, so it is for
+  inference only, after loading and after tensor-parallel sharding (`apply_tensor_parallel` refuses a fused model:
+  shard first; the shards of q/k/v and gate/up are then concatenated per rank, which is exactly the rank's share).
+  The state-dict names of a fused model are `qkv_proj`/`gate_up_proj`; `hf_state_dict` gives the HF names back
+  (`save_draft` uses it). Unfused models keep the HF names.
+* `use_fused_ops(model, True)`: the forward carries (hidden, residual) and runs residual add + RMSNorm, RoPE and
+  SwiGLU as single Triton kernels (`eyas.kernels.fused_norm`, `fused_rope`, `swiglu`). This needs a device where
+  Triton runs (CUDA, or `TRITON_INTERPRET=1`), and is taken only with autograd off (`torch.no_grad` /
+  `inference_mode`): a forward with gradients enabled always runs the eager reference, so training is unaffected.
+
+The `ModelRunner` applies both (`enable_fast_path`) to the target and the draft when it uses Triton (on CUDA).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eyas.models.llama import MLP, Attention
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Fuse q/k/v and gate/up of every decoder layer of `model` (LlamaForCausalLM or EagleDraft) in place; returns
+    it. Idempotent."""
+    for m in list(model.modules()):
+        if isinstance(m, (Attention, MLP)):
+            m.fuse_projections()
+    return model
+
+
+def is_fused(model: nn.Module) -> bool:
+    return any(hasattr(m, "qkv_proj") or hasattr(m, "gate_up_proj") for m in model.modules())
+
+
+def use_fused_ops(model: nn.Module, on: bool = True) -> nn.Module:
+    """Switch the forward of `model` (LlamaForCausalLM or EagleDraft) to the fused Triton kernels, or back."""
+    if not hasattr(model, "fused_ops"):
+        raise TypeError(f"{type(model).__name__} has no fused path")
+    model.fused_ops = bool(on)
+    return model
+
+
+def enable_fast_path(model: nn.Module) -> nn.Module:
+    """`fuse_projections` + `use_fused_ops(model, True)`: what the runner does on CUDA."""
+    return use_fused_ops(fuse_projections(model), True)
+
+
+def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with any fused projection split back into the HF names (q/k/v_proj, gate/up_proj)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if ".qkv_proj." in name:
+            prefix, leaf = name.rsplit(".qkv_proj.", 1)
+            sizes = model.get_submodule(prefix).qkv_sizes
+            for part, piece in zip(("q_proj", "k_proj", "v_proj"), t.split(sizes, dim=0)):
+                out[f"{prefix}.{part}.{leaf}"] = piece
+        elif ".gate_up_proj." in name:
+            prefix, leaf = name.rsplit(".gate_up_proj.", 1)
+            gate, up = t.chunk(2, dim=0)
+            out[f"{prefix}.gate_proj.{leaf}"], out[f"{prefix}.up_proj.{leaf}"] = gate, up
+        else:
+            out[name] = t
+    return out

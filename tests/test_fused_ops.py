@@ -1,0 +1,274 @@
+"""The inference fast path (issue #5) against the eager reference: the fused Triton kernels (residual add + RMSNorm,
+RoPE, SwiGLU) against their plain-PyTorch references, fused projections against the unfused model, the model with
+the fused ops against the model without, and greedy generation through the engine.
+
+Without CUDA the kernels run under the Triton interpreter (CPU). On a GPU machine, without TRITON_INTERPRET, the same
+tests run the compiled kernels, and the `gpu` test (bf16, model-sized shapes) runs too:
+
+    .venv/bin/python -m pytest -q tests/test_fused_ops.py
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before Triton is first imported
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+import pytest  # noqa: E402
+
+from eyas import LLM, SamplingParams  # noqa: E402
+from eyas.config import ModelConfig  # noqa: E402
+from eyas.kernels import (add_rms_norm_reference, add_rms_norm_triton, rope_reference, rope_triton,  # noqa: E402
+                          swiglu_reference, swiglu_triton)
+from eyas.layers.norm import RMSNorm  # noqa: E402
+from eyas.layers.rotary import RotaryEmbedding  # noqa: E402
+from eyas.models.eagle import EagleDraft  # noqa: E402
+from eyas.models.fused import enable_fast_path, fuse_projections, hf_state_dict, use_fused_ops  # noqa: E402
+from eyas.models.llama import LlamaForCausalLM  # noqa: E402
+from helpers import write_random_draft, write_tiny_llama  # noqa: E402
+
+DEV = "cpu" if INTERPRET else "cuda"
+gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
+                         reason="needs CUDA and compiled (not interpreted) Triton kernels")
+# fp32: tight. bf16: the interpreter rounds float32 -> bf16 by truncation, and the sum of squares is reduced in
+# another order, so allow one bf16 step (2^-7 relative)
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def close(a, b, dtype):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    torch.testing.assert_close(a.float(), b.float(), **TOL[dtype])
+
+
+# ---- kernels vs references ---------------------------------------------------------------------------------------
+def test_references_are_the_model_code():
+    """The references the kernels are held to compute what the eager modules compute, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    x, r = torch.randn(3, 5, 24, generator=g), torch.randn(3, 5, 24, generator=g)
+    norm = RMSNorm(24, 1e-6)
+    norm.weight.data = torch.randn(24, generator=g)
+    normed, new_r = add_rms_norm_reference(x, r, norm.weight, norm.eps)
+    assert torch.equal(new_r, r + x) and torch.equal(normed, norm(r + x))
+    rope = RotaryEmbedding(16, 64, 500000.0, {"factor": 8.0, "original_max_position_embeddings": 32})
+    pos = torch.randint(0, 64, (3, 5), generator=g)
+    q, k = torch.randn(3, 5, 4, 16, generator=g), torch.randn(3, 5, 2, 16, generator=g)
+    for a, b in zip(rope_reference(pos, q, k, rope.cos, rope.sin), rope(pos, q, k)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm(dtype):
+    g = torch.Generator().manual_seed(1)
+    H = 40  # not a power of two: masked tail
+    x = (torch.randn(2, 3, H, generator=g) * 3).to(DEV, dtype)
+    res = torch.randn(2, 3, H, generator=g).to(DEV, dtype)
+    w = (torch.rand(H, generator=g) + 0.5).to(DEV, dtype)
+    for r in (None, res):
+        out, new_r = add_rms_norm_triton(x, r, w, 1e-6)
+        ref_out, ref_r = add_rms_norm_reference(x, r, w, 1e-6)
+        close(out, ref_out, dtype)
+        close(new_r, ref_r, dtype)
+        if r is None:
+            assert new_r is x
+    # a strided input (every other row of a bigger buffer)
+    big = torch.randn(4, H, generator=g).to(DEV, dtype)
+    close(add_rms_norm_triton(big[::2], None, w, 1e-5)[0], add_rms_norm_reference(big[::2], None, w, 1e-5)[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_on_views_of_a_fused_qkv(dtype):
+    g = torch.Generator().manual_seed(2)
+    B, Q, H, KVH = 2, 3, 4, 2
+    for D in (16, 24):  # 24: half = 12, masked tile
+        rope = RotaryEmbedding(D, 100, 10000.0, None).to(DEV)
+        pos = torch.randint(0, 100, (B, Q), generator=g).to(DEV)
+        qkv = (torch.randn(B, Q, (H + 2 * KVH) * D, generator=g) * 2).to(DEV, dtype)
+        q, k, _ = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+        q, k = q.view(B, Q, H, D), k.view(B, Q, KVH, D)  # strided, as the fused projection gives them
+        qo, ko = rope_triton(pos, q, k, rope.cos, rope.sin)
+        rq, rk = rope_reference(pos, q, k, rope.cos, rope.sin)
+        close(qo, rq, dtype)
+        close(ko, rk, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_on_halves_of_a_fused_gate_up(dtype):
+    g = torch.Generator().manual_seed(3)
+    for I in (48, 1100):  # 1100: two column tiles of 1024, the second masked
+        gu = (torch.randn(3, 2 * I, generator=g) * 3).to(DEV, dtype)
+        gate, up = gu.chunk(2, dim=-1)
+        close(swiglu_triton(gate, up), swiglu_reference(gate, up), dtype)
+
+
+# ---- models ------------------------------------------------------------------------------------------------------
+def tiny_config(**kw) -> ModelConfig:
+    base = dict(vocab_size=50, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-6, max_position_embeddings=64)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def randomize(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (2 / p.shape[-1] ** 0.5 if p.dim() == 2 else 0.3)
+                    + (1.0 if p.dim() == 1 and p.shape[0] == model.config.hidden_size else 0.0))
+    return model.eval()
+
+
+def inputs(B=2, Q=7, V=50, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, Q), generator=g), torch.arange(Q).repeat(B, 1) + 3
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fuse_projections_keeps_the_logits(bias):
+    model = randomize(LlamaForCausalLM(tiny_config(attention_bias=bias, mlp_bias=bias)))
+    ids, pos = inputs()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        ref = model.compute_logits(model(ids, pos))
+        fuse_projections(model)
+        out = model.compute_logits(model(ids, pos))
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert hasattr(attn, "qkv_proj") and not hasattr(attn, "q_proj") and not hasattr(mlp, "gate_proj")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    back = hf_state_dict(model)  # the HF names and tensors again
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_tensor_parallel_refuses_a_fused_model():
+    from eyas.dist.tp import apply_tensor_parallel
+    model = fuse_projections(LlamaForCausalLM(tiny_config()))
+    with pytest.raises(ValueError, match="before fusing"):
+        apply_tensor_parallel(model, 0, 2)
+
+
+def test_save_draft_of_a_fused_draft_writes_hf_names(tmp_path):
+    from safetensors.torch import load_file
+
+    from eyas.loader.eagle import save_draft
+    draft = randomize(EagleDraft(tiny_config(num_hidden_layers=1)))
+    want = {k: v.clone() for k, v in draft.state_dict().items() if not k.startswith("rope.")}
+    fuse_projections(draft)
+    got = load_file(str(save_draft(draft, tmp_path, dtype=torch.float32) / "model.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_fused_ops_model_equals_reference():
+    """Whole target and a two-layer draft (layer 0 without input norm), fused kernels on vs off, float32."""
+    model = randomize(LlamaForCausalLM(tiny_config()).to(DEV))
+    ids, pos = inputs()
+    ids, pos = ids.to(DEV), pos.to(DEV)
+    draft = randomize(EagleDraft(tiny_config()).to(DEV), seed=5)
+    emb = model.embed(ids)
+    with torch.no_grad():
+        ref_h = model(ids, pos)
+        ref_d = draft(emb, ref_h, pos)
+        enable_fast_path(model)
+        enable_fast_path(draft)
+        h = model(ids, pos)
+        d = draft(emb, ref_h, pos)  # the same input as the reference draft
+    torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.compute_logits(h), model.compute_logits(ref_h), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(d, ref_d, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_ops_leave_training_on_the_reference():
+    """With autograd on, a fused-ops model runs the eager reference: gradients reach every parameter. Under autocast
+    (mixed dtypes) too, even without gradients."""
+    draft = use_fused_ops(randomize(EagleDraft(tiny_config(num_hidden_layers=1))).train(), True)
+    ids, pos = inputs()
+    x = torch.randn(2, 7, 48)
+    draft(x, x, pos).square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in draft.parameters())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = draft(x, x, pos)
+        use_fused_ops(draft, False)
+        assert torch.equal(fused, draft(x, x, pos))
+
+
+# ---- engine ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fused")
+    target = write_tiny_llama(d / "t", vocab=17, hidden=32, heads=4, kv_heads=2, layers=2)
+    return target, write_random_draft(d / "d", target, layers=1)
+
+
+def test_runner_switches_to_the_fast_path_with_triton(pair):
+    from eyas.engine.runner import ModelRunner
+    from eyas.loader.eagle import load_draft
+    from eyas.loader.resolve import load_target
+    target, draft_dir = pair
+    t, _ = load_target(str(target), "cpu", torch.float32)
+    d = load_draft(draft_dir, t)
+    ModelRunner(t, d, None, 8, 16, use_triton=False)
+    assert not t.fused_ops and hasattr(t.model.layers[0].self_attn, "q_proj")
+    ModelRunner(t, d, None, 8, 16, use_triton=True)
+    for m, layers in ((t, t.model.layers), (d, d.layers)):
+        assert m.fused_ops and hasattr(layers[0].self_attn, "qkv_proj") and hasattr(layers[0].mlp, "gate_up_proj")
+
+
+@pytest.mark.parametrize("spec", [None, "tree:8"])
+def test_greedy_generation_with_the_fast_path_equals_reference(pair, spec):
+    target, draft = pair
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [7]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    kw = dict(device=DEV, dtype="float32", draft=str(draft) if spec else None, speculation=spec)
+    ref_llm = LLM(str(target), **kw)
+    ref_llm.engine.runner.use_triton = False
+    for m in (ref_llm.target, ref_llm.draft):
+        if m is not None:
+            use_fused_ops(m, False)
+    ref = [o.token_ids for o in ref_llm.generate(prompts, params)]
+    llm = LLM(str(target), **kw)  # on CUDA the runner takes the fast path by itself; on the CPU switch it on
+    for m in (llm.target, llm.draft):
+        if m is not None:
+            enable_fast_path(m)
+    llm.engine.runner.use_triton = True  # Triton attention and KV writes too (interpreted on the CPU)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+
+
+# ---- GPU: compiled kernels, bf16, model-sized shapes ---------------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("H,heads,kv_heads,D,I", [(576, 9, 3, 64, 1536), (4096, 32, 8, 128, 14336)])
+@pytest.mark.parametrize("N", [1, 7, 64])
+def test_gpu_bf16_kernels_match_reference(H, heads, kv_heads, D, I, N):
+    g = torch.Generator(device="cuda").manual_seed(N)
+    dt = torch.bfloat16
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dt)
+
+    x, r, w = rnd(N, H, scale=3), rnd(N, H), rnd(H, scale=0.2) + 1
+    for res in (None, r):
+        out, new_r = add_rms_norm_triton(x, res, w, 1e-5)
+        ref_out, ref_r = add_rms_norm_reference(x, res, w, 1e-5)
+        assert torch.equal(new_r, ref_r)  # the add is one rounding in both
+        torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+    rope = RotaryEmbedding(D, 8192, 500000.0, {"factor": 8.0, "original_max_position_embeddings": 8192}).cuda()
+    pos = torch.randint(0, 8192, (N,), generator=g, device="cuda")
+    qkv = rnd(N, (heads + 2 * kv_heads) * D, scale=2)
+    q, k, _ = qkv.split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
+    q, k = q.view(N, heads, D), k.view(N, kv_heads, D)
+    for a, b in zip(rope_triton(pos, q, k, rope.cos, rope.sin), rope_reference(pos, q, k, rope.cos, rope.sin)):
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+    gate, up = rnd(N, 2 * I, scale=3).chunk(2, dim=-1)
+    torch.testing.assert_close(swiglu_triton(gate, up), swiglu_reference(gate, up), atol=2e-2, rtol=2e-2)
+
+
+@gpu
+def test_gpu_bf16_fused_model_matches_reference():
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                      head_dim=32, num_hidden_layers=4, vocab_size=1000)
+    model = randomize(LlamaForCausalLM(cfg)).to("cuda", torch.bfloat16)
+    ids, pos = inputs(B=3, Q=16, V=1000)
+    ids, pos = ids.cuda(), pos.cuda()
+    with torch.no_grad():
+        ref = model.compute_logits(model(ids, pos))
+        out = model.compute_logits(enable_fast_path(model)(ids, pos))
+    assert (out - ref).abs().max() < 0.1 * ref.abs().max()
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
