@@ -40,7 +40,11 @@ def test_graphs_equal_eager(pair, spec):
 
 
 def test_smollm2_graphs_equal_eager():
-    from eyas.loader.resolve import default_draft_path
+    from eyas.loader.resolve import default_draft_path, smollm2_path
+    try:
+        smollm2_path()
+    except ValueError as e:  # a GPU machine where the model was not staged
+        pytest.skip(str(e))
     prompts = ["The capital of France is", "Write a haiku about GPUs.", "1, 2, 3, 4,"]
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     draft = "default" if default_draft_path("smollm2") else None
