@@ -23,7 +23,8 @@ def pair(tmp_path_factory):
     return write_mirror_pair(tmp_path_factory.mktemp("mirror"), vocab=24, layers=2)
 
 
-@pytest.mark.parametrize("spec", [None, "chain:4", "tree:mc_sim_7b_63"])
+# the dispatcher: 4 prompts run plain steps (the draft reads along), then tree:8 and mc_sim as the batch shrinks
+@pytest.mark.parametrize("spec", [None, "chain:4", "tree:mc_sim_7b_63", "dispatch:1=tree:mc_sim_7b_63,2=tree:8,8=plain"])
 def test_graphs_equal_eager(pair, spec):
     target, draft = pair
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], list(range(1, 20)), [7]]

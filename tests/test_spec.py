@@ -93,7 +93,8 @@ def _paged(cache, layer, block_table, n, block_size):
     return flat_k[slots], flat_v[slots]
 
 
-@pytest.mark.parametrize("spec", ["chain:4", "tree:mc_sim_7b_63"])
+# batches of 3 run plain steps: the draft only reads the committed pairs, and its cache must still be exact
+@pytest.mark.parametrize("spec", ["chain:4", "tree:mc_sim_7b_63", "dispatch:2=chain:4,8=plain"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_caches_hold_exactly_the_committed_history(mirror_pair, spec, temperature):
     target_dir, draft_dir = mirror_pair
@@ -275,3 +276,43 @@ def test_slots_across_preemption_and_abort(mirror_pair):
     assert engine.scheduler.num_preemptions > 0
     assert sorted(engine.scheduler.free_slots) == [0, 1, 2, 3]
     assert engine.blocks.num_used == 0
+
+
+# ---- the tree dispatcher ------------------------------------------------------------------------------------------
+
+DISPATCH = "dispatch:1=tree:mc_sim_7b_63,2=chain:4,4=tree:8,64=plain"
+
+
+def test_dispatch_picks_the_tree_by_batch_size():
+    from eyas.spec.dispatch import TreeDispatch
+    from eyas.spec.tree import resolve_tree
+    d = resolve_tree(DISPATCH)
+    assert isinstance(d, TreeDispatch)
+    assert [d.tree_for(n).name for n in (1, 2, 3, 4, 5, 64, 300)] == [
+        "tree:mc_sim_7b_63", "chain:4", "tree:8", "tree:8", "chain:0", "chain:0", "chain:0"]
+    assert d.max_depth == 5  # mc_sim's: the KV reservation and the catch-up window follow the deepest tree
+    for bad in ["dispatch:", "dispatch:4=chain:3,2=tree:8", "dispatch:0=chain:3", "dispatch:x=chain:3",
+                "dispatch:1=tree:nope", "dispatch:1=plain,4=plain", "dispatch:1=dispatch:1=chain:2",
+                "dispatch:chain:3"]:
+        with pytest.raises(ValueError):
+            resolve_tree(bad)
+
+
+@pytest.mark.parametrize("pair", ["random_pair", "mirror_pair"])
+def test_dispatch_switches_trees_between_steps_and_stays_exact(request, pair):
+    """Six requests with different lengths: the batch shrinks from 6 to 1, so the steps go plain (with the draft
+    reading along), tree:8, chain:4, then mc_sim; greedy output still equals plain decoding."""
+    target, draft = request.getfixturevalue(pair)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (3, 10, 20, 35, 55, 80)]
+    ref = [o.token_ids for o in LLM(str(target), device="cpu", dtype="float32").generate(prompts6(), params)]
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=DISPATCH)
+    outs = llm.generate(prompts6(), params)
+    assert [o.token_ids for o in outs] == ref
+    used = llm.engine.runner.tree_steps
+    assert set(used) == {"chain:0", "tree:8", "chain:4", "tree:mc_sim_7b_63"}, used
+    if pair == "mirror_pair":  # the speculative steps after plain ones still accept long paths
+        assert max(o.stats.committed / max(o.stats.target_calls, 1) for o in outs) > 2.0
+    small = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=DISPATCH,
+                num_blocks=36, block_size=4)  # the longest request fits, all six together do not
+    assert [o.token_ids for o in small.generate(prompts6(), params)] == ref
+    assert small.engine.scheduler.num_preemptions > 0 and small.engine.blocks.num_used == 0

@@ -1,4 +1,5 @@
-"""CUDA graphs of the whole speculative step, one per batch-size bucket (and the runner's one tree shape).
+"""CUDA graphs of the whole speculative step, one per (batch-size bucket, all-greedy, tree); a tree dispatcher
+(`eyas.spec.dispatch`) picks the tree by batch size.
 
 The graph replays `spec_step` (draft catch-up, every tree level, verification, acceptance and sampling, and the KV
 commit) from static input buffers: the device side of the runner's packed step inputs (`StepPacker`), so filling them
@@ -21,8 +22,8 @@ class GraphedStep:
     def __init__(self, runner, max_model_len: int):
         self.runner = runner
         self.width = runner.width  # block-table width covering any sequence (max_model_len + lookahead + 1 slots)
-        # one graph per (bucket, all requests greedy)
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, DecodeInputs, DecodeOutputs]] = {}
+        # one graph per (bucket, all requests greedy, tree: a dispatcher picks the tree by batch size)
+        self.graphs: dict[tuple[int, bool, str], tuple[torch.cuda.CUDAGraph, DecodeInputs, DecodeOutputs]] = {}
         self.pool = None
 
     def bucket(self, n: int) -> int | None:
@@ -38,33 +39,34 @@ class GraphedStep:
         r.decode_inputs([], B)  # all rows padding: the warm-up and capture runs write only to the scratch block/slot
         return dataclasses.replace(r.packer(B).inputs, max_context_len=self.width * r.block_size)
 
-    def _step(self, inp: DecodeInputs, greedy: bool) -> DecodeOutputs:
+    def _step(self, inp: DecodeInputs, greedy: bool, tree) -> DecodeOutputs:
         r = self.runner
-        return spec_step(r.target, r.draft, r.tree, r.cache, r.draft_cache, inp, r.block_size, r.use_triton,
+        return spec_step(r.target, r.draft, tree, r.cache, r.draft_cache, inp, r.block_size, r.use_triton,
                          r.simulated_accept, greedy, r.draft_hidden)
 
-    def _capture(self, key: tuple[int, bool]):
-        B, greedy = key
+    def _capture(self, key: tuple[int, bool, str], tree):
+        B, greedy, _ = key
         static = self._static_inputs(B)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile the Triton kernels and warm the allocator outside the capture
-                self._step(static, greedy)
+                self._step(static, greedy, tree)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._step(static, greedy)
+            out = self._step(static, greedy, tree)
         self.pool = graph.pool()
         self.graphs[key] = (graph, static, out)
 
     @torch.inference_mode()
-    def run(self, seqs) -> DecodeOutputs:
+    def run(self, seqs, tree=None) -> DecodeOutputs:
         from eyas.engine.runner import all_greedy
         n = len(seqs)
-        key = (self.bucket(n), all_greedy(seqs))
+        tree = tree if tree is not None else self.runner.tree_for(n)
+        key = (self.bucket(n), all_greedy(seqs), tree.name)
         if key not in self.graphs:
-            self._capture(key)
+            self._capture(key, tree)
         graph, static, out = self.graphs[key]
         self.runner.decode_inputs(seqs, key[0])  # one host->device copy into the static buffers
         graph.replay()

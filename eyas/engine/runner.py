@@ -112,6 +112,7 @@ class ModelRunner:
             self.draft_cache = KVCache.allocate(dc, dc.num_hidden_layers, num_blocks, block_size, self.dtype,
                                                 self.device)
         self.simulated_accept: torch.Tensor | None = None  # benchmarks: per-depth acceptance rates (see spec_step)
+        self.tree_steps: dict[str, int] = {}  # decode steps run with each tree (a dispatcher uses several)
         self._init_slots(max_num_seqs, max_model_len or cfg.max_position_embeddings)
         self.graphs = None
         if cuda_graphs:
@@ -119,6 +120,11 @@ class ModelRunner:
                 raise ValueError("CUDA graphs need device='cuda'")
             from eyas.engine.cuda_graph import GraphedStep
             self.graphs = GraphedStep(self, max_model_len)
+
+    def tree_for(self, batch_size: int) -> Tree:
+        """The tree a decode step of `batch_size` sequences uses (a `TreeDispatch` picks by batch size)."""
+        t = self.tree
+        return t.tree_for(batch_size) if hasattr(t, "tree_for") else t
 
     @property
     def lookahead(self) -> int:
@@ -285,10 +291,12 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[int]]:
         """One speculative step for all sequences (see `spec_step` for what each cache holds before and after).
         Returns (new tokens per sequence: accepted draft tokens + bonus, accepted draft tokens per sequence)."""
+        tree = self.tree_for(len(seqs))
+        self.tree_steps[tree.name] = self.tree_steps.get(tree.name, 0) + 1
         if self.graphs is not None and self.graphs.can_run(seqs):
-            out = self.graphs.run(seqs)
+            out = self.graphs.run(seqs, tree)
         else:
-            out = spec_step(self.target, self.draft, self.tree, self.cache, self.draft_cache,
+            out = spec_step(self.target, self.draft, tree, self.cache, self.draft_cache,
                             self.decode_inputs(seqs), self.block_size, self.use_triton, self.simulated_accept,
                             all_greedy(seqs), self.draft_hidden)
         return self._apply(seqs, out)

@@ -57,7 +57,8 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     After: the target KV holds 0..n+m (root and the m accepted draft tokens; nothing of rejected branches), the draft
     KV holds 0..n-1, the outputs give the new tokens (accepted path + bonus), and `draft_hidden[slots]` holds the
     target's hidden states along the accepted path: the draft's next catch-up pairs.
-    With no draft (the bare-root tree: plain decoding) the root's K/V are written straight to the cache.
+    With the bare-root tree (plain decoding; with a draft, a dispatcher's choice for large batches) the root's K/V
+    are written straight to the cache.
     """
     B = inp.root_tokens.shape[0]
     device = inp.root_tokens.device
@@ -68,13 +69,15 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
 
     meta = MetaBuilder(inp.block_tables, block_size, inp.max_context_len, use_triton)
 
-    # draft: read the committed history, then expand the tree level by level
-    if tree.num_nodes:
+    # draft: read the committed history, then expand the tree level by level (a bare root, which a tree dispatcher
+    # picks for large batches, only reads: the draft stays in step for the next speculative step)
+    if draft is not None:
         lens = n - inp.num_draft_cached
         out = catch_up(draft, target, draft_cache, inp.catchup_tokens, draft_hidden[inp.slots], lens,
                        inp.num_draft_cached, meta)
-        root_h = out[torch.arange(B, device=device), (lens - 1).clamp(min=0)]
-        expand_tree(draft, target, draft_cache, tree, root_h, n, node_tokens, meta)
+        if tree.num_nodes:
+            root_h = out[torch.arange(B, device=device), (lens - 1).clamp(min=0)]
+            expand_tree(draft, target, draft_cache, tree, root_h, n, node_tokens, meta)
 
     # verify: one target forward over root + tree; split tree attention; K/V stashed, not cached (a bare root, which
     # is always accepted, writes its K/V to the cache directly)
@@ -113,7 +116,8 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
         else:
             write_kv(cache.k[layer], cache.v[layer], k[rows, node], v[rows, node], slots)
     if draft is not None:
-        draft_hidden[inp.slots] = hidden[rows, node].to(draft_hidden.dtype)  # rows 0..m valid
+        # rows 0..m valid; a dispatcher's shallower trees fill only the first D+1 of the buffer's rows
+        draft_hidden[inp.slots, :D1] = hidden[rows, node].to(draft_hidden.dtype)
     path_tokens = node_tokens.gather(1, node)
     packed = torch.cat([num_accepted[:, None], path_tokens, bonus[:, None]], dim=1)
     return DecodeOutputs(path_tokens, num_accepted, bonus, packed)

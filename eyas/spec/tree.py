@@ -96,10 +96,14 @@ class Tree:
         return cls.from_paths([[0] * d for d in range(1, k + 1)], name=f"chain:{k}")
 
 
-def resolve_tree(spec: str | None) -> Tree | None:
-    """`None`, `chain:K`, `tree:NAME` (mc_sim_7b_63, 8, 16) or the path of a JSON list of paths."""
+def resolve_tree(spec: str | None):
+    """`None`, `chain:K`, `tree:NAME` (mc_sim_7b_63, 8, 16), the path of a JSON list of paths, or
+    `dispatch:B1=SPEC1,...` (a tree per batch size: `eyas.spec.dispatch`). -> Tree | TreeDispatch | None"""
     if spec is None:
         return None
+    if spec.startswith("dispatch:"):
+        from eyas.spec.dispatch import parse_dispatch
+        return parse_dispatch(spec)
     if spec.startswith("chain:"):
         try:
             k = int(spec.split(":", 1)[1])
