@@ -42,6 +42,19 @@ def make_prompts(tokenizer, vocab: int, n: int, context: int, prompts_file: str 
     return [torch.randint(10, vocab, (context,), generator=g).tolist() for _ in range(n)]
 
 
+def split_modes(text: str) -> list[str]:
+    """`plain,chain:3,dispatch:1=tree:8,16=plain` -> ["plain", "chain:3", "dispatch:1=tree:8,16=plain"]: items of
+    the form `B=SPEC` continue the dispatch before them."""
+    import re
+    modes: list[str] = []
+    for item in (x.strip() for x in text.split(",")):
+        if modes and modes[-1].startswith("dispatch:") and re.match(r"^\d+=", item):
+            modes[-1] += "," + item
+        elif item:
+            modes.append(item)
+    return modes
+
+
 def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
              graphs: bool, block_size: int = 16, profile: bool = False) -> dict:
     tree = None if mode == "plain" else resolve_tree(mode)
@@ -133,16 +146,24 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def run(args) -> int:
     from tqdm.auto import tqdm
     from eyas.loader.resolve import resolve_device, resolve_dtype
+    modes = split_modes(args.modes)
+    try:  # bad input fails before any model is loaded
+        for m in modes:
+            if m != "plain":
+                resolve_tree(m)
+        batches = [int(b) for b in args.batch_sizes.split(",")]
+        if not batches or min(batches) < 1:
+            raise ValueError("batch sizes must be >= 1")
+        accept = [float(x) for x in args.accept_rates.split(",")]
+    except ValueError as e:
+        raise SystemExit(f"eyas bench latency: {e}") from None
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     target, tokenizer, draft, simulated = load_models(args.model, args.draft, device, dtype)
-    rates = None
-    if simulated:
-        rates = [float(x) for x in args.accept_rates.split(",")]
-    modes = args.modes.split(",")
-    if draft is None:
+    rates = accept if simulated else None
+    if draft is None and any(m != "plain" for m in modes):
+        print(f"no draft for {args.model}: measuring plain decoding only")
         modes = [m for m in modes if m == "plain"]
-    batches = [int(b) for b in args.batch_sizes.split(",")]
     prompts = make_prompts(tokenizer, target.config.vocab_size, max(batches), args.context, args.prompts)
     graphs = args.cuda_graphs and device.type == "cuda"
     rows = []
@@ -171,7 +192,7 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2", help="smollm2, a checkpoint, or llama-3.1-8b-shape, "
                                                       "llama-3.3-70b-shape, smollm2-shape (random weights)")
     p.add_argument("--draft", default="auto")
-    p.add_argument("--modes", default="plain,chain:3,tree:8", help="comma-separated: plain, chain:K, tree:NAME")
+    p.add_argument("--modes", default="plain,chain:3,tree:8", help="comma-separated: plain, chain:K, tree:NAME, dispatch:B1=SPEC,B2=SPEC,...")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--context", type=int, default=1024, help="prompt length for random-weight models")

@@ -1,0 +1,43 @@
+"""`eyas bench latency` on the CPU: it writes JSON, a markdown table and a plot for plain decoding, chains and the
+tree dispatcher, and refuses bad input before loading anything."""
+import json
+
+import pytest
+
+from eyas.bench.latency import split_modes
+from eyas.cli import main
+from helpers import write_mirror_pair
+
+
+def test_split_modes_keeps_a_dispatch_together():
+    assert split_modes("plain,chain:3,dispatch:1=tree:8,16=plain,tree:16") == [
+        "plain", "chain:3", "dispatch:1=tree:8,16=plain", "tree:16"]
+    assert split_modes("dispatch:2=chain:4,8=plain") == ["dispatch:2=chain:4,8=plain"]
+
+
+def test_bench_latency_writes_json_markdown_and_plot(tmp_path):
+    target, draft = write_mirror_pair(tmp_path / "pair", vocab=24, layers=2)
+    out = tmp_path / "lat"
+    assert main(["bench", "latency", "--model", str(target), "--draft", str(draft), "--modes",
+                 "plain,chain:4,dispatch:1=chain:4,2=plain", "--batch-sizes", "1,2", "--max-tokens", "12",
+                 "--context", "5", "--device", "cpu", "--out", str(out)]) == 0
+    res = json.loads((out / "latency.json").read_text())
+    rows = {(r["mode"], r["batch"]): r for r in res["results"]}
+    assert set(rows) == {(m, b) for m in ("plain", "chain:4", "dispatch:1=chain:4,2=plain") for b in (1, 2)}
+    assert not res["meta"]["simulated"]
+    assert all(r["ttit_ms"] > 0 and r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows[("plain", 2)]["tpc"] == 1.0
+    assert rows[("chain:4", 2)]["tpc"] > 1.5  # the mirror draft is accepted
+    # the dispatcher runs chain:4 alone and plain steps at batch 2
+    assert rows[("dispatch:1=chain:4,2=plain", 1)]["tpc"] > 1.5
+    assert rows[("dispatch:1=chain:4,2=plain", 2)]["tpc"] == 1.0
+    md = (out / "latency.md").read_text()
+    assert "| chain:4 | 2 |" in md
+    assert (out / "latency.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("bad", [["--modes", "tree:nope"], ["--modes", "dispatch:4=chain:3,2=plain"],
+                                 ["--batch-sizes", "0"], ["--batch-sizes", "x"], ["--accept-rates", "high"]])
+def test_bench_latency_refuses_bad_input(bad, tmp_path):
+    with pytest.raises(SystemExit, match="eyas bench latency"):
+        main(["bench", "latency", "--model", "no-such-model", "--out", str(tmp_path)] + bad)
