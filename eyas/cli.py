@@ -68,7 +68,7 @@ def cmd_generate(args) -> int:
         spawn(_tp_generate, args.tensor_parallel, args, backend="gloo" if cpu else None, threads=1 if cpu else None)
         return 0
     llm = LLM(args.model, device=args.device, dtype=args.dtype, draft=resolve_draft_arg(args.model, args.draft),
-              speculation=args.speculation)
+              speculation=args.speculation, cuda_graphs="auto" if args.cuda_graphs else False)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode steps eagerly on a GPU (default: replay them from CUDA graphs)")
     g.add_argument("--tensor-parallel", type=int, default=1,
                    help="shard the target over N ranks (NCCL on GPUs, gloo on the CPU); the draft is replicated")
     g.set_defaults(func=cmd_generate)

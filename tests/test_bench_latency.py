@@ -27,6 +27,8 @@ def test_bench_latency_writes_json_markdown_and_plot(tmp_path):
     assert not res["meta"]["simulated"]
     assert all(r["ttit_ms"] > 0 and r["tokens_per_s"] > 0 for r in rows.values())
     assert rows[("plain", 2)]["tpc"] == 1.0
+    assert rows[("plain", 1)]["decode_steps"] == 11  # the timed steps only: 12 tokens, the first from prefill
+    assert rows[("chain:4", 1)]["decode_steps"] < 11
     assert rows[("chain:4", 2)]["tpc"] > 1.5  # the mirror draft is accepted
     # the dispatcher runs chain:4 alone and plain steps at batch 2
     assert rows[("dispatch:1=chain:4,2=plain", 1)]["tpc"] > 1.5

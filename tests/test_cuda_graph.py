@@ -40,6 +40,25 @@ def test_graphs_equal_eager(pair, spec):
     assert [graphed.generate([p], params)[0].token_ids for p in prompts] == ref  # bucket 1
 
 
+def test_capture_all_covers_every_bucket_a_shrinking_batch_needs(pair):
+    target, draft = pair
+    spec = "dispatch:1=chain:4,4=tree:8,64=plain"
+    kw = dict(device="cuda", dtype="float32", draft=str(draft), speculation=spec)
+    eager = LLM(str(target), **kw)
+    eager.engine.runner.use_triton = False
+    reference_ops(eager)
+    prompts = [[1 + i, 2, 3 + i] for i in range(8)]
+    params = [SamplingParams(max_tokens=4 + 6 * i, ignore_eos=True) for i in range(8)]  # the batch shrinks 8 -> 1
+    ref = [o.token_ids for o in eager.generate(prompts, params)]
+    graphed = LLM(str(target), cuda_graphs=True, **kw)
+    g = graphed.engine.runner.graphs
+    # buckets 1 (chain:4), 2 and 4 (tree:8), 8 (plain: n = 5..8)
+    assert g.capture_all(8, greedy=(True,)) == 4
+    assert g.capture_all(8, greedy=(True,)) == 0
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == ref
+    assert len(g.graphs) == 4  # nothing was captured while decoding
+
+
 def test_smollm2_graphs_equal_eager():
     from eyas.loader.resolve import default_draft_path, smollm2_path
     try:

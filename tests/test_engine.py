@@ -113,3 +113,10 @@ def test_smollm2_text_and_stops(smollm2):
     # EOS ends a chat answer unless ignore_eos
     chat = smollm2.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=32))[0]
     assert chat.finish_reason == "stop" and chat.token_ids[-1] == smollm2.tokenizer.eos_token_id
+
+
+def test_cuda_graphs_auto_follows_the_device(tiny_dir):
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32", cuda_graphs="auto")
+    assert llm.engine.config.cuda_graphs is False and llm.engine.runner.graphs is None
+    with pytest.raises(ValueError, match="CUDA graphs need"):
+        LLM(str(tiny_dir), device="cpu", dtype="float32", cuda_graphs=True)

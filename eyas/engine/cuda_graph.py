@@ -60,6 +60,29 @@ class GraphedStep:
         self.graphs[key] = (graph, static, out)
 
     @torch.inference_mode()
+    def capture_all(self, max_batch: int, greedy: tuple[bool, ...] = (True, False)) -> int:
+        """Capture, ahead of time, every graph a batch of up to `max_batch` sequences can need: one per bucket (as
+        sequences finish, a batch shrinks through the smaller buckets), per tree the dispatcher picks inside that
+        bucket, per greedy flag. Otherwise the first step at each new bucket pays for a capture (two eager warm-up
+        steps plus the capture itself) in the middle of decoding. Returns how many graphs were captured."""
+        top = self.bucket(min(max_batch, BUCKETS[-1]))
+        new, lo = 0, 1
+        for b in BUCKETS:
+            if b > top:
+                break
+            trees = {}
+            for n in range(lo, b + 1):
+                t = self.runner.tree_for(n)
+                trees[t.name] = t
+            lo = b + 1
+            for g in greedy:
+                for name, t in trees.items():
+                    if (b, g, name) not in self.graphs:
+                        self._capture((b, g, name), t)
+                        new += 1
+        return new
+
+    @torch.inference_mode()
     def run(self, seqs, tree=None) -> DecodeOutputs:
         from eyas.engine.runner import all_greedy
         n = len(seqs)

@@ -26,7 +26,9 @@ class CompletionOutput:
 
 class LLM:
     """model: "smollm2" | HF directory | .gguf file. draft: EAGLE checkpoint directory, "default" (the draft shipped
-    for smollm2) or None. speculation: None | "chain:K" | "tree:NAME" | a JSON file of paths."""
+    for smollm2) or None. speculation: None | "chain:K" | "tree:NAME" | a JSON file of paths | "dispatch:B1=SPEC,..."
+    (a tree per batch size). Engine settings (`EngineConfig`) go as keywords; `cuda_graphs="auto"` turns CUDA graphs
+    on where the model runs on a GPU."""
 
     def __init__(self, model: str = "smollm2", device: str = "auto", dtype: str = "auto",
                  draft: str | None = None, speculation: str | None = None, **engine_kwargs):
@@ -42,6 +44,8 @@ class LLM:
             raise ValueError(f"speculation {speculation!r} needs a draft model (draft=...)")
         if self.draft is not None and tree is None:
             tree = resolve_tree("chain:3")
+        if engine_kwargs.get("cuda_graphs") == "auto":  # graphs wherever they can run
+            engine_kwargs["cuda_graphs"] = next(self.target.parameters()).device.type == "cuda"
         self.engine = LLMEngine(self.target, self.tokenizer, self.draft, tree, EngineConfig(**engine_kwargs))
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

@@ -443,6 +443,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode steps eagerly on a GPU (default: CUDA graphs, all captured at start-up)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
@@ -450,7 +452,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 def build_llm(args):
     from eyas import LLM
-    kwargs = dict(max_num_seqs=args.max_num_seqs, block_size=args.block_size)
+    kwargs = dict(max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                  cuda_graphs="auto" if getattr(args, "cuda_graphs", True) else False)
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     if args.num_blocks is not None:
@@ -466,6 +469,11 @@ def run_serve(args) -> int:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = build_llm(args)
+    graphs = llm.engine.runner.graphs
+    if graphs is not None:  # every batch size the server can see, before the first request (as vLLM does)
+        t0 = time.perf_counter()
+        n = graphs.capture_all(args.max_num_seqs)
+        log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
     spec = f"speculation {llm.engine.tree.name}" if llm.draft is not None else "no speculation"
     log.info("serving %s (%s) on http://%s:%d", args.served_model_name or args.model, spec, args.host, args.port)
     app = create_app(llm, args.served_model_name or args.model, max_queue=args.max_queue)
