@@ -58,6 +58,7 @@ class TrainConfig:
     batch_tokens: int = 16384  # padded tokens per batch (B * T)
     max_batch: int = 64
     pad_multiple: int = 0  # round batch lengths up to this (0: 64 on CUDA, 1 on the CPU)
+    fast_target: bool | None = None  # the target on the fused inference kernels (None: on CUDA)
     epochs: int = 1
     max_steps: int | None = None  # cap on the schedule's length
     stop_after: int | None = None  # stop (and checkpoint) at this step; the schedule is unchanged
@@ -369,6 +370,12 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
         heldout_examples = held if heldout_examples is None else heldout_examples
     heldout_examples = heldout_examples or []
     target.to(device)
+    if cfg.fast_target if cfg.fast_target is not None else device.type == "cuda":
+        # the frozen target's pass (most of a step) on the fused inference kernels: faster, and the draft learns the
+        # features exactly as the engine computes them on the GPU. Gradients never flow through the target, and
+        # with autograd on (the draft) the eager reference runs anyway (`eyas.models.llama.takes_fused_path`).
+        from eyas.models.fused import enable_fast_path
+        enable_fast_path(target)
     t_data = time.perf_counter()
     if not train_examples:
         raise ValueError("no training examples")
@@ -605,6 +612,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default=d.device)
     p.add_argument("--target-dtype", default=d.target_dtype)
     p.add_argument("--no-amp", dest="amp", action="store_false", help="no bf16 autocast on CUDA")
+    p.add_argument("--eager-target", dest="fast_target", action="store_false", default=None,
+                   help="run the frozen target on the eager reference ops (default on CUDA: the fused kernels)")
     p.add_argument("--max-len", type=int, default=d.max_len)
     p.add_argument("--limit", type=int, default=None, help="read at most N conversations")
     p.add_argument("--heldout", type=int, default=d.heldout, help="conversations kept out for evaluation")
