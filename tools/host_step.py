@@ -4,7 +4,7 @@ The speculative step itself (`spec_step`, a CUDA graph replay on the GPU) is rep
 of the right shapes, so what is timed is what the host does around it: scheduling, packing the inputs, the copy into
 the graph's static buffers, applying the outputs, detokenisation and stop checks.
 
-    PYTHONPATH=. python bench/host_step.py --batches 1 8 64 256 --steps 50 [--profile 64]
+    PYTHONPATH=. python tools/host_step.py --batches 1 8 64 256 --steps 50 [--profile 64]
 """
 from __future__ import annotations
 
