@@ -10,6 +10,7 @@ import torch
 
 from eyas.cache.block_manager import BlockManager
 from eyas.cache.kv_cache import KVCache
+from eyas.engine.detokenizer import WHOLE, IncrementalDetokenizer, decoding_of
 from eyas.engine.runner import ModelRunner
 from eyas.engine.scheduler import Scheduler
 from eyas.engine.sequence import Sequence, SpecStats
@@ -63,6 +64,7 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.step_counts = {"prefill": 0, "decode": 0}
+        self.decoding = decoding_of(tokenizer) if tokenizer is not None else WHOLE
 
     def _blocks_from_memory(self, target, draft) -> int:
         cfg = self.config
@@ -107,6 +109,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(ids, params, seed, request_id=request_id or "")
+        if self.tokenizer is not None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, len(ids), self.decoding)
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -159,7 +163,7 @@ class LLMEngine:
         p = seq.params
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
         added: list[int] = []
-        reason, stop_text, text = None, None, None
+        reason = None
         for t in tokens:
             seq.token_ids.append(t)
             added.append(t)
@@ -167,17 +171,13 @@ class LLMEngine:
                 reason = "stop"
             elif seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 reason = "length"
-            text = None
-            if p.stop and self.tokenizer is not None:
-                text = self.tokenizer.decode(seq.output_ids)
-                hit = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
-                if hit >= 0:
-                    reason, stop_text = "stop", text[:hit]
             if reason:
                 break
-        if self.tokenizer is not None:  # (the stop-string check has just decoded the whole output)
-            seq.text = stop_text if stop_text is not None else text if text is not None else \
-                self.tokenizer.decode(seq.output_ids)
+        if seq.detok is not None:
+            cut = self._decode_added(seq, added)
+            if cut >= 0:
+                reason = "stop"
+            seq.text = seq.detok.text[:cut] if cut >= 0 else seq.detok.text
         if reason:
             return self._finish(seq, reason, added)
         return RequestOutput(seq.request_id, added, seq.output_ids, seq.text, False, None, seq.num_prompt,
@@ -189,3 +189,39 @@ class LLMEngine:
         self.seqs.pop(seq.request_id, None)
         return RequestOutput(seq.request_id, added or [], seq.output_ids, seq.text, True, reason, seq.num_prompt,
                              seq.stats)
+
+    @staticmethod
+    def _decode_added(seq: Sequence, added: list[int]) -> int:
+        """Decode the tokens just added to the output (incrementally: `seq.detok`). If a stop string shows in the
+        text, drop the added tokens after the one that completed it (from `added` and `seq.token_ids`) and return
+        where the text is cut (at the first stop string in it), else -1.
+
+        The text before had no stop string, so only its last (longest stop - 1) characters and what is new are
+        searched. Where one was found, the added tokens are decoded again one by one from the saved state, as
+        the output ends at the first token whose text shows a stop string."""
+        detok, stops = seq.detok, seq.params.stop
+        if not stops:
+            detok.update(seq.token_ids)
+            return -1
+        tail = max(map(len, stops)) - 1
+        saved = detok.save()
+        start = max(0, len(detok.stable) - tail)
+        detok.update(seq.token_ids)
+        cut = _find_stop(detok.text, stops, start)
+        if cut < 0 or len(added) == 1:
+            return cut
+        detok.restore(saved)
+        first = len(seq.token_ids) - len(added)
+        for k in range(1, len(added) + 1):
+            start = max(0, len(detok.stable) - tail)
+            detok.update(seq.token_ids[:first + k])
+            cut = _find_stop(detok.text, stops, start)
+            if cut >= 0:
+                del seq.token_ids[first + k:], added[k:]
+                return cut
+        raise AssertionError("unreachable: the last token's text is the one searched first")
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> int:
+    """Where the first stop string that occurs in text[start:] begins (an index into text), or -1."""
+    return min((i for i in (text.find(s, start) for s in stops) if i >= 0), default=-1)

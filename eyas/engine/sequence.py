@@ -18,6 +18,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from eyas.engine.detokenizer import IncrementalDetokenizer
 from eyas.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -60,6 +61,7 @@ class Sequence:
     finish_time: float | None = None
     num_preemptions: int = 0
     text: str = ""  # detokenised output (stop strings trimmed)
+    detok: IncrementalDetokenizer | None = None  # keeps `text` up to date (set by the engine when it has a tokenizer)
 
     def __post_init__(self):
         if not self.token_ids:

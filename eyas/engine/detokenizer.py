@@ -1,0 +1,109 @@
+"""Incremental detokenisation: a sequence's output text kept up to date in O(new tokens) per step.
+
+Decoding the whole output again at every step costs O(n) per step, O(n^2) per request, and dominated the host
+time of long generations. As vLLM does (`detokenize_incrementally`), we decode only a window of recent tokens
+ids[prefix:] and take the text it adds after its first tokens ids[prefix:read], the context that keeps right what
+depends on the tokens before (decoders that drop the first token's leading space). The window moves on once its
+text is final: it does not end in U+FFFD (an incomplete UTF-8 character, which later bytes may complete) nor in a
+token in `Decoding.hold` (byte-fallback tokens such as `<0xE4>`, which the decoder joins with the byte tokens after
+them).
+
+Prefix-stability: this needs decode(ids[:r]) to be final once it ends in a complete character, so that decode(ids)
+== decode(ids[:r]) + (what the window adds). `decoding_of` allows the decoders for which this holds: byte-level BPE
+(Llama 3, SmolLM2, GGUF "gpt2" tokenizers: the tokens' bytes joined, no context needed), SentencePiece-style ones
+(Metaspace, or Replace/ByteFallback/Fuse/Strip as Llama 2 writes them), WordPiece, and none. Their other steps (a
+leading space dropped on, or added after, the first token; WordPiece's clean-up of " ." and the like, which
+`tokenizers` applies token by token) see the same tokens in the window as in the whole output. Any other decoder
+gets a whole decode per update: the old cost, the same text. tests/test_detokenizer.py checks each allowed kind
+against whole decodes, on random ids.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import NamedTuple
+
+REPLACEMENT = "\ufffd"
+# decoder types (`tokenizers.decoders`) whose output is prefix-stable in the sense above
+_STABLE = {"ByteLevel", "Metaspace", "WordPiece", "Replace", "ByteFallback", "Fuse", "Strip"}
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+class Decoding(NamedTuple):
+    """How a tokenizer's output may be decoded a window at a time."""
+    incremental: bool  # prefix-stable: decode a window of recent tokens (else the whole output, every update)
+    hold: frozenset[int] = frozenset()  # ids after which the text is not final yet
+    context: bool = True  # keep the last final tokens as the window's context (all but pure byte-level decoders)
+
+
+WHOLE = Decoding(False)
+
+
+def decoding_of(tokenizer) -> Decoding:
+    """What the tokenizer's decoder allows. `hold`, for byte-fallback decoders: the byte tokens `<0xXX>`, whose
+    bytes the decoder decodes together with the byte tokens after them (a run that is not valid UTF-8 as a whole
+    becomes one U+FFFD per byte, also where a prefix of it was), and the added tokens, which decoding skips or which
+    may sit inside such a run. `context`: a byte-level decoder only joins the tokens' bytes, so text that ends
+    in a whole character is followed by the decode of the tokens after it, with no context."""
+    decoder = tokenizer.backend.decoder
+    if decoder is None:
+        return Decoding(True)
+    spec = json.loads(decoder.__getstate__())
+    parts = spec["decoders"] if spec["type"] == "Sequence" else [spec]
+    if not all(d["type"] in _STABLE and not (d["type"] == "Strip" and d.get("stop", 0)) for d in parts):
+        return WHOLE
+    hold = frozenset()
+    if any(d["type"] == "ByteFallback" for d in parts):
+        backend = tokenizer.backend
+        hold = frozenset([i for t, i in backend.get_vocab(with_added_tokens=False).items() if _BYTE_TOKEN.fullmatch(t)]
+                         + list(backend.get_added_tokens_decoder()))
+    return Decoding(True, hold, context=[d["type"] for d in parts] != ["ByteLevel"])
+
+
+class IncrementalDetokenizer:
+    """The text of ids[start:] for one growing list of token ids (a sequence's `token_ids`; `start`: where its
+    output begins), as `tokenizer.decode` gives it (special tokens skipped).
+
+    `text` (== tokenizer.decode(ids[start:]) after every `update`) is `stable`, the text of ids[start:read],
+    which no later token can change, followed by `pending`, what the tokens since `read` decode to now."""
+
+    __slots__ = ("tokenizer", "decoding", "start", "prefix", "read", "prefix_text", "stable", "pending")
+
+    def __init__(self, tokenizer, start: int, decoding: Decoding):
+        self.tokenizer, self.decoding = tokenizer, decoding
+        self.start = self.prefix = self.read = start
+        self.prefix_text = ""  # decode(ids[prefix:read])
+        self.stable = ""
+        self.pending = ""
+
+    @property
+    def text(self) -> str:
+        return self.stable + self.pending
+
+    def save(self) -> tuple:
+        """The state, for `restore`: to decode the same new tokens again, one at a time."""
+        return self.prefix, self.read, self.prefix_text, self.stable, self.pending
+
+    def restore(self, state: tuple) -> None:
+        self.prefix, self.read, self.prefix_text, self.stable, self.pending = state
+
+    def update(self, ids: list[int]) -> str:
+        """Take the ids so far (those of the last call plus any new ones); returns the text that became final
+        (the streaming delta: the deltas concatenate to `stable`)."""
+        if not self.decoding.incremental:
+            self.pending = self.tokenizer.decode(ids[self.start:])
+            return ""
+        n = len(ids)
+        window = self.tokenizer.decode(ids[self.prefix:n])
+        self.pending = window[len(self.prefix_text):]
+        if not self.pending or self.pending[-1] == REPLACEMENT or ids[n - 1] in self.decoding.hold:
+            return ""  # nothing new, or not final yet: keep the window (an empty one would lose its context)
+        delta = self.pending
+        self.stable += delta
+        self.pending = ""
+        if self.decoding.context:
+            self.prefix, self.read = self.read, n
+            self.prefix_text = self.tokenizer.decode(ids[self.prefix:n])
+        else:
+            self.prefix = self.read = n
+        return delta
