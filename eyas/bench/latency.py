@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import time
 from datetime import date
 from pathlib import Path
@@ -45,7 +46,6 @@ def make_prompts(tokenizer, vocab: int, n: int, context: int, prompts_file: str 
 def split_modes(text: str) -> list[str]:
     """`plain,chain:3,dispatch:1=tree:8,16=plain` -> ["plain", "chain:3", "dispatch:1=tree:8,16=plain"]: items of
     the form `B=SPEC` continue the dispatch before them."""
-    import re
     modes: list[str] = []
     for item in (x.strip() for x in text.split(",")):
         if modes and modes[-1].startswith("dispatch:") and re.match(r"^\d+=", item):

@@ -83,11 +83,10 @@ class GraphedStep:
         return new
 
     @torch.inference_mode()
-    def run(self, seqs, tree=None) -> DecodeOutputs:
+    def run(self, seqs, tree) -> DecodeOutputs:
+        """Replay the step of `tree` (the runner's pick for this batch size) for `seqs`."""
         from eyas.engine.runner import all_greedy
-        n = len(seqs)
-        tree = tree if tree is not None else self.runner.tree_for(n)
-        key = (self.bucket(n), all_greedy(seqs), tree.name)
+        key = (self.bucket(len(seqs)), all_greedy(seqs), tree.name)
         if key not in self.graphs:
             self._capture(key, tree)
         graph, static, out = self.graphs[key]

@@ -453,7 +453,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 def build_llm(args):
     from eyas import LLM
     kwargs = dict(max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                  cuda_graphs="auto" if getattr(args, "cuda_graphs", True) else False)
+                  cuda_graphs="auto" if args.cuda_graphs else False)
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     if args.num_blocks is not None:

@@ -78,13 +78,11 @@ def make_distill_data(model: str, data: list[str], out: str, max_tokens: int = 5
     `chunk` conversations, default 4 x batch_size, so the batch stays full while stragglers finish); CUDA graphs are
     used on a GPU. `time_budget` (seconds): start no new chunk after that; what is done is written."""
     from eyas import LLM, SamplingParams
-    from eyas.loader.resolve import resolve_device
 
     t0 = time.perf_counter()
-    dev = resolve_device(device)
-    graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
-    llm = LLM(model, device=str(dev), dtype=dtype, draft=draft, speculation=speculation, max_num_seqs=batch_size,
-              max_num_batched_tokens=max(2048, 16 * batch_size), cuda_graphs=graphs)
+    llm = LLM(model, device=device, dtype=dtype, draft=draft, speculation=speculation, max_num_seqs=batch_size,
+              max_num_batched_tokens=max(2048, 16 * batch_size),
+              cuda_graphs="auto" if cuda_graphs is None else cuda_graphs)
     if llm.tokenizer is None or not llm.tokenizer.chat_template:
         raise ValueError(f"model {model!r} has no chat template: it cannot regenerate conversations")
     records = []
@@ -130,7 +128,8 @@ def make_distill_data(model: str, data: list[str], out: str, max_tokens: int = 5
             "generated_tokens": stats.get("generated_tokens", 0), "prompt_tokens": stats.get("prompt_tokens", 0),
             "generation_seconds": round(gen_s, 1),
             "generated_tokens_per_second": round(stats.get("generated_tokens", 0) / max(gen_s, 1e-9), 1),
-            "seconds": round(time.perf_counter() - t0, 1), "stopped": stopped, "cuda_graphs": graphs,
+            "seconds": round(time.perf_counter() - t0, 1), "stopped": stopped,
+            "cuda_graphs": llm.engine.config.cuda_graphs,
             "out": str(out)}
 
 
