@@ -5,6 +5,10 @@ final norm) and, at the trained positions, its logits; nothing is precomputed to
 (embed(x_{t+1}), h_t) and must predict h_{t+1} (SmoothL1) and the target's distribution at t+1, i.e. for token
 x_{t+2} (soft cross-entropy through the shared, frozen LM head). The loss mask is the assistant mask of x_{t+2}.
 
+`--unroll K` trains on the draft's own rollouts as well (EAGLE-3's "training-time test"): chain step d >= 2 reads
+the draft's predicted feature from step d-1 instead of the target's, with the same targets; the steps' losses are
+weighted decay^(d-1). See `unrolled_loss`.
+
 Training: AdamW, linear warm-up then cosine decay, gradient clipping, bf16 autocast on CUDA (fp32 master weights),
 optional uniform or Gaussian noise on the target features (EAGLE: uniform, width 0.2), a fixed seed. Several drafts
 (e.g. `--layers 1 2 3`) can be trained side by side on the same batches: the target runs once per batch for all.
@@ -72,6 +76,8 @@ class TrainConfig:
     grad_clip: float = 0.5
     w_ce: float = 0.1
     w_l1: float = 1.0
+    unroll: int = 1  # train on the draft's own rollouts, chain steps 1..unroll (EAGLE-3's training-time test)
+    unroll_decay: float = 0.8  # weight of chain step d's loss: decay^(d-1) (EAGLE-3: 0.8)
     noise: str = "uniform"  # none | uniform | gaussian
     noise_std: float = 0.2  # uniform: U(-std/2, std/2) as EAGLE; gaussian: N(0, std)
     seed: int = 0
@@ -178,55 +184,92 @@ def stream_mask(S: int, T: int, device) -> torch.Tensor:
     Stream 1 reads the target's features (causal). Stream s >= 2 at index p is the draft's (s-1)-th step of a chain
     rooted at t = p - s + 1: its input feature is stream s-1's output at p-1, and it sees stream 1 at indices <= t
     (the draft KV cache of committed history) and stream r (2 <= r <= s) at index p - (s - r) only (its own chain).
+    `unrolled_streams` uses the rows of the last stream (`stream_rows_mask`); the whole mask is the reference.
     """
+    return torch.cat([stream_rows_mask(s, S, T, device) for s in range(1, S + 1)], 0)
+
+
+def stream_rows_mask(s: int, S: int, T: int, device) -> torch.Tensor:
+    """Rows of stream s (1-based) of `stream_mask(S, T)`: [T, S*T]."""
     p = torch.arange(T, device=device)
-    M = torch.zeros(S * T, S * T, dtype=torch.bool, device=device)
-    for s in range(1, S + 1):
-        for r in range(1, s + 1):
-            if r == 1:
-                blk = p[None, :] <= (p[:, None] - (s - 1))
-            else:
-                blk = p[None, :] == (p[:, None] - (s - r))
-            M[(s - 1) * T: s * T, (r - 1) * T: r * T] = blk
+    M = torch.zeros(T, S * T, dtype=torch.bool, device=device)
+    for r in range(1, s + 1):
+        if r == 1:
+            blk = p[None, :] <= (p[:, None] - (s - 1))
+        else:
+            blk = p[None, :] == (p[:, None] - (s - r))
+        M[:, (r - 1) * T: r * T] = blk
     return M
 
 
-def _layer_masked(layer, x, positions, rope, mask):
+def _layer_stream(layer, x, positions, rope, kv: list, mask):
+    """One decoder layer for the newest stream: its queries attend to the keys of all streams so far (`kv` holds the
+    earlier streams' K/V of this layer, and gets this stream's appended), under `mask` [T, S*T]. A stream's values
+    never depend on later streams, so the earlier streams' K/V are exactly those of the whole masked pass."""
     a = layer.self_attn
     h = layer.input_layernorm(x)
     B, Q, _ = h.shape
-    q = a.q_proj(h).view(B, Q, a.n_heads, a.head_dim)
-    k = a.k_proj(h).view(B, Q, a.n_kv, a.head_dim)
-    v = a.v_proj(h).view(B, Q, a.n_kv, a.head_dim)
-    q, k = rope(positions, q, k)
+    if hasattr(a, "qkv_proj"):
+        q, k, v = a.qkv_proj(h).split(a.qkv_sizes, dim=-1)
+    else:
+        q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+    q, k = rope(positions, q.view(B, Q, a.n_heads, a.head_dim), k.view(B, Q, a.n_kv, a.head_dim))
     G = a.n_heads // a.n_kv
-    k, v = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask, scale=a.scale)
+    # GQA by repetition: with an explicit mask, the memory-efficient SDPA kernel (no enable_gqa) takes the pass
+    kv.append((k.repeat_interleave(G, dim=2).transpose(1, 2), v.view(B, Q, a.n_kv, a.head_dim)
+               .repeat_interleave(G, dim=2).transpose(1, 2)))
+    K = torch.cat([kk for kk, _ in kv], 2)
+    V = torch.cat([vv for _, vv in kv], 2)
+    if len(kv) == 1:
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, is_causal=True, scale=a.scale)
+    else:
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, attn_mask=mask, scale=a.scale)
     x = x + a.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 def unrolled_streams(draft: EagleDraft, emb: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
                      depth: int) -> list[torch.Tensor]:
-    """Outputs [B, T, H] of streams 1..depth (stream d = the draft's d-th chain step, see `stream_mask`)."""
+    """Outputs [B, T, H] of streams 1..depth (stream d = the draft's d-th chain step, see `stream_mask`).
+
+    Stream by stream, each layer keeping the K/V of the earlier streams: depth d costs d stream passes. Differentiable
+    (training-time unrolling backpropagates through the draft's own features)."""
     B, T, H = feats.shape
-    feats = feats.to(emb.dtype)
-    stream_feats = [feats]
+    feat = feats.to(emb.dtype)
+    kv: list[list] = [[] for _ in draft.layers]
     outs: list[torch.Tensor] = []
     for S in range(1, depth + 1):
-        x_in = torch.cat([torch.cat([emb, f], -1) for f in stream_feats], 1)  # [B, S*T, 2H]
-        x = draft.fc(x_in)
-        pos = positions.repeat(1, S)
-        mask = stream_mask(S, T, emb.device)
-        for layer in draft.layers:
-            x = _layer_masked(layer, x, pos, draft.rope, mask)
-        last = x[:, (S - 1) * T:]
-        outs.append(last)
-        nxt = torch.zeros_like(feats)
-        nxt[:, 1:] = last[:, :-1].to(feats.dtype)
-        stream_feats.append(nxt)
+        x = draft.fc(torch.cat([emb, feat], -1))
+        mask = stream_rows_mask(S, S, T, emb.device)
+        for layer, layer_kv in zip(draft.layers, kv):
+            x = _layer_stream(layer, x, positions, draft.rope, layer_kv, mask)
+        outs.append(x)
+        # the next stream's feature at p is this stream's output at p - 1 (zero at p = 0: no chain is rooted there)
+        feat = torch.cat([torch.zeros_like(feat[:, :1]), x[:, :-1].to(feat.dtype)], 1)
     return outs
+
+
+def unrolled_loss(target, draft: EagleDraft, emb, feats, pos, tgt_sel, tlog, lmask, cfg: "TrainConfig"):
+    """The distillation loss over the draft's own rollouts (training-time test, as EAGLE-3 and HASS train): stream d
+    (the draft's d-th chain step, fed its own features from step d-1) at position p is held to the same target as
+    stream 1, where its chain's root p - d + 1 exists. The streams' losses are weighted by `unroll_decay`^(d-1) and
+    normalised by the weights' sum; `unroll=1` is the plain EAGLE-1 loss. Returns (loss, depth-1 LossOut)."""
+    with _autocast(feats.device, cfg.amp):
+        outs = unrolled_streams(draft, emb, feats, pos, cfg.unroll) if cfg.unroll > 1 else [draft(emb, feats, pos)]
+    col = lmask.nonzero()[:, 1] if cfg.unroll > 1 else None
+    total, wsum, first = 0.0, 0.0, None
+    for d, out in enumerate(outs):
+        with _autocast(feats.device, cfg.amp):
+            o_sel = out[lmask]
+            dlog = target.compute_logits(o_sel.to(tgt_sel.dtype))
+        valid = None if d == 0 else col >= d
+        lo = distill_loss(o_sel, tgt_sel, dlog, tlog, valid, cfg.w_ce, cfg.w_l1)
+        w = cfg.unroll_decay ** d
+        total = total + w * lo.loss
+        wsum += w
+        if first is None:
+            first = lo
+    return total / wsum, first
 
 
 @torch.no_grad()
@@ -382,6 +425,10 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
     for L in cfg.layers:
         if not 1 <= L <= 3:
             raise ValueError(f"--layers must be 1, 2 or 3, got {L}")
+    if not 1 <= cfg.unroll <= 8:
+        raise ValueError(f"--unroll must be between 1 and 8, got {cfg.unroll}")
+    if cfg.unroll_decay <= 0:
+        raise ValueError(f"--unroll-decay must be > 0, got {cfg.unroll_decay}")
     if cfg.init is not None and len(cfg.layers) != 1:
         raise ValueError("--init works with a single --layers value")
 
@@ -495,21 +542,17 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
                     rec = {"step": step + 1, "tokens": ntok, "positions": int(tgt_sel.shape[0])}
                     stats = []
                     for L, d, o, sc in zip(cfg.layers, drafts, opts, scheds):
-                        with _autocast(device, cfg.amp):
-                            out = d(emb, feats, pos)
-                            o_sel = out[lmask]
-                            dlog = target.compute_logits(o_sel.to(tgt_h.dtype))
-                        lo = distill_loss(o_sel, tgt_sel, dlog, tlog, None, cfg.w_ce, cfg.w_l1)
+                        loss, lo = unrolled_loss(target, d, emb, feats, pos, tgt_sel, tlog, lmask, cfg)
                         o.zero_grad(set_to_none=True)
-                        lo.loss.backward()
+                        loss.backward()
                         gn = torch.nn.utils.clip_grad_norm_(d.parameters(), cfg.grad_clip)
                         o.step()
                         rec[f"layers-{L}"] = {"lr": sc.get_last_lr()[0]}
                         sc.step()
                         # read back later, in one transfer for many steps: no host sync per step
-                        stats.append(torch.stack([lo.loss.detach(), lo.ce, lo.l1, lo.correct, lo.count,
+                        stats.append(torch.stack([loss.detach(), lo.ce, lo.l1, lo.correct, lo.count,
                                                   gn.to(lo.loss.device)]).float())
-                        del out, o_sel, dlog, lo
+                        del loss, lo
                 pending.append((rec, torch.stack(stats)))
                 step += 1
                 bi += 1
@@ -560,6 +603,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
         "wall_seconds": round(time.perf_counter() - t_start, 2),
         "load_seconds": round(t_loaded - t_start, 2), "data_seconds": round(t_data - t_loaded, 2),
         "loss_weights": {"w_ce": cfg.w_ce, "w_l1": cfg.w_l1},
+        "unroll": {"steps": cfg.unroll, "decay": cfg.unroll_decay},
         "optimizer": {"name": "AdamW", "lr": cfg.lr, "betas": [cfg.beta1, cfg.beta2],
                       "weight_decay": cfg.weight_decay, "schedule": "linear warm-up + cosine",
                       "min_lr_ratio": cfg.min_lr_ratio, "grad_clip": cfg.grad_clip},
@@ -632,6 +676,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--grad-clip", type=float, default=d.grad_clip)
     p.add_argument("--w-ce", type=float, default=d.w_ce)
     p.add_argument("--w-l1", type=float, default=d.w_l1)
+    p.add_argument("--unroll", type=int, default=d.unroll,
+                   help="train on the draft's own rollouts: chain steps 1..N, step d fed the draft's features from "
+                        "step d-1 (EAGLE-3's training-time test); 1: plain EAGLE-1 training")
+    p.add_argument("--unroll-decay", type=float, default=d.unroll_decay,
+                   help="weight of chain step d's loss is DECAY^(d-1)")
     p.add_argument("--noise", choices=["none", "uniform", "gaussian"], default=d.noise)
     p.add_argument("--noise-std", type=float, default=d.noise_std)
     p.add_argument("--seed", type=int, default=d.seed)
