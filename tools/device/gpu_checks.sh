@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Call 1 of tools/device/README.md, on the GPU machine, after `cp .stage/a/part_aa ...`: the GPU-only kernel tests,
+# the GEMV microbenchmark and the 8B-shape latency rows (random weights; they need no model), each under a timeout
+# so that the call ends in time. Results land in $OUT.
+set -u
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+nvidia-smi --query-gpu=name,memory.used,clocks.max.sm --format=csv,noheader
+echo "== GPU kernel tests [t=$(el)]"
+timeout ${TESTS_S:-150} python3 -m pytest -q -x tests/test_kernels.py tests/test_gemv.py tests/test_fused_ops.py \
+  -p no:cacheprovider 2>&1 | tail -n 6
+echo "== GEMV bench [t=$(el)]"
+[ -f tools/diag/gemv_bench.py ] && timeout ${GEMV_S:-150} python3 tools/diag/gemv_bench.py --out $OUT/gemv.json 2>&1 | tail -n 60
+echo "== 8B shape latency [t=$(el)]"
+timeout ${LAT_S:-200} python3 -m eyas.cli bench latency --model ${MODEL:-llama-3.1-8b-shape} --modes ${MODES:-plain,chain:3,tree:8} \
+  --batch-sizes ${BATCHES:-1,32} --context ${CONTEXT:-1024} --max-tokens ${NEW:-64} --accept-rates ${RATES:-0.6,0.45,0.4} \
+  --out $OUT/l8b ${PROFILE:---profile} > $OUT/l8b.log 2>&1; cat $OUT/l8b/*.md   # the profiles: l8b.log
+echo "== end [t=$(el)]"
