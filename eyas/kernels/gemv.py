@@ -79,7 +79,7 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
 
     * M <= 2: elementwise path, BLOCK_K = 256 (a warp reads 512 contiguous bytes of a row in bf16), BLOCK_N =
       16 / M_PAD (a 4096 / M_PAD element tile), because the deferred float32 accumulator holds
-      M_PAD x BLOCK_N x BLOCK_K values (sm_90 ptxas: 80 registers at M = 1, 126 at M = 2, no spills).
+      M_PAD x BLOCK_N x BLOCK_K values (sm_90 ptxas: 80 registers at M = 1, 72 at M = 2, no spills).
       Triton does not pipeline these plain loads (no cp.async), so latency is hidden by occupancy.
     * M >= 3: tensor-core path, BLOCK_N = 64, BLOCK_K = 128 (an 8192-element tile; on sm_90 this is a wgmma
       with x padded to 16 columns, its tiles streamed by cp.async through num_stages = 4 shared-memory buffers,
