@@ -10,6 +10,8 @@ grep -a "eval step" $W/train.log | tail -n 5; tail -c 1500 $W/train.log
 cp $W/t1/model.safetensors $W/t1/training.json $W/t1/config.json $OUT/ 2>/dev/null
 (cd $W && tar czf $OUT/train_logs.tar.gz t1/metrics.jsonl train.log probe/training.json 2>/dev/null)
 D=$W/t1; [ -f $D/model.safetensors ] || D=default
+echo "== graphs == eager, SmolLM2 on the GPU [t=$(el)]"
+timeout ${GRAPH_TEST_S:-75} python3 -m pytest -q tests/test_cuda_graph.py -p no:cacheprovider 2>&1 | tail -n 3
 echo "== tpc [t=$(el)]"
 timeout $(( 500 - $(el) )) python3 -m eyas.bench.tpc --model smollm2 --draft $D --speculation chain:3 \
   --speculation tree:mc_sim_7b_63 --speculation tree:16 --speculation tree:8 --speculation chain:5 --temperature 0 1 \
