@@ -168,13 +168,32 @@ def test_prefix_half_caches(dtype):
 
 
 def test_choose_num_splits():
-    # batch 1, 8 kv heads, one row tile: fill ~2 waves of 132 SMs when the context is long enough
-    assert choose_num_splits(8, 32768) * 8 >= 2 * 132
-    assert choose_num_splits(8, 4096) == 16  # capped by >= 256 tokens per split
+    # batch 1, 8 kv heads, one row tile: ~4 waves of 132 SMs when the context is long enough
+    assert choose_num_splits(8, 32768) == 64  # capped at 64 splits
+    assert choose_num_splits(8, 1024) == 16  # capped by >= 64 tokens (one key tile) per split
+    assert choose_num_splits(64, 4096) == 9  # batch 8: ceil(4 * 132 / 64)
     assert choose_num_splits(8, 100) == 1
-    assert choose_num_splits(64 * 8, 4096) == 1  # a large batch fills the GPU by itself
+    assert choose_num_splits(32 * 8, 1024) == 1  # a batch that has a program per SM: no reduction pass
     assert 1 <= choose_num_splits(1, 10 ** 7) <= 64
     assert choose_num_splits(0, 0) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefix_wide_key_tiles_on_one_split(dtype):
+    """One split over a long context takes 128-key tiles (`_prefix_block_n`): same result as 64-key tiles and the
+    reference."""
+    from eyas.kernels.tree_attention import _prefix_block_n
+    assert _prefix_block_n(16, 64, 64, 1, dtype, 600) == 128
+    assert _prefix_block_n(16, 64, 64, 2, dtype, 600) == 64
+    g = torch.Generator().manual_seed(12)
+    kc, vc, bt, cl = make_cache(1, 2, 64, 16, [600], dtype=dtype, gen=g)
+    q = torch.randn(1, 1, 4, 64, generator=g).to(dtype).to(DEV)
+    o, lse = paged_prefix_attention(q, kc, vc, bt, cl, 0.125, num_splits=1)  # 128-key tiles
+    o64, lse64 = paged_prefix_attention(q, kc, vc, bt, cl, 0.125, num_splits=1, block_n=64)
+    ro, rlse = ref_prefix(q, kc, vc, bt, cl, 0.125)
+    torch.testing.assert_close(lse, rlse, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(o, ro, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(o, o64, atol=2e-2, rtol=2e-2)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -348,15 +348,18 @@ def device_sm_count(device: torch.device | None = None) -> int:
     return 132
 
 
-def choose_num_splits(num_programs: int, max_context_len: int, num_sms: int = 132, waves: int = 2,
-                      min_tokens_per_split: int = 256, max_splits: int = 64) -> int:
+def choose_num_splits(num_programs: int, max_context_len: int, num_sms: int = 132, waves: int = 4,
+                      min_tokens_per_split: int = 64, max_splits: int = 64) -> int:
     """KV splits for the prefix kernel (flash-decoding).
 
-    `num_programs` is the grid without splits (batch x kv-heads x query-row tiles). Splits are added until about
-    `waves` programs per SM exist, but no split gets fewer than `min_tokens_per_split` context tokens (below that
-    the split's fixed cost and the reduction outweigh the parallelism). At batch 1 with 8 kv heads and a 4k
-    context this gives 16 splits (128 programs), at 32k 33 splits (264 programs); a batch that already fills the
-    GPU gets 1 split and no reduction pass."""
+    `num_programs` is the grid without splits (batch x kv-heads x query-row tiles). A grid that already has a
+    program per SM gets 1 split (no reduction pass). Below that, splits are added until about `waves` programs
+    per SM exist, but no split gets fewer than `min_tokens_per_split` context tokens (one key tile).
+
+    Tuned on the H200 at the Llama-3.1-8B shape (32 query / 8 kv heads, D = 128, bf16; `tools/diag/
+    prefix_split_bench.py`, 2026-11-29, docs/kernels.md): at batch 1 and a 1k context 18 splits take 7.8 us per
+    layer against 12.4 us with the earlier rule (waves 2, >= 256 tokens: 4 splits); at batch 8 and 4k, 9 splits
+    take 39.8 us against 45.5 us; at batch 32 more splits than 1 only add the reduction (43 us at 3 splits)."""
     if num_programs <= 0 or max_context_len <= 0:
         return 1
     if num_programs >= num_sms:
@@ -364,6 +367,16 @@ def choose_num_splits(num_programs: int, max_context_len: int, num_sms: int = 13
     want = math.ceil(waves * num_sms / num_programs)
     by_len = max(1, int(max_context_len) // min_tokens_per_split)
     return int(max(1, min(want, by_len, max_splits)))
+
+
+def _prefix_block_n(block_m: int, block_n: int, block_d: int, splits: int, dtype: torch.dtype,
+                    max_context_len: int) -> int:
+    """Key-tile width of the prefix kernel: 128 keys when one program walks a whole long context (1 split, 16-bit,
+    a [16, <=128] query tile), which halves the serial steps (batch 32, 1k context, 8B shape: 39.6 us per layer
+    against 48.9 us with 64 keys); the `_tiles` width otherwise."""
+    if splits == 1 and dtype != torch.float32 and block_m * block_d <= 16 * 128 and max_context_len >= 512:
+        return 128
+    return block_n
 
 
 def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None,
@@ -390,10 +403,12 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     if block_n is not None:
         BLOCK_N = max(16, _next_pow2(block_n))
     m_tiles = triton.cdiv(n_rows, BLOCK_M)
+    bound = max_context_len if max_context_len is not None else block_tables.shape[1] * page
     if num_splits is None:
-        bound = max_context_len if max_context_len is not None else block_tables.shape[1] * page
         num_splits = choose_num_splits(B * KVH * m_tiles, int(bound), device_sm_count(q.device))
     S = max(1, int(num_splits))
+    if block_n is None:
+        BLOCK_N = _prefix_block_n(BLOCK_M, BLOCK_N, BLOCK_D, S, k_cache.dtype, int(bound))
 
     if B == 0 or NQ == 0:
         return (torch.zeros((B, NQ, H, D), dtype=torch.float32, device=q.device),
