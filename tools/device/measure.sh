@@ -7,8 +7,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD EYAS_SMOLLM2_GGUF=$S/smollm2
 while [ ! -f $W/train.done ] && [ $(el) -lt ${WAIT_S:-360} ]; do sleep 5; done
 echo "== training done? $(ls $W/train.done 2>/dev/null) [t=$(el)]"
 grep -a "eval step" $W/train.log | tail -n 5; tail -c 1500 $W/train.log
-cp $W/t1/model.safetensors $W/t1/training.json $W/t1/config.json $OUT/ 2>/dev/null
-(cd $W && tar czf $OUT/train_logs.tar.gz t1/metrics.jsonl train.log probe/training.json 2>/dev/null)
+cp $W/t1/model.safetensors $W/t1/config.json $OUT/ 2>/dev/null   # training.json travels in train_logs (8 files at most)
+(cd $W && tar czf $OUT/train_logs.tar.gz t1/metrics.jsonl t1/training.json train.log probe/training.json 2>/dev/null)
 D=$W/t1; [ -f $D/model.safetensors ] || D=default
 echo "== graphs == eager, SmolLM2 on the GPU [t=$(el)]"
 timeout ${GRAPH_TEST_S:-75} python3 -m pytest -q tests/test_cuda_graph.py -p no:cacheprovider 2>&1 | tail -n 3
