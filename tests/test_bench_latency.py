@@ -20,15 +20,17 @@ def test_bench_latency_writes_json_markdown_and_plot(tmp_path):
     out = tmp_path / "lat"
     assert main(["bench", "latency", "--model", str(target), "--draft", str(draft), "--modes",
                  "plain,chain:4,dispatch:1=chain:4,2=plain", "--batch-sizes", "1,2", "--max-tokens", "12",
-                 "--context", "5", "--device", "cpu", "--out", str(out)]) == 0
+                 "--context", "5", "--num-prompts", "2", "--device", "cpu", "--out", str(out)]) == 0
     res = json.loads((out / "latency.json").read_text())
     rows = {(r["mode"], r["batch"]): r for r in res["results"]}
     assert set(rows) == {(m, b) for m in ("plain", "chain:4", "dispatch:1=chain:4,2=plain") for b in (1, 2)}
     assert not res["meta"]["simulated"]
     assert all(r["ttit_ms"] > 0 and r["tokens_per_s"] > 0 for r in rows.values())
     assert rows[("plain", 2)]["tpc"] == 1.0
-    assert rows[("plain", 1)]["decode_steps"] == 11  # the timed steps only: 12 tokens, the first from prefill
-    assert rows[("chain:4", 1)]["decode_steps"] < 11
+    # batch 1 runs the 2 prompts one after the other; the timed steps only: 12 tokens, the first from prefill
+    assert rows[("plain", 1)]["prompts"] == 2 and rows[("plain", 1)]["decode_steps"] == 22
+    assert rows[("plain", 2)]["prompts"] == 2 and rows[("plain", 2)]["decode_steps"] == 11
+    assert rows[("chain:4", 1)]["decode_steps"] < 22
     assert rows[("chain:4", 2)]["tpc"] > 1.5  # the mirror draft is accepted
     # the dispatcher runs chain:4 alone and plain steps at batch 2
     assert rows[("dispatch:1=chain:4,2=plain", 1)]["tpc"] > 1.5
@@ -39,7 +41,8 @@ def test_bench_latency_writes_json_markdown_and_plot(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [["--modes", "tree:nope"], ["--modes", "dispatch:4=chain:3,2=plain"],
-                                 ["--batch-sizes", "0"], ["--batch-sizes", "x"], ["--accept-rates", "high"]])
+                                 ["--batch-sizes", "0"], ["--batch-sizes", "x"], ["--accept-rates", "high"],
+                                 ["--num-prompts", "0"]])
 def test_bench_latency_refuses_bad_input(bad, tmp_path):
     with pytest.raises(SystemExit, match="eyas bench latency"):
         main(["bench", "latency", "--model", "no-such-model", "--out", str(tmp_path)] + bad)

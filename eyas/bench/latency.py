@@ -56,7 +56,7 @@ def split_modes(text: str) -> list[str]:
 
 
 def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
-             graphs: bool, block_size: int = 16, profile: bool = False) -> dict:
+             graphs: bool, block_size: int = 16, profile: bool = False, num_prompts: int = 1) -> dict:
     tree = None if mode == "plain" else resolve_tree(mode)
     longest = max(len(p) for p in prompts)
     cfg = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, longest), cuda_graphs=graphs,
@@ -79,20 +79,35 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
         # different steps): captured here, not inside the timed decode
         engine.runner.graphs.capture_all(batch, greedy=(True,))
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    steps0 = engine.step_counts["decode"]
-    t0 = time.perf_counter()
-    seqs = [engine.add_request(p, params) for p in prompts[:batch]]
-    first = None
-    while engine.has_unfinished():
-        engine.step()
-        if first is None and all(s.num_output > 0 for s in seqs):
-            sync()
-            first = time.perf_counter()
-    sync()
-    t1 = time.perf_counter()
-    steps = engine.step_counts["decode"] - steps0
-    first = first or t1
+    # waves of `batch` requests until `num_prompts` prompts ran (one wave when the batch is larger): at batch 1 a
+    # single prompt would make the row the acceptance of that one prompt
+    waves = max(1, -(-num_prompts // batch))
+    ttft = decode_s = total_s = per_seq_tokens = 0.0
+    tokens = calls = decode_tokens = steps = 0
+    for w in range(waves):
+        wave = [prompts[(w * batch + i) % len(prompts)] for i in range(batch)]
+        sync()
+        steps0 = engine.step_counts["decode"]
+        t0 = time.perf_counter()
+        seqs = [engine.add_request(p, params) for p in wave]
+        first = None
+        while engine.has_unfinished():
+            engine.step()
+            if first is None and all(s.num_output > 0 for s in seqs):
+                sync()
+                first = time.perf_counter()
+        sync()
+        t1 = time.perf_counter()
+        first = first or t1
+        steps += engine.step_counts["decode"] - steps0
+        ttft += first - t0
+        decode_s += t1 - first
+        total_s += t1 - t0
+        n_tok = sum(s.num_output for s in seqs)
+        tokens += n_tok
+        calls += sum(s.stats.target_calls for s in seqs)
+        decode_tokens += n_tok - len(seqs)  # the first token of each comes from prefill
+        per_seq_tokens += (n_tok - len(seqs)) / len(seqs)
     if profile:  # where the GPU time of a few decode steps goes, by kernel
         from torch.profiler import ProfilerActivity, profile as torch_profile
         for p in prompts[:batch]:
@@ -108,14 +123,11 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
         while engine.has_unfinished():
             engine.step()
-    tokens = sum(s.num_output for s in seqs)
-    calls = sum(s.stats.target_calls for s in seqs)
-    decode_tokens = tokens - len(seqs)  # the first token of each comes from prefill
     return {
-        "mode": mode, "batch": batch, "ttft_ms": (first - t0) * 1000,
-        "ttit_ms": (t1 - first) * 1000 / max(decode_tokens / len(seqs), 1e-9),
-        "tpc": decode_tokens / calls if calls else 1.0, "tokens_per_s": tokens / (t1 - t0),
-        "decode_steps": steps, "ms_per_decode_step": (t1 - first) * 1000 / max(steps, 1),
+        "mode": mode, "batch": batch, "prompts": waves * batch, "ttft_ms": ttft * 1000 / waves,
+        "ttit_ms": decode_s * 1000 / max(per_seq_tokens, 1e-9),
+        "tpc": decode_tokens / calls if calls else 1.0, "tokens_per_s": tokens / total_s,
+        "decode_steps": steps, "ms_per_decode_step": decode_s * 1000 / max(steps, 1),
         "new_tokens": max_tokens, "simulated_acceptance": simulated_rates is not None,
     }
 
@@ -162,6 +174,8 @@ def run(args) -> int:
         if not batches or min(batches) < 1:
             raise ValueError("batch sizes must be >= 1")
         accept = [float(x) for x in args.accept_rates.split(",")]
+        if args.num_prompts < 1:
+            raise ValueError("--num-prompts must be >= 1")
     except ValueError as e:
         raise SystemExit(f"eyas bench latency: {e}") from None
     device = resolve_device(args.device)
@@ -171,17 +185,19 @@ def run(args) -> int:
     if draft is None and any(m != "plain" for m in modes):
         print(f"no draft for {args.model}: measuring plain decoding only")
         modes = [m for m in modes if m == "plain"]
-    prompts = make_prompts(tokenizer, target.config.vocab_size, max(batches), args.context, args.prompts)
+    prompts = make_prompts(tokenizer, target.config.vocab_size, max(max(batches), args.num_prompts), args.context,
+                           args.prompts)
     graphs = args.cuda_graphs and device.type == "cuda"
     rows = []
     for mode in modes:
         for b in tqdm(batches, desc=mode):
             rows.append(run_mode(target, tokenizer, draft, mode, b, prompts, args.max_tokens, rates, graphs,
-                                 profile=args.profile))
+                                 profile=args.profile, num_prompts=args.num_prompts))
     meta = {"model": args.model, "draft": args.draft, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
             "dtype": str(dtype), "date": str(date.today()), "simulated": simulated, "accept_rates": rates,
-            "context": args.context, "max_tokens": args.max_tokens, "cuda_graphs": graphs}
+            "context": args.context, "max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
+            "cuda_graphs": graphs}
     if simulated:
         from eyas.bench.shapes import linear_weight_bytes
         meta["linear_weight_bytes"] = linear_weight_bytes(target)
@@ -202,6 +218,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--modes", default="plain,chain:3,tree:8", help="comma-separated: plain, chain:K, tree:NAME, dispatch:B1=SPEC,B2=SPEC,...")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=8,
+                   help="prompts per row: batches smaller than this run in waves until it is reached")
     p.add_argument("--context", type=int, default=1024, help="prompt length for random-weight models")
     p.add_argument("--prompts", default=None, help="MT-Bench question.jsonl (first turns) for real models")
     p.add_argument("--accept-rates", default="0.8",
