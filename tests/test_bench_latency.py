@@ -42,7 +42,7 @@ def test_bench_latency_writes_json_markdown_and_plot(tmp_path):
 
 @pytest.mark.parametrize("bad", [["--modes", "tree:nope"], ["--modes", "dispatch:4=chain:3,2=plain"],
                                  ["--batch-sizes", "0"], ["--batch-sizes", "x"], ["--accept-rates", "high"],
-                                 ["--num-prompts", "0"]])
+                                 ["--num-prompts", "0"], ["--draft-vocab", "-1"]])
 def test_bench_latency_refuses_bad_input(bad, tmp_path):
     with pytest.raises(SystemExit, match="eyas bench latency"):
         main(["bench", "latency", "--model", "no-such-model", "--out", str(tmp_path)] + bad)

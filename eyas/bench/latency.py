@@ -176,11 +176,19 @@ def run(args) -> int:
         accept = [float(x) for x in args.accept_rates.split(",")]
         if args.num_prompts < 1:
             raise ValueError("--num-prompts must be >= 1")
+        if args.draft_vocab < 0:
+            raise ValueError("--draft-vocab must be >= 1 (or 0: the whole vocabulary)")
     except ValueError as e:
         raise SystemExit(f"eyas bench latency: {e}") from None
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     target, tokenizer, draft, simulated = load_models(args.model, args.draft, device, dtype)
+    if args.draft_vocab:
+        if not simulated or draft is None:
+            raise SystemExit("eyas bench latency: --draft-vocab is for random-weight shapes (a trained draft carries "
+                             "its own draft_vocab.safetensors)")
+        from eyas.spec.draft_vocab import attach_draft_vocab
+        attach_draft_vocab(draft, target, torch.arange(min(args.draft_vocab, target.config.vocab_size)))
     rates = accept if simulated else None
     if draft is None and any(m != "plain" for m in modes):
         print(f"no draft for {args.model}: measuring plain decoding only")
@@ -197,6 +205,7 @@ def run(args) -> int:
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
             "dtype": str(dtype), "date": str(date.today()), "simulated": simulated, "accept_rates": rates,
             "context": args.context, "max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
+            "draft_vocab": args.draft_vocab or None,
             "cuda_graphs": graphs}
     if simulated:
         from eyas.bench.shapes import linear_weight_bytes
@@ -224,6 +233,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=None, help="MT-Bench question.jsonl (first turns) for real models")
     p.add_argument("--accept-rates", default="0.8",
                    help="simulated acceptance: per-depth conditional rates, comma-separated (random weights)")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="random-weight shapes: the draft proposes only this many token ids (the cost of a reduced "
+                        "draft vocabulary; acceptance stays simulated)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")

@@ -32,7 +32,12 @@ def load_draft(path: str | Path, target: LlamaForCausalLM, device=None, dtype=No
     draft.rope = RotaryEmbedding.for_config(cfg, tcfg.max_position_embeddings)
     _load_state(draft, state, f"draft {path}")
     p = next(target.parameters())
-    return draft.to(device=device or p.device, dtype=dtype or p.dtype).eval().requires_grad_(False)
+    draft = draft.to(device=device or p.device, dtype=dtype or p.dtype).eval().requires_grad_(False)
+    from eyas.spec.draft_vocab import attach_draft_vocab, load_draft_vocab
+    ids = load_draft_vocab(path)
+    if ids is not None:  # the draft proposes only these tokens (draft_vocab.safetensors beside its weights)
+        attach_draft_vocab(draft, target, ids)
+    return draft
 
 
 def save_draft(draft: EagleDraft, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,

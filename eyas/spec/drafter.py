@@ -4,7 +4,7 @@
 K/V to its own cache: these entries are exact history and stay. Its last output is the root's predicted feature.
 
 `expand_tree`: level by level, each node's children are the draft's greedy top-k tokens from that node's predicted
-feature; a level's nodes run through the draft together, attending to the draft KV (prefix) and to their tree
+feature (over the draft's reduced vocabulary when it has one, `eyas.spec.draft_vocab`); a level's nodes run through the draft together, attending to the draft KV (prefix) and to their tree
 ancestors (suffix: stashed K/V that never enter the cache).
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from eyas.layers.attention import MetaBuilder
+from eyas.spec.draft_vocab import draft_topk
 from eyas.spec.tree import Tree
 
 
@@ -46,8 +47,8 @@ def expand_tree(draft, target, draft_cache, tree: Tree, root_h, n, node_tokens, 
     past: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for d in range(tree.max_depth):
         level, nxt = tree.levels[d], tree.levels[d + 1]
-        logits = target.compute_logits(node_h[:, level.start: level.stop])
-        top = logits.topk(tree.topk_per_level[d], dim=-1).indices  # [B, |level|, k]
+        # the draft's candidates: greedy top-k over the vocabulary (or the draft's reduced vocabulary)
+        top = draft_topk(draft, target, node_h[:, level.start: level.stop], tree.topk_per_level[d])  # [B, |level|, k]
         par = parents[nxt.start: nxt.stop] - level.start
         node_tokens[:, nxt.start: nxt.stop] = top[:, par, ranks[nxt.start: nxt.stop]]
         if d + 1 == tree.max_depth:
