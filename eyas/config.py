@@ -28,6 +28,9 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     fc_bias: bool = False  # EAGLE drafts: optional bias of fc
+    # EAGLE drafts only: the target layers (0-based) whose rms-normalised outputs the draft reads next to the final
+    # hidden state (EAGLE-3 style; `EagleDraft.read_features`). None: EAGLE-1 (the final hidden state only)
+    feature_layers: tuple[int, ...] | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -69,6 +72,8 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             fc_bias=bool(cfg.get("bias", False)),
+            feature_layers=(tuple(int(i) for i in cfg["eyas_feature_layers"])
+                            if cfg.get("eyas_feature_layers") is not None else None),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -95,6 +100,8 @@ class ModelConfig:
             "hidden_act": "silu",
             "bias": self.fc_bias,
         }
+        if self.feature_layers is not None:  # only when set: EAGLE-1 configs stay exactly as they were
+            d["eyas_feature_layers"] = list(self.feature_layers)
         return d
 
     def asdict(self) -> dict[str, Any]:

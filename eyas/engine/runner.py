@@ -145,7 +145,9 @@ class ModelRunner:
         self.slot_top_p = np.ones(S + 1, dtype=np.float32)
         self.slot_top_k = np.zeros(S + 1, dtype=np.int64)
         self.slot_seed = np.zeros(S + 1, dtype=np.int64)
-        self.draft_hidden = None  # [S + 1, P, H]: h_t for the pairs the draft has not read yet (rows 0..n-d-1)
+        # [S + 1, P, H]: h_t for the pairs the draft has not read yet (rows 0..n-d-1), as the draft reads them
+        # (`EagleDraft.read_features`: with feature layers, the fused features, H wide as well)
+        self.draft_hidden = None
         if self.draft is not None:
             self.draft_hidden = torch.zeros(S + 1, self.lookahead, self.target.config.hidden_size, dtype=self.dtype,
                                             device=self.device)
@@ -187,7 +189,12 @@ class ModelRunner:
         ar = torch.arange(Q, device=dev)[None, :]
         valid = ar < lens[:, None]
         m = meta(start, causal_mask(lens, Q), slot_mapping=meta.slots(start[:, None] + ar, valid))
-        hidden = self.target(ids, torch.where(valid, start[:, None] + ar, 0), m, self.cache)
+        fl = getattr(self.draft, "feature_layers", None)
+        if fl is None:
+            hidden = feats = self.target(ids, torch.where(valid, start[:, None] + ar, 0), m, self.cache)
+        else:  # a draft with feature layers reads lower layers' features too
+            hidden, feats = self.target(ids, torch.where(valid, start[:, None] + ar, 0), m, self.cache,
+                                        feature_layers=fl)
 
         rows = torch.arange(B, device=dev)
         logits = self.target.compute_logits(hidden[rows, lens - 1])
@@ -198,7 +205,7 @@ class ModelRunner:
         seeds = torch.tensor([s.seed for s in seqs], device=dev)
         sampled = sample_from(probs, uniform(seeds, start + lens - 1, 0))
         if self.draft is not None:
-            self._draft_prefill(seqs, chunk_lens, hidden, meta)
+            self._draft_prefill(seqs, chunk_lens, feats if fl is None else self.draft.read_features(feats), meta)
         sampled = sampled.tolist()
         out: list[int | None] = []
         for i, (s, c) in enumerate(zip(seqs, chunk_lens)):
@@ -208,7 +215,8 @@ class ModelRunner:
 
     def _draft_prefill(self, seqs, chunk_lens, hidden, meta) -> None:
         """The draft reads the pairs (x_{t+1}, h_t) whose both halves this chunk made known: all but the chunk's last
-        position, whose next token is not known yet. That hidden state waits in the slot's row 0 of `draft_hidden`."""
+        position, whose next token is not known yet. That hidden state waits in the slot's row 0 of `draft_hidden`.
+        `hidden` [B, Q, H] is the target's output as the draft reads it (`EagleDraft.read_features` applied)."""
         dev = self.device
         tok_rows, feats = [], []
         slots = torch.tensor([s.slot for s in seqs], device=dev)

@@ -1,4 +1,7 @@
-"""EAGLE-1 draft checkpoints: read (config.json + safetensors or pytorch_model.bin) and write (safetensors)."""
+"""EAGLE-1 draft checkpoints: read (config.json + safetensors or pytorch_model.bin) and write (safetensors).
+
+A draft with feature layers (EAGLE-3 style, `eyas.models.eagle`) uses the same layout plus `fuse.weight`
+[H, (k+1)H] in the weights and `"eyas_feature_layers": [i_1, ..., i_k]` in config.json."""
 from __future__ import annotations
 
 import json
@@ -26,6 +29,11 @@ def load_draft(path: str | Path, target: LlamaForCausalLM, device=None, dtype=No
         raise ValueError(f"draft {path}: hidden size {cfg.hidden_size} does not match the target's {tcfg.hidden_size}")
     if cfg.vocab_size != tcfg.vocab_size:
         raise ValueError(f"draft {path}: vocabulary {cfg.vocab_size} does not match the target's {tcfg.vocab_size}")
+    if cfg.feature_layers is not None:
+        bad = [i for i in cfg.feature_layers if not 0 <= i < tcfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"draft {path}: feature layers {bad} are outside the target's layers "
+                             f"0..{tcfg.num_hidden_layers - 1}")
     state = load_weights(path, allow_bin=True)
     state = {k.removeprefix("model."): v for k, v in state.items()}
     draft = EagleDraft(cfg)
@@ -42,7 +50,8 @@ def load_draft(path: str | Path, target: LlamaForCausalLM, device=None, dtype=No
 
 def save_draft(draft: EagleDraft, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
                extra_config: dict | None = None) -> Path:
-    """Write the EAGLE-1 layout: config.json (a LlamaConfig with the draft's layer count) + model.safetensors."""
+    """Write the EAGLE-1 layout: config.json (a LlamaConfig with the draft's layer count) + model.safetensors. A draft
+    with feature layers adds `eyas_feature_layers` to the config and `fuse.weight` to the weights."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = draft.config.to_hf()

@@ -3,6 +3,13 @@
 Reads the checkpoint layout of SafeAILab/EAGLE (`fc.weight` [H, 2H], optional `fc.bias`, `layers.{i}.*`, no input
 norm on layer 0, no final norm). It shares the target's embedding and LM head, and keeps its own KV cache (same
 block tables as the target, its own tensors).
+
+Feature layers (EAGLE-3 style, `config.feature_layers` = (i_1, ..., i_k)): the draft also reads the target's
+rms-normalised residual stream after layers i_1..i_k. The target returns them with the final hidden state as one
+[.., (k+1)H] feature (`LlamaForCausalLM.forward(feature_layers=...)`), and `read_features` maps it to H through
+`fuse` ([H, (k+1)H], no bias) before it enters `forward`, which is unchanged. `init_fuse_identity` makes `fuse`
+pick the final hidden state: the draft then computes exactly what the EAGLE-1 draft with the same fc/layers does.
+Without feature layers `read_features` is the identity.
 """
 from __future__ import annotations
 
@@ -25,6 +32,33 @@ class EagleDraft(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, input_norm=i > 0) for i in range(cfg.num_hidden_layers))
         self.rope = RotaryEmbedding.for_config(cfg)
         self.fused_ops = False  # as LlamaForCausalLM.fused_ops: the Triton kernels, with autograd off only
+        fl = cfg.feature_layers
+        self.feature_layers: tuple[int, ...] | None = tuple(int(i) for i in fl) if fl is not None else None
+        if self.feature_layers is not None:
+            if not self.feature_layers or min(self.feature_layers) < 0 or \
+                    len(set(self.feature_layers)) != len(self.feature_layers):
+                raise ValueError(f"feature layers must be distinct layer indices >= 0, got {list(fl)}")
+            # created last, so that fc and the layers draw the same random init as an EAGLE-1 draft's
+            self.fuse = nn.Linear((len(self.feature_layers) + 1) * H, H, bias=False)
+
+    def read_features(self, feats: torch.Tensor) -> torch.Tensor:
+        """The target's features [.., (k+1)H] (`LlamaForCausalLM.forward(feature_layers=self.feature_layers)`) ->
+        the H-wide feature `forward` reads: `fuse(feats)`. Without feature layers: `feats` itself (the final hidden
+        state), untouched."""
+        if self.feature_layers is None:
+            return feats
+        return self.fuse(feats.to(self.fuse.weight.dtype))
+
+    @torch.no_grad()
+    def init_fuse_identity(self) -> None:
+        """fuse.weight = [0 ... 0 | I]: `read_features` returns the final hidden state exactly, so the draft behaves
+        as the EAGLE-1 draft with the same fc and layers (training from an EAGLE-1 checkpoint starts there)."""
+        if self.feature_layers is None:
+            raise ValueError("this draft has no feature layers")
+        H = self.config.hidden_size
+        w = self.fuse.weight
+        w.zero_()
+        w[:, -H:] = torch.eye(H, dtype=w.dtype, device=w.device)
 
     def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta=None,
                 cache=None) -> torch.Tensor:

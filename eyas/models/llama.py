@@ -143,6 +143,13 @@ def takes_fused_path(model: nn.Module, device: torch.device) -> bool:
             and not torch.is_autocast_enabled(device.type))
 
 
+def rms_features(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) over the last dim, in float32, cast back: a parameter-free RMS norm, so that the
+    feature layers' scales are comparable with each other and with the final hidden state."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def _concat_linears(*parts: nn.Linear) -> nn.Linear:
     """One nn.Linear whose output is the concatenation of `parts`' outputs (same input)."""
     w = torch.cat([p.weight.detach() for p in parts])
@@ -178,21 +185,39 @@ class LlamaForCausalLM(nn.Module):
         self.fused_ops = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, feature_layers: tuple[int, ...] | None = None):
         """input_ids, positions [B, Q] -> final hidden state [B, Q, H] (after the final norm).
 
         With `meta` and `cache`: a paged step (prefix in the cache, suffix under `meta.suffix_mask`).
-        Without: plain causal attention over the block (training and tests)."""
+        Without: plain causal attention over the block (training and tests).
+
+        `feature_layers` (EAGLE-3-style drafts, `EagleDraft.read_features`): returns (hidden, features), features
+        [B, Q, (k+1)H] = cat(rms(r_i) for i in feature_layers, then hidden), r_i the residual stream after decoder
+        layer i (0-based: HF's hidden_states[i + 1]), rms parameter-free (`rms_features`). None: `hidden` alone."""
         x = self.model.embed_tokens(input_ids)
+        want = set(feature_layers) if feature_layers is not None else ()
+        taps: dict[int, torch.Tensor] = {}
         if takes_fused_path(self, x.device):
             from eyas.kernels import add_rms_norm_triton
             res = None
-            for layer in self.model.layers:
+            for i, layer in enumerate(self.model.layers):
                 x, res = layer.forward_fused(x, res, positions, self.rope, meta, cache)
-            return add_rms_norm_triton(x, res, self.model.norm.weight, self.model.norm.eps)[0]
-        for layer in self.model.layers:
-            x = layer(x, positions, self.rope, meta, cache)
-        return self.model.norm(x)
+                if i in want:
+                    taps[i] = x + res  # the fused layer's output is the sum of what it returns
+            hidden = add_rms_norm_triton(x, res, self.model.norm.weight, self.model.norm.eps)[0]
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, positions, self.rope, meta, cache)
+                if i in want:
+                    taps[i] = x
+            hidden = self.model.norm(x)
+        if feature_layers is None:
+            return hidden
+        missing = [i for i in feature_layers if i not in taps]
+        if missing:
+            raise ValueError(f"feature layers {missing} are outside the target's {len(self.model.layers)} layers")
+        eps = self.config.rms_norm_eps
+        return hidden, torch.cat([rms_features(taps[i], eps) for i in feature_layers] + [hidden], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # as one 2-D matmul: a strided 3-D input sends F.linear to a batched matmul that re-reads the whole head

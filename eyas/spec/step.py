@@ -56,7 +56,9 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
 
     After: the target KV holds 0..n+m (root and the m accepted draft tokens; nothing of rejected branches), the draft
     KV holds 0..n-1, the outputs give the new tokens (accepted path + bonus), and `draft_hidden[slots]` holds the
-    target's hidden states along the accepted path: the draft's next catch-up pairs.
+    target's hidden states along the accepted path, as the draft reads them (`draft.read_features`: the final hidden
+    state for an EAGLE-1 draft, the fused multi-layer features for a draft with feature layers): the draft's next
+    catch-up pairs.
     With the bare-root tree (plain decoding; with a draft, a dispatcher's choice for large batches) the root's K/V
     are written straight to the cache.
     """
@@ -87,7 +89,11 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
         vmeta = meta(n, mask, stash=True)
     else:
         vmeta = meta(n, mask, slot_mapping=meta.slots(n[:, None], torch.ones(B, 1, dtype=torch.bool, device=device)))
-    hidden = target(node_tokens, positions, vmeta, cache)
+    feature_layers = getattr(draft, "feature_layers", None)
+    if feature_layers is None:  # EAGLE-1 (or no draft): the draft reads the final hidden state itself
+        hidden = feats = target(node_tokens, positions, vmeta, cache)
+    else:  # EAGLE-3-style draft: it reads lower layers' features too (fused to H at commit, `read_features`)
+        hidden, feats = target(node_tokens, positions, vmeta, cache, feature_layers=feature_layers)
     logits = target.compute_logits(hidden)
     V = logits.shape[-1]
 
@@ -117,7 +123,10 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
             write_kv(cache.k[layer], cache.v[layer], k[rows, node], v[rows, node], slots)
     if draft is not None:
         # rows 0..m valid; a dispatcher's shallower trees fill only the first D+1 of the buffer's rows
-        draft_hidden[inp.slots, :D1] = hidden[rows, node].to(draft_hidden.dtype)
+        h = feats[rows, node]
+        if feature_layers is not None:
+            h = draft.read_features(h)
+        draft_hidden[inp.slots, :D1] = h.to(draft_hidden.dtype)
     path_tokens = node_tokens.gather(1, node)
     packed = torch.cat([num_accepted[:, None], path_tokens, bonus[:, None]], dim=1)
     return DecodeOutputs(path_tokens, num_accepted, bonus, packed)

@@ -20,7 +20,14 @@ Evaluation on held-out conversations: the distillation loss, top-1 accuracy per 
 on its own predicted features for d-1 steps, with the data's tokens, exactly as a chain step sees it when the
 earlier tokens were accepted) and the TPC of `chain:3` through the engine on the held-out first turns.
 
-Output: the EAGLE-1 checkpoint layout (config.json + model.safetensors, bf16 by default) and `training.json`.
+`--feature-layers I ...` (EAGLE-3-style features): the drafts also read the target's rms-normalised residual stream
+after layers I... (`LlamaForCausalLM.forward(feature_layers=...)`), mapped to H by the draft's `fuse`
+(`EagleDraft.read_features`, trained with the rest). `fuse` starts at the identity on the final hidden state, so a
+run with `--init` of an EAGLE-1 checkpoint starts from exactly that draft. The noise applies to the raw features;
+the L1 target stays the final hidden state h_{t+1}.
+
+Output: the EAGLE-1 checkpoint layout (config.json + model.safetensors, bf16 by default; with feature layers also
+`fuse.weight` and `eyas_feature_layers`) and `training.json`.
 """
 from __future__ import annotations
 
@@ -76,6 +83,7 @@ class TrainConfig:
     grad_clip: float = 0.5
     w_ce: float = 0.1
     w_l1: float = 1.0
+    feature_layers: list[int] | None = None  # target layers the drafts also read (EAGLE-3 style); None: EAGLE-1
     unroll: int = 1  # train on the draft's own rollouts, chain steps 1..unroll (EAGLE-3's training-time test)
     unroll_decay: float = 0.8  # weight of chain step d's loss: decay^(d-1) (EAGLE-3: 0.8)
     noise: str = "uniform"  # none | uniform | gaussian
@@ -125,12 +133,21 @@ def lr_lambda(total: int, warmup: int, min_ratio: float):
     return f
 
 
-def make_draft(target, layers: int) -> EagleDraft:
+def make_draft(target, layers: int, feature_layers=None) -> EagleDraft:
+    """A randomly initialised draft for `target`; with `feature_layers`, its `fuse` starts at the identity on the
+    final hidden state (fc and the layers draw the same random init as without)."""
     from eyas.layers.rotary import RotaryEmbedding
     tcfg = target.config
-    cfg = dataclasses.replace(tcfg, num_hidden_layers=layers, fc_bias=False)
+    fl = tuple(int(i) for i in feature_layers) if feature_layers is not None else None
+    if fl is not None:
+        bad = [i for i in fl if not 0 <= i < tcfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"feature layers {bad} are outside the target's layers 0..{tcfg.num_hidden_layers - 1}")
+    cfg = dataclasses.replace(tcfg, num_hidden_layers=layers, fc_bias=False, feature_layers=fl)
     draft = EagleDraft(cfg)
     draft.rope = RotaryEmbedding.for_config(cfg, tcfg.max_position_embeddings)  # as load_draft builds it
+    if fl is not None:
+        draft.init_fuse_identity()
     return draft
 
 
@@ -151,17 +168,31 @@ def _set_rng_state(st: dict, noise_gen: torch.Generator) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def draft_inputs(target, ids: torch.Tensor, amask: torch.Tensor):
+def draft_inputs(target, ids: torch.Tensor, amask: torch.Tensor, feature_layers=None):
     """One target pass -> (token embeds [B,T-1,H], features h_t [B,T-1,H], positions [B,T-1], target features
-    h_{t+1} [B,T-1,H], loss mask [B,T-1] (assistant mask of x_{t+2}))."""
+    h_{t+1} [B,T-1,H], loss mask [B,T-1] (assistant mask of x_{t+2})).
+
+    With `feature_layers`, the features at t are the target's raw multi-layer features [B,T-1,(k+1)H] (the draft
+    reads them through `read_features`); the target h_{t+1} stays the final hidden state."""
     B, T = ids.shape
     pos = torch.arange(T, device=ids.device)[None, :].expand(B, T)
     with torch.no_grad():
-        h = target(ids, pos)
+        if feature_layers is None:
+            h = f = target(ids, pos)
+        else:
+            h, f = target(ids, pos, feature_layers=tuple(feature_layers))
         emb = target.embed(ids[:, 1:])
     lmask = torch.zeros(B, T - 1, dtype=torch.bool, device=ids.device)
     lmask[:, : T - 2] = amask[:, 2:]
-    return emb, h[:, :-1], pos[:, :-1], h[:, 1:], lmask
+    return emb, f[:, :-1], pos[:, :-1], h[:, 1:], lmask
+
+
+def shared_feature_layers(drafts: list[EagleDraft]) -> tuple[int, ...] | None:
+    """The feature layers of drafts that share one target pass: they must all read the same ones."""
+    fls = {d.feature_layers for d in drafts}
+    if len(fls) > 1:
+        raise ValueError(f"drafts trained or evaluated together must read the same feature layers, got {fls}")
+    return next(iter(fls)) if fls else None
 
 
 def _noise(x: torch.Tensor, kind: str, std: float, gen: torch.Generator) -> torch.Tensor:
@@ -232,10 +263,11 @@ def unrolled_streams(draft: EagleDraft, emb: torch.Tensor, feats: torch.Tensor, 
                      depth: int) -> list[torch.Tensor]:
     """Outputs [B, T, H] of streams 1..depth (stream d = the draft's d-th chain step, see `stream_mask`).
 
-    Stream by stream, each layer keeping the K/V of the earlier streams: depth d costs d stream passes. Differentiable
+    `feats` are the target's features as `draft_inputs` returns them (multi-layer for a draft with feature layers):
+    stream 1 reads `draft.read_features(feats)` (the identity for an EAGLE-1 draft). Stream by stream, each layer keeping the K/V of the earlier streams: depth d costs d stream passes. Differentiable
     (training-time unrolling backpropagates through the draft's own features)."""
-    B, T, H = feats.shape
-    feat = feats.to(emb.dtype)
+    feat = draft.read_features(feats).to(emb.dtype)
+    B, T, H = feat.shape
     kv: list[list] = [[] for _ in draft.layers]
     outs: list[torch.Tensor] = []
     for S in range(1, depth + 1):
@@ -255,7 +287,8 @@ def unrolled_loss(target, draft: EagleDraft, emb, feats, pos, tgt_sel, tlog, lma
     stream 1, where its chain's root p - d + 1 exists. The streams' losses are weighted by `unroll_decay`^(d-1) and
     normalised by the weights' sum; `unroll=1` is the plain EAGLE-1 loss. Returns (loss, depth-1 LossOut)."""
     with _autocast(feats.device, cfg.amp):
-        outs = unrolled_streams(draft, emb, feats, pos, cfg.unroll) if cfg.unroll > 1 else [draft(emb, feats, pos)]
+        outs = (unrolled_streams(draft, emb, feats, pos, cfg.unroll) if cfg.unroll > 1
+                else [draft(emb, draft.read_features(feats), pos)])
     col = lmask.nonzero()[:, 1] if cfg.unroll > 1 else None
     total, wsum, first = 0.0, 0.0, None
     for d, out in enumerate(outs):
@@ -292,7 +325,7 @@ def evaluate(target, drafts: list[EagleDraft], examples: list[Example], cfg: Tra
         ids, amask = collate(exs, order[i:j])
         i = j
         ids, amask = ids.to(device), amask.to(device)
-        emb, feats, pos, tgt_h, lmask = draft_inputs(target, ids, amask)
+        emb, feats, pos, tgt_h, lmask = draft_inputs(target, ids, amask, shared_feature_layers(drafts))
         with _autocast(device, amp):
             tlog_all = None
             for k, d in enumerate(drafts):
@@ -435,14 +468,20 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
     # drafts, optimisers, schedules
     torch.manual_seed(cfg.seed)
     drafts = []
+    fl = tuple(cfg.feature_layers) if cfg.feature_layers is not None else None
     for L in cfg.layers:
-        d = make_draft(target, L)
+        d = make_draft(target, L, fl)
         if cfg.init is not None:
             from eyas.loader.hf import load_weights, read_config
             from eyas.config import ModelConfig
             icfg = ModelConfig.from_hf(read_config(Path(cfg.init)))
             if icfg.num_hidden_layers != L:
                 raise ValueError(f"--init {cfg.init} has {icfg.num_hidden_layers} layers, --layers says {L}")
+            # an EAGLE-1 checkpoint initialises a feature-layer draft (fuse stays at the identity: training starts
+            # from exactly that draft); a feature-layer checkpoint only a draft with the same feature layers
+            if icfg.feature_layers is not None and icfg.feature_layers != fl:
+                raise ValueError(f"--init {cfg.init} reads feature layers {list(icfg.feature_layers)}, "
+                                 f"--feature-layers says {None if fl is None else list(fl)}")
             st = {k.removeprefix("model."): v.float() for k, v in load_weights(Path(cfg.init), True).items()}
             d.load_state_dict(st, strict=False)
         drafts.append(d.to(device=device, dtype=torch.float32).train())
@@ -470,6 +509,9 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
         ck = torch.load(resume, map_location="cpu", weights_only=False)
         if ck["layers"] != list(cfg.layers):
             raise ValueError(f"checkpoint {resume} trains layers {ck['layers']}, not {cfg.layers}")
+        ck_fl = ck.get("config", {}).get("feature_layers")
+        if (list(ck_fl) if ck_fl is not None else None) != (list(fl) if fl is not None else None):
+            raise ValueError(f"checkpoint {resume} reads feature layers {ck_fl}, not {cfg.feature_layers}")
         for d, s in zip(drafts, ck["drafts"]):
             d.load_state_dict(s)
         for o, s in zip(opts, ck["optims"]):
@@ -534,7 +576,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
                     ids, amask = ids.pin_memory(), amask.pin_memory()
                 ids, amask = ids.to(device, non_blocking=True), amask.to(device, non_blocking=True)
                 with attention_backends(device):
-                    emb, feats, pos, tgt_h, lmask = draft_inputs(target, ids, amask)
+                    emb, feats, pos, tgt_h, lmask = draft_inputs(target, ids, amask, cfg.feature_layers)
                     feats = _noise(feats, cfg.noise, cfg.noise_std, noise_gen)
                     tgt_sel = tgt_h[lmask]
                     with torch.no_grad():
@@ -604,6 +646,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
         "load_seconds": round(t_loaded - t_start, 2), "data_seconds": round(t_data - t_loaded, 2),
         "loss_weights": {"w_ce": cfg.w_ce, "w_l1": cfg.w_l1},
         "unroll": {"steps": cfg.unroll, "decay": cfg.unroll_decay},
+        "feature_layers": list(fl) if fl is not None else None,
         "optimizer": {"name": "AdamW", "lr": cfg.lr, "betas": [cfg.beta1, cfg.beta2],
                       "weight_decay": cfg.weight_decay, "schedule": "linear warm-up + cosine",
                       "min_lr_ratio": cfg.min_lr_ratio, "grad_clip": cfg.grad_clip},
@@ -676,6 +719,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--grad-clip", type=float, default=d.grad_clip)
     p.add_argument("--w-ce", type=float, default=d.w_ce)
     p.add_argument("--w-l1", type=float, default=d.w_l1)
+    p.add_argument("--feature-layers", nargs="+", type=int, default=None, metavar="I",
+                   help="target layers (0-based) whose rms-normalised outputs the drafts also read, next to the final "
+                        "hidden state (EAGLE-3 style; e.g. 3 15); default: the final hidden state only (EAGLE-1)")
     p.add_argument("--unroll", type=int, default=d.unroll,
                    help="train on the draft's own rollouts: chain steps 1..N, step d fed the draft's features from "
                         "step d-1 (EAGLE-3's training-time test); 1: plain EAGLE-1 training")
