@@ -1,13 +1,14 @@
 """Tiny random checkpoints written the way real ones are (transformers' save_pretrained; EAGLE layout)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
 from eyas.config import ModelConfig
-from eyas.loader.eagle import save_draft
+from eyas.loader.eagle import load_draft, save_draft
 from eyas.models.eagle import EagleDraft
 
 
@@ -85,3 +86,21 @@ def write_mirror_pair(path: Path, vocab=24, layers=2, seed=0) -> tuple[Path, Pat
             if name.startswith("layers."):
                 p.copy_(sd["model." + name])
     return target_dir, save_draft(draft, Path(path) / "draft", dtype=torch.float32)
+
+
+def feature_draft_from(eagle1_dir: Path, target, out: Path, feature_layers=(0,), noise: float = 0.0,
+                       seed: int = 0) -> Path:
+    """A feature-layer draft with the fc/layers of an EAGLE-1 checkpoint and `fuse` at the identity (plus, with
+    `noise`, random weights on the lower layers' blocks)."""
+    e1 = load_draft(eagle1_dir, target)
+    cfg = dataclasses.replace(e1.config, feature_layers=tuple(feature_layers))
+    d = EagleDraft(cfg)
+    d.load_state_dict({k: v for k, v in e1.state_dict().items() if not k.startswith("rope.")}, strict=False)
+    d.init_fuse_identity()
+    if noise:
+        H = cfg.hidden_size
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            w = d.fuse.weight
+            w[:, :-H] = torch.randn(w[:, :-H].shape, generator=g) * noise / H ** 0.5
+    return save_draft(d, out, dtype=torch.float32)

@@ -3,7 +3,6 @@ SmolLM2 draft."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

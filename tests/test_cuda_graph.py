@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from eyas import LLM, SamplingParams
-from helpers import write_mirror_pair
+from helpers import feature_draft_from, write_mirror_pair
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -38,6 +38,24 @@ def test_graphs_equal_eager(pair, spec):
     assert [o.token_ids for o in graphed.generate(prompts, params)] == ref
     assert graphed.engine.runner.graphs.graphs  # a graph was captured and replayed
     assert [graphed.generate([p], params)[0].token_ids for p in prompts] == ref  # bucket 1
+
+
+@pytest.mark.parametrize("spec", ["chain:4", "tree:8"])
+def test_graphs_equal_eager_with_a_feature_layer_draft(pair, spec, tmp_path):
+    """A draft with feature layers (the verify step also returns lower layers' features, fused at commit)."""
+    from eyas.loader.resolve import load_target
+    target, draft = pair
+    t, _ = load_target(str(target), "cpu", "float32")
+    fdraft = feature_draft_from(draft, t, tmp_path / "fd", feature_layers=(0,), noise=0.5)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], list(range(1, 20)), [7]]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    kw = dict(device="cuda", dtype="float32", draft=str(fdraft), speculation=spec)
+    eager = LLM(str(target), **kw)
+    eager.engine.runner.use_triton = False
+    reference_ops(eager)
+    ref = [o.token_ids for o in eager.generate(prompts, params)]
+    graphed = LLM(str(target), cuda_graphs=True, **kw)
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == ref
 
 
 def test_capture_all_covers_every_bucket_a_shrinking_batch_needs(pair):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,33 +14,15 @@ from safetensors.torch import load_file, save_file
 
 from eyas import LLM, SamplingParams
 from eyas.config import ModelConfig
-from eyas.loader.eagle import load_draft, save_draft
+from eyas.loader.eagle import load_draft
 from eyas.loader.resolve import load_target
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
-from helpers import write_mirror_pair, write_random_draft, write_tiny_llama
+from helpers import feature_draft_from, write_mirror_pair, write_random_draft, write_tiny_llama
 
 
 def rms(x, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def feature_draft_from(eagle1_dir: Path, target, out: Path, feature_layers=(0,), noise: float = 0.0,
-                       seed: int = 0) -> Path:
-    """A feature-layer draft with the fc/layers of an EAGLE-1 checkpoint and `fuse` at the identity (plus, with
-    `noise`, random weights on the lower layers' blocks)."""
-    e1 = load_draft(eagle1_dir, target)
-    cfg = dataclasses.replace(e1.config, feature_layers=tuple(feature_layers))
-    d = EagleDraft(cfg)
-    d.load_state_dict({k: v for k, v in e1.state_dict().items() if not k.startswith("rope.")}, strict=False)
-    d.init_fuse_identity()
-    if noise:
-        H = cfg.hidden_size
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            w = d.fuse.weight
-            w[:, :-H] = torch.randn(w[:, :-H].shape, generator=g) * noise / H ** 0.5
-    return save_draft(d, out, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

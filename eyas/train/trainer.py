@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from eyas.models.eagle import EagleDraft
-from eyas.train.data import Example, batch_indices, collate, load_examples, plan_epoch, split_heldout
+from eyas.train.data import Example, collate, load_examples, plan_epoch, split_heldout
 from eyas.train.loss import distill_loss
 
 

@@ -68,7 +68,7 @@ def main():
             for bn in (32, 64, 128):
                 try:
                     res[(splits, bn)] = bench(B, NQ, ctx, splits, bn)
-                except Exception as e:  # e.g. out of shared memory
+                except Exception:  # e.g. out of shared memory
                     res[(splits, bn)] = (float("inf"), 0.0)
         best = min(res, key=lambda k: res[k][0])
         cur = res.get((now, 64), (float("nan"), 0))
