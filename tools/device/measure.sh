@@ -1,26 +1,38 @@
 #!/usr/bin/env bash
-# Call 3 of tools/device/README.md: wait for the draft training, then measure TPC on MT-Bench (all presets, T=0 and 1) and SmolLM2 latency.
+# Call 3 of tools/device/README.md: wait for the draft training(s), then measure TPC on MT-Bench (all presets, T=0 and
+# 1; both drafts when a variant B trained) and SmolLM2 latency with draft 1. At most 8 files come back: the drafts
+# travel as one tar each.
 set -u
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
-S=/root/stage; W=/root/w; mkdir -p $OUT
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD EYAS_SMOLLM2_GGUF=$S/smollm2.gguf TOKENIZERS_PARALLELISM=true
-while [ ! -f $W/train.done ] && [ $(el) -lt ${WAIT_S:-360} ]; do sleep 5; done
-echo "== training done? $(ls $W/train.done 2>/dev/null) [t=$(el)]"
-grep -a "eval step" $W/train.log | tail -n 5; tail -c 1500 $W/train.log
-cp $W/t1/model.safetensors $W/t1/config.json $OUT/ 2>/dev/null   # training.json travels in train_logs (8 files at most)
-(cd $W && tar czf $OUT/train_logs.tar.gz t1/metrics.jsonl t1/training.json train.log probe/training.json 2>/dev/null)
+S=${S:-/root/stage}; W=${W:-/root/w}; mkdir -p $OUT
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TOKENIZERS_PARALLELISM=true
+[ -f $S/smollm2.gguf ] && export EYAS_SMOLLM2_GGUF=$S/smollm2.gguf
+B=$([ -f $W/train2.log ] && echo 1 || echo 0)
+done_all() { [ -f $W/train.done ] && { [ $B = 0 ] || [ -f $W/train2.done ]; }; }
+while ! done_all && [ $(el) -lt ${WAIT_S:-360} ]; do sleep 5; done
+echo "== training done? $(ls $W/train*.done 2>/dev/null | tr '\n' ' ') [t=$(el)]"
+for L in $W/train.log $W/train2.log; do [ -f $L ] && { echo "-- $L"; grep -a "eval step" $L | tail -n 4; tail -c 900 $L; }; done
+DRAFTS=""
+for t in t1 t2; do
+  if [ -f $W/$t/model.safetensors ]; then
+    (cd $W && tar cf $OUT/draft_$t.tar $t/model.safetensors $t/config.json $t/training.json)
+    DRAFTS="$DRAFTS $W/$t"
+  fi
+done
+(cd $W && tar czf $OUT/train_logs.tar.gz t1/metrics.jsonl t2/metrics.jsonl train.log train2.log probe/training.json 2>/dev/null)
 D=$W/t1; [ -f $D/model.safetensors ] || D=default
-echo "== graphs == eager, SmolLM2 on the GPU [t=$(el)]"
-timeout ${GRAPH_TEST_S:-75} python3 -m pytest -q tests/test_cuda_graph.py -p no:cacheprovider 2>&1 | tail -n 3
-echo "== tpc [t=$(el)]"
-timeout $(( 500 - $(el) )) python3 -m eyas.bench.tpc --model smollm2 --draft $D --speculation chain:3 \
+DRAFTS=${DRAFTS:-default}
+echo "== graphs == eager on the GPU, SmolLM2 and feature-layer drafts [t=$(el)]"
+timeout ${GRAPH_TEST_S:-90} python3 -m pytest -q tests/test_cuda_graph.py -p no:cacheprovider 2>&1 | tail -n 3
+echo "== tpc: $DRAFTS [t=$(el)]"
+timeout $(( 500 - $(el) )) python3 -m eyas.bench.tpc --model smollm2 --draft $DRAFTS --speculation chain:3 \
   --speculation tree:mc_sim_7b_63 --speculation tree:16 --speculation tree:8 --speculation chain:5 --temperature 0 1 \
-  --max-tokens 128 --prompts $S/question.jsonl --out $W/tpc 2>&1 | grep -v '^\s*$' | tail -n 16
-cp $W/tpc/tpc.json $W/tpc/tpc.md $W/tpc/acceptance.png $OUT/ 2>/dev/null
+  --max-tokens 128 --prompts $S/question.jsonl --out $W/tpc 2>&1 | grep -v '^\s*$' | tail -n 24
+(cd $W && tar czf $OUT/tpc.tar.gz tpc 2>/dev/null)
 echo "== latency [t=$(el)]"
 timeout $(( 565 - $(el) )) python3 -m eyas.cli bench latency --model smollm2 --draft $D \
-  --modes plain,chain:3,tree:8,tree:mc_sim_7b_63 --batch-sizes 1,4 --max-tokens 128 --prompts $S/question.jsonl \
-  --out $W/lat 2>&1 | grep -v '^\s*$' | tail -n 14
+  --modes plain,chain:3,tree:8,tree:mc_sim_7b_63 --batch-sizes 1,4 --num-prompts 8 --max-tokens 128 \
+  --prompts $S/question.jsonl --out $W/lat 2>&1 | grep -v '^\s*$' | tail -n 14
 (cd $W && tar czf $OUT/lat.tar.gz lat 2>/dev/null)
 echo "== HF peers [t=$(el)]"
 timeout $(( 595 - $(el) )) python3 -m eyas.cli bench peers --model smollm2 --prompts $S/question.jsonl --num-prompts 3 \
