@@ -66,10 +66,13 @@ def draft_topk(draft, target, h: torch.Tensor, k: int) -> torch.Tensor:
     vocabulary when one is attached, the whole vocabulary otherwise (`target.compute_logits`)."""
     ids = getattr(draft, "vocab_ids", None)
     if ids is None:
-        return target.compute_logits(h).topk(k, dim=-1).indices
-    H = h.shape[-1]
-    logits = (h.reshape(-1, H) @ draft.vocab_head.t()).float().view(*h.shape[:-1], -1)  # one 2-D matmul
-    return ids[logits.topk(k, dim=-1).indices]
+        logits = target.compute_logits(h)
+    else:
+        H = h.shape[-1]
+        logits = (h.reshape(-1, H) @ draft.vocab_head.t()).float().view(*h.shape[:-1], -1)  # one 2-D matmul
+    # k = 1 (every chain level): one argmax reduction instead of the multi-kernel radix top-k over the vocabulary
+    top = logits.argmax(-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1).indices
+    return top if ids is None else ids[top]
 
 
 def save_draft_vocab(draft_dir: str | Path, ids: torch.Tensor, coverage: float | None = None) -> Path:
