@@ -4,8 +4,9 @@
 K/V to its own cache: these entries are exact history and stay. Its last output is the root's predicted feature.
 
 `expand_tree`: level by level, each node's children are the draft's greedy top-k tokens from that node's predicted
-feature (over the draft's reduced vocabulary when it has one, `eyas.spec.draft_vocab`); a level's nodes run through the draft together, attending to the draft KV (prefix) and to their tree
-ancestors (suffix: stashed K/V that never enter the cache).
+feature (over the draft's reduced vocabulary when it has one, `eyas.spec.draft_vocab`); a level's nodes run through
+the draft together, attending to the draft KV (prefix) and to their tree ancestors (suffix: stashed K/V that never
+enter the cache).
 """
 from __future__ import annotations
 

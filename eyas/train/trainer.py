@@ -264,8 +264,9 @@ def unrolled_streams(draft: EagleDraft, emb: torch.Tensor, feats: torch.Tensor, 
     """Outputs [B, T, H] of streams 1..depth (stream d = the draft's d-th chain step, see `stream_mask`).
 
     `feats` are the target's features as `draft_inputs` returns them (multi-layer for a draft with feature layers):
-    stream 1 reads `draft.read_features(feats)` (the identity for an EAGLE-1 draft). Stream by stream, each layer keeping the K/V of the earlier streams: depth d costs d stream passes. Differentiable
-    (training-time unrolling backpropagates through the draft's own features)."""
+    stream 1 reads `draft.read_features(feats)` (the identity for an EAGLE-1 draft). Stream by stream, each layer
+    keeping the K/V of the earlier streams: depth d costs d stream passes. Differentiable (training-time unrolling
+    backpropagates through the draft's own features)."""
     feat = draft.read_features(feats).to(emb.dtype)
     B, T, H = feat.shape
     kv: list[list] = [[] for _ in draft.layers]
