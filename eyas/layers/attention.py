@@ -31,6 +31,9 @@ class AttentionMetadata:
     new_kv: dict = field(default_factory=dict)  # layer -> (k, v) [B, Q, KVH, D]
     past_kv: dict | None = None  # layer -> (k, v) [B, P, KVH, D], earlier tree tokens (draft levels)
     use_triton: bool = False  # the Triton kernels of eyas.kernels instead of this reference (CUDA)
+    # plain decoding (one new token that is always kept): its K/V go to the cache first and the prefix pass, over
+    # context_lens entries that include it, is the whole attention (no suffix pass, no merge)
+    prefix_includes_new: bool = False
 
 
 @dataclass
@@ -42,10 +45,10 @@ class MetaBuilder:
     max_context_len: int
     use_triton: bool = False
 
-    def __call__(self, context_lens, suffix_mask, **kw) -> AttentionMetadata:
+    def __call__(self, context_lens, suffix_mask, max_context_len: int | None = None, **kw) -> AttentionMetadata:
+        bound = self.max_context_len if max_context_len is None else max_context_len
         return AttentionMetadata(block_tables=self.block_tables, context_lens=context_lens, suffix_mask=suffix_mask,
-                                 max_context_len=self.max_context_len, block_size=self.block_size,
-                                 use_triton=self.use_triton, **kw)
+                                 max_context_len=bound, block_size=self.block_size, use_triton=self.use_triton, **kw)
 
     def slots(self, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         return slots_for(self.block_tables, positions, valid, self.block_size)
@@ -90,7 +93,7 @@ def gather_prefix(cache: torch.Tensor, block_tables: torch.Tensor, length: int, 
 def prefix_attention(q, k_cache, v_cache, block_tables, context_lens, max_context_len, block_size, scale):
     """Attention of every new token over its sequence's committed KV (no mask beyond the length)."""
     B, Q, H, D = q.shape
-    L = max(int(max_context_len), 1)
+    L = min(max(int(max_context_len), 1), block_tables.shape[1] * block_size)  # a bound never past the table
     k = gather_prefix(k_cache, block_tables, L, block_size)
     v = gather_prefix(v_cache, block_tables, L, block_size)
     valid = torch.arange(L, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
@@ -110,6 +113,16 @@ def slots_for(block_tables: torch.Tensor, positions: torch.Tensor, valid: torch.
     """Flat cache slots of positions [B, Q] through each sequence's block table; -1 where not valid."""
     blk = block_tables.gather(1, (positions // block_size).clamp(0, block_tables.shape[1] - 1))
     return torch.where(valid, blk * block_size + positions % block_size, torch.full_like(positions, -1))
+
+
+def prefix_only_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """The prefix pass alone ([B, Q, H, D] float32): for `meta.prefix_includes_new`, where the new tokens' K/V are
+    already in the cache and `context_lens` counts them."""
+    if meta.use_triton:
+        from eyas.kernels import paged_prefix_attention
+        return paged_prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)[0]
+    return prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_context_len,
+                            meta.block_size, scale)[0]
 
 
 def split_tree_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, scale: float,

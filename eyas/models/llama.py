@@ -16,7 +16,7 @@ from torch import nn
 
 from eyas.cache.kv_cache import KVCache
 from eyas.config import ModelConfig
-from eyas.layers.attention import AttentionMetadata, split_tree_attention, write_kv
+from eyas.layers.attention import AttentionMetadata, prefix_only_attention, split_tree_attention, write_kv
 from eyas.layers.norm import RMSNorm
 from eyas.layers.rotary import RotaryEmbedding
 
@@ -63,19 +63,28 @@ class Attention(nn.Module):
                                                is_causal=True, enable_gqa=True, scale=self.scale)
             return self.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        if meta.prefix_includes_new:  # plain decoding: write the token's K/V, then one prefix pass covers it
+            self._write_kv(k_cache, v_cache, k, v, meta)
+            o = prefix_only_attention(q, k_cache, v_cache, meta, self.scale)
+            return self.o_proj(o.to(x.dtype).reshape(B, Q, -1))
         past_k = past_v = None
         if meta.past_kv is not None and self.layer_idx in meta.past_kv:
             past_k, past_v = meta.past_kv[self.layer_idx]
         o = split_tree_attention(q, k, v, k_cache, v_cache, meta, self.scale, past_k, past_v)
         if meta.slot_mapping is not None:
-            if meta.use_triton:
-                from eyas.kernels import write_kv_triton
-                write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping)
-            else:
-                write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            self._write_kv(k_cache, v_cache, k, v, meta)
         if meta.stash:
             meta.new_kv[self.layer_idx] = (k, v)
         return self.o_proj(o.to(x.dtype).reshape(B, Q, -1))
+
+
+    @staticmethod
+    def _write_kv(k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
+        if meta.use_triton:
+            from eyas.kernels import write_kv_triton
+            write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping)
+        else:
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
 
 
 class MLP(nn.Module):

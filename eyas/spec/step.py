@@ -60,7 +60,7 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     state for an EAGLE-1 draft, the fused multi-layer features for a draft with feature layers): the draft's next
     catch-up pairs.
     With the bare-root tree (plain decoding; with a draft, a dispatcher's choice for large batches) the root's K/V
-    are written straight to the cache.
+    are written straight to the cache, and its attention is one prefix pass that includes it (no suffix pass).
     """
     B = inp.root_tokens.shape[0]
     device = inp.root_tokens.device
@@ -88,7 +88,10 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     if tree.num_nodes:
         vmeta = meta(n, mask, stash=True)
     else:
-        vmeta = meta(n, mask, slot_mapping=meta.slots(n[:, None], torch.ones(B, 1, dtype=torch.bool, device=device)))
+        # plain decoding: the root's K/V go straight to the cache, and one prefix pass over n + 1 entries (the root
+        # included) is its whole attention
+        vmeta = meta(n + 1, mask, max_context_len=inp.max_context_len + 1, prefix_includes_new=True,
+                     slot_mapping=meta.slots(n[:, None], torch.ones(B, 1, dtype=torch.bool, device=device)))
     feature_layers = getattr(draft, "feature_layers", None)
     if feature_layers is None:  # EAGLE-1 (or no draft): the draft reads the final hidden state itself
         hidden = feats = target(node_tokens, positions, vmeta, cache)
