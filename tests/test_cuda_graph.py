@@ -58,6 +58,26 @@ def test_graphs_equal_eager_with_a_feature_layer_draft(pair, spec, tmp_path):
     assert [o.token_ids for o in graphed.generate(prompts, params)] == ref
 
 
+def test_graphs_equal_eager_with_a_draft_vocabulary(pair, tmp_path):
+    """A draft restricted to 12 of the 24 tokens (`draft_vocab.safetensors`): its gathered head rows and id map are
+    read inside the captured step."""
+    import shutil
+    from eyas.spec.draft_vocab import save_draft_vocab
+    target, draft = pair
+    vd = tmp_path / "vd"
+    shutil.copytree(draft, vd)
+    save_draft_vocab(vd, torch.arange(0, 24, 2))
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], list(range(1, 20)), [7]]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    kw = dict(device="cuda", dtype="float32", draft=str(vd), speculation="tree:8")
+    eager = LLM(str(target), **kw)
+    eager.engine.runner.use_triton = False
+    reference_ops(eager)
+    ref = [o.token_ids for o in eager.generate(prompts, params)]
+    graphed = LLM(str(target), cuda_graphs=True, **kw)
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == ref
+
+
 def test_capture_all_covers_every_bucket_a_shrinking_batch_needs(pair):
     target, draft = pair
     spec = "dispatch:1=chain:4,4=tree:8,64=plain"
