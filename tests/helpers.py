@@ -104,3 +104,32 @@ def feature_draft_from(eagle1_dir: Path, target, out: Path, feature_layers=(0,),
             w = d.fuse.weight
             w[:, :-H] = torch.randn(w[:, :-H].shape, generator=g) * noise / H ** 0.5
     return save_draft(d, out, dtype=torch.float32)
+
+
+def write_distill_setup(root: Path, vocab: int = 64, prompt: int = 8, seq: int = 64, n: int = 240):
+    """A tiny target whose layers are scaled down (its predictions then depend mostly on the current token, which a
+    short run can learn), and `n` sequences sampled from the target itself, stored pre-tokenised: `prompt` prompt
+    tokens, then the target's own continuation up to `seq` tokens (the loss mask). Returns (target dir, data file,
+    the loaded target)."""
+    import gzip
+    from safetensors.torch import load_file, save_file
+    from eyas.loader.resolve import load_target
+    tdir = write_tiny_llama(Path(root) / "target", vocab=vocab, hidden=64, layers=2, heads=4, kv_heads=2)
+    state = load_file(str(tdir / "model.safetensors"))
+    for k, v in state.items():
+        if ".layers." in k and v.dim() == 2:
+            state[k] = (v * 0.3).contiguous()
+    save_file(state, str(tdir / "model.safetensors"), metadata={"format": "pt"})
+    target, _ = load_target(str(tdir), "cpu", "float32")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (n, prompt), generator=g)
+    with torch.no_grad():
+        for _ in range(seq - prompt):
+            pos = torch.arange(ids.shape[1])[None].expand(n, -1)
+            probs = target.compute_logits(target(ids, pos)[:, -1]).softmax(-1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=g)], 1)
+    data = Path(root) / "data.jsonl.gz"
+    with gzip.open(data, "wt") as f:
+        for r in ids.tolist():
+            f.write(json.dumps({"input_ids": r, "loss_mask": [0] * prompt + [1] * (seq - prompt)}) + "\n")
+    return tdir, data, target

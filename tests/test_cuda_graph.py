@@ -23,21 +23,26 @@ def pair(tmp_path_factory):
     return write_mirror_pair(tmp_path_factory.mktemp("mirror"), vocab=24, layers=2)
 
 
-# the dispatcher: 4 prompts run plain steps (the draft reads along), then tree:8 and mc_sim as the batch shrinks
-@pytest.mark.parametrize("spec", [None, "chain:4", "tree:mc_sim_7b_63", "dispatch:1=tree:mc_sim_7b_63,2=tree:8,8=plain"])
-def test_graphs_equal_eager(pair, spec):
-    target, draft = pair
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], list(range(1, 20)), [7]]
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], list(range(1, 20)), [7]]
+PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+def eager_reference_and_graphed(target, draft, spec):
+    """(greedy outputs of the eager reference path, an LLM with CUDA graphs) for PROMPTS."""
     kw = dict(device="cuda", dtype="float32", draft=str(draft) if spec else None, speculation=spec)
     eager = LLM(str(target), **kw)
     eager.engine.runner.use_triton = False
     reference_ops(eager)
-    ref = [o.token_ids for o in eager.generate(prompts, params)]
-    graphed = LLM(str(target), cuda_graphs=True, **kw)
-    assert [o.token_ids for o in graphed.generate(prompts, params)] == ref
+    return [o.token_ids for o in eager.generate(PROMPTS, PARAMS)], LLM(str(target), cuda_graphs=True, **kw)
+
+
+# the dispatcher: 4 prompts run plain steps (the draft reads along), then tree:8 and mc_sim as the batch shrinks
+@pytest.mark.parametrize("spec", [None, "chain:4", "tree:mc_sim_7b_63", "dispatch:1=tree:mc_sim_7b_63,2=tree:8,8=plain"])
+def test_graphs_equal_eager(pair, spec):
+    ref, graphed = eager_reference_and_graphed(*pair, spec)
+    assert [o.token_ids for o in graphed.generate(PROMPTS, PARAMS)] == ref
     assert graphed.engine.runner.graphs.graphs  # a graph was captured and replayed
-    assert [graphed.generate([p], params)[0].token_ids for p in prompts] == ref  # bucket 1
+    assert [graphed.generate([p], PARAMS)[0].token_ids for p in PROMPTS] == ref  # bucket 1
 
 
 @pytest.mark.parametrize("spec", ["chain:4", "tree:8"])
@@ -47,15 +52,8 @@ def test_graphs_equal_eager_with_a_feature_layer_draft(pair, spec, tmp_path):
     target, draft = pair
     t, _ = load_target(str(target), "cpu", "float32")
     fdraft = feature_draft_from(draft, t, tmp_path / "fd", feature_layers=(0,), noise=0.5)
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], list(range(1, 20)), [7]]
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    kw = dict(device="cuda", dtype="float32", draft=str(fdraft), speculation=spec)
-    eager = LLM(str(target), **kw)
-    eager.engine.runner.use_triton = False
-    reference_ops(eager)
-    ref = [o.token_ids for o in eager.generate(prompts, params)]
-    graphed = LLM(str(target), cuda_graphs=True, **kw)
-    assert [o.token_ids for o in graphed.generate(prompts, params)] == ref
+    ref, graphed = eager_reference_and_graphed(target, fdraft, spec)
+    assert [o.token_ids for o in graphed.generate(PROMPTS, PARAMS)] == ref
 
 
 def test_graphs_equal_eager_with_a_draft_vocabulary(pair, tmp_path):
@@ -67,15 +65,8 @@ def test_graphs_equal_eager_with_a_draft_vocabulary(pair, tmp_path):
     vd = tmp_path / "vd"
     shutil.copytree(draft, vd)
     save_draft_vocab(vd, torch.arange(0, 24, 2))
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], list(range(1, 20)), [7]]
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    kw = dict(device="cuda", dtype="float32", draft=str(vd), speculation="tree:8")
-    eager = LLM(str(target), **kw)
-    eager.engine.runner.use_triton = False
-    reference_ops(eager)
-    ref = [o.token_ids for o in eager.generate(prompts, params)]
-    graphed = LLM(str(target), cuda_graphs=True, **kw)
-    assert [o.token_ids for o in graphed.generate(prompts, params)] == ref
+    ref, graphed = eager_reference_and_graphed(target, vd, "tree:8")
+    assert [o.token_ids for o in graphed.generate(PROMPTS, PARAMS)] == ref
 
 
 def test_capture_all_covers_every_bucket_a_shrinking_batch_needs(pair):

@@ -5,12 +5,11 @@ feature-layer draft, sampling, and a short training run whose checkpoint the eng
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from eyas import LLM, SamplingParams
 from eyas.config import ModelConfig
@@ -18,7 +17,7 @@ from eyas.loader.eagle import load_draft
 from eyas.loader.resolve import load_target
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
-from helpers import feature_draft_from, write_mirror_pair, write_random_draft, write_tiny_llama
+from helpers import feature_draft_from, write_distill_setup, write_mirror_pair, write_random_draft, write_tiny_llama
 
 
 def rms(x, eps):
@@ -198,28 +197,8 @@ VOCAB, PROMPT, SEQ = 64, 8, 40
 
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
-    """As tests/test_train.py's: a tiny target with scaled-down layers and data sampled from it (shorter)."""
-    root = tmp_path_factory.mktemp("feat_train")
-    tdir = write_tiny_llama(root / "target", vocab=VOCAB, hidden=64, layers=2, heads=4, kv_heads=2)
-    state = load_file(str(tdir / "model.safetensors"))
-    for k, v in state.items():
-        if ".layers." in k and v.dim() == 2:
-            state[k] = (v * 0.3).contiguous()
-    save_file(state, str(tdir / "model.safetensors"), metadata={"format": "pt"})
-    target, _ = load_target(str(tdir), "cpu", "float32")
-    g = torch.Generator().manual_seed(0)
-    N = 120
-    ids = torch.randint(0, VOCAB, (N, PROMPT), generator=g)
-    with torch.no_grad():
-        for _ in range(SEQ - PROMPT):
-            pos = torch.arange(ids.shape[1])[None].expand(N, -1)
-            probs = target.compute_logits(target(ids, pos)[:, -1]).softmax(-1)
-            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=g)], 1)
-    data = root / "data.jsonl.gz"
-    with gzip.open(data, "wt") as f:
-        for r in ids.tolist():
-            f.write(json.dumps({"input_ids": r, "loss_mask": [0] * PROMPT + [1] * (SEQ - PROMPT)}) + "\n")
-    return tdir, data, target
+    """As tests/test_train.py's (`helpers.write_distill_setup`), shorter."""
+    return write_distill_setup(tmp_path_factory.mktemp("feat_train"), VOCAB, PROMPT, SEQ, 120)
 
 
 def _cfg(tdir, data, out, **kw):

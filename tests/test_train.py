@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from eyas.train.data import (collate, conversation_segments, load_examples, make_example, plan_epoch,
                              split_heldout)
 from eyas.train.loss import distill_loss
 
-from helpers import write_tiny_llama
+from helpers import write_distill_setup, write_tiny_llama
 
 
 # ---- 1. the loss, by hand ----------------------------------------------------------------------------------------
@@ -205,31 +205,9 @@ VOCAB, PROMPT, SEQ = 64, 8, 64
 
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
-    """A tiny target whose layers are scaled down (its predictions then depend mostly on the current token, which a
-    short run can learn), and data sampled from the target itself, stored pre-tokenised: 8 prompt tokens, then the
-    target's own continuation (the loss mask)."""
-    from eyas.loader import load_target
-    root = tmp_path_factory.mktemp("tiny_train")
-    tdir = write_tiny_llama(root / "target", vocab=VOCAB, hidden=64, layers=2, heads=4, kv_heads=2)
-    state = load_file(str(tdir / "model.safetensors"))
-    for k, v in state.items():
-        if ".layers." in k and v.dim() == 2:
-            state[k] = (v * 0.3).contiguous()
-    save_file(state, str(tdir / "model.safetensors"), metadata={"format": "pt"})
-    target, _ = load_target(str(tdir), "cpu", "float32")
-    g = torch.Generator().manual_seed(0)
-    N = 240
-    ids = torch.randint(0, VOCAB, (N, PROMPT), generator=g)
-    with torch.no_grad():
-        for _ in range(SEQ - PROMPT):
-            pos = torch.arange(ids.shape[1])[None].expand(N, -1)
-            probs = target.compute_logits(target(ids, pos)[:, -1]).softmax(-1)
-            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=g)], 1)
-    data = root / "data.jsonl.gz"
-    with gzip.open(data, "wt") as f:
-        for r in ids.tolist():
-            f.write(json.dumps({"input_ids": r, "loss_mask": [0] * PROMPT + [1] * (SEQ - PROMPT)}) + "\n")
-    return tdir, data, target
+    """A tiny target and data sampled from it (`helpers.write_distill_setup`): 8 prompt tokens, then the target's own
+    continuation (the loss mask)."""
+    return write_distill_setup(tmp_path_factory.mktemp("tiny_train"), VOCAB, PROMPT, SEQ, 240)
 
 
 def _cfg(tdir, data, out, **kw):
