@@ -99,3 +99,40 @@ def test_resolve_tree_specs(tmp_path):
     f.write_text("{not json")
     with pytest.raises(ValueError, match="JSON"):
         resolve_tree(str(f))
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_plain_step_prefix_pass_equals_the_split(use_triton):
+    """Plain decoding (`AttentionMetadata.prefix_includes_new`): the layer writes the token's K/V to the cache, then
+    one prefix pass over n + 1 entries; the result equals the split attention over the n cached entries plus the
+    token itself, and the caches agree afterwards (reference path; Triton on a GPU, or under the interpreter)."""
+    from types import SimpleNamespace
+    from eyas.config import ModelConfig
+    from eyas.layers.attention import MetaBuilder
+    from eyas.layers.rotary import RotaryEmbedding
+    from eyas.models.llama import Attention
+    dev = "cuda" if use_triton and torch.cuda.is_available() else "cpu"
+    cfg = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    attn = Attention(cfg, 0).eval().to(dev)
+    rope = RotaryEmbedding.for_config(cfg).to(dev)
+    B, bs = 3, 4
+    n = torch.tensor([0, 5, 12], device=dev)
+    block_tables = (torch.randperm(12, generator=gen) + 1)[: B * 4].view(B, 4).to(dev)
+    k0 = torch.randn(1, 14, bs, 2, 8, generator=gen).to(dev)
+    v0 = torch.randn(1, 14, bs, 2, 8, generator=gen).to(dev)
+    x = torch.randn(B, 1, 32, generator=gen).to(dev)
+    pos = n[:, None]
+    mb = MetaBuilder(block_tables, bs, int(n.max()), use_triton)
+    mask = torch.ones(B, 1, 1, dtype=torch.bool, device=dev)
+    slots = mb.slots(pos, torch.ones(B, 1, dtype=torch.bool, device=dev))
+    split_cache = SimpleNamespace(k=k0.clone(), v=v0.clone())
+    one_cache = SimpleNamespace(k=k0.clone(), v=v0.clone())
+    with torch.no_grad():
+        want = attn(x, pos, rope, mb(n, mask, slot_mapping=slots), split_cache)
+        got = attn(x, pos, rope, mb(n + 1, mask, max_context_len=int(n.max()) + 1, prefix_includes_new=True,
+                                    slot_mapping=slots), one_cache)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(one_cache.k, split_cache.k) and torch.equal(one_cache.v, split_cache.v)
