@@ -1,7 +1,9 @@
 """Draft acceptance by MT-Bench category: chain:3, T=0, first turns, 64 new tokens, float32 on the CPU, shipped draft.
     PYTHONPATH=. python3 tools/diag/tpc_by_category.py    (run from the repository root; ~1.5 min on 2 cores)
 Used for docs/benchmarks.md ("By MT-Bench category", 2026-11-29)."""
-import json, collections, sys
+import collections
+import json
+
 from eyas import LLM, SamplingParams
 qs = [json.loads(l) for l in open("../shared/data/mt_bench/question.jsonl") if l.strip()]
 llm = LLM("smollm2", device="cpu", dtype="float32", draft="default", speculation="chain:3")
