@@ -205,7 +205,7 @@ class ModelRunner:
         seeds = torch.tensor([s.seed for s in seqs], device=dev)
         sampled = sample_from(probs, uniform(seeds, start + lens - 1, 0))
         if self.draft is not None:
-            self._draft_prefill(seqs, chunk_lens, feats if fl is None else self.draft.read_features(feats), meta)
+            self._draft_prefill(seqs, chunk_lens, self.draft.read_features(feats), meta)
         sampled = sampled.tolist()
         out: list[int | None] = []
         for i, (s, c) in enumerate(zip(seqs, chunk_lens)):

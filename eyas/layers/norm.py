@@ -2,13 +2,17 @@ import torch
 from torch import nn
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dim, in float32, cast back to x's dtype (no weight: also what EAGLE-3
+    style feature layers apply to the target's residual streams)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """w * x / sqrt(mean(x^2) + eps): the normalisation in float32, cast back to x's dtype, then scaled by w (HF
     Llama's order of operations; `eyas.kernels.fused_norm` reproduces it)."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    return weight * rms_normalize(x, eps)
 
 
 class RMSNorm(nn.Module):

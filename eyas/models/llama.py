@@ -17,7 +17,7 @@ from torch import nn
 from eyas.cache.kv_cache import KVCache
 from eyas.config import ModelConfig
 from eyas.layers.attention import AttentionMetadata, prefix_only_attention, split_tree_attention, write_kv
-from eyas.layers.norm import RMSNorm
+from eyas.layers.norm import RMSNorm, rms_normalize
 from eyas.layers.rotary import RotaryEmbedding
 
 
@@ -42,9 +42,9 @@ class Attention(nn.Module):
         self.qkv_sizes = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata | None, cache: KVCache | None,
-                fused: bool = False):
-        """`fused`: RoPE by the Triton kernel (`DecoderLayer.forward_fused`); the reference otherwise."""
+    def project(self, x, positions, rope: RotaryEmbedding, fused: bool = False):
+        """x [B, Q, H] -> q [B, Q, heads, D], k and v [B, Q, kv heads, D], RoPE applied to q and k (`fused`: by the
+        Triton kernel; the reference otherwise). Fused or separate projections alike."""
         B, Q, _ = x.shape
         if hasattr(self, "qkv_proj"):
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
@@ -58,6 +58,13 @@ class Attention(nn.Module):
             q, k = rope_triton(positions, q, k, rope.cos, rope.sin)
         else:
             q, k = rope(positions, q, k)
+        return q, k, v
+
+    def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata | None, cache: KVCache | None,
+                fused: bool = False):
+        """`fused`: RoPE by the Triton kernel (`DecoderLayer.forward_fused`); the reference otherwise."""
+        B, Q, _ = x.shape
+        q, k, v = self.project(x, positions, rope, fused)
         if meta is None:  # dense causal attention over the block itself (training, oracles): no cache involved
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, enable_gqa=True, scale=self.scale)
@@ -76,7 +83,6 @@ class Attention(nn.Module):
         if meta.stash:
             meta.new_kv[self.layer_idx] = (k, v)
         return self.o_proj(o.to(x.dtype).reshape(B, Q, -1))
-
 
     @staticmethod
     def _write_kv(k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
@@ -152,13 +158,6 @@ def takes_fused_path(model: nn.Module, device: torch.device) -> bool:
             and not torch.is_autocast_enabled(device.type))
 
 
-def rms_features(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) over the last dim, in float32, cast back: a parameter-free RMS norm, so that the
-    feature layers' scales are comparable with each other and with the final hidden state."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def _concat_linears(*parts: nn.Linear) -> nn.Linear:
     """One nn.Linear whose output is the concatenation of `parts`' outputs (same input)."""
     w = torch.cat([p.weight.detach() for p in parts])
@@ -202,7 +201,8 @@ class LlamaForCausalLM(nn.Module):
 
         `feature_layers` (EAGLE-3-style drafts, `EagleDraft.read_features`): returns (hidden, features), features
         [B, Q, (k+1)H] = cat(rms(r_i) for i in feature_layers, then hidden), r_i the residual stream after decoder
-        layer i (0-based: HF's hidden_states[i + 1]), rms parameter-free (`rms_features`). None: `hidden` alone."""
+        layer i (0-based: HF's hidden_states[i + 1]), rms parameter-free (`rms_normalize`, so the layers'
+        scales are comparable with each other and with the final hidden state). None: `hidden` alone."""
         x = self.model.embed_tokens(input_ids)
         want = set(feature_layers) if feature_layers is not None else ()
         taps: dict[int, torch.Tensor] = {}
@@ -226,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"feature layers {missing} are outside the target's {len(self.model.layers)} layers")
         eps = self.config.rms_norm_eps
-        return hidden, torch.cat([rms_features(taps[i], eps) for i in feature_layers] + [hidden], dim=-1)
+        return hidden, torch.cat([rms_normalize(taps[i], eps) for i in feature_layers] + [hidden], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # as one 2-D matmul: a strided 3-D input sends F.linear to a batched matmul that re-reads the whole head

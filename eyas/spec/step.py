@@ -126,10 +126,7 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
             write_kv(cache.k[layer], cache.v[layer], k[rows, node], v[rows, node], slots)
     if draft is not None:
         # rows 0..m valid; a dispatcher's shallower trees fill only the first D+1 of the buffer's rows
-        h = feats[rows, node]
-        if feature_layers is not None:
-            h = draft.read_features(h)
-        draft_hidden[inp.slots, :D1] = h.to(draft_hidden.dtype)
+        draft_hidden[inp.slots, :D1] = draft.read_features(feats[rows, node]).to(draft_hidden.dtype)
     path_tokens = node_tokens.gather(1, node)
     packed = torch.cat([num_accepted[:, None], path_tokens, bonus[:, None]], dim=1)
     return DecodeOutputs(path_tokens, num_accepted, bonus, packed)

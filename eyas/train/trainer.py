@@ -210,25 +210,20 @@ def _noise(x: torch.Tensor, kind: str, std: float, gen: torch.Generator) -> torc
 # ---- unrolled evaluation -----------------------------------------------------------------------------------------
 
 def stream_mask(S: int, T: int, device) -> torch.Tensor:
-    """Attention mask [S*T, S*T] for S streams of the draft over T positions.
+    """Attention mask [T, S*T] of stream S's queries over the keys of streams 1..S (the draft over T positions).
 
     Stream 1 reads the target's features (causal). Stream s >= 2 at index p is the draft's (s-1)-th step of a chain
     rooted at t = p - s + 1: its input feature is stream s-1's output at p-1, and it sees stream 1 at indices <= t
     (the draft KV cache of committed history) and stream r (2 <= r <= s) at index p - (s - r) only (its own chain).
-    `unrolled_streams` uses the rows of the last stream (`stream_rows_mask`); the whole mask is the reference.
+    A stream never sees later ones, so stacking these rows for S = 1..depth gives the whole masked pass's mask.
     """
-    return torch.cat([stream_rows_mask(s, S, T, device) for s in range(1, S + 1)], 0)
-
-
-def stream_rows_mask(s: int, S: int, T: int, device) -> torch.Tensor:
-    """Rows of stream s (1-based) of `stream_mask(S, T)`: [T, S*T]."""
     p = torch.arange(T, device=device)
     M = torch.zeros(T, S * T, dtype=torch.bool, device=device)
-    for r in range(1, s + 1):
+    for r in range(1, S + 1):
         if r == 1:
-            blk = p[None, :] <= (p[:, None] - (s - 1))
+            blk = p[None, :] <= (p[:, None] - (S - 1))
         else:
-            blk = p[None, :] == (p[:, None] - (s - r))
+            blk = p[None, :] == (p[:, None] - (S - r))
         M[:, (r - 1) * T: r * T] = blk
     return M
 
@@ -240,15 +235,10 @@ def _layer_stream(layer, x, positions, rope, kv: list, mask):
     a = layer.self_attn
     h = layer.input_layernorm(x)
     B, Q, _ = h.shape
-    if hasattr(a, "qkv_proj"):
-        q, k, v = a.qkv_proj(h).split(a.qkv_sizes, dim=-1)
-    else:
-        q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
-    q, k = rope(positions, q.view(B, Q, a.n_heads, a.head_dim), k.view(B, Q, a.n_kv, a.head_dim))
+    q, k, v = a.project(h, positions, rope)
     G = a.n_heads // a.n_kv
     # GQA by repetition: with an explicit mask, the memory-efficient SDPA kernel (no enable_gqa) takes the pass
-    kv.append((k.repeat_interleave(G, dim=2).transpose(1, 2), v.view(B, Q, a.n_kv, a.head_dim)
-               .repeat_interleave(G, dim=2).transpose(1, 2)))
+    kv.append((k.repeat_interleave(G, dim=2).transpose(1, 2), v.repeat_interleave(G, dim=2).transpose(1, 2)))
     K = torch.cat([kk for kk, _ in kv], 2)
     V = torch.cat([vv for _, vv in kv], 2)
     if len(kv) == 1:
@@ -273,7 +263,7 @@ def unrolled_streams(draft: EagleDraft, emb: torch.Tensor, feats: torch.Tensor, 
     outs: list[torch.Tensor] = []
     for S in range(1, depth + 1):
         x = draft.fc(torch.cat([emb, feat], -1))
-        mask = stream_rows_mask(S, S, T, emb.device)
+        mask = stream_mask(S, T, emb.device)
         for layer, layer_kv in zip(draft.layers, kv):
             x = _layer_stream(layer, x, positions, draft.rope, layer_kv, mask)
         outs.append(x)
