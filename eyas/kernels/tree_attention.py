@@ -357,9 +357,10 @@ def choose_num_splits(num_programs: int, max_context_len: int, num_sms: int = 13
     per SM exist, but no split gets fewer than `min_tokens_per_split` context tokens (one key tile).
 
     Tuned on the H200 at the Llama-3.1-8B shape (32 query / 8 kv heads, D = 128, bf16; `tools/diag/
-    prefix_split_bench.py`, 2026-11-29, docs/kernels.md): at batch 1 and a 1k context 18 splits take 7.8 us per
-    layer against 12.4 us with the earlier rule (waves 2, >= 256 tokens: 4 splits); at batch 8 and 4k, 9 splits
-    take 39.8 us against 45.5 us; at batch 32 more splits than 1 only add the reduction (43 us at 3 splits)."""
+    prefix_split_bench.py`, 2026-11-29, docs/benchmarks.md): at batch 1 and a 1k context 16 splits took 7.8 us per
+    layer against 12.4 us with the earlier rule (waves 2, >= 256 tokens: 4 splits); at batch 8 and 4k, 8 splits
+    took 39.8 us against 45.5 us (this rule gives 16-18 and 9 there; those counts were not timed); at batch 32
+    more splits than 1 only add the reduction (43 us at 3 splits against 39.6 us at 1)."""
     if num_programs <= 0 or max_context_len <= 0:
         return 1
     if num_programs >= num_sms:
