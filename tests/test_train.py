@@ -271,6 +271,29 @@ def test_unrolled_training_raises_deep_accuracy(tiny_setup, tmp_path):
     assert deep["acc_by_depth"][2] > plain["acc_by_depth"][2], (plain, deep)
 
 
+def test_init_grows_deeper_drafts_that_start_as_the_checkpoint(tiny_setup, tmp_path):
+    """--layers 1 2 3 --init <a 1-layer draft>: the added layers start as the identity, so (lr 0) all three drafts
+    give the 1-layer draft's held-out loss, accuracy and engine TPC exactly; one training step moves the added layers
+    off zero. A checkpoint deeper than the draft is refused."""
+    from eyas.train.trainer import train
+
+    tdir, data, target = tiny_setup
+    train(_cfg(tdir, data, tmp_path / "d1", epochs=6, tpc_prompts=0, save_dtype="float32"), target)
+    kw = dict(init=str(tmp_path / "d1"), max_steps=1, noise="none")
+    ref = train(_cfg(tdir, data, tmp_path / "r", lr=0.0, **kw), target)["final_metrics"]["layers-1"]
+    grown = train(_cfg(tdir, data, tmp_path / "g", layers=[1, 2, 3], lr=0.0, **kw), target)["final_metrics"]
+    assert ref["acc_by_depth"][0] > 0.2  # a trained draft, not a blank one
+    for L in (1, 2, 3):
+        m = grown[f"layers-{L}"]
+        assert (m["loss"], m["acc_by_depth"], m["tpc_chain:3"]) == (ref["loss"], ref["acc_by_depth"],
+                                                                      ref["tpc_chain:3"]), L
+    train(_cfg(tdir, data, tmp_path / "s", layers=[2], tpc_prompts=0, save_dtype="float32", **kw), target)
+    w = load_file(str(tmp_path / "s" / "model.safetensors"))
+    assert w["layers.1.self_attn.o_proj.weight"].abs().max() > 0 and w["layers.1.mlp.down_proj.weight"].abs().max() > 0
+    with pytest.raises(ValueError, match="more than"):
+        train(_cfg(tdir, data, tmp_path / "x", init=str(tmp_path / "s"), max_steps=1), target)
+
+
 def test_resume_repeats_the_uninterrupted_loss_curve(tiny_setup, tmp_path):
     from eyas.train.trainer import main, train
 

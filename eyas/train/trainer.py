@@ -26,6 +26,10 @@ after layers I... (`LlamaForCausalLM.forward(feature_layers=...)`), mapped to H 
 run with `--init` of an EAGLE-1 checkpoint starts from exactly that draft. The noise applies to the raw features;
 the L1 target stays the final hidden state h_{t+1}.
 
+`--init CKPT` starts every draft from an EAGLE checkpoint; a draft with more layers than CKPT grows from it (the added
+layers start as the identity, `init_from_checkpoint`), so `--layers 1 2 3 --init <1-layer draft>` trains three drafts
+that all begin exactly as the 1-layer one.
+
 Output: the EAGLE-1 checkpoint layout (config.json + model.safetensors, bf16 by default; with feature layers also
 `fuse.weight` and `eyas_feature_layers`) and `training.json`.
 """
@@ -89,7 +93,7 @@ class TrainConfig:
     noise: str = "uniform"  # none | uniform | gaussian
     noise_std: float = 0.2  # uniform: U(-std/2, std/2) as EAGLE; gaussian: N(0, std)
     seed: int = 0
-    init: str | None = None  # start from this EAGLE checkpoint (single draft only)
+    init: str | None = None  # start every draft from this EAGLE checkpoint (deeper drafts grow from it)
     eval_every: int = 0  # steps; 0: only at the end
     eval_depth: int = 3
     eval_batch_tokens: int = 8192
@@ -149,6 +153,38 @@ def make_draft(target, layers: int, feature_layers=None) -> EagleDraft:
     if fl is not None:
         draft.init_fuse_identity()
     return draft
+
+
+def init_from_checkpoint(draft: EagleDraft, path: Path) -> None:
+    """Load an EAGLE checkpoint into `draft` (`--init`), so that training starts from exactly the draft it holds.
+
+    * An EAGLE-1 checkpoint initialises a feature-layer draft (`fuse` stays at the identity); a feature-layer
+      checkpoint only a draft with the same feature layers.
+    * Growing: a checkpoint with fewer decoder layers fills the first ones; each added layer's residual branches start
+      at zero (o_proj and down_proj zeroed, the rest keeps its random init), so it passes its input through and the
+      deeper draft computes exactly what the checkpoint's draft does. Gradients reach those projections at once and
+      the rest of the layer from the next step on (as a zero-initialised LoRA B)."""
+    from eyas.config import ModelConfig
+    from eyas.loader.hf import load_weights, read_config
+    icfg = ModelConfig.from_hf(read_config(path))
+    L, fl = len(draft.layers), draft.feature_layers
+    if icfg.num_hidden_layers > L:
+        raise ValueError(f"--init {path} has {icfg.num_hidden_layers} layers, more than the {L} of this draft")
+    if icfg.feature_layers is not None and tuple(icfg.feature_layers) != fl:
+        raise ValueError(f"--init {path} reads feature layers {list(icfg.feature_layers)}, "
+                         f"--feature-layers says {None if fl is None else list(fl)}")
+    st = {k.removeprefix("model."): v.float() for k, v in load_weights(path, True).items()}
+    missing, unexpected = draft.load_state_dict(st, strict=False)
+    unexpected = [k for k in unexpected if k not in ("embed_tokens.weight", "lm_head.weight")]  # shared with the target
+    if unexpected:
+        raise ValueError(f"--init {path}: weights this draft does not have: {unexpected[:4]}")
+    with torch.no_grad():
+        for layer in draft.layers[icfg.num_hidden_layers:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+            for b in (layer.self_attn.o_proj.bias, layer.mlp.down_proj.bias):
+                if b is not None:
+                    b.zero_()
 
 
 def _rng_state(noise_gen: torch.Generator) -> dict:
@@ -453,8 +489,6 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
         raise ValueError(f"--unroll must be between 1 and 8, got {cfg.unroll}")
     if cfg.unroll_decay <= 0:
         raise ValueError(f"--unroll-decay must be > 0, got {cfg.unroll_decay}")
-    if cfg.init is not None and len(cfg.layers) != 1:
-        raise ValueError("--init works with a single --layers value")
 
     # drafts, optimisers, schedules
     torch.manual_seed(cfg.seed)
@@ -463,18 +497,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
     for L in cfg.layers:
         d = make_draft(target, L, fl)
         if cfg.init is not None:
-            from eyas.loader.hf import load_weights, read_config
-            from eyas.config import ModelConfig
-            icfg = ModelConfig.from_hf(read_config(Path(cfg.init)))
-            if icfg.num_hidden_layers != L:
-                raise ValueError(f"--init {cfg.init} has {icfg.num_hidden_layers} layers, --layers says {L}")
-            # an EAGLE-1 checkpoint initialises a feature-layer draft (fuse stays at the identity: training starts
-            # from exactly that draft); a feature-layer checkpoint only a draft with the same feature layers
-            if icfg.feature_layers is not None and icfg.feature_layers != fl:
-                raise ValueError(f"--init {cfg.init} reads feature layers {list(icfg.feature_layers)}, "
-                                 f"--feature-layers says {None if fl is None else list(fl)}")
-            st = {k.removeprefix("model."): v.float() for k, v in load_weights(Path(cfg.init), True).items()}
-            d.load_state_dict(st, strict=False)
+            init_from_checkpoint(d, Path(cfg.init))
         drafts.append(d.to(device=device, dtype=torch.float32).train())
     opts = [torch.optim.AdamW(d.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                               weight_decay=cfg.weight_decay) for d in drafts]
@@ -721,7 +744,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--noise", choices=["none", "uniform", "gaussian"], default=d.noise)
     p.add_argument("--noise-std", type=float, default=d.noise_std)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--init", default=None, help="start from this EAGLE checkpoint")
+    p.add_argument("--init", default=None,
+                   help="start from this EAGLE checkpoint (drafts with more layers grow from it)")
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-depth", type=int, default=d.eval_depth)
     p.add_argument("--eval-conversations", type=int, default=None)
