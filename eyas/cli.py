@@ -1,4 +1,4 @@
-"""The `eyas` command line: generate, serve, bench, train-draft, make-distill-data."""
+"""The `eyas` command line: generate, serve, bench, train-draft, make-distill-data, make-prompts, make-draft-vocab."""
 from __future__ import annotations
 
 import argparse
@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     for module, attr in (("eyas.serve.api_server", "add_serve_parser"), ("eyas.train.trainer", "add_parser"),
-                         ("eyas.train.distill_data", "add_parser"), ("eyas.spec.draft_vocab", "add_parser"),
+                         ("eyas.train.distill_data", "add_parser"), ("eyas.train.self_instruct", "add_parser"),
+                         ("eyas.spec.draft_vocab", "add_parser"),
                          ("eyas.bench.cli", "add_parser")):
         try:
             mod = __import__(module, fromlist=[attr])

@@ -40,6 +40,15 @@ def write_tiny_llama(path: Path, seed=0, **kw) -> Path:
     return Path(path)
 
 
+def write_tiny_chat_model(path: Path, tok) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template (an HF directory)."""
+    write_tiny_llama(path, vocab=tok.vocab_size, hidden=32, layers=1, heads=4, kv_heads=2)
+    tok.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token}))
+    return path
+
+
 def write_random_draft(path: Path, target_dir: Path, layers=1, seed=1, scale=1.0) -> Path:
     """A random EAGLE-1 draft matching a target checkpoint's shapes."""
     raw = json.loads((Path(target_dir) / "config.json").read_text())

@@ -16,7 +16,7 @@ from eyas.train.data import (collate, conversation_segments, load_examples, make
                              split_heldout)
 from eyas.train.loss import distill_loss
 
-from helpers import write_distill_setup, write_tiny_llama
+from helpers import write_distill_setup, write_tiny_chat_model, write_tiny_llama
 
 
 # ---- 1. the loss, by hand ----------------------------------------------------------------------------------------
@@ -321,15 +321,6 @@ def test_resume_repeats_the_uninterrupted_loss_curve(tiny_setup, tmp_path):
 
 
 # ---- make-distill-data ------------------------------------------------------------------------------------------------
-
-def write_tiny_chat_model(path: Path, tok) -> Path:
-    """A tiny random Llama with SmolLM2's tokenizer and chat template (an HF directory)."""
-    write_tiny_llama(path, vocab=tok.vocab_size, hidden=32, layers=1, heads=4, kv_heads=2)
-    tok.backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token}))
-    return path
-
 
 def test_make_distill_data_regenerates_assistant_turns(tmp_path):
     from eyas import LLM, SamplingParams

@@ -68,8 +68,9 @@ def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[dict]:
                     raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
 
 
-def normalize_messages(record: dict) -> list[dict] | None:
-    """The record's messages as [{"role", "content"}], or None if it holds no usable conversation."""
+def normalize_messages(record: dict, need_assistant: bool = True) -> list[dict] | None:
+    """The record's messages as [{"role", "content"}], or None if it holds no usable conversation (for training:
+    one with an assistant turn; `need_assistant=False` takes prompts alone, as `make-distill-data` does)."""
     msgs = record.get("conversations", record.get("messages"))
     if not isinstance(msgs, list):
         return None
@@ -82,7 +83,7 @@ def normalize_messages(record: dict) -> list[dict] | None:
         if role is None or not isinstance(content, str):
             return None
         out.append({"role": role, "content": content})
-    return out if any(m["role"] == "assistant" for m in out) else None
+    return out if not need_assistant or any(m["role"] == "assistant" for m in out) else None
 
 
 def conversation_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:

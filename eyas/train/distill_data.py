@@ -87,7 +87,7 @@ def make_distill_data(model: str, data: list[str], out: str, max_tokens: int = 5
         raise ValueError(f"model {model!r} has no chat template: it cannot regenerate conversations")
     records = []
     for rec in read_jsonl(data):
-        msgs = normalize_messages(rec)
+        msgs = normalize_messages(rec, need_assistant=False)
         if msgs and any(m["role"] == "user" for m in msgs):
             records.append((rec.get("id", len(records)), msgs))
         if limit is not None and len(records) >= limit:
