@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Call 3 of tools/device/README.md: wait for the draft training(s), then measure TPC on MT-Bench (all presets, T=0 and
-# 1; both drafts when a variant B trained) and SmolLM2 latency with draft 1. At most 8 files come back: the drafts
-# travel as one tar each.
+# Call 3 of tools/device/README.md: wait for the draft training(s), then measure TPC on MT-Bench (TPC_SPECS presets,
+# TPC_TEMPS temperatures; every draft trained, layers-N of multi-draft runs included) and SmolLM2 latency with the draft
+# of the best chain:3 TPC. At most 8 files come back: each run's drafts travel as one tar.
 set -u
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 S=${S:-/root/stage}; W=${W:-/root/w}; mkdir -p $OUT
@@ -14,21 +14,33 @@ echo "== training done? $(ls $W/train*.done 2>/dev/null | tr '\n' ' ') [t=$(el)]
 for L in $W/train.log $W/train2.log; do [ -f $L ] && { echo "-- $L"; grep -a "eval step" $L | tail -n 4; tail -c 900 $L; }; done
 DRAFTS=""
 for t in t1 t2; do
-  if [ -f $W/$t/model.safetensors ]; then
-    (cd $W && tar cf $OUT/draft_$t.tar $t/model.safetensors $t/config.json $t/training.json)
-    DRAFTS="$DRAFTS $W/$t"
+  # a run of one draft writes t/, of several t/layers-N/
+  DS=$(cd $W && ls $t/model.safetensors $t/layers-*/model.safetensors 2>/dev/null | xargs -r -n1 dirname)
+  if [ -n "$DS" ]; then
+    (cd $W && tar cf $OUT/draft_$t.tar $(for d in $DS; do echo $d/model.safetensors $d/config.json $d/training.json; done))
+    for d in $DS; do DRAFTS="$DRAFTS $W/$d"; done
   fi
 done
-(cd $W && tar czf $OUT/train_logs.tar.gz t1/metrics.jsonl t2/metrics.jsonl train.log train2.log probe/training.json 2>/dev/null)
-D=$W/t1; [ -f $D/model.safetensors ] || D=default
+(cd $W && tar czf $OUT/train_logs.tar.gz t1/metrics.jsonl t2/metrics.jsonl t1/training.json t2/training.json train.log \
+  train2.log probe/training.json 2>/dev/null)
 DRAFTS=${DRAFTS:-default}
 echo "== graphs == eager on the GPU with SmolLM2 (the other graphs tests ran in call 1) [t=$(el)]"
 timeout ${GRAPH_TEST_S:-90} python3 -m pytest -q tests/test_cuda_graph.py -k smollm2 -p no:cacheprovider 2>&1 | tail -n 3
 echo "== tpc: $DRAFTS [t=$(el)]"
-timeout $(( 500 - $(el) )) python3 -m eyas.bench.tpc --model smollm2 --draft $DRAFTS --speculation chain:3 \
-  --speculation tree:mc_sim_7b_63 --speculation tree:16 --speculation tree:8 --speculation chain:5 --temperature 0 1 \
-  --max-tokens 128 --prompts $S/question.jsonl --out $W/tpc 2>&1 | grep -v '^\s*$' | tail -n 24
+SPECS=${TPC_SPECS:-chain:3 tree:mc_sim_7b_63 tree:16 tree:8 chain:5}
+timeout $(( ${TPC_END_S:-500} - $(el) )) python3 -m eyas.bench.tpc --model smollm2 --draft $DRAFTS \
+  $(for x in $SPECS; do echo --speculation $x; done) --temperature ${TPC_TEMPS:-0 1} \
+  --max-tokens 128 --prompts $S/question.jsonl --out $W/tpc 2>&1 | grep -v '^\s*$' | tail -n 40
 (cd $W && tar czf $OUT/tpc.tar.gz tpc 2>/dev/null)
+# latency with the draft of the highest chain:3 TPC at T=0 (the shipped one if none came out)
+D=$(python3 - <<PY 2>/dev/null || echo default
+import glob, json
+rows = [r for f in glob.glob("$W/tpc/*.json") for r in json.load(open(f)).get("results", [])
+        if r["speculation"] == "chain:3" and r["temperature"] == 0]
+print(max(rows, key=lambda r: r["tpc"])["draft"])
+PY
+)
+echo "== best draft by chain:3 at T=0: $D"
 echo "== latency [t=$(el)]"
 timeout $(( 565 - $(el) )) python3 -m eyas.cli bench latency --model smollm2 --draft $D \
   --modes plain,chain:3,tree:8,tree:mc_sim_7b_63 --batch-sizes 1,4 --num-prompts 8 --max-tokens 128 \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Call 2 of tools/device/README.md, on the GPU machine: finish staging, regenerate first turns with SmolLM2 (greedy) --
-# or take a regenerated file carried in call 1 (REGEN_FILE) -- probe the training speed, then start the draft
+# or take a regenerated file carried in call 1 (REGEN_FILE) -- optionally add SELF_PROMPTS prompts written by SmolLM2
+# itself and answered by it (eyas make-prompts + make-distill-data), probe the training speed, then start the draft
 # training as a detached process that outlives this call (call 3 waits for it). With TRAIN_ARGS_B a second variant
 # trains at the same time on the same data, into $W/t2 (a controlled comparison; each gets about half the GPU).
 set -u
@@ -24,7 +25,24 @@ else
     --no-progress 2>&1 | tail -n 5 | tee $OUT/regen.json
   cp $W/regen.jsonl.gz $OUT/ 2>/dev/null
 fi
-DATA="$W/regen.jsonl.gz $(ls $S/sharegpt-train-*.jsonl.gz 2>/dev/null | tr '\n' ' ')"
+SELF=""
+if [ -n "${SELF_PROMPTS:-}" ]; then
+  # prompts written by SmolLM2 itself (eyas make-prompts), answered by it (greedy; with REGEN_SPEC, e.g.
+  # "--draft default --speculation chain:3", through speculative decoding, with a plain fallback)
+  echo "== self-written prompts: $SELF_PROMPTS, budget ${SELF_S:-60} s [t=$(el)]"
+  python3 -m eyas.train.self_instruct --model smollm2 --num $SELF_PROMPTS --out $W/self_prompts.jsonl.gz \
+    --batch-size ${SELF_BATCH:-512} --time-budget ${SELF_S:-60} --no-progress 2>&1 | tail -n 3 | tee $OUT/self_prompts.json
+  echo "== answer them, budget ${SELF_REGEN_S:-150} s [t=$(el)]"
+  REGEN_CMD="python3 -m eyas.train.distill_data --model smollm2 --data $W/self_prompts.jsonl.gz \
+    --out $W/self_regen.jsonl.gz --max-tokens ${SELF_MAX_TOKENS:-512} --batch-size 256 --max-turns 1 --max-prompt-tokens 1024 \
+    --time-budget ${SELF_REGEN_S:-150} --no-progress"
+  $REGEN_CMD ${REGEN_SPEC:-} > $W/self_regen.log 2>&1 || { echo "(speculative regeneration failed: plain)";
+    tail -n 5 $W/self_regen.log; $REGEN_CMD > $W/self_regen.log 2>&1; }
+  tail -n 3 $W/self_regen.log | tee $OUT/self_regen.json
+  cp $W/self_prompts.jsonl.gz $W/self_regen.jsonl.gz $OUT/ 2>/dev/null
+  SELF="$W/self_regen.jsonl.gz"
+fi
+DATA="$W/regen.jsonl.gz $SELF $(ls $S/sharegpt-train-*.jsonl.gz 2>/dev/null | tr '\n' ' ')"
 echo "== data: $DATA"
 # TRAIN_ARGS: the run's own options (e.g. "--layers 1 --unroll 3 --init eyas/drafts/smollm2 --lr 4e-4"); the probe
 # runs with the same ones, so that its speed is the run's
