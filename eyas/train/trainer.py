@@ -174,7 +174,7 @@ def init_from_checkpoint(draft: EagleDraft, path: Path) -> None:
         raise ValueError(f"--init {path} reads feature layers {list(icfg.feature_layers)}, "
                          f"--feature-layers says {None if fl is None else list(fl)}")
     st = {k.removeprefix("model."): v.float() for k, v in load_weights(path, True).items()}
-    missing, unexpected = draft.load_state_dict(st, strict=False)
+    _, unexpected = draft.load_state_dict(st, strict=False)
     unexpected = [k for k in unexpected if k not in ("embed_tokens.weight", "lm_head.weight")]  # shared with the target
     if unexpected:
         raise ValueError(f"--init {path}: weights this draft does not have: {unexpected[:4]}")
@@ -654,7 +654,8 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
     summary_common = {
         "target": cfg.target, "data": [str(p) for p in cfg.data], "train_conversations": len(train_examples),
         "heldout_conversations": len(heldout_examples), "epochs": cfg.epochs, "steps": step, "schedule_steps": total,
-        "warmup_steps": warmup, "finished": stopped is None, "stopped": stopped, "tokens_seen": tokens_seen,
+        "warmup_steps": warmup, "finished": stopped is None, "stopped": stopped, "init": cfg.init,
+        "tokens_seen": tokens_seen,
         "train_seconds": round(train_time, 2), "tokens_per_second": round(tokens_seen / max(train_time, 1e-9), 1),
         "wall_seconds": round(time.perf_counter() - t_start, 2),
         "load_seconds": round(t_loaded - t_start, 2), "data_seconds": round(t_data - t_loaded, 2),
