@@ -288,6 +288,7 @@ def test_init_grows_deeper_drafts_that_start_as_the_checkpoint(tiny_setup, tmp_p
         assert (m["loss"], m["acc_by_depth"], m["tpc_chain:3"]) == (ref["loss"], ref["acc_by_depth"],
                                                                       ref["tpc_chain:3"]), L
     train(_cfg(tdir, data, tmp_path / "s", layers=[2], tpc_prompts=0, save_dtype="float32", **kw), target)
+    assert json.loads((tmp_path / "s" / "training.json").read_text())["init"] == str(tmp_path / "d1")
     w = load_file(str(tmp_path / "s" / "model.safetensors"))
     assert w["layers.1.self_attn.o_proj.weight"].abs().max() > 0 and w["layers.1.mlp.down_proj.weight"].abs().max() > 0
     with pytest.raises(ValueError, match="more than"):
@@ -398,3 +399,16 @@ def test_fast_target_gives_the_reference_features(tiny_setup, monkeypatch):
     assert calls and hasattr(fast.model.layers[0].self_attn, "qkv_proj")  # the fused path did run
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.xz"])
+def test_conversation_files_round_trip_plain_gzip_and_xz(tmp_path, suffix):
+    from eyas.train.data import open_text_out, read_jsonl
+    recs = [{"id": i, "conversations": [{"role": "user", "content": f"q{i} é"}]} for i in range(3)]
+    path = tmp_path / "sub" / f"data{suffix}"
+    with open_text_out(path) as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
+    assert list(read_jsonl(path)) == recs
+    magic = path.read_bytes()[:6]
+    assert magic[:2] == b"\x1f\x8b" if suffix.endswith(".gz") else True
+    assert magic == b"\xfd7zXZ\x00" if suffix.endswith(".xz") else True

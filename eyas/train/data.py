@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import lzma
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,10 +46,24 @@ class Example:
 
 
 def open_text(path: str | Path) -> io.TextIOBase:
+    """A text file for reading, gzip- (.gz) or xz-compressed (.xz; a third smaller for conversations) or plain."""
     path = Path(path)
     if path.suffix == ".gz":
         return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    if path.suffix == ".xz":
+        return io.TextIOWrapper(lzma.open(path, "rb"), encoding="utf-8")
     return open(path, encoding="utf-8")
+
+
+def open_text_out(path: str | Path) -> io.TextIOBase:
+    """A text file for writing (its directory created), compressed as `open_text` reads it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".gz":
+        return gzip.open(path, "wt", encoding="utf-8")
+    if path.suffix == ".xz":
+        return lzma.open(path, "wt", encoding="utf-8")
+    return open(path, "w", encoding="utf-8")
 
 
 def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[dict]:

@@ -9,22 +9,13 @@ The output has the input's layout (`{"id", "conversations": [...]}`) plus `"rege
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 import time
-from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from eyas.train.data import normalize_messages, read_jsonl
-
-
-def _open_out(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".gz":
-        return gzip.open(path, "wt", encoding="utf-8")
-    return open(path, "w", encoding="utf-8")
+from eyas.train.data import normalize_messages, open_text_out, read_jsonl
 
 
 def regenerate(llm, conversations: list[list[dict]], params, max_turns: int | None = None,
@@ -100,7 +91,7 @@ def make_distill_data(model: str, data: list[str], out: str, max_tokens: int = 5
     stopped = None
     t_gen = time.perf_counter()
     bar = tqdm(total=len(records), desc="regenerating", unit="conv", disable=not progress)
-    with _open_out(Path(out)) as f:
+    with open_text_out(out) as f:
         for start in range(0, len(records), chunk):
             if time_budget is not None and time.perf_counter() - t_gen >= time_budget:
                 stopped = f"time_budget={time_budget}s"
@@ -138,8 +129,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("make-distill-data", help="regenerate assistant turns with the target itself",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--data", nargs="+", required=True, help="jsonl[.gz] conversation files")
-    p.add_argument("--out", required=True, help="output .jsonl or .jsonl.gz")
+    p.add_argument("--data", nargs="+", required=True, help="jsonl[.gz|.xz] conversation files")
+    p.add_argument("--out", required=True, help="output .jsonl, .jsonl.gz or .jsonl.xz")
     p.add_argument("--max-tokens", type=int, default=512, help="new tokens per assistant turn")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--batch-size", type=int, default=64, help="conversations generated together")

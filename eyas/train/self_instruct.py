@@ -14,13 +14,13 @@ duplicates dropped). The output has the ShareGPT layout (`{"id", "conversations"
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 import time
-from pathlib import Path
 
 from tqdm.auto import tqdm
+
+from eyas.train.data import open_text_out
 
 _SENTINEL = "\x00eyas-user-request\x00"
 
@@ -48,7 +48,7 @@ def make_prompts(model: str, num: int, out: str, temperature: float = 1.0, top_p
                  max_tokens: int = 160, min_chars: int = 16, batch_size: int = 256, seed: int = 0,
                  time_budget: float | None = None, device: str = "auto", dtype: str = "auto",
                  progress: bool = True) -> dict:
-    """Write up to `num` distinct self-written user prompts to `out` (.jsonl or .jsonl.gz). Requests go to the engine
+    """Write up to `num` distinct self-written user prompts to `out` (.jsonl, .jsonl.gz or .jsonl.xz). Requests go to the engine
     in chunks of 4 x batch_size with one seed each (`seed`-derived), until `num` are kept, 8 x num have been tried,
     or `time_budget` seconds have passed (what is kept so far is written)."""
     from eyas import LLM, SamplingParams
@@ -65,11 +65,9 @@ def make_prompts(model: str, num: int, out: str, temperature: float = 1.0, top_p
     tried = generated = 0
     stopped = None
     chunk = 4 * batch_size
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=num, desc="writing prompts", unit="prompt", disable=not progress)
     t_gen = time.perf_counter()
-    with (gzip.open(path, "wt", encoding="utf-8") if path.suffix == ".gz" else open(path, "w", encoding="utf-8")) as f:
+    with open_text_out(out) as f:
         while len(seen) < num:
             if tried >= 8 * num:
                 stopped = f"tried {tried} requests"
@@ -106,7 +104,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--num", type=int, required=True, help="distinct prompts to write")
-    p.add_argument("--out", required=True, help="output .jsonl or .jsonl.gz (the ShareGPT layout)")
+    p.add_argument("--out", required=True, help="output .jsonl[.gz|.xz] (the ShareGPT layout)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--max-tokens", type=int, default=160, help="longest prompt; longer ones are dropped")
