@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from eyas.bench.latency import split_modes
+from eyas.bench.latency import split_modes, spread
 from eyas.cli import main
 from helpers import write_mirror_pair
 
@@ -13,6 +13,14 @@ def test_split_modes_keeps_a_dispatch_together():
     assert split_modes("plain,chain:3,dispatch:1=tree:8,16=plain,tree:16") == [
         "plain", "chain:3", "dispatch:1=tree:8,16=plain", "tree:16"]
     assert split_modes("dispatch:2=chain:4,8=plain") == ["dispatch:2=chain:4,8=plain"]
+
+
+def test_spread_takes_one_prompt_per_category_of_mt_bench():
+    assert spread(80, 8) == [0, 10, 20, 30, 40, 50, 60, 70]
+    assert spread(3, 5) == [0, 1, 2, 0, 1] and spread(10, 1) == [0]
+    for total, n in [(80, 7), (13, 5), (100, 33)]:
+        idx = spread(total, n)
+        assert len(set(idx)) == n and all(0 <= i < total for i in idx)
 
 
 def test_bench_latency_writes_json_markdown_and_plot(tmp_path):

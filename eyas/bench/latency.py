@@ -32,13 +32,22 @@ def load_models(model: str, draft: str | None, device, dtype):
     return llm.target, llm.tokenizer, llm.draft, False
 
 
+def spread(total: int, n: int) -> list[int]:
+    """n indices spread evenly over range(total) (all of them, cycled, when n >= total): 8 of MT-Bench's 80
+    questions, which come sorted by category, ten each, are one question of each category."""
+    if n >= total:
+        return [i % total for i in range(n)]
+    return [i * total // n for i in range(n)]
+
+
 def make_prompts(tokenizer, vocab: int, n: int, context: int, prompts_file: str | None) -> list[list[int]]:
     if tokenizer is not None and prompts_file:
         from eyas.bench.tpc import read_prompts
         qs = read_prompts(prompts_file)
-        ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q["text"]}]))
-               for q in qs]
-        return [ids[i % len(ids)] for i in range(n)]
+        if not qs:
+            raise ValueError(f"no prompts in {prompts_file}")
+        return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": qs[i]["text"]}]))
+                for i in spread(len(qs), n)]
     g = torch.Generator().manual_seed(0)
     return [torch.randint(10, vocab, (context,), generator=g).tolist() for _ in range(n)]
 
@@ -82,10 +91,11 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
     # waves of `batch` requests until `num_prompts` prompts ran (one wave when the batch is larger): at batch 1 a
     # single prompt would make the row the acceptance of that one prompt
     waves = max(1, -(-num_prompts // batch))
+    order = spread(len(prompts), waves * batch)  # spread over the prompt list (its categories), not its head
     ttft = decode_s = total_s = per_seq_tokens = 0.0
     tokens = calls = decode_tokens = steps = 0
     for w in range(waves):
-        wave = [prompts[(w * batch + i) % len(prompts)] for i in range(batch)]
+        wave = [prompts[order[w * batch + i]] for i in range(batch)]
         sync()
         steps0 = engine.step_counts["decode"]
         t0 = time.perf_counter()

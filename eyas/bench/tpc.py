@@ -35,7 +35,7 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
         elif "prompt" in rec:
             text = rec["prompt"]
         else:
-            msgs = normalize_messages(rec) or []
+            msgs = normalize_messages(rec, need_assistant=False) or []
             users = [m["content"] for m in msgs if m["role"] == "user"]
             if not users:
                 continue
