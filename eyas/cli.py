@@ -119,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def subcommand_main(add_parser, command: str, module: str, argv: list[str] | None = None) -> int:
+    """`python -m MODULE ARGS` for a module that registers one eyas subcommand with `add_parser`: parses ARGS as
+    `eyas COMMAND ARGS` does and runs it (errors propagate, for the module's own callers and tests)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args([command, *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 from tqdm.auto import tqdm
@@ -127,11 +126,8 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eyas.train.self_instruct")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["make-prompts", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
-
+    from eyas.cli import subcommand_main
+    return subcommand_main(add_parser, "make-prompts", "eyas.train.self_instruct", argv)
 
 if __name__ == "__main__":
     raise SystemExit(main())

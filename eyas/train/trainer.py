@@ -776,11 +776,8 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eyas.train.trainer")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["train-draft", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
-
+    from eyas.cli import subcommand_main
+    return subcommand_main(add_parser, "train-draft", "eyas.train.trainer", argv)
 
 if __name__ == "__main__":
     sys.exit(main())
