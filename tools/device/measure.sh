@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Call 3 of tools/device/README.md: wait for the draft training(s), then measure TPC on MT-Bench (TPC_SPECS presets,
 # TPC_TEMPS temperatures; every draft trained, layers-N of multi-draft runs included) and SmolLM2 latency with the draft
-# of the best chain:3 TPC. At most 8 files come back: each run's drafts travel as one tar.
+# of the best chain:3 TPC. At most 8 files come back: the best draft travels as a tar in 6 MB parts.
 set -u
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 S=${S:-/root/stage}; W=${W:-/root/w}; mkdir -p $OUT
@@ -16,10 +16,7 @@ DRAFTS=""
 for t in t1 t2; do
   # a run of one draft writes t/, of several t/layers-N/
   DS=$(cd $W && ls $t/model.safetensors $t/layers-*/model.safetensors 2>/dev/null | xargs -r -n1 dirname)
-  if [ -n "$DS" ]; then
-    (cd $W && tar cf $OUT/draft_$t.tar $(for d in $DS; do echo $d/model.safetensors $d/config.json $d/training.json; done))
-    for d in $DS; do DRAFTS="$DRAFTS $W/$d"; done
-  fi
+  for d in $DS; do DRAFTS="$DRAFTS $W/$d"; done
 done
 (cd $W && tar czf $OUT/train_logs.tar.gz t1/metrics.jsonl t2/metrics.jsonl t1/training.json t2/training.json train.log \
   train2.log probe/training.json 2>/dev/null)
@@ -41,6 +38,10 @@ print(max(rows, key=lambda r: r["tpc"])["draft"])
 PY
 )
 echo "== best draft by chain:3 at T=0: $D"
+# only the best draft comes back ($OUT returns at most 8 files, each up to a size limit that a 28 MB tar exceeded):
+# a tar in 6 MB parts, joined with `cat best_draft.tar.part* > best_draft.tar`
+[ "$D" != default ] && (cd $(dirname $D) && tar cf - $(basename $D)/model.safetensors $(basename $D)/config.json \
+  $(basename $D)/training.json | split -b 6M -d - $OUT/best_draft.tar.part)
 echo "== latency [t=$(el)]"
 timeout $(( 565 - $(el) )) python3 -m eyas.cli bench latency --model smollm2 --draft $D \
   --modes plain,chain:3,tree:8,tree:mc_sim_7b_63 --batch-sizes 1,4 --num-prompts 8 --max-tokens 128 \

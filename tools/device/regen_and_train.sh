@@ -11,15 +11,17 @@ if [ -z "${STAGED:-}" ]; then  # STAGED=1: a dry run where SmolLM2 loads from th
   cat $S/part_aa .stage/b/part_ab > $S/smollm2.gguf && rm $S/part_aa
   echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $S/smollm2.gguf" | sha256sum -c || exit 1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .stage/b/*.whl || exit 1
-  cp .stage/c3/* .stage/b/question.jsonl $S/
+  cp .stage/${STAGE_C:-c3}/* .stage/b/question.jsonl $S/   # STAGE_C: the data folder carried with .stage/b
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TOKENIZERS_PARALLELISM=true
 [ -f $S/smollm2.gguf ] && export EYAS_SMOLLM2_GGUF=$S/smollm2.gguf
 if [ -n "${REGEN_FILE:-}" ]; then
   echo "== regenerated data carried: $REGEN_FILE [t=$(el)]"
-  cp $REGEN_FILE $W/regen.jsonl.gz || exit 1
+  REGEN=$W/$(basename $REGEN_FILE)   # .jsonl.gz or .jsonl.xz
+  cp $REGEN_FILE $REGEN || exit 1
 else
   echo "== regenerate [t=$(el)]"
+  REGEN=$W/regen.jsonl.gz
   python3 -m eyas.train.distill_data --model smollm2 --data $S/p1.jsonl.gz $S/p2.jsonl.gz --out $W/regen.jsonl.gz \
     --max-tokens 512 --batch-size 256 --max-turns 1 --max-prompt-tokens 1024 --time-budget ${REGEN_S:-190} \
     --no-progress 2>&1 | tail -n 5 | tee $OUT/regen.json
@@ -42,7 +44,7 @@ if [ -n "${SELF_PROMPTS:-}" ]; then
   cp $W/self_prompts.jsonl.gz $W/self_regen.jsonl.gz $OUT/ 2>/dev/null
   SELF="$W/self_regen.jsonl.gz"
 fi
-DATA="$W/regen.jsonl.gz $SELF $(ls $S/sharegpt-train-*.jsonl.gz 2>/dev/null | tr '\n' ' ')"
+DATA="$REGEN $SELF $(ls $S/sharegpt-train-*.jsonl.gz 2>/dev/null | tr '\n' ' ')"
 echo "== data: $DATA"
 # TRAIN_ARGS: the run's own options (e.g. "--layers 1 --unroll 3 --init eyas/drafts/smollm2 --lr 4e-4"); the probe
 # runs with the same ones, so that its speed is the run's
