@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from eyas.bench.latency import split_modes, spread
+from eyas.bench.latency import rates_from_tpc_report, split_modes, spread
 from eyas.cli import main
 from helpers import write_mirror_pair
 
@@ -21,6 +21,24 @@ def test_spread_takes_one_prompt_per_category_of_mt_bench():
     for total, n in [(80, 7), (13, 5), (100, 33)]:
         idx = spread(total, n)
         assert len(set(idx)) == n and all(0 <= i < total for i in idx)
+
+
+def test_accept_rates_from_a_tpc_report(tmp_path):
+    """Conditional per-depth rates from the longest chain at T=0 of one draft's `eyas bench tpc` report."""
+    def row(spec, t, acc, draft="d"):
+        return {"speculation": spec, "temperature": t, "acceptance_by_depth": acc, "draft": draft}
+    rows = [row("chain:3", 0.0, [0.6, 0.3, 0.15]), row("tree:8", 0.0, [0.9, 0.8, 0.7, 0.6]),
+            row("chain:5", 0.0, [0.5, 0.4, 0.2, 0.1, 0.0]), row("chain:5", 1.0, [0.2, 0.1, 0.05, 0.0, 0.0])]
+    path = tmp_path / "tpc.json"
+    path.write_text(json.dumps({"results": rows}))
+    assert rates_from_tpc_report(path) == pytest.approx([0.5, 0.8, 0.5, 0.5])  # stops where nothing was accepted
+    assert rates_from_tpc_report(path, 1.0) == pytest.approx([0.2, 0.5, 0.5])
+    path.write_text(json.dumps({"results": rows + [row("chain:3", 0.0, [0.7, 0.5, 0.4], "other")]}))
+    with pytest.raises(ValueError, match="several drafts"):
+        rates_from_tpc_report(path)
+    path.write_text(json.dumps({"results": [row("tree:8", 0.0, [0.9])]}))
+    with pytest.raises(SystemExit, match="no chain"):
+        main(["bench", "latency", "--model", "llama-3.1-8b-shape", "--accept-rates", str(path)])
 
 
 def test_bench_latency_writes_json_markdown_and_plot(tmp_path):

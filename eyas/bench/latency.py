@@ -32,6 +32,30 @@ def load_models(model: str, draft: str | None, device, dtype):
     return llm.target, llm.tokenizer, llm.draft, False
 
 
+def rates_from_tpc_report(path: str | Path, temperature: float = 0.0) -> list[float]:
+    """Per-depth conditional acceptance rates recorded by `eyas bench tpc` (its tpc.json) for one draft: from the
+    longest chain measured at `temperature`, rate_d = acc_d / acc_{d-1} (acc_0 = 1), the chance that depth d is
+    accepted once depth d-1 was. This replays a real draft's profile on random-weight shapes."""
+    report = json.loads(Path(path).read_text())
+    rows = [r for r in report.get("results", []) if r["speculation"].startswith("chain:")
+            and abs(r["temperature"] - temperature) < 1e-9]
+    drafts = sorted({str(r.get("draft")) for r in rows})
+    if not rows:
+        raise ValueError(f"{path}: no chain measured at temperature {temperature}")
+    if len(drafts) > 1:
+        raise ValueError(f"{path} holds several drafts ({', '.join(drafts)}): give a report of one")
+    acc = max(rows, key=lambda r: len(r["acceptance_by_depth"]))["acceptance_by_depth"]
+    rates, prev = [], 1.0
+    for a in acc:
+        if a <= 0 or prev <= 0:
+            break
+        rates.append(min(a / prev, 1.0))
+        prev = a
+    if not rates:
+        raise ValueError(f"{path}: nothing was accepted at depth 1")
+    return rates
+
+
 def spread(total: int, n: int) -> list[int]:
     """n indices spread evenly over range(total) (all of them, cycled, when n >= total): 8 of MT-Bench's 80
     questions, which come sorted by category, ten each, are one question of each category."""
@@ -183,7 +207,10 @@ def run(args) -> int:
         batches = [int(b) for b in args.batch_sizes.split(",")]
         if not batches or min(batches) < 1:
             raise ValueError("batch sizes must be >= 1")
-        accept = [float(x) for x in args.accept_rates.split(",")]
+        if Path(args.accept_rates).is_file():
+            accept = rates_from_tpc_report(args.accept_rates)
+        else:
+            accept = [float(x) for x in args.accept_rates.split(",")]
         if args.num_prompts < 1:
             raise ValueError("--num-prompts must be >= 1")
         if args.draft_vocab < 0:
@@ -242,7 +269,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=1024, help="prompt length for random-weight models")
     p.add_argument("--prompts", default=None, help="MT-Bench question.jsonl (first turns) for real models")
     p.add_argument("--accept-rates", default="0.8",
-                   help="simulated acceptance: per-depth conditional rates, comma-separated (random weights)")
+                   help="simulated acceptance (random weights): per-depth conditional rates, comma-separated, or "
+                        "an `eyas bench tpc` tpc.json of one draft (its longest chain at T=0)")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="random-weight shapes: the draft proposes only this many token ids (the cost of a reduced "
                         "draft vocabulary; acceptance stays simulated)")
