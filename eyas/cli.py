@@ -1,4 +1,4 @@
-"""The `eyas` command line: generate, serve, bench, train-draft, make-distill-data, make-prompts, make-draft-vocab."""
+"""The `eyas` command line: generate, serve, bench, train-draft, and the make-* tools for drafts and their data."""
 from __future__ import annotations
 
 import argparse
@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for module, attr in (("eyas.serve.api_server", "add_serve_parser"), ("eyas.train.trainer", "add_parser"),
                          ("eyas.train.distill_data", "add_parser"), ("eyas.train.self_instruct", "add_parser"),
+                         ("eyas.spec.tree_builder", "add_parser"),
                          ("eyas.spec.draft_vocab", "add_parser"),
                          ("eyas.bench.cli", "add_parser")):
         try:

@@ -1,0 +1,171 @@
+"""`eyas make-tree`: a static speculation tree fitted to a draft, from the ranks its proposals take on real text.
+
+At temperature 0 a step commits the deepest tree node whose whole path of ranks matches the target's greedy tokens.
+For a chain rooted at position t of a text the target wrote itself, let r_d be the rank, in the draft's proposal at
+depth d, of the target's greedy token there, the draft having read the true tokens up to it (exactly what the draft
+computes on the tree path that matches them). A tree (an ancestor-closed set of rank paths) then accepts
+`sum over its nodes of 1[(r_1..r_d) == node]` tokens at t, so its expected accepted length is the sum of its nodes'
+frequencies among the roots' rank paths, and TPC = 1 + that. The N most frequent rank-path prefixes are the best tree
+of N nodes for this objective (a prefix is at least as frequent as its extensions, so they are ancestor-closed), which
+`best_tree` picks. EAGLE's `mc_sim_7b_63` was fitted the same way to Vicuna-7B's draft; this fits ours.
+
+`rank_paths` reads the ranks off the draft's unrolled streams (`eyas.train.trainer.unrolled_streams`: stream d at
+index p is the draft's d-th chain step along the true tokens, rooted at p - d + 1), one target pass per batch.
+The estimate averages over every position; a decode step is rooted only where the previous step ended, so measured
+TPC differs somewhat (`docs/benchmarks.md` compares the two).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+MISS = -1  # rank path entry: the target's token was not among the draft's top `max_rank` proposals
+
+
+@torch.no_grad()
+def rank_paths(target, draft, examples, depth: int, max_rank: int, batch_tokens: int = 8192) -> torch.Tensor:
+    """[R, depth] int64: for every root t whose first prediction is an assistant token, the rank of the target's
+    greedy token among the draft's proposals at depths 1..depth (MISS past `max_rank`, or where the chain leaves the
+    text or its assistant part, and after the first MISS)."""
+    from eyas.train.data import collate
+    from eyas.train.trainer import draft_inputs, unrolled_streams
+
+    dev = next(target.parameters()).device
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]))
+    out = []
+    i = 0
+    while i < len(order):
+        j = i + 1
+        while j < len(order) and (j - i + 1) * len(examples[order[j]]) <= batch_tokens:
+            j += 1
+        ids, amask = collate(examples, order[i:j])
+        ids, amask = ids.to(dev), amask.to(dev)
+        i = j
+        emb, feats, pos, h_next, lmask = draft_inputs(target, ids, amask, draft.feature_layers)
+        streams = unrolled_streams(draft, emb, feats.to(emb.dtype), pos, depth)
+        t_arg = target.compute_logits(h_next).argmax(-1)  # [B, T-1]: the target's token predicted at each index
+        B, T1 = t_arg.shape
+        ranks = torch.full((B, T1, depth), MISS, dtype=torch.long, device=dev)  # [root t, depth d]
+        for d, s in enumerate(streams):  # stream d+1 at index p is depth d+1 of the chain rooted at p - d
+            logits = target.compute_logits(s.to(h_next.dtype))
+            own = logits.gather(-1, t_arg[..., None])
+            r = (logits > own).sum(-1)  # [B, T-1] rank of the target's token
+            r = torch.where((r < max_rank) & lmask, r, torch.full_like(r, MISS))
+            ranks[:, : T1 - d, d] = r[:, d:]
+        roots = lmask.clone()
+        paths = ranks[roots]  # [R, depth]
+        # after the first miss nothing deeper can be accepted
+        missed = (paths == MISS).cumsum(-1) > 0
+        out.append(torch.where(missed, torch.full_like(paths, MISS), paths).cpu())
+    return torch.cat(out) if out else torch.zeros(0, depth, dtype=torch.long)
+
+
+def prefix_counts(paths: torch.Tensor) -> Counter:
+    """How many roots each rank-path prefix (a tree node) matches."""
+    c: Counter = Counter()
+    for row in paths.tolist():
+        pre: tuple[int, ...] = ()
+        for r in row:
+            if r == MISS:
+                break
+            pre = pre + (r,)
+            c[pre] += 1
+    return c
+
+
+def best_tree(paths: torch.Tensor, num_nodes: int, max_depth: int | None = None,
+              min_count: int = 1) -> list[list[int]]:
+    """The `num_nodes` most frequent rank-path prefixes (at most `max_depth` deep, matched by >= `min_count` roots):
+    the tree of that size with the largest expected accepted length on these paths. Ties go to the shallower, then
+    the lexicographically smaller path, which keeps the set ancestor-closed."""
+    if num_nodes < 1:
+        raise ValueError("a tree needs at least one node")
+    c = prefix_counts(paths)
+    cand = [(p, n) for p, n in c.items() if n >= min_count and (max_depth is None or len(p) <= max_depth)]
+    cand.sort(key=lambda pn: (-pn[1], len(pn[0]), pn[0]))
+    return [list(p) for p, _ in cand[:num_nodes]]
+
+
+def expected_tpc(paths: torch.Tensor, tree: list[list[int]]) -> float:
+    """1 + the mean accepted length of `tree` over the roots' rank paths (greedy)."""
+    if len(paths) == 0:
+        return 1.0
+    c = prefix_counts(paths)
+    return 1.0 + sum(c.get(tuple(p), 0) for p in tree) / len(paths)
+
+
+def make_tree(model: str, draft: str, data: list[str], out: str, nodes: list[int], max_depth: int = 8,
+              max_rank: int = 10, min_count: int = 3, limit: int | None = None, device: str = "auto",
+              dtype: str = "auto", compare: list[str] | None = None) -> dict:
+    """Fit trees of each size in `nodes` to `draft` on the conversations of `data` (the target's own answers, e.g.
+    `eyas make-distill-data` output, kept out of the draft's training); writes `out` (one size: a JSON list of paths,
+    which `--speculation` takes; several: OUT_STEM-N.json each) and returns the fit, with the expected TPC of the
+    `compare` speculations (`chain:K`, `tree:NAME`) on the same paths."""
+    from eyas.loader.eagle import load_draft
+    from eyas.loader.resolve import load_target, resolve_device, resolve_dtype
+    from eyas.spec.tree import resolve_tree
+    from eyas.train.data import load_examples
+
+    dev = resolve_device(device)
+    target, tok = load_target(model, dev, resolve_dtype(dtype, dev))
+    d = load_draft(draft, target).to(dev).eval()
+    exs = load_examples(data, tok, limit=limit, workers=1)
+    if not exs:
+        raise ValueError(f"no usable conversations in {data}")
+    paths = rank_paths(target, d, exs, max_depth, max_rank)
+    res = {"roots": len(paths), "conversations": len(exs), "max_depth": max_depth, "max_rank": max_rank,
+           "min_count": min_count, "trees": {}, "compare": {}}
+    outp = Path(out)
+    outp.parent.mkdir(parents=True, exist_ok=True)
+    for n in nodes:
+        tree = best_tree(paths, n, max_depth, min_count)
+        path = outp if len(nodes) == 1 else outp.with_name(f"{outp.stem}-{n}{outp.suffix or '.json'}")
+        path.write_text(json.dumps(tree) + "\n")
+        res["trees"][str(n)] = {"file": str(path), "nodes": len(tree), "depth": max(len(p) for p in tree),
+                                "expected_tpc": round(expected_tpc(paths, tree), 4)}
+    for spec in compare or []:
+        t = resolve_tree(spec)
+        res["compare"][spec] = round(expected_tpc(paths, [list(p) for p in t.paths]), 4)
+    return res
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `make-tree` on the eyas CLI's subparsers."""
+    p = subparsers.add_parser("make-tree", help="fit a static speculation tree to a draft",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--draft", default="default")
+    p.add_argument("--data", nargs="+", required=True,
+                   help="conversations answered by the target itself (make-distill-data output), not trained on")
+    p.add_argument("--out", required=True, help="tree JSON (with several --nodes: OUT_STEM-N.json each)")
+    p.add_argument("--nodes", type=int, nargs="+", default=[64])
+    p.add_argument("--max-depth", type=int, default=8)
+    p.add_argument("--max-rank", type=int, default=10, help="proposals per node considered")
+    p.add_argument("--min-count", type=int, default=3, help="keep nodes matched by at least this many roots")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--compare", nargs="*", default=["chain:3", "tree:8", "tree:16", "tree:mc_sim_7b_63"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    if min(args.nodes) < 1 or args.max_depth < 1 or args.max_rank < 1:
+        raise ValueError("--nodes, --max-depth and --max-rank must be >= 1")
+    print(json.dumps(make_tree(args.model, args.draft, args.data, args.out, args.nodes, args.max_depth, args.max_rank,
+                               args.min_count, args.limit, args.device, args.dtype, args.compare), indent=2))
+    return 0
+
+
+def main(argv=None) -> int:
+    from eyas.cli import subcommand_main
+    return subcommand_main(add_parser, "make-tree", "eyas.spec.tree_builder", argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

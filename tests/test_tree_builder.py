@@ -1,0 +1,124 @@
+"""`eyas make-tree`: trees fitted to a draft from the ranks of the target's tokens among its proposals."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from eyas import LLM, SamplingParams
+from eyas.loader.eagle import load_draft
+from eyas.loader.resolve import load_target
+from eyas.spec.tree import resolve_tree
+from eyas.spec.tree_builder import MISS, best_tree, expected_tpc, main, prefix_counts, rank_paths
+from eyas.train.data import Example
+
+from helpers import write_mirror_pair
+
+
+def _random_paths(n, depth, max_rank, seed):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randint(0, max_rank, (n, depth), generator=g)
+    # skewed towards rank 0, with misses that cut the path
+    p = torch.where(torch.rand(n, depth, generator=g) < 0.5, torch.zeros_like(p), p)
+    p = torch.where(torch.rand(n, depth, generator=g) < 0.15, torch.full_like(p, MISS), p)
+    return torch.where((p == MISS).cumsum(-1) > 0, torch.full_like(p, MISS), p)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_best_tree_is_the_best_by_enumeration(seed):
+    """Among all ancestor-closed sets of N rank paths (depth <= 3, ranks < 3), none accepts more on these paths."""
+    paths = _random_paths(60, 3, 3, seed)
+    universe = [p for d in (1, 2, 3) for p in itertools.product(range(3), repeat=d)]
+    c = prefix_counts(paths)
+    for n in (1, 3, 4):
+        tree = best_tree(paths, n)
+        assert len(tree) == n and all(tuple(p[:-1]) in {tuple(q) for q in tree} | {()} for p in tree)  # closed
+        best = max(sum(c.get(p, 0) for p in sub) for sub in itertools.combinations(universe, n)
+                   if all(p[:-1] == () or p[:-1] in sub for p in sub))
+        assert sum(c.get(tuple(p), 0) for p in tree) == best
+        assert expected_tpc(paths, tree) == pytest.approx(1 + best / len(paths))
+    assert all(len(p) <= 2 for p in best_tree(paths, 8, max_depth=2))
+
+
+@pytest.fixture(scope="module")
+def pair_and_text(tmp_path_factory):
+    """The mirror pair with noise on its draft's layer weights (its proposals are then often, not always, the
+    target's: ranks 0 to 3 all occur) and a greedy text of the target: prompt + 60 tokens."""
+    from safetensors.torch import load_file, save_file
+    tdir, ddir = write_mirror_pair(tmp_path_factory.mktemp("mirror"), vocab=24, layers=2)
+    w = load_file(str(ddir / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    for k, v in w.items():
+        if k.startswith("layers.") and v.dim() == 2:
+            w[k] = v + 0.3 * torch.randn(v.shape, generator=g) / v.shape[1] ** 0.5
+    save_file(w, str(ddir / "model.safetensors"))
+    prompt = [3, 7, 1, 12, 5]
+    out = LLM(str(tdir), device="cpu", dtype="float32").generate(
+        prompt, SamplingParams(max_tokens=60, ignore_eos=True))[0].token_ids
+    return tdir, ddir, prompt, out
+
+
+def _walk(path_at, tree, first_root, max_tokens):
+    """What a greedy speculative decode does with `tree`: from each step's root, accept the longest tree path that
+    the rank path matches, commit it plus the bonus token. -> (target calls, tokens committed by them)."""
+    nodes = {tuple(p) for p in tree}
+    t, produced, calls, committed = first_root, 1, 0, 0  # the prefill produced the first token
+    while produced < max_tokens:
+        a = 0
+        while a < len(path_at[t]) and path_at[t][a] != MISS and tuple(path_at[t][: a + 1]) in nodes:
+            a += 1
+        n = min(a + 1, max_tokens - produced)
+        calls, committed, produced, t = calls + 1, committed + n, produced + n, t + a + 1
+    return calls, committed
+
+
+@pytest.mark.parametrize("spec", ["chain:3", "tree:16", "fitted"])
+def test_rank_paths_predict_the_engines_steps_exactly(pair_and_text, tmp_path, spec):
+    """On the target's own greedy text, replaying the steps over the rank paths gives the engine's target calls and
+    committed tokens exactly (float32, the draft computes the same on the accepted path as along the true tokens)."""
+    tdir, ddir, prompt, out = pair_and_text
+    target, _ = load_target(str(tdir), "cpu", "float32")
+    draft = load_draft(str(ddir), target)
+    ids = prompt + out
+    ex = Example(np.asarray(ids, dtype=np.int32), np.asarray([False] * len(prompt) + [True] * len(out)))
+    depth, max_rank = 6, 4
+    paths = rank_paths(target, draft, [ex], depth, max_rank)
+    # roots: index t is the chain whose depth 1 predicts token t + 2 (an assistant token: t >= len(prompt) - 2)
+    first = len(prompt) - 2
+    assert len(paths) == len(ids) - 2 - first
+    path_at = {first + i: paths[i].tolist() for i in range(len(paths))}
+    top1 = (paths[:, 0] == 0).float().mean()
+    assert 0.3 < top1 < 0.95 and (paths[:, 0] > 0).sum() >= 3, paths[:, 0]  # a draft that is often, not always, right
+    if spec == "fitted":
+        tree = best_tree(paths, 12, max_depth=5)
+        f = tmp_path / "tree.json"
+        f.write_text(json.dumps(tree))
+        spec = str(f)
+    else:
+        tree = [list(p) for p in resolve_tree(spec).paths]
+    M = 40  # the text runs 20 tokens further, so the rank paths of the last roots are complete
+    res = LLM(str(tdir), device="cpu", dtype="float32", draft=str(ddir), speculation=spec).generate(
+        prompt, SamplingParams(max_tokens=M, ignore_eos=True))[0]
+    assert res.token_ids == out[:M]
+    assert (res.stats.target_calls, res.stats.committed) == _walk(path_at, tree, len(prompt) - 1, M)
+
+
+def test_make_tree_writes_trees_the_engine_takes(pair_and_text, tmp_path, capsys):
+    tdir, ddir, prompt, out = pair_and_text
+    data = tmp_path / "answers.jsonl"
+    data.write_text(json.dumps({"input_ids": prompt + out, "loss_mask": [0] * len(prompt) + [1] * len(out)}) + "\n")
+    assert main(["--model", str(tdir), "--draft", str(ddir), "--data", str(data), "--out", str(tmp_path / "t.json"),
+                 "--nodes", "4", "12", "--max-depth", "5", "--max-rank", "4", "--min-count", "1",
+                 "--compare", "chain:3", "--device", "cpu", "--dtype", "float32"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    for n in (4, 12):
+        info = res["trees"][str(n)]
+        tree = resolve_tree(info["file"])
+        assert tree.num_nodes == info["nodes"] == n and tree.max_depth <= 5
+    assert res["trees"]["12"]["expected_tpc"] >= res["trees"]["4"]["expected_tpc"] > 1.0
+    assert res["compare"]["chain:3"] > 1.0
+    with pytest.raises(ValueError, match=">= 1"):
+        main(["--draft", str(ddir), "--data", str(data), "--out", str(tmp_path / "x.json"), "--nodes", "0"])
