@@ -12,7 +12,7 @@ from eyas import LLM, SamplingParams
 from eyas.loader.eagle import load_draft
 from eyas.loader.resolve import load_target
 from eyas.spec.tree import resolve_tree
-from eyas.spec.tree_builder import MISS, best_tree, expected_tpc, main, prefix_counts, rank_paths
+from eyas.spec.tree_builder import MISS, best_tree, expected_tpc, main, prefix_counts, rank_paths, replay
 from eyas.train.data import Example
 
 from helpers import write_mirror_pair
@@ -61,20 +61,6 @@ def pair_and_text(tmp_path_factory):
     return tdir, ddir, prompt, out
 
 
-def _walk(path_at, tree, first_root, max_tokens):
-    """What a greedy speculative decode does with `tree`: from each step's root, accept the longest tree path that
-    the rank path matches, commit it plus the bonus token. -> (target calls, tokens committed by them)."""
-    nodes = {tuple(p) for p in tree}
-    t, produced, calls, committed = first_root, 1, 0, 0  # the prefill produced the first token
-    while produced < max_tokens:
-        a = 0
-        while a < len(path_at[t]) and path_at[t][a] != MISS and tuple(path_at[t][: a + 1]) in nodes:
-            a += 1
-        n = min(a + 1, max_tokens - produced)
-        calls, committed, produced, t = calls + 1, committed + n, produced + n, t + a + 1
-    return calls, committed
-
-
 @pytest.mark.parametrize("spec", ["chain:3", "tree:16", "fitted"])
 def test_rank_paths_predict_the_engines_steps_exactly(pair_and_text, tmp_path, spec):
     """On the target's own greedy text, replaying the steps over the rank paths gives the engine's target calls and
@@ -86,10 +72,8 @@ def test_rank_paths_predict_the_engines_steps_exactly(pair_and_text, tmp_path, s
     ex = Example(np.asarray(ids, dtype=np.int32), np.asarray([False] * len(prompt) + [True] * len(out)))
     depth, max_rank = 6, 4
     paths = rank_paths(target, draft, [ex], depth, max_rank)
-    # roots: index t is the chain whose depth 1 predicts token t + 2 (an assistant token: t >= len(prompt) - 2)
-    first = len(prompt) - 2
-    assert len(paths) == len(ids) - 2 - first
-    path_at = {first + i: paths[i].tolist() for i in range(len(paths))}
+    assert len(paths) == len(out)  # roots P - 2 .. len(ids) - 3: one per answer token
+    assert rank_paths(target, draft, [ex], depth, max_rank, per_example=True)[0].equal(paths)
     top1 = (paths[:, 0] == 0).float().mean()
     assert 0.3 < top1 < 0.95 and (paths[:, 0] > 0).sum() >= 3, paths[:, 0]  # a draft that is often, not always, right
     if spec == "fitted":
@@ -99,11 +83,11 @@ def test_rank_paths_predict_the_engines_steps_exactly(pair_and_text, tmp_path, s
         spec = str(f)
     else:
         tree = [list(p) for p in resolve_tree(spec).paths]
-    M = 40  # the text runs 20 tokens further, so the rank paths of the last roots are complete
-    res = LLM(str(tdir), device="cpu", dtype="float32", draft=str(ddir), speculation=spec).generate(
-        prompt, SamplingParams(max_tokens=M, ignore_eos=True))[0]
-    assert res.token_ids == out[:M]
-    assert (res.stats.target_calls, res.stats.committed) == _walk(path_at, tree, len(prompt) - 1, M)
+    for M in (40, 60):  # 60: the answer's end cuts the last roots' paths, as max_tokens cuts the engine's steps
+        res = LLM(str(tdir), device="cpu", dtype="float32", draft=str(ddir), speculation=spec).generate(
+            prompt, SamplingParams(max_tokens=M, ignore_eos=True))[0]
+        assert res.token_ids == out[:M]
+        assert (res.stats.target_calls, res.stats.committed) == replay(paths, tree, M)
 
 
 def test_make_tree_writes_trees_the_engine_takes(pair_and_text, tmp_path, capsys):
@@ -120,5 +104,14 @@ def test_make_tree_writes_trees_the_engine_takes(pair_and_text, tmp_path, capsys
         assert tree.num_nodes == info["nodes"] == n and tree.max_depth <= 5
     assert res["trees"]["12"]["expected_tpc"] >= res["trees"]["4"]["expected_tpc"] > 1.0
     assert res["compare"]["chain:3"] > 1.0
+    # replayed on other answers (here the same one): chain:3 as the engine measures it
+    assert main(["--model", str(tdir), "--draft", str(ddir), "--data", str(data), "--out", str(tmp_path / "u.json"),
+                 "--nodes", "6", "--max-rank", "4", "--min-count", "1", "--compare", "chain:3",
+                 "--eval-data", str(data), "--device", "cpu", "--dtype", "float32"]) == 0
+    ev = json.loads(capsys.readouterr().out)["eval"]
+    spec = LLM(str(tdir), device="cpu", dtype="float32", draft=str(ddir), speculation="chain:3").generate(
+        prompt, SamplingParams(max_tokens=len(out), ignore_eos=True))[0].stats
+    assert ev["replayed_tpc"]["chain:3"] == round(spec.committed / spec.target_calls, 4)
+    assert ev["answer_tokens"] == len(out) and set(ev["replayed_tpc"]) == {"6", "chain:3"}
     with pytest.raises(ValueError, match=">= 1"):
         main(["--draft", str(ddir), "--data", str(data), "--out", str(tmp_path / "x.json"), "--nodes", "0"])

@@ -27,22 +27,26 @@ MISS = -1  # rank path entry: the target's token was not among the draft's top `
 
 
 @torch.no_grad()
-def rank_paths(target, draft, examples, depth: int, max_rank: int, batch_tokens: int = 8192) -> torch.Tensor:
+def rank_paths(target, draft, examples, depth: int, max_rank: int, batch_tokens: int = 4096,
+               per_example: bool = False):
     """[R, depth] int64: for every root t whose first prediction is an assistant token, the rank of the target's
     greedy token among the draft's proposals at depths 1..depth (MISS past `max_rank`, or where the chain leaves the
-    text or its assistant part, and after the first MISS)."""
+    text or its assistant part, and after the first MISS). Root t's depth 1 proposes token t + 2, so an example
+    whose answer starts at P has roots P - 2, P - 1, ...; the first decode step is rooted at P - 1 (the prefill
+    produced token P). `per_example`: a list of each example's [roots, depth], in the examples' order."""
     from eyas.train.data import collate
     from eyas.train.trainer import draft_inputs, unrolled_streams
 
     dev = next(target.parameters()).device
     order = sorted(range(len(examples)), key=lambda i: len(examples[i]))
-    out = []
+    out: list = [None] * len(examples)
     i = 0
     while i < len(order):
         j = i + 1
         while j < len(order) and (j - i + 1) * len(examples[order[j]]) <= batch_tokens:
             j += 1
-        ids, amask = collate(examples, order[i:j])
+        batch = order[i:j]
+        ids, amask = collate(examples, batch)
         ids, amask = ids.to(dev), amask.to(dev)
         i = j
         emb, feats, pos, h_next, lmask = draft_inputs(target, ids, amask, draft.feature_layers)
@@ -56,12 +60,42 @@ def rank_paths(target, draft, examples, depth: int, max_rank: int, batch_tokens:
             r = (logits > own).sum(-1)  # [B, T-1] rank of the target's token
             r = torch.where((r < max_rank) & lmask, r, torch.full_like(r, MISS))
             ranks[:, : T1 - d, d] = r[:, d:]
-        roots = lmask.clone()
-        paths = ranks[roots]  # [R, depth]
         # after the first miss nothing deeper can be accepted
-        missed = (paths == MISS).cumsum(-1) > 0
-        out.append(torch.where(missed, torch.full_like(paths, MISS), paths).cpu())
+        ranks = torch.where((ranks == MISS).cumsum(-1) > 0, torch.full_like(ranks, MISS), ranks).cpu()
+        lm = lmask.cpu()
+        for b, ex_i in enumerate(batch):
+            out[ex_i] = ranks[b][lm[b]]  # [roots, depth]
+    if per_example:
+        return out
     return torch.cat(out) if out else torch.zeros(0, depth, dtype=torch.long)
+
+
+def replay(paths: torch.Tensor, tree: list[list[int]], max_tokens: int) -> tuple[int, int]:
+    """Greedy speculative decoding with `tree` replayed over one example's rank paths (`rank_paths(per_example=
+    True)`), producing `max_tokens` tokens (the answer's length; the prefill gives the first): each step accepts the
+    longest tree path its root's rank path matches and commits it plus the target's own next token. -> (target calls,
+    tokens they committed), which the engine reproduces exactly (tests/test_tree_builder.py)."""
+    nodes = {tuple(p) for p in tree}
+    rows = paths.tolist()
+    t, produced, calls, committed = 1, 1, 0, 0  # local root 1 = the answer's first token is the last committed one
+    while produced < max_tokens:
+        a = 0
+        row = rows[t] if t < len(rows) else []
+        while a < len(row) and row[a] != MISS and tuple(row[: a + 1]) in nodes:
+            a += 1
+        n = min(a + 1, max_tokens - produced)
+        calls, committed, produced, t = calls + 1, committed + n, produced + n, t + a + 1
+    return calls, committed
+
+
+def replayed_tpc(paths_per_example: list[torch.Tensor], answer_lengths: list[int], tree: list[list[int]]) -> float:
+    """TPC as `eyas bench tpc` sums it (committed over target calls, all requests) for greedy decoding with `tree`,
+    replayed over the rank paths of the target's own answers."""
+    calls = committed = 0
+    for p, n in zip(paths_per_example, answer_lengths):
+        c, k = replay(p, tree, n)
+        calls, committed = calls + c, committed + k
+    return committed / max(calls, 1)
 
 
 def prefix_counts(paths: torch.Tensor) -> Counter:
@@ -100,11 +134,13 @@ def expected_tpc(paths: torch.Tensor, tree: list[list[int]]) -> float:
 
 def make_tree(model: str, draft: str, data: list[str], out: str, nodes: list[int], max_depth: int = 8,
               max_rank: int = 10, min_count: int = 3, limit: int | None = None, device: str = "auto",
-              dtype: str = "auto", compare: list[str] | None = None) -> dict:
+              dtype: str = "auto", compare: list[str] | None = None, eval_data: list[str] | None = None) -> dict:
     """Fit trees of each size in `nodes` to `draft` on the conversations of `data` (the target's own answers, e.g.
     `eyas make-distill-data` output, kept out of the draft's training); writes `out` (one size: a JSON list of paths,
     which `--speculation` takes; several: OUT_STEM-N.json each) and returns the fit, with the expected TPC of the
-    `compare` speculations (`chain:K`, `tree:NAME`) on the same paths."""
+    `compare` speculations (`chain:K`, `tree:NAME`) on the same paths. `eval_data`: the target's greedy answers to
+    other prompts (one assistant turn each, e.g. MT-Bench's, at the bench's max tokens), on which every tree's and
+    speculation's TPC is replayed exactly as the engine would measure it in this dtype."""
     from eyas.loader.eagle import load_draft
     from eyas.loader.resolve import load_target, resolve_device, resolve_dtype
     from eyas.spec.tree import resolve_tree
@@ -127,9 +163,16 @@ def make_tree(model: str, draft: str, data: list[str], out: str, nodes: list[int
         path.write_text(json.dumps(tree) + "\n")
         res["trees"][str(n)] = {"file": str(path), "nodes": len(tree), "depth": max(len(p) for p in tree),
                                 "expected_tpc": round(expected_tpc(paths, tree), 4)}
+    trees = {str(n): json.loads(Path(v["file"]).read_text()) for n, v in res["trees"].items()}
     for spec in compare or []:
-        t = resolve_tree(spec)
-        res["compare"][spec] = round(expected_tpc(paths, [list(p) for p in t.paths]), 4)
+        trees[spec] = [list(p) for p in resolve_tree(spec).paths]
+        res["compare"][spec] = round(expected_tpc(paths, trees[spec]), 4)
+    if eval_data:
+        ev = load_examples(eval_data, tok, workers=1)
+        per = rank_paths(target, d, ev, max_depth, max_rank, per_example=True)
+        lengths = [int(e.mask.sum()) for e in ev]
+        res["eval"] = {"conversations": len(ev), "answer_tokens": sum(lengths),
+                       "replayed_tpc": {k: round(replayed_tpc(per, lengths, t), 4) for k, t in trees.items()}}
     return res
 
 
@@ -148,6 +191,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--min-count", type=int, default=3, help="keep nodes matched by at least this many roots")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--compare", nargs="*", default=["chain:3", "tree:8", "tree:16", "tree:mc_sim_7b_63"])
+    p.add_argument("--eval-data", nargs="*", default=None,
+                   help="the target's greedy answers to other prompts: replay every tree's TPC on them")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.set_defaults(func=run)
@@ -158,7 +203,8 @@ def run(args) -> int:
     if min(args.nodes) < 1 or args.max_depth < 1 or args.max_rank < 1:
         raise ValueError("--nodes, --max-depth and --max-rank must be >= 1")
     print(json.dumps(make_tree(args.model, args.draft, args.data, args.out, args.nodes, args.max_depth, args.max_rank,
-                               args.min_count, args.limit, args.device, args.dtype, args.compare), indent=2))
+                               args.min_count, args.limit, args.device, args.dtype, args.compare, args.eval_data),
+                     indent=2))
     return 0
 
 
