@@ -35,11 +35,11 @@ def _tp_generate(rank: int, world_size: int, device, args) -> None:
     (eyas.dist.TPEngine); rank 0 takes the prompt and prints."""
     from eyas.dist.tp import TPEngine, load_sharded
     from eyas.engine.engine import EngineConfig, LLMEngine
-    from eyas.loader.resolve import default_draft_path, resolve_draft_arg
+    from eyas.loader.resolve import draft_dir, resolve_draft_arg
     from eyas.spec.tree import resolve_tree
     draft = resolve_draft_arg(args.model, args.draft)
-    if draft == "default":
-        draft = str(default_draft_path(args.model))
+    if draft is not None:
+        draft = draft_dir(args.model, draft)
     target, tok, draft_model = load_sharded(args.model, rank, world_size, device, args.dtype, draft=draft)
     tree = resolve_tree(args.speculation) or (resolve_tree("chain:3") if draft_model is not None else None)
     tp = TPEngine(LLMEngine(target, tok, draft_model, tree, EngineConfig()), rank, world_size)

@@ -97,7 +97,7 @@ def bench_tpc(model: str, drafts: list[str], speculations: list[str], prompts_pa
               dtype: str = "auto", batch_size: int = 80, seed: int = 0, out: str | None = None,
               kv_cache_bytes: int | None = None, log=print) -> dict:
     from eyas.loader.eagle import load_draft
-    from eyas.loader.resolve import default_draft_path, load_target
+    from eyas.loader.resolve import draft_dir, load_target
 
     target, tok = load_target(model, device, dtype)
     if tok is None or not tok.chat_template:
@@ -106,13 +106,7 @@ def bench_tpc(model: str, drafts: list[str], speculations: list[str], prompts_pa
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": r["text"]}])) for r in records]
     results = []
     for dname in drafts:
-        path = dname
-        if dname == "default":
-            p = default_draft_path(model)
-            if p is None:
-                raise ValueError(f"no default draft is shipped for model {model!r}")
-            path = str(p)
-        draft = load_draft(path, target)
+        draft = load_draft(draft_dir(model, dname), target)
         for temp in temperatures:  # every speculation at the first temperature first
             for spec in speculations:
                 r = run_one(target, tok, draft, spec, prompts, temp, max_tokens, batch_size, seed, kv_cache_bytes)

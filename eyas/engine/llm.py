@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 from eyas.engine.engine import EngineConfig, LLMEngine
 from eyas.engine.sequence import SpecStats
 from eyas.loader.eagle import load_draft
-from eyas.loader.resolve import default_draft_path, load_target
+from eyas.loader.resolve import draft_dir, load_target
 from eyas.sampling_params import SamplingParams
 from eyas.spec.tree import resolve_tree
 
@@ -34,12 +34,7 @@ class LLM:
                  draft: str | None = None, speculation: str | None = None, **engine_kwargs):
         self.target, self.tokenizer = load_target(model, device, dtype)
         tree = resolve_tree(speculation)
-        if draft == "default":
-            path = default_draft_path(model)
-            if path is None:
-                raise ValueError(f"no default draft is shipped for model {model!r}; pass draft=<EAGLE directory>")
-            draft = str(path)
-        self.draft = load_draft(draft, self.target) if draft is not None else None
+        self.draft = load_draft(draft_dir(model, draft), self.target) if draft is not None else None
         if tree is not None and self.draft is None:
             raise ValueError(f"speculation {speculation!r} needs a draft model (draft=...)")
         if self.draft is not None and tree is None:

@@ -107,6 +107,16 @@ def resolve_draft_arg(model: str, draft: str | None) -> str | None:
     return draft
 
 
+def draft_dir(model: str, draft: str) -> str:
+    """A draft argument as a directory: "default" -> the draft shipped for `model` (a clear error where none is)."""
+    if draft != "default":
+        return draft
+    path = default_draft_path(model)
+    if path is None:
+        raise ValueError(f"no default draft is shipped for model {model!r}; pass draft=<EAGLE directory>")
+    return str(path)
+
+
 def default_draft_path(model: str) -> Path | None:
     if model == DEFAULT_MODEL:
         p = DRAFTS_DIR / "smollm2"
