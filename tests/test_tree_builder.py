@@ -12,7 +12,8 @@ from eyas import LLM, SamplingParams
 from eyas.loader.eagle import load_draft
 from eyas.loader.resolve import load_target
 from eyas.spec.tree import resolve_tree
-from eyas.spec.tree_builder import MISS, best_tree, expected_tpc, main, prefix_counts, rank_paths, replay
+from eyas.spec.tree_builder import (MISS, best_tree, expected_tpc, main, prefix_counts, rank_paths, refit,
+                                    replay, replayed_tpc)
 from eyas.train.data import Example
 
 from helpers import write_mirror_pair
@@ -76,8 +77,9 @@ def test_rank_paths_predict_the_engines_steps_exactly(pair_and_text, tmp_path, s
     assert rank_paths(target, draft, [ex], depth, max_rank, per_example=True)[0].equal(paths)
     top1 = (paths[:, 0] == 0).float().mean()
     assert 0.3 < top1 < 0.95 and (paths[:, 0] > 0).sum() >= 3, paths[:, 0]  # a draft that is often, not always, right
-    if spec == "fitted":
-        tree = best_tree(paths, 12, max_depth=5)
+    if spec == "fitted":  # refit on the roots decoding visits: its replayed TPC is the engine's too
+        tree, tpc = refit([paths], [40], 12, max_depth=5, min_count=1)
+        assert tpc == replayed_tpc([paths], [40], tree) >= replayed_tpc([paths], [40], best_tree(paths, 12, 5))
         f = tmp_path / "tree.json"
         f.write_text(json.dumps(tree))
         spec = str(f)
@@ -102,8 +104,8 @@ def test_make_tree_writes_trees_the_engine_takes(pair_and_text, tmp_path, capsys
         info = res["trees"][str(n)]
         tree = resolve_tree(info["file"])
         assert tree.num_nodes == info["nodes"] == n and tree.max_depth <= 5
-    assert res["trees"]["12"]["expected_tpc"] >= res["trees"]["4"]["expected_tpc"] > 1.0
-    assert res["compare"]["chain:3"] > 1.0
+    assert all(res["trees"][n]["replayed_tpc_on_data"] > 1.0 for n in ("4", "12"))
+    assert res["compare"]["chain:3"]["replayed_tpc_on_data"] > 1.0
     # replayed on other answers (here the same one): chain:3 as the engine measures it
     assert main(["--model", str(tdir), "--draft", str(ddir), "--data", str(data), "--out", str(tmp_path / "u.json"),
                  "--nodes", "6", "--max-rank", "4", "--min-count", "1", "--compare", "chain:3",

@@ -70,22 +70,48 @@ def rank_paths(target, draft, examples, depth: int, max_rank: int, batch_tokens:
     return torch.cat(out) if out else torch.zeros(0, depth, dtype=torch.long)
 
 
+def _steps(paths: torch.Tensor, tree: list[list[int]], max_tokens: int):
+    """The decode steps of greedy speculative decoding with `tree` over one example's rank paths: yields (the root's
+    rank path, tokens the step commits)."""
+    nodes = {tuple(p) for p in tree}
+    rows = paths.tolist()
+    depth = paths.shape[1] if paths.dim() == 2 else 0
+    t, produced = 1, 1  # local root 1 = the answer's first token is the last committed one
+    while produced < max_tokens:
+        row = rows[t] if t < len(rows) else [MISS] * depth
+        a = 0
+        while a < len(row) and row[a] != MISS and tuple(row[: a + 1]) in nodes:
+            a += 1
+        n = min(a + 1, max_tokens - produced)
+        yield row, n
+        produced, t = produced + n, t + a + 1
+
+
 def replay(paths: torch.Tensor, tree: list[list[int]], max_tokens: int) -> tuple[int, int]:
     """Greedy speculative decoding with `tree` replayed over one example's rank paths (`rank_paths(per_example=
     True)`), producing `max_tokens` tokens (the answer's length; the prefill gives the first): each step accepts the
     longest tree path its root's rank path matches and commits it plus the target's own next token. -> (target calls,
     tokens they committed), which the engine reproduces exactly (tests/test_tree_builder.py)."""
-    nodes = {tuple(p) for p in tree}
-    rows = paths.tolist()
-    t, produced, calls, committed = 1, 1, 0, 0  # local root 1 = the answer's first token is the last committed one
-    while produced < max_tokens:
-        a = 0
-        row = rows[t] if t < len(rows) else []
-        while a < len(row) and row[a] != MISS and tuple(row[: a + 1]) in nodes:
-            a += 1
-        n = min(a + 1, max_tokens - produced)
-        calls, committed, produced, t = calls + 1, committed + n, produced + n, t + a + 1
-    return calls, committed
+    steps = [n for _, n in _steps(paths, tree, max_tokens)]
+    return len(steps), sum(steps)
+
+
+def refit(paths_per_example: list[torch.Tensor], answer_lengths: list[int], num_nodes: int,
+          max_depth: int | None = None, min_count: int = 3, rounds: int = 3) -> tuple[list[list[int]], float]:
+    """The best tree of `num_nodes` for the roots decoding actually visits. `best_tree` weighs every position alike,
+    but a step is rooted only where the previous one ended, and positions inside long accepted runs (easy text) are
+    rarely roots: fitting on all positions overrates deep paths. Starting from `best_tree` on all positions, each
+    round refits on the roots that decoding with the current tree visits (its replay); the tree of the highest
+    replayed TPC on these examples is returned, with that TPC."""
+    tree = best_tree(torch.cat(paths_per_example), num_nodes, max_depth, min_count)
+    best = (replayed_tpc(paths_per_example, answer_lengths, tree), tree)
+    for _ in range(rounds):
+        roots = [row for p, n in zip(paths_per_example, answer_lengths) for row, _ in _steps(p, tree, n)]
+        tree = best_tree(torch.tensor(roots, dtype=torch.long), num_nodes, max_depth, max(1, min_count - 1))
+        tpc = replayed_tpc(paths_per_example, answer_lengths, tree)
+        if tpc > best[0]:
+            best = (tpc, tree)
+    return best[1], best[0]
 
 
 def replayed_tpc(paths_per_example: list[torch.Tensor], answer_lengths: list[int], tree: list[list[int]]) -> float:
@@ -134,39 +160,45 @@ def expected_tpc(paths: torch.Tensor, tree: list[list[int]]) -> float:
 
 def make_tree(model: str, draft: str, data: list[str], out: str, nodes: list[int], max_depth: int = 8,
               max_rank: int = 10, min_count: int = 3, limit: int | None = None, device: str = "auto",
-              dtype: str = "auto", compare: list[str] | None = None, eval_data: list[str] | None = None) -> dict:
+              dtype: str = "auto", compare: list[str] | None = None, eval_data: list[str] | None = None,
+              refit_rounds: int = 3) -> dict:
     """Fit trees of each size in `nodes` to `draft` on the conversations of `data` (the target's own answers, e.g.
     `eyas make-distill-data` output, kept out of the draft's training); writes `out` (one size: a JSON list of paths,
     which `--speculation` takes; several: OUT_STEM-N.json each) and returns the fit, with the expected TPC of the
-    `compare` speculations (`chain:K`, `tree:NAME`) on the same paths. `eval_data`: the target's greedy answers to
+    `compare` speculations (`chain:K`, `tree:NAME`) on the same paths. Each tree is `refit` for `refit_rounds`
+    rounds (chosen by its replayed TPC on `data`, never on `eval_data`). `eval_data`: the target's greedy answers to
     other prompts (one assistant turn each, e.g. MT-Bench's, at the bench's max tokens), on which every tree's and
     speculation's TPC is replayed exactly as the engine would measure it in this dtype."""
     from eyas.loader.eagle import load_draft
-    from eyas.loader.resolve import load_target, resolve_device, resolve_dtype
+    from eyas.loader.resolve import draft_dir, load_target, resolve_device, resolve_dtype
     from eyas.spec.tree import resolve_tree
     from eyas.train.data import load_examples
 
     dev = resolve_device(device)
     target, tok = load_target(model, dev, resolve_dtype(dtype, dev))
-    d = load_draft(draft, target).to(dev).eval()
+    d = load_draft(draft_dir(model, draft), target).to(dev).eval()
     exs = load_examples(data, tok, limit=limit, workers=1)
     if not exs:
         raise ValueError(f"no usable conversations in {data}")
-    paths = rank_paths(target, d, exs, max_depth, max_rank)
+    per_fit = rank_paths(target, d, exs, max_depth, max_rank, per_example=True)
+    len_fit = [int(e.mask.sum()) for e in exs]
+    paths = torch.cat(per_fit)
     res = {"roots": len(paths), "conversations": len(exs), "max_depth": max_depth, "max_rank": max_rank,
-           "min_count": min_count, "trees": {}, "compare": {}}
+           "min_count": min_count, "refit_rounds": refit_rounds, "trees": {}, "compare": {}}
     outp = Path(out)
     outp.parent.mkdir(parents=True, exist_ok=True)
     for n in nodes:
-        tree = best_tree(paths, n, max_depth, min_count)
+        tree, fit_tpc = refit(per_fit, len_fit, n, max_depth, min_count, refit_rounds)
         path = outp if len(nodes) == 1 else outp.with_name(f"{outp.stem}-{n}{outp.suffix or '.json'}")
         path.write_text(json.dumps(tree) + "\n")
         res["trees"][str(n)] = {"file": str(path), "nodes": len(tree), "depth": max(len(p) for p in tree),
-                                "expected_tpc": round(expected_tpc(paths, tree), 4)}
+                                "expected_tpc": round(expected_tpc(paths, tree), 4),
+                                "replayed_tpc_on_data": round(fit_tpc, 4)}
     trees = {str(n): json.loads(Path(v["file"]).read_text()) for n, v in res["trees"].items()}
     for spec in compare or []:
         trees[spec] = [list(p) for p in resolve_tree(spec).paths]
-        res["compare"][spec] = round(expected_tpc(paths, trees[spec]), 4)
+        res["compare"][spec] = {"expected_tpc": round(expected_tpc(paths, trees[spec]), 4),
+                                "replayed_tpc_on_data": round(replayed_tpc(per_fit, len_fit, trees[spec]), 4)}
     if eval_data:
         ev = load_examples(eval_data, tok, workers=1)
         per = rank_paths(target, d, ev, max_depth, max_rank, per_example=True)
@@ -191,6 +223,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--min-count", type=int, default=3, help="keep nodes matched by at least this many roots")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--compare", nargs="*", default=["chain:3", "tree:8", "tree:16", "tree:mc_sim_7b_63"])
+    p.add_argument("--refit-rounds", type=int, default=3, help="refit on the roots decoding visits (0: none)")
     p.add_argument("--eval-data", nargs="*", default=None,
                    help="the target's greedy answers to other prompts: replay every tree's TPC on them")
     p.add_argument("--device", default="auto")
@@ -203,8 +236,8 @@ def run(args) -> int:
     if min(args.nodes) < 1 or args.max_depth < 1 or args.max_rank < 1:
         raise ValueError("--nodes, --max-depth and --max-rank must be >= 1")
     print(json.dumps(make_tree(args.model, args.draft, args.data, args.out, args.nodes, args.max_depth, args.max_rank,
-                               args.min_count, args.limit, args.device, args.dtype, args.compare, args.eval_data),
-                     indent=2))
+                               args.min_count, args.limit, args.device, args.dtype, args.compare, args.eval_data,
+                               args.refit_rounds), indent=2))
     return 0
 
 
