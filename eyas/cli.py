@@ -11,8 +11,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="auto",
                    help="EAGLE draft directory, 'default' (the draft shipped for smollm2), 'none', or 'auto' "
                         "(default: the shipped draft when there is one)")
-    p.add_argument("--speculation", default=None, help="chain:K | tree:NAME (mc_sim_7b_63, 8, 16) | tree JSON file | "
-                   "dispatch:B1=SPEC,B2=SPEC,... (a tree per batch size; SPEC may be 'plain')")
+    p.add_argument("--speculation", default=None,
+                   help="chain:K | tree:NAME (mc_sim_7b_63, 8, 16, smollm2_25|64|128) | tree JSON file | "
+                        "dispatch:B1=SPEC,B2=SPEC,... (a tree per batch size; SPEC may be 'plain')")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto")
 

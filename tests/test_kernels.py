@@ -323,6 +323,24 @@ def test_split_tree_attention_matches_reference_and_oracle(B, Q, H, KVH, D, page
     torch.testing.assert_close(o, dense_oracle(q, ks, vs, kc, vc, bt, cl, mask, scale), **TOL)
 
 
+def test_split_tree_attention_on_the_largest_fitted_tree():
+    """The 128-node fitted tree (129 query rows with the root: several row tiles per head) through the Triton
+    kernels, against the reference and the dense oracle."""
+    from eyas.spec.tree import resolve_tree
+    g = torch.Generator().manual_seed(128)
+    mask1 = resolve_tree("tree:smollm2_128").ancestor_mask
+    Q, H, KVH, D = mask1.shape[0], 4, 2, 32
+    kc, vc, bt, cl = make_cache(2, KVH, D, 16, [37, 5], gen=g)
+    q, k_new, v_new = (torch.randn(2, Q, n, D, generator=g).to(DEV) for n in (H, KVH, KVH))
+    mask = mask1[None].expand(2, Q, Q).contiguous().to(DEV)
+    scale = D ** -0.5
+    o = split_tree_attention_triton(q, k_new, v_new, kc, vc, bt, cl, mask, scale, num_splits=2)
+    meta = SimpleNamespace(use_triton=False, block_tables=bt, context_lens=cl, suffix_mask=mask,
+                           max_context_len=int(cl.max()), block_size=16)
+    torch.testing.assert_close(o, split_tree_attention(q, k_new, v_new, kc, vc, meta, scale), **TOL)
+    torch.testing.assert_close(o, dense_oracle(q, k_new, v_new, kc, vc, bt, cl, mask, scale), **TOL)
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2 ** 16), B=st.integers(1, 3), Q=st.integers(1, 9), G=st.sampled_from([1, 2, 3, 8]),
        KVH=st.integers(1, 2), D=st.sampled_from([32, 64]), page=st.sampled_from([4, 16]),
