@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from eyas.train.data import (collate, conversation_segments, load_examples, make
                              split_heldout)
 from eyas.train.loss import distill_loss
 
-from helpers import write_distill_setup, write_tiny_chat_model, write_tiny_llama
+from helpers import write_distill_setup, write_tiny_chat_model
 
 
 # ---- 1. the loss, by hand ----------------------------------------------------------------------------------------

@@ -47,9 +47,9 @@ def make_prompts(model: str, num: int, out: str, temperature: float = 1.0, top_p
                  max_tokens: int = 160, min_chars: int = 16, batch_size: int = 256, seed: int = 0,
                  time_budget: float | None = None, device: str = "auto", dtype: str = "auto",
                  progress: bool = True) -> dict:
-    """Write up to `num` distinct self-written user prompts to `out` (.jsonl, .jsonl.gz or .jsonl.xz). Requests go to the engine
-    in chunks of 4 x batch_size with one seed each (`seed`-derived), until `num` are kept, 8 x num have been tried,
-    or `time_budget` seconds have passed (what is kept so far is written)."""
+    """Write up to `num` distinct self-written user prompts to `out` (.jsonl, .jsonl.gz or .jsonl.xz). Requests go to
+    the engine in chunks of 4 x batch_size with one seed each (`seed`-derived), until `num` are kept, 8 x num have
+    been tried, or `time_budget` seconds have passed (what is kept so far is written)."""
     from eyas import LLM, SamplingParams
 
     if num < 1 or batch_size < 1 or max_tokens < 1:
