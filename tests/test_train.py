@@ -86,6 +86,21 @@ def test_examples_collate_and_heldout_split(tmp_path):
     assert make_example([1, 2], [1, 1], 10) is None
 
 
+def test_length_batches_cover_everything_within_budget():
+    from eyas.train.data import length_batches
+    lengths = [5, 40, 7, 7, 100, 3, 12, 12, 12, 60]
+    batches = length_batches(lengths, 48)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    flat = [lengths[i] for b in batches for i in b]
+    assert flat == sorted(lengths)  # similar lengths together
+    for b in batches:  # within budget, or alone
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 48
+    for a, b in zip(batches, batches[1:]):  # each cut is forced: the next example would not fit
+        assert (len(a) + 1) * lengths[b[0]] > 48
+    assert batches[-1] == [4]  # 100 tokens: alone
+    assert length_batches([], 8) == []
+
+
 def _smollm2_tokenizer():
     from conftest import smollm2_tokenizer
     return smollm2_tokenizer()
@@ -402,10 +417,10 @@ def test_fast_target_gives_the_reference_features(tiny_setup, monkeypatch):
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.xz"])
 def test_conversation_files_round_trip_plain_gzip_and_xz(tmp_path, suffix):
-    from eyas.train.data import open_text_out, read_jsonl
+    from eyas.train.data import open_text, read_jsonl
     recs = [{"id": i, "conversations": [{"role": "user", "content": f"q{i} é"}]} for i in range(3)]
     path = tmp_path / "sub" / f"data{suffix}"
-    with open_text_out(path) as f:
+    with open_text(path, "w") as f:
         f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
     assert list(read_jsonl(path)) == recs
     magic = path.read_bytes()[:6]

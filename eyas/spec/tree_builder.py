@@ -34,21 +34,14 @@ def rank_paths(target, draft, examples, depth: int, max_rank: int, batch_tokens:
     text or its assistant part, and after the first MISS). Root t's depth 1 proposes token t + 2, so an example
     whose answer starts at P has roots P - 2, P - 1, ...; the first decode step is rooted at P - 1 (the prefill
     produced token P). `per_example`: a list of each example's [roots, depth], in the examples' order."""
-    from eyas.train.data import collate
+    from eyas.train.data import collate, length_batches
     from eyas.train.trainer import draft_inputs, unrolled_streams
 
     dev = next(target.parameters()).device
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i]))
     out: list = [None] * len(examples)
-    i = 0
-    while i < len(order):
-        j = i + 1
-        while j < len(order) and (j - i + 1) * len(examples[order[j]]) <= batch_tokens:
-            j += 1
-        batch = order[i:j]
+    for batch in length_batches([len(e) for e in examples], batch_tokens):
         ids, amask = collate(examples, batch)
         ids, amask = ids.to(dev), amask.to(dev)
-        i = j
         emb, feats, pos, h_next, lmask = draft_inputs(target, ids, amask, draft.feature_layers)
         streams = unrolled_streams(draft, emb, feats.to(emb.dtype), pos, depth)
         t_arg = target.compute_logits(h_next).argmax(-1)  # [B, T-1]: the target's token predicted at each index
@@ -75,7 +68,7 @@ def _steps(paths: torch.Tensor, tree: list[list[int]], max_tokens: int):
     rank path, tokens the step commits)."""
     nodes = {tuple(p) for p in tree}
     rows = paths.tolist()
-    depth = paths.shape[1] if paths.dim() == 2 else 0
+    depth = paths.shape[-1]
     t, produced = 1, 1  # local root 1 = the answer's first token is the last committed one
     while produced < max_tokens:
         row = rows[t] if t < len(rows) else [MISS] * depth
@@ -187,14 +180,15 @@ def make_tree(model: str, draft: str, data: list[str], out: str, nodes: list[int
            "min_count": min_count, "refit_rounds": refit_rounds, "trees": {}, "compare": {}}
     outp = Path(out)
     outp.parent.mkdir(parents=True, exist_ok=True)
+    trees: dict[str, list[list[int]]] = {}  # fitted (by size) and compared (by speculation)
     for n in nodes:
         tree, fit_tpc = refit(per_fit, len_fit, n, max_depth, min_count, refit_rounds)
         path = outp if len(nodes) == 1 else outp.with_name(f"{outp.stem}-{n}{outp.suffix or '.json'}")
         path.write_text(json.dumps(tree) + "\n")
+        trees[str(n)] = tree
         res["trees"][str(n)] = {"file": str(path), "nodes": len(tree), "depth": max(len(p) for p in tree),
                                 "expected_tpc": round(expected_tpc(paths, tree), 4),
                                 "replayed_tpc_on_data": round(fit_tpc, 4)}
-    trees = {str(n): json.loads(Path(v["file"]).read_text()) for n, v in res["trees"].items()}
     for spec in compare or []:
         trees[spec] = [list(p) for p in resolve_tree(spec).paths]
         res["compare"][spec] = {"expected_tpc": round(expected_tpc(paths, trees[spec]), 4),

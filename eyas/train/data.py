@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import gzip
 import io
-import lzma
 import json
+import lzma
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -45,25 +45,18 @@ class Example:
         return self.ids[:first].tolist()
 
 
-def open_text(path: str | Path) -> io.TextIOBase:
-    """A text file for reading, gzip- (.gz) or xz-compressed (.xz; a third smaller for conversations) or plain."""
-    path = Path(path)
-    if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    if path.suffix == ".xz":
-        return io.TextIOWrapper(lzma.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
+_OPENERS = {".gz": gzip.open, ".xz": lzma.open}  # compressed text: a third smaller with xz for conversations
 
 
-def open_text_out(path: str | Path) -> io.TextIOBase:
-    """A text file for writing (its directory created), compressed as `open_text` reads it."""
+def open_text(path: str | Path, mode: str = "r") -> io.TextIOBase:
+    """A UTF-8 text file, gzip- (.gz) or xz-compressed (.xz) or plain by its suffix; `mode` "w" writes it (its
+    directory created)."""
+    if mode not in ("r", "w"):
+        raise ValueError(f"mode must be 'r' or 'w', got {mode!r}")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".gz":
-        return gzip.open(path, "wt", encoding="utf-8")
-    if path.suffix == ".xz":
-        return lzma.open(path, "wt", encoding="utf-8")
-    return open(path, "w", encoding="utf-8")
+    if mode == "w":
+        path.parent.mkdir(parents=True, exist_ok=True)
+    return _OPENERS.get(path.suffix, open)(path, mode + "t", encoding="utf-8")
 
 
 def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[dict]:
@@ -257,6 +250,16 @@ def collate(examples: list[Example], idx: list[int], pad_id: int = 0,
     return ids, mask
 
 
-def batch_indices(n: int, size: int) -> list[list[int]]:
-    """Evaluation batches: consecutive indices."""
-    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+def length_batches(lengths, batch_tokens: int) -> list[list[int]]:
+    """Evaluation batches: the indices sorted by length, cut so that a batch's padded size (batch x its longest)
+    stays within `batch_tokens` (a longer example goes alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    out: list[list[int]] = []
+    i = 0
+    while i < len(order):
+        j = i + 1
+        while j < len(order) and (j - i + 1) * lengths[order[j]] <= batch_tokens:
+            j += 1
+        out.append(order[i:j])
+        i = j
+    return out

@@ -15,7 +15,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from eyas.train.data import normalize_messages, open_text_out, read_jsonl
+from eyas.train.data import normalize_messages, open_text, read_jsonl
 
 
 def regenerate(llm, conversations: list[list[dict]], params, max_turns: int | None = None,
@@ -91,7 +91,7 @@ def make_distill_data(model: str, data: list[str], out: str, max_tokens: int = 5
     stopped = None
     t_gen = time.perf_counter()
     bar = tqdm(total=len(records), desc="regenerating", unit="conv", disable=not progress)
-    with open_text_out(out) as f:
+    with open_text(out, "w") as f:
         for start in range(0, len(records), chunk):
             if time_budget is not None and time.perf_counter() - t_gen >= time_budget:
                 stopped = f"time_budget={time_budget}s"
@@ -165,6 +165,7 @@ def run(args) -> int:
 def main(argv=None) -> int:
     from eyas.cli import subcommand_main
     return subcommand_main(add_parser, "make-distill-data", "eyas.train.distill_data", argv)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,7 +19,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from eyas.train.data import open_text_out
+from eyas.train.data import open_text
 
 _SENTINEL = "\x00eyas-user-request\x00"
 
@@ -66,7 +66,7 @@ def make_prompts(model: str, num: int, out: str, temperature: float = 1.0, top_p
     chunk = 4 * batch_size
     bar = tqdm(total=num, desc="writing prompts", unit="prompt", disable=not progress)
     t_gen = time.perf_counter()
-    with open_text_out(out) as f:
+    with open_text(out, "w") as f:
         while len(seen) < num:
             if tried >= 8 * num:
                 stopped = f"tried {tried} requests"

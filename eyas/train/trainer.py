@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from eyas.models.eagle import EagleDraft
-from eyas.train.data import Example, collate, load_examples, plan_epoch, split_heldout
+from eyas.train.data import Example, collate, length_batches, load_examples, plan_epoch, split_heldout
 from eyas.train.loss import distill_loss
 
 
@@ -341,16 +341,10 @@ def evaluate(target, drafts: list[EagleDraft], examples: list[Example], cfg: Tra
     for d in drafts:
         d.eval()
     exs = examples if cfg.eval_conversations is None else examples[: cfg.eval_conversations]
-    order = sorted(range(len(exs)), key=lambda i: len(exs[i]))
     res = [{"loss": 0.0, "ce": 0.0, "l1": 0.0, "n": 0.0, "correct": [0.0] * cfg.eval_depth,
             "count": [0.0] * cfg.eval_depth} for _ in drafts]
-    i = 0
-    while i < len(order):  # batches of similar length within eval_batch_tokens
-        j = i + 1
-        while j < len(order) and (j - i + 1) * len(exs[order[j]]) <= cfg.eval_batch_tokens:
-            j += 1
-        ids, amask = collate(exs, order[i:j])
-        i = j
+    for batch in length_batches([len(e) for e in exs], cfg.eval_batch_tokens):  # similar lengths, within budget
+        ids, amask = collate(exs, batch)
         ids, amask = ids.to(device), amask.to(device)
         emb, feats, pos, tgt_h, lmask = draft_inputs(target, ids, amask, shared_feature_layers(drafts))
         with _autocast(device, amp):
@@ -778,6 +772,7 @@ def run(args) -> int:
 def main(argv=None) -> int:
     from eyas.cli import subcommand_main
     return subcommand_main(add_parser, "train-draft", "eyas.train.trainer", argv)
+
 
 if __name__ == "__main__":
     sys.exit(main())
