@@ -48,7 +48,7 @@ def accept_tree(probs: torch.Tensor, node_tokens: torch.Tensor, tree: Tree, seed
         residual = probs[rows, cur].clone()  # [B, V]
         found = torch.zeros(B, dtype=torch.bool, device=device)
         nxt = cur.clone()
-        for j in range(W if d < D else 0):
+        for j in range(min(W, tree.topk_per_level[d]) if d < D else 0):  # no node of depth d has more children
             child = children[cur, j]  # [B]
             tried = (child >= 0) & ~done & ~found
             tok = node_tokens[rows, child.clamp(min=0)]
@@ -74,29 +74,30 @@ def accept_tree(probs: torch.Tensor, node_tokens: torch.Tensor, tree: Tree, seed
 
 def accept_tree_greedy(target_tokens: torch.Tensor, node_tokens: torch.Tensor, tree: Tree):
     """`accept_tree` for a batch whose requests are all greedy, from the target's argmax at every node
-    (target_tokens [B, N+1]) instead of full distributions: a child is accepted iff it is the target's token."""
-    B = node_tokens.shape[0]
+    (target_tokens [B, N+1]) instead of full distributions: a child is accepted iff it is the target's token.
+
+    No walk: node i matches when its token is the target's token after its parent; it is reachable when it and all
+    its ancestors match; the accepted path ends at the deepest reachable node. Siblings carry distinct tokens (the
+    draft's top-k), so at most one node per depth is reachable and that node is unique. A handful of kernels for any
+    tree, where a walk costs depth x width steps of several kernels each (the step's largest cost on deep trees)."""
+    B, N1 = node_tokens.shape
     device = node_tokens.device
-    children = tree.children.to(device)
+    parents = tree.parents.to(device)
+    ancestors = tree.ancestor_mask.to(device)  # [N+1, N+1]: [i, j] = j is i or an ancestor of i
+    depth = tree.depth.to(device)
+    match = node_tokens == target_tokens[:, parents.clamp(min=0)]  # [B, N+1]
+    match[:, 0] = True  # the root is committed already
+    reachable = ~(ancestors[None] & ~match[:, None, :]).any(-1)  # [B, N+1]
+    best = torch.where(reachable, depth[None, :], -1).argmax(-1)  # [B] the deepest reachable node
+    num_accepted = depth[best]
+    # the path to `best`, root first: its ancestor at each depth d <= depth[best] (-1 beyond)
+    D1 = tree.max_depth + 1
+    on_path = ancestors[best]  # [B, N+1]
+    at_depth = depth[None, :, None] == torch.arange(D1, device=device)[None, None, :]  # [1, N+1, D+1]
+    hit = on_path[:, :, None] & at_depth  # [B, N+1, D+1]
+    path = torch.where(hit.any(1), hit.long().argmax(1), -1)
     rows = torch.arange(B, device=device)
-    path = torch.full((B, tree.max_depth + 1), -1, dtype=torch.long, device=device)
-    path[:, 0] = 0
-    cur = torch.zeros(B, dtype=torch.long, device=device)
-    alive = torch.ones(B, dtype=torch.bool, device=device)
-    num_accepted = torch.zeros(B, dtype=torch.long, device=device)
-    for d in range(tree.max_depth):
-        want = target_tokens[rows, cur]
-        nxt = torch.full_like(cur, -1)
-        for j in range(children.shape[1]):
-            child = children[cur, j]
-            hit = (child >= 0) & (node_tokens[rows, child.clamp(min=0)] == want) & (nxt < 0)
-            nxt = torch.where(hit, child, nxt)
-        ok = alive & (nxt >= 0)
-        cur = torch.where(ok, nxt, cur)
-        path[:, d + 1] = torch.where(ok, nxt, path[:, d + 1])
-        num_accepted += ok.long()
-        alive = ok
-    return path, num_accepted, target_tokens[rows, cur]
+    return path, num_accepted, target_tokens[rows, best]
 
 
 def simulate_accept(node_tokens: torch.Tensor, tree: Tree, accept_prob: torch.Tensor, seeds: torch.Tensor,

@@ -1,0 +1,79 @@
+"""Greedy acceptance without a walk (`accept_tree_greedy`) equals the multi-round speculative sampler (`accept_tree`)
+at one-hot target distributions, on random trees and on the shipped presets: same path, same count, same bonus."""
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from eyas.spec.tree import PRESETS, Tree
+from eyas.spec.verifier import accept_tree, accept_tree_greedy
+
+V = 12  # a small vocabulary (above the widest preset node, 10 children): random tokens often collide
+
+
+def random_tree(rng: torch.Generator, max_nodes: int, max_width: int) -> Tree:
+    paths: list[tuple[int, ...]] = []
+    frontier = [()]
+    while frontier and len(paths) < max_nodes:
+        parent = frontier.pop(int(torch.randint(len(frontier), (1,), generator=rng)))
+        width = int(torch.randint(1, max_width + 1, (1,), generator=rng))
+        # ranks need not be contiguous (fitted trees skip some)
+        ranks = sorted(torch.randperm(max_width + 1, generator=rng)[:width].tolist())
+        for r in ranks:
+            if len(paths) < max_nodes and len(parent) < 7:
+                paths.append(parent + (r,))
+                frontier.append(parent + (r,))
+    return Tree.from_paths([list(p) for p in paths], "random")
+
+
+def draft_tokens(tree: Tree, B: int, rng: torch.Generator) -> torch.Tensor:
+    """[B, N+1] node tokens; siblings distinct (the draft's top-k are distinct tokens)."""
+    toks = torch.zeros(B, tree.num_nodes + 1, dtype=torch.long)
+    toks[:, 0] = torch.randint(V, (B,), generator=rng)
+    for p in range(tree.num_nodes + 1):
+        kids = tree.children[p][tree.children[p] >= 0]
+        for b in range(B):
+            toks[b, kids] = torch.randperm(V, generator=rng)[: len(kids)]
+    return toks
+
+
+def check(tree: Tree, B: int, seed: int) -> None:
+    rng = torch.Generator().manual_seed(seed)
+    nodes = draft_tokens(tree, B, rng)
+    target = torch.randint(V, (B, tree.num_nodes + 1), generator=rng)
+    # bias toward acceptance: where a node has children, often make the target pick one of them
+    for p in range(tree.num_nodes + 1):
+        kids = tree.children[p][tree.children[p] >= 0]
+        if len(kids):
+            pick = kids[torch.randint(len(kids), (B,), generator=rng)]
+            use = torch.rand(B, generator=rng) < 0.7
+            target[use, p] = nodes[use, pick[use]]
+    probs = torch.nn.functional.one_hot(target, V).float()
+    seeds = torch.arange(B)
+    want = accept_tree(probs, nodes, tree, seeds, torch.zeros(B, dtype=torch.long))
+    got = accept_tree_greedy(target, nodes, tree)
+    for w, g, name in zip(want, got, ("path", "num_accepted", "bonus")):
+        assert torch.equal(w, g), (name, w, g)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 40), st.integers(1, 4), st.integers(1, 5), st.integers(0, 10**6))
+def test_greedy_acceptance_equals_the_sampler_at_one_hot(max_nodes, max_width, B, seed):
+    check(random_tree(torch.Generator().manual_seed(seed), max_nodes, max_width), B, seed)
+
+
+def test_greedy_acceptance_on_the_presets():
+    for i, name in enumerate(("mc_sim_7b_63", "16", "smollm2_128")):
+        tree = Tree.from_paths(PRESETS[name], name)
+        for seed in range(5):
+            check(tree, 8, 100 * i + seed)
+    # chains too, and the accepted lengths cover every value (the oracle sees full and empty acceptance)
+    tree = Tree.chain(3)
+    seen = set()
+    for seed in range(40):
+        rng = torch.Generator().manual_seed(seed)
+        nodes = draft_tokens(tree, 16, rng)
+        target = torch.where(torch.rand(16, 4, generator=rng) < 0.6, torch.roll(nodes, -1, 1),
+                             torch.randint(V, (16, 4), generator=rng))
+        seen |= set(accept_tree_greedy(target, nodes, tree)[1].tolist())
+        check(tree, 16, seed)
+    assert seen == {0, 1, 2, 3}
