@@ -154,7 +154,10 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
                 engine.step()
             sync()
         print(f"--- profile: {mode}, batch {batch}, 3 decode steps ---")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.device_time for e in kernels) / 1000
+        print(f"GPU kernels per step: {len(kernels) / 3:.0f}, busy {busy / 3:.3f} ms per step")
         while engine.has_unfinished():
             engine.step()
     return {

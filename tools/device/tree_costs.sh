@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Session 5, the step cost of trees on the GPU (after a call that copied .stage/a/part_aa to /root/stage): finishes
+# staging SmolLM2 (carry .stage/b and .stage/trees, extra tree JSON files), checks graphs == eager on SmolLM2, then
+# `eyas bench latency` at batch 1 over all 80 MT-Bench first turns for plain, the presets and the extra trees (the
+# step costs that `eyas make-tree --step-cost` fits), and a profile of three steps. Results: $OUT/tree_costs.tar.gz.
+set -u
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+S=${S:-/root/stage}; W=${W:-/root/w}; mkdir -p $W $OUT
+if [ -z "${STAGED:-}" ]; then
+  cat $S/part_aa .stage/b/part_ab > $S/smollm2.gguf && rm $S/part_aa
+  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $S/smollm2.gguf" | sha256sum -c || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .stage/b/*.whl || exit 1
+  cp .stage/b/question.jsonl $S/
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TOKENIZERS_PARALLELISM=true
+[ -f $S/smollm2.gguf ] && export EYAS_SMOLLM2_GGUF=$S/smollm2.gguf
+R=$W/tree_costs; mkdir -p $R
+if [ -n "${GRAPH_TEST:-1}" ]; then
+  echo "== graphs == eager, SmolLM2 [t=$(el)]"
+  timeout ${GRAPH_TEST_S:-120} python3 -m pytest -q tests/test_cuda_graph.py -k smollm2 -p no:cacheprovider 2>&1 | tail -n 2
+fi
+EXTRA=$(ls .stage/trees/*.json 2>/dev/null | tr '\n' ',')
+MODES=${MODES:-plain,chain:3,tree:8,tree:16,tree:mc_sim_7b_63,tree:smollm2_25,tree:smollm2_64,tree:smollm2_128,$EXTRA}
+echo "== latency, batch ${BATCHES:-1}, ${NP:-80} prompts: $MODES [t=$(el)]"
+timeout ${LAT_S:-330} python3 -m eyas.cli bench latency --model smollm2 --draft default --modes ${MODES%,} \
+  --batch-sizes ${BATCHES:-1} --num-prompts ${NP:-80} --max-tokens ${NEW:-128} --prompts $S/question.jsonl \
+  --out $R/lat 2>&1 | grep -v '^\s*$' | grep -v '%|' | tail -n 24
+echo "== profile [t=$(el)]"
+timeout ${PROF_S:-90} python3 -m eyas.cli bench latency --model smollm2 --draft default \
+  --modes ${PROF_MODES:-plain,chain:3,tree:mc_sim_7b_63,tree:smollm2_128} --batch-sizes 1 --num-prompts 1 \
+  --max-tokens 32 --prompts $S/question.jsonl --out $R/prof --profile > $R/profile.log 2>&1
+grep -a "^--- profile\|^GPU kernels per step" $R/profile.log
+(cd $W && tar czf $OUT/tree_costs.tar.gz tree_costs)
+echo "== end [t=$(el)]"
