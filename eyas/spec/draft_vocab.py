@@ -23,6 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eyas.layers.topk import topk_indices
+
 FILE = "draft_vocab.safetensors"
 
 
@@ -70,8 +72,8 @@ def draft_topk(draft, target, h: torch.Tensor, k: int) -> torch.Tensor:
     else:
         H = h.shape[-1]
         logits = (h.reshape(-1, H) @ draft.vocab_head.t()).float().view(*h.shape[:-1], -1)  # one 2-D matmul
-    # k = 1 (every chain level): one argmax reduction instead of the multi-kernel radix top-k over the vocabulary
-    top = logits.argmax(-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1).indices
+    # k = 1 (every chain level): one argmax reduction; otherwise a two-pass top-k in a few kernels
+    top = logits.argmax(-1, keepdim=True) if k == 1 else topk_indices(logits, k)
     return top if ids is None else ids[top]
 
 
