@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,3 +130,47 @@ def test_fitted_presets_decode_exactly(pair_and_text, name):
     res = LLM(str(tdir), device="cpu", dtype="float32", draft=str(ddir), speculation=f"tree:{name}").generate(
         prompt, SamplingParams(max_tokens=40, ignore_eos=True))[0]
     assert res.token_ids == out[:40] and res.stats.tokens_per_call > 1.5
+
+
+def test_step_cost_fit_recovers_a_linear_cost_and_parses():
+    from eyas.spec.tree_builder import StepCost
+    true = StepCost(1.4, 0.09, 0.003, 0.05)
+    modes = ["chain:3", "tree:8", "tree:16", "tree:mc_sim_7b_63", "tree:smollm2_25", "tree:smollm2_128"]
+    rows = [{"mode": m, "batch": 1, "ms_per_decode_step": true.ms([list(p) for p in resolve_tree(m).paths])}
+            for m in modes]
+    rows += [{"mode": "plain", "batch": 1, "ms_per_decode_step": 9.0},  # skipped: not a tree
+             {"mode": "chain:3", "batch": 4, "ms_per_decode_step": 9.0}]  # another batch size
+    fit = StepCost.fit(rows)
+    for a, b in zip((fit.base, fit.per_level, fit.per_node, fit.per_topk), (1.4, 0.09, 0.003, 0.05)):
+        assert abs(a - b) < 1e-4
+    assert StepCost.parse("1,0.1,0.01") == StepCost(1.0, 0.1, 0.01, 0.0)
+    with pytest.raises(ValueError, match="BASE,PER_LEVEL"):
+        StepCost.parse("1,2")
+    with pytest.raises(ValueError, match=">= 4"):
+        StepCost.fit(rows[:3])
+
+
+def test_make_tree_picks_the_least_ms_per_token(pair_and_text, tmp_path, capsys):
+    """With a step cost, every (size, depth limit) gets its predicted ms per token on the fit data, and OUT is the
+    tree of the least."""
+    from eyas.spec.tree_builder import StepCost
+    tdir, ddir, prompt, out = pair_and_text
+    data = tmp_path / "answers.jsonl"
+    data.write_text(json.dumps({"input_ids": prompt + out, "loss_mask": [0] * len(prompt) + [1] * len(out)}) + "\n")
+    cost = "1.0,0.5,0.02"  # levels dear: a shallow tree can win
+    assert main(["--model", str(tdir), "--draft", str(ddir), "--data", str(data), "--out", str(tmp_path / "t.json"),
+                 "--nodes", "3", "12", "--max-depth", "2", "6", "--max-rank", "4", "--min-count", "1",
+                 "--step-cost", cost, "--compare", "chain:3", "--device", "cpu", "--dtype", "float32"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res["trees"]) == {"3d2", "3d6", "12d2", "12d6"}
+    sc = StepCost.parse(cost)
+    per_token = {}
+    for k, info in res["trees"].items():
+        tree = json.loads(Path(info["file"]).read_text())
+        assert max(len(p) for p in tree) <= int(k.split("d")[1])
+        per_token[k] = sc.ms(tree) / info["replayed_tpc_on_data"]
+        assert abs(per_token[k] - info["predicted_ms_per_token"]) < 1e-3
+    best = min(per_token, key=per_token.get)
+    assert res["best"]["tree"] == best
+    assert json.loads((tmp_path / "t.json").read_text()) == json.loads(Path(res["trees"][best]["file"]).read_text())
+    assert "predicted_ms_per_token" in res["compare"]["chain:3"]

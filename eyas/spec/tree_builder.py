@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -151,17 +152,70 @@ def expected_tpc(paths: torch.Tensor, tree: list[list[int]]) -> float:
     return 1.0 + sum(c.get(tuple(p), 0) for p in tree) / len(paths)
 
 
-def make_tree(model: str, draft: str, data: list[str], out: str, nodes: list[int], max_depth: int = 8,
+@dataclass
+class StepCost:
+    """Milliseconds per speculative step as a linear model of the tree's shape: `base` (the target's verify forward,
+    acceptance, the draft's catch-up) + `per_level` x depth (a draft forward per level) + `per_node` x nodes + `per_topk`
+    x levels whose nodes need more than one candidate (a top-k instead of an argmax). The paper's lesson as a tool:
+    the best tree minimises step cost / TPC, not the TPC alone."""
+    base: float
+    per_level: float
+    per_node: float
+    per_topk: float = 0.0
+
+    @staticmethod
+    def features(tree) -> list[float]:
+        return [1.0, float(tree.max_depth), float(tree.num_nodes), float(sum(k > 1 for k in tree.topk_per_level))]
+
+    def ms(self, paths: list[list[int]]) -> float:
+        from eyas.spec.tree import Tree
+        f = self.features(Tree.from_paths(paths))
+        return self.base * f[0] + self.per_level * f[1] + self.per_node * f[2] + self.per_topk * f[3]
+
+    @classmethod
+    def parse(cls, text: str) -> "StepCost":
+        """`BASE,PER_LEVEL,PER_NODE[,PER_TOPK]` in ms, or an `eyas bench latency` JSON to fit them from (`fit`)."""
+        if Path(text).suffix == ".json" or Path(text).exists():
+            return cls.fit(json.loads(Path(text).read_text())["results"])
+        try:
+            vals = [float(x) for x in text.split(",")]
+        except ValueError:
+            vals = []
+        if len(vals) not in (3, 4):
+            raise ValueError(f"--step-cost {text!r}: give BASE,PER_LEVEL,PER_NODE[,PER_TOPK] in ms or a latency JSON")
+        return cls(*vals)
+
+    @classmethod
+    def fit(cls, rows: list[dict], batch: int = 1) -> "StepCost":
+        """Least squares over `eyas bench latency` rows (mode, batch, ms_per_decode_step) of speculative modes at
+        `batch`; plain and dispatch rows are skipped. Needs at least 4 trees of different shapes."""
+        from eyas.spec.tree import resolve_tree
+        X, y = [], []
+        for r in rows:
+            if r["batch"] != batch or r["mode"] == "plain" or r["mode"].startswith("dispatch:"):
+                continue
+            X.append(cls.features(resolve_tree(r["mode"])))
+            y.append(r["ms_per_decode_step"])
+        if len(X) < 4:
+            raise ValueError(f"fitting a step cost needs >= 4 speculative rows at batch {batch}, got {len(X)}")
+        sol = torch.linalg.lstsq(torch.tensor(X, dtype=torch.float64), torch.tensor(y, dtype=torch.float64)[:, None])
+        return cls(*(round(float(v), 5) for v in sol.solution.flatten()))
+
+
+def make_tree(model: str, draft: str, data: list[str], out: str, nodes: list[int], max_depth: int | list[int] = 8,
               max_rank: int = 10, min_count: int = 3, limit: int | None = None, device: str = "auto",
               dtype: str = "auto", compare: list[str] | None = None, eval_data: list[str] | None = None,
-              refit_rounds: int = 3) -> dict:
+              refit_rounds: int = 3, step_cost: StepCost | None = None) -> dict:
     """Fit trees of each size in `nodes` to `draft` on the conversations of `data` (the target's own answers, e.g.
     `eyas make-distill-data` output, kept out of the draft's training); writes `out` (one size: a JSON list of paths,
     which `--speculation` takes; several: OUT_STEM-N.json each) and returns the fit, with the expected TPC of the
     `compare` speculations (`chain:K`, `tree:NAME`) on the same paths. Each tree is `refit` for `refit_rounds`
     rounds (chosen by its replayed TPC on `data`, never on `eval_data`). `eval_data`: the target's greedy answers to
     other prompts (one assistant turn each, e.g. MT-Bench's, at the bench's max tokens), on which every tree's and
-    speculation's TPC is replayed exactly as the engine would measure it in this dtype."""
+    speculation's TPC is replayed exactly as the engine would measure it in this dtype.
+    Several `max_depth` values fit a tree per (size, depth limit). `step_cost`: every tree also gets its predicted
+    ms per step and per token (step cost / TPC replayed on `data`), and the one of the least ms per token is written
+    to `out` itself (the others as OUT_STEM-N[dD].json): chosen on the fit data, never on `eval_data`."""
     from eyas.loader.eagle import load_draft
     from eyas.loader.resolve import draft_dir, load_target, resolve_device, resolve_dtype
     from eyas.spec.tree import resolve_tree
@@ -173,29 +227,46 @@ def make_tree(model: str, draft: str, data: list[str], out: str, nodes: list[int
     exs = load_examples(data, tok, limit=limit, workers=1)
     if not exs:
         raise ValueError(f"no usable conversations in {data}")
-    per_fit = rank_paths(target, d, exs, max_depth, max_rank, per_example=True)
+    depths = [max_depth] if isinstance(max_depth, int) else list(max_depth)
+    per_fit = rank_paths(target, d, exs, max(depths), max_rank, per_example=True)
     len_fit = [int(e.mask.sum()) for e in exs]
     paths = torch.cat(per_fit)
-    res = {"roots": len(paths), "conversations": len(exs), "max_depth": max_depth, "max_rank": max_rank,
-           "min_count": min_count, "refit_rounds": refit_rounds, "trees": {}, "compare": {}}
+    res = {"roots": len(paths), "conversations": len(exs), "max_depth": depths if len(depths) > 1 else depths[0],
+           "max_rank": max_rank, "min_count": min_count, "refit_rounds": refit_rounds, "trees": {}, "compare": {}}
+    if step_cost is not None:
+        res["step_cost_ms"] = asdict(step_cost)
     outp = Path(out)
     outp.parent.mkdir(parents=True, exist_ok=True)
     trees: dict[str, list[list[int]]] = {}  # fitted (by size) and compared (by speculation)
+    several = len(nodes) * len(depths) > 1
     for n in nodes:
-        tree, fit_tpc = refit(per_fit, len_fit, n, max_depth, min_count, refit_rounds)
-        path = outp if len(nodes) == 1 else outp.with_name(f"{outp.stem}-{n}{outp.suffix or '.json'}")
-        path.write_text(json.dumps(tree) + "\n")
-        trees[str(n)] = tree
-        res["trees"][str(n)] = {"file": str(path), "nodes": len(tree), "depth": max(len(p) for p in tree),
-                                "expected_tpc": round(expected_tpc(paths, tree), 4),
-                                "replayed_tpc_on_data": round(fit_tpc, 4)}
+        for depth in depths:
+            key = str(n) if len(depths) == 1 else f"{n}d{depth}"
+            tree, fit_tpc = refit(per_fit, len_fit, n, depth, min_count, refit_rounds)
+            path = outp.with_name(f"{outp.stem}-{key}{outp.suffix or '.json'}") if several else outp
+            path.write_text(json.dumps(tree) + "\n")
+            trees[key] = tree
+            res["trees"][key] = {"file": str(path), "nodes": len(tree), "depth": max(len(p) for p in tree),
+                                 "expected_tpc": round(expected_tpc(paths, tree), 4),
+                                 "replayed_tpc_on_data": round(fit_tpc, 4)}
+            if step_cost is not None:
+                ms = step_cost.ms(tree)
+                res["trees"][key].update(predicted_ms_per_step=round(ms, 4),
+                                         predicted_ms_per_token=round(ms / fit_tpc, 4))
+    if step_cost is not None and several:  # the least predicted ms per token on the fit data goes to `out`
+        best = min(res["trees"], key=lambda k: res["trees"][k]["predicted_ms_per_token"])
+        outp.write_text(json.dumps(trees[best]) + "\n")
+        res["best"] = {"tree": best, "file": str(outp)}
     for spec in compare or []:
         trees[spec] = [list(p) for p in resolve_tree(spec).paths]
+        tpc = replayed_tpc(per_fit, len_fit, trees[spec])
         res["compare"][spec] = {"expected_tpc": round(expected_tpc(paths, trees[spec]), 4),
-                                "replayed_tpc_on_data": round(replayed_tpc(per_fit, len_fit, trees[spec]), 4)}
+                                "replayed_tpc_on_data": round(tpc, 4)}
+        if step_cost is not None:
+            res["compare"][spec]["predicted_ms_per_token"] = round(step_cost.ms(trees[spec]) / tpc, 4)
     if eval_data:
         ev = load_examples(eval_data, tok, workers=1)
-        per = rank_paths(target, d, ev, max_depth, max_rank, per_example=True)
+        per = rank_paths(target, d, ev, max(depths), max_rank, per_example=True)
         lengths = [int(e.mask.sum()) for e in ev]
         res["eval"] = {"conversations": len(ev), "answer_tokens": sum(lengths),
                        "replayed_tpc": {k: round(replayed_tpc(per, lengths, t), 4) for k, t in trees.items()}}
@@ -210,9 +281,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--draft", default="default")
     p.add_argument("--data", nargs="+", required=True,
                    help="conversations answered by the target itself (make-distill-data output), not trained on")
-    p.add_argument("--out", required=True, help="tree JSON (with several --nodes: OUT_STEM-N.json each)")
+    p.add_argument("--out", required=True,
+                   help="tree JSON (several --nodes/--max-depth: OUT_STEM-N[dD].json each; with --step-cost the "
+                        "fastest of them is also written to OUT)")
     p.add_argument("--nodes", type=int, nargs="+", default=[64])
-    p.add_argument("--max-depth", type=int, default=8)
+    p.add_argument("--max-depth", type=int, nargs="+", default=[8], help="depth limits: a tree per size and limit")
+    p.add_argument("--step-cost", default=None,
+                   help="BASE,PER_LEVEL,PER_NODE[,PER_TOPK] ms per step, or an `eyas bench latency` JSON of several "
+                        "trees at batch 1 to fit them from: pick the tree of the least predicted ms per token")
     p.add_argument("--max-rank", type=int, default=10, help="proposals per node considered")
     p.add_argument("--min-count", type=int, default=3, help="keep nodes matched by at least this many roots")
     p.add_argument("--limit", type=int, default=None)
@@ -227,11 +303,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    if min(args.nodes) < 1 or args.max_depth < 1 or args.max_rank < 1:
+    if min(args.nodes) < 1 or min(args.max_depth) < 1 or args.max_rank < 1:
         raise ValueError("--nodes, --max-depth and --max-rank must be >= 1")
+    cost = StepCost.parse(args.step_cost) if args.step_cost else None
     print(json.dumps(make_tree(args.model, args.draft, args.data, args.out, args.nodes, args.max_depth, args.max_rank,
                                args.min_count, args.limit, args.device, args.dtype, args.compare, args.eval_data,
-                               args.refit_rounds), indent=2))
+                               args.refit_rounds, cost), indent=2))
     return 0
 
 
