@@ -15,7 +15,7 @@ fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TOKENIZERS_PARALLELISM=true
 [ -f $S/smollm2.gguf ] && export EYAS_SMOLLM2_GGUF=$S/smollm2.gguf
 R=$W/tree_costs; mkdir -p $R
-if [ -n "${GRAPH_TEST:-1}" ]; then
+if [ -n "${GRAPH_TEST-1}" ]; then  # GRAPH_TEST= (empty) skips it
   echo "== graphs == eager, SmolLM2 [t=$(el)]"
   timeout ${GRAPH_TEST_S:-120} python3 -m pytest -q tests/test_cuda_graph.py -k smollm2 -p no:cacheprovider 2>&1 | tail -n 2
 fi
@@ -25,10 +25,18 @@ echo "== latency, batch ${BATCHES:-1}, ${NP:-80} prompts: $MODES [t=$(el)]"
 timeout ${LAT_S:-330} python3 -m eyas.cli bench latency --model smollm2 --draft default --modes ${MODES%,} \
   --batch-sizes ${BATCHES:-1} --num-prompts ${NP:-80} --max-tokens ${NEW:-128} --prompts $S/question.jsonl \
   --out $R/lat 2>&1 | grep -v '^\s*$' | grep -v '%|' | tail -n 24
-echo "== profile [t=$(el)]"
-timeout ${PROF_S:-90} python3 -m eyas.cli bench latency --model smollm2 --draft default \
-  --modes ${PROF_MODES:-plain,chain:3,tree:mc_sim_7b_63,tree:smollm2_128} --batch-sizes 1 --num-prompts 1 \
-  --max-tokens 32 --prompts $S/question.jsonl --out $R/prof --profile > $R/profile.log 2>&1
-grep -a "^--- profile\|^GPU kernels per step" $R/profile.log
+PROF_MODES=${PROF_MODES-plain,chain:3,tree:mc_sim_7b_63,tree:smollm2_128}  # PROF_MODES= (empty) skips the profile
+if [ -n "$PROF_MODES" ]; then
+  echo "== profile [t=$(el)]"
+  timeout ${PROF_S:-90} python3 -m eyas.cli bench latency --model smollm2 --draft default --modes $PROF_MODES \
+    --batch-sizes 1 --num-prompts 1 --max-tokens 32 --prompts $S/question.jsonl --out $R/prof --profile \
+    > $R/profile.log 2>&1
+  grep -a "^--- profile\|^GPU kernels per step" $R/profile.log
+fi
+if [ -n "${HF_NP:-}" ]; then  # HF eager in the same call, on HF_NP prompts spread over the categories
+  echo "== HF eager, $HF_NP prompts [t=$(el)]"
+  timeout $(( ${END_S:-590} - $(el) )) python3 -m eyas.cli bench peers --model smollm2 --prompts $S/question.jsonl \
+    --num-prompts $HF_NP --max-tokens ${NEW:-128} --peers hf-eager --out $R/peers 2>&1 | grep -v '^\s*$' | tail -n 2
+fi
 (cd $W && tar czf $OUT/tree_costs.tar.gz tree_costs)
 echo "== end [t=$(el)]"
