@@ -12,7 +12,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="EAGLE draft directory, 'default' (the draft shipped for smollm2), 'none', or 'auto' "
                         "(default: the shipped draft when there is one)")
     p.add_argument("--speculation", default=None,
-                   help="chain:K | tree:NAME (mc_sim_7b_63, 8, 16, smollm2_25|64|128) | tree JSON file | "
+                   help="chain:K | tree:NAME (mc_sim_7b_63, 8, 16, smollm2_25|48d5|64|128) | tree JSON file | "
                         "dispatch:B1=SPEC,B2=SPEC,... (a tree per batch size; SPEC may be 'plain')")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto")
@@ -37,12 +37,14 @@ def _tp_generate(rank: int, world_size: int, device, args) -> None:
     from eyas.dist.tp import TPEngine, load_sharded
     from eyas.engine.engine import EngineConfig, LLMEngine
     from eyas.loader.resolve import draft_dir, resolve_draft_arg
+    from eyas.spec.dispatch import default_speculation
     from eyas.spec.tree import resolve_tree
     draft = resolve_draft_arg(args.model, args.draft)
     if draft is not None:
         draft = draft_dir(args.model, draft)
     target, tok, draft_model = load_sharded(args.model, rank, world_size, device, args.dtype, draft=draft)
-    tree = resolve_tree(args.speculation) or (resolve_tree("chain:3") if draft_model is not None else None)
+    tree = resolve_tree(args.speculation) or (resolve_tree(default_speculation(draft_model, device))
+                                              if draft_model is not None else None)
     tp = TPEngine(LLMEngine(target, tok, draft_model, tree, EngineConfig()), rank, world_size)
     if rank != 0:
         tp.generate()

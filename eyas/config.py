@@ -31,6 +31,10 @@ class ModelConfig:
     # EAGLE drafts only: the target layers (0-based) whose rms-normalised outputs the draft reads next to the final
     # hidden state (EAGLE-3 style; `EagleDraft.read_features`). None: EAGLE-1 (the final hidden state only)
     feature_layers: tuple[int, ...] | None = None
+    # EAGLE drafts only: the speculation to use when none is asked, per device type ("cuda", "cpu"; "default" for
+    # any other): trees fitted to this draft, with batch bounds measured with it (`eyas.spec.dispatch.
+    # default_speculation`). None: chain:3
+    speculation: dict[str, str] | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -74,6 +78,7 @@ class ModelConfig:
             fc_bias=bool(cfg.get("bias", False)),
             feature_layers=(tuple(int(i) for i in cfg["eyas_feature_layers"])
                             if cfg.get("eyas_feature_layers") is not None else None),
+            speculation=dict(cfg["eyas_speculation"]) if cfg.get("eyas_speculation") else None,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -102,6 +107,8 @@ class ModelConfig:
         }
         if self.feature_layers is not None:  # only when set: EAGLE-1 configs stay exactly as they were
             d["eyas_feature_layers"] = list(self.feature_layers)
+        if self.speculation:
+            d["eyas_speculation"] = dict(self.speculation)
         return d
 
     def asdict(self) -> dict[str, Any]:

@@ -1,5 +1,7 @@
 """Speculative decoding is exact: greedy output equals plain decoding token for token, and every cache holds exactly
 the committed history afterwards."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -316,3 +318,33 @@ def test_dispatch_switches_trees_between_steps_and_stays_exact(request, pair):
                 num_blocks=36, block_size=4)  # the longest request fits, all six together do not
     assert [o.token_ids for o in small.generate(prompts6(), params)] == ref
     assert small.engine.scheduler.num_preemptions > 0 and small.engine.blocks.num_used == 0
+
+
+def test_the_draft_chooses_the_default_speculation(tmp_path):
+    """Without --speculation, a draft's config.json `eyas_speculation` picks the tree for the device type (a dispatch
+    with trees fitted to it for the GPU), else chain:3; the choice survives a save and reload, and the shipped
+    SmolLM2 draft asks for its fitted tree at batch 1 on the GPU and chain:3 on the CPU."""
+    import json
+
+    from eyas.config import ModelConfig
+    from eyas.spec.dispatch import default_speculation
+    tdir = write_tiny_llama(tmp_path / "t", vocab=32, hidden=32, heads=4, kv_heads=2, layers=2, seed=0)
+    ddir = write_random_draft(tmp_path / "d", tdir)
+    assert LLM(str(tdir), device="cpu", dtype="float32", draft=str(ddir)).engine.tree.name == "chain:3"
+    cfg = json.loads((ddir / "config.json").read_text())
+    cfg["eyas_speculation"] = {"cpu": "dispatch:1=tree:8,4=chain:2", "cuda": "tree:16"}
+    (ddir / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(tdir), device="cpu", dtype="float32", draft=str(ddir))
+    assert llm.engine.tree.name == "dispatch:1=tree:8,4=chain:2"
+    assert default_speculation(llm.draft, "cuda") == "tree:16"
+    assert ModelConfig.from_hf(llm.draft.config.to_hf()).speculation == cfg["eyas_speculation"]
+    # an explicit speculation wins
+    assert LLM(str(tdir), device="cpu", dtype="float32", draft=str(ddir), speculation="chain:1").engine.tree.name \
+        == "chain:1"
+    shipped = ModelConfig.from_hf(json.loads((Path(__file__).parents[1] / "eyas/drafts/smollm2/config.json")
+                                             .read_text()))
+    holder = type("D", (), {"config": shipped})
+    assert default_speculation(holder, "cpu") == "chain:3"
+    assert default_speculation(holder, "cuda").startswith("dispatch:1=tree:smollm2_48d5,")
+    from eyas.spec.tree import resolve_tree
+    assert resolve_tree(default_speculation(holder, "cuda")).tree_for(1).num_nodes == 48

@@ -120,13 +120,14 @@ def test_make_tree_writes_trees_the_engine_takes(pair_and_text, tmp_path, capsys
         main(["--draft", str(ddir), "--data", str(data), "--out", str(tmp_path / "x.json"), "--nodes", "0"])
 
 
-@pytest.mark.parametrize("name", ["smollm2_25", "smollm2_64", "smollm2_128"])
+@pytest.mark.parametrize("name", ["smollm2_25", "smollm2_48d5", "smollm2_64", "smollm2_128"])
 def test_fitted_presets_decode_exactly(pair_and_text, name):
     """The shipped fitted trees (up to 128 nodes, depth 8, ranks up to 9) through the engine: greedy speculative
     output equals plain decoding (here on the tiny pair: the tree's shape is what is under test)."""
     tdir, ddir, prompt, out = pair_and_text
     tree = resolve_tree(f"tree:{name}")
-    assert tree.num_nodes == int(name.split("_")[1]) and tree.max_depth <= 8
+    nodes, _, depth = name.split("_")[1].partition("d")
+    assert tree.num_nodes == int(nodes) and tree.max_depth <= int(depth or 8)
     res = LLM(str(tdir), device="cpu", dtype="float32", draft=str(ddir), speculation=f"tree:{name}").generate(
         prompt, SamplingParams(max_tokens=40, ignore_eos=True))[0]
     assert res.token_ids == out[:40] and res.stats.tokens_per_call > 1.5

@@ -10,6 +10,7 @@ from eyas.engine.sequence import SpecStats
 from eyas.loader.eagle import load_draft
 from eyas.loader.resolve import draft_dir, load_target
 from eyas.sampling_params import SamplingParams
+from eyas.spec.dispatch import default_speculation
 from eyas.spec.tree import resolve_tree
 
 
@@ -37,8 +38,8 @@ class LLM:
         self.draft = load_draft(draft_dir(model, draft), self.target) if draft is not None else None
         if tree is not None and self.draft is None:
             raise ValueError(f"speculation {speculation!r} needs a draft model (draft=...)")
-        if self.draft is not None and tree is None:
-            tree = resolve_tree("chain:3")
+        if self.draft is not None and tree is None:  # the draft's own default for this device (else chain:3)
+            tree = resolve_tree(default_speculation(self.draft, next(self.target.parameters()).device))
         if engine_kwargs.get("cuda_graphs") == "auto":  # graphs wherever they can run
             engine_kwargs["cuda_graphs"] = next(self.target.parameters()).device.type == "cuda"
         self.engine = LLMEngine(self.target, self.tokenizer, self.draft, tree, EngineConfig(**engine_kwargs))

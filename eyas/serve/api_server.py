@@ -430,9 +430,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="EAGLE draft directory, 'default' (the draft shipped for smollm2), 'none', or 'auto' "
                         "(default: the shipped draft when there is one, so speculation is on)")
     p.add_argument("--speculation", default=None,
-                   help="chain:K | tree:NAME (mc_sim_7b_63, 8, 16, smollm2_25|64|128) | tree JSON file | "
+                   help="chain:K | tree:NAME (mc_sim_7b_63, 8, 16, smollm2_25|48d5|64|128) | tree JSON file | "
                         "dispatch:B1=SPEC,B2=SPEC,... (a tree per batch size; SPEC may be 'plain') "
-                        "(default with a draft: chain:3)")
+                        "(default with a draft: the draft's own choice for the device, else chain:3)")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
     p.add_argument("--host", default="127.0.0.1")

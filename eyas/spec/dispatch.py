@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from eyas.spec.tree import Tree
 
 PREFIX = "dispatch:"
@@ -74,3 +76,12 @@ def parse_dispatch(spec: str) -> TreeDispatch:
     if all(t.num_nodes == 0 for t in trees):
         raise ValueError(f"bad speculation {spec!r}: every entry is plain")
     return TreeDispatch(bounds, trees, spec)
+
+
+def default_speculation(draft, device) -> str:
+    """The speculation to use with `draft` when none is asked: the draft's own choice for this device type
+    (config.json `eyas_speculation`, e.g. {"cuda": "dispatch:1=tree:smollm2_48d5,4=tree:8,256=chain:3", "cpu":
+    "chain:3"}: trees fitted to that draft, batch bounds measured with it on that device), else `chain:3`."""
+    choice = getattr(getattr(draft, "config", None), "speculation", None) or {}
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return choice.get(kind, choice.get("default", "chain:3"))

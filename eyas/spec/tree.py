@@ -24,8 +24,9 @@ TREE_8 = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
 TREE_16 = [[0], [1], [2], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0],
            [1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0, 0]]
 # Trees fitted to the shipped SmolLM2 draft by `eyas make-tree` (eyas/spec/trees/smollm2-N.json -> "smollm2_N"):
-# N nodes, depth 8, refit on the roots decoding visits, fitted on SmolLM2's answers to ShareGPT prompts the draft was
-# not trained on (docs/benchmarks.md, "Trees fitted to the draft").
+# N nodes, depth <= 8, refit on the roots decoding visits, fitted on SmolLM2's answers to ShareGPT prompts the draft
+# was not trained on; smollm2_48d5 (48 nodes, depth <= 5) is the one of the least predicted time per token at batch 1
+# on the H200 (`--step-cost`, docs/benchmarks.md, "Trees fitted to the draft").
 FITTED = {f.stem.replace("-", "_"): json.loads(f.read_text())
           for f in sorted((Path(__file__).parent / "trees").glob("*.json"))}
 PRESETS = {"mc_sim_7b_63": MC_SIM_7B_63, "8": TREE_8, "16": TREE_16, **FITTED}
