@@ -8,7 +8,8 @@
   visibility mask. Grid (batch x kv-head, query-row tile). It can start from a prefix result (o, lse), which
   fuses the merge of the two parts into it.
 * `merge_attention_states`: a standalone log-sum-exp merge of two partial results.
-* `split_tree_attention_triton`: prefix kernel, then the suffix kernel seeded with the prefix result.
+* `split_tree_attention_triton`: prefix kernel, then the suffix kernel seeded with the prefix's unreduced split
+  results (it reduces them itself: two launches per layer, not three).
 
 Every function returns float32 o [B, Q, H, D] and lse [B, Q, H] (natural log). A row that sees no key gets o = 0 and
 lse = -inf (the reference gives the same for each part; its final merge of two such parts gives NaN, ours 0).
@@ -188,14 +189,15 @@ def _tree_suffix_kernel(
     n_rows,  # Q * G
     kv_len,  # L: keys of the suffix (earlier tree tokens + the new ones)
     num_kv_heads,
+    num_init,  # partial results to start from (the prefix's KV splits, unreduced), with HAS_INIT
     stride_qb, stride_qq, stride_qh, stride_qd,
     stride_kb, stride_kl, stride_kh, stride_kd,
     stride_vb, stride_vl, stride_vh, stride_vd,
     stride_mb, stride_mq, stride_ml,
     stride_ob, stride_oq, stride_oh, stride_od,
     stride_lb, stride_lq, stride_lh,
-    stride_o0b, stride_o0q, stride_o0h, stride_o0d,
-    stride_l0b, stride_l0q, stride_l0h,
+    stride_o0b, stride_o0s, stride_o0q, stride_o0h, stride_o0d,
+    stride_l0b, stride_l0s, stride_l0q, stride_l0h,
     G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_INIT: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -217,20 +219,28 @@ def _tree_suffix_kernel(
     if UPCAST:  # the Triton interpreter's bf16 tl.dot is wrong: do its dots in float32 (exact products)
         q = q.to(tl.float32)
 
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if HAS_INIT:
-        # A normalised partial result (o0, lse0) is the online-softmax state m = lse0 (log2 units), l = 1, acc = o0.
-        lse0 = tl.load(LSE0 + b * stride_l0b + qi * stride_l0q + h * stride_l0h, mask=row_ok,
-                       other=float("-inf")).to(tl.float32)
-        has0 = lse0 > float("-inf")
-        m_i = tl.where(has0, lse0 * 1.4426950408889634, float("-inf"))
-        l_i = tl.where(has0, 1.0, 0.0)
-        acc = tl.load(O0 + b * stride_o0b + qi[:, None] * stride_o0q + h[:, None] * stride_o0h
-                      + offs_d[None, :] * stride_o0d, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        acc = tl.where(has0[:, None], acc, 0.0)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # Normalised partial results (o_s, lse_s) over other keys (the prefix's KV splits, not yet reduced): each is
+        # the online-softmax state m = lse_s (log2 units), l = 1, acc = o_s; merging them here is the split
+        # reduction, done in this pass instead of a kernel of its own. Empty ones (lse = -inf) weigh nothing.
+        for si in range(0, num_init):
+            lse0 = tl.load(LSE0 + b * stride_l0b + si * stride_l0s + qi * stride_l0q + h * stride_l0h, mask=row_ok,
+                           other=float("-inf")).to(tl.float32)
+            has0 = lse0 > float("-inf")
+            m0 = tl.where(has0, lse0 * 1.4426950408889634, float("-inf"))
+            m_new = tl.maximum(m_i, m0)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            beta = tl.where(has0, tl.exp2(m0 - m_safe), 0.0)
+            o0 = tl.load(O0 + b * stride_o0b + si * stride_o0s + qi[:, None] * stride_o0q + h[:, None] * stride_o0h
+                         + offs_d[None, :] * stride_o0d, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            o0 = tl.where(has0[:, None], o0.to(tl.float32), 0.0)
+            acc = acc * alpha[:, None] + o0 * beta[:, None]
+            l_i = l_i * alpha + beta
+            m_i = m_new
 
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
@@ -381,13 +391,15 @@ def _prefix_block_n(block_m: int, block_n: int, block_d: int, splits: int, dtype
 
 
 def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None,
-                           max_context_len=None, block_n=None):
+                           max_context_len=None, block_n=None, reduce=True):
     """Attention of every new token over its sequence's first `context_lens[b]` cache entries, without mask.
 
     q [B, Q, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks] (int32/int64);
     context_lens [B]. `max_context_len` (a host int, optional) only steers the split heuristic; without it the
     block-table width is used, so that no device value is read back (CUDA-graph safe).
-    Returns o [B, Q, H, D] float32 and lse [B, Q, H] float32; rows with context 0 get o = 0, lse = -inf."""
+    Returns o [B, Q, H, D] float32 and lse [B, Q, H] float32; rows with context 0 get o = 0, lse = -inf.
+    `reduce=False`: the KV splits' partial results instead, o [B, S, Q, H, D] and lse [B, S, Q, H], for a kernel
+    that merges them itself (`tree_suffix_attention`), one kernel launch fewer."""
     B, NQ, H, D = q.shape
     _, page, KVH, Dk = k_cache.shape
     if Dk != D or v_cache.shape != k_cache.shape:
@@ -412,8 +424,9 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         BLOCK_N = _prefix_block_n(BLOCK_M, BLOCK_N, BLOCK_D, S, k_cache.dtype, int(bound))
 
     if B == 0 or NQ == 0:
-        return (torch.zeros((B, NQ, H, D), dtype=torch.float32, device=q.device),
-                torch.full((B, NQ, H), float("-inf"), dtype=torch.float32, device=q.device))
+        o, lse = (torch.zeros((B, NQ, H, D), dtype=torch.float32, device=q.device),
+                  torch.full((B, NQ, H), float("-inf"), dtype=torch.float32, device=q.device))
+        return (o, lse) if reduce else (o.unsqueeze(1), lse.unsqueeze(1))
     o_part = torch.empty((B, S, NQ, H, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, S, NQ, H), dtype=torch.float32, device=q.device)
     _paged_prefix_kernel[(B * KVH, m_tiles, S)](
@@ -424,6 +437,8 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         G=G, HEAD_D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), num_warps=4, num_stages=2,
     )
+    if not reduce:
+        return o_part, lse_part
     if S == 1:
         return o_part[:, 0], lse_part[:, 0]
     o = torch.empty((B, NQ, H, D), dtype=torch.float32, device=q.device)
@@ -441,7 +456,8 @@ def tree_suffix_attention(q, k_new, v_new, suffix_mask, scale, o_init=None, lse_
 
     q [B, Q, H, D]; k_new/v_new [B, L, KVH, D] (L = Q, or P + Q with earlier tree tokens first);
     suffix_mask [B, Q, L] bool (or integer, nonzero = visible). With `o_init`/`lse_init` (a normalised partial
-    result over other keys, e.g. the prefix), the result is merged with it in the same pass.
+    result over other keys, e.g. the prefix, or several: [B, S, Q, H, D] / [B, S, Q, H], e.g. the prefix's KV splits
+    unreduced), the result is merged with them in the same pass.
     Returns o [B, Q, H, D] float32 and lse [B, Q, H] float32."""
     B, NQ, H, D = q.shape
     _, L, KVH, Dk = k_new.shape
@@ -465,13 +481,17 @@ def tree_suffix_attention(q, k_new, v_new, suffix_mask, scale, o_init=None, lse_
         return o, lse
     has_init = o_init is not None
     if has_init:
-        if lse_init is None or tuple(o_init.shape) != (B, NQ, H, D) or tuple(lse_init.shape) != (B, NQ, H):
-            raise ValueError("o_init [B, Q, H, D] and lse_init [B, Q, H] must be given together")
+        if lse_init is not None and o_init.dim() == 4 and lse_init.dim() == 3:  # one partial: a split axis of 1
+            o_init, lse_init = o_init.unsqueeze(1), lse_init.unsqueeze(1)
+        if lse_init is None or o_init.dim() != 5 or tuple(o_init.shape[2:]) != (NQ, H, D) or \
+                o_init.shape[0] != B or tuple(lse_init.shape) != tuple(o_init.shape[:4]):
+            raise ValueError("o_init [B, Q, H, D] and lse_init [B, Q, H] (or split partials [B, S, Q, H, D] and "
+                             "[B, S, Q, H]) must be given together")
     else:
-        o_init, lse_init = o, lse  # placeholders, never read
+        o_init, lse_init = o.unsqueeze(1), lse.unsqueeze(1)  # placeholders, never read
     _tree_suffix_kernel[(B * KVH, m_tiles)](
         q, k_new, v_new, suffix_mask, o, lse, o_init, lse_init,
-        float(scale) * LOG2E, n_rows, L, KVH,
+        float(scale) * LOG2E, n_rows, L, KVH, o_init.shape[1] if has_init else 0,
         *q.stride(), *k_new.stride(), *v_new.stride(), *suffix_mask.stride(),
         *o.stride(), *lse.stride(), *o_init.stride(), *lse_init.stride(),
         G=G, HEAD_D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_INIT=has_init,
@@ -505,10 +525,11 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
     """Prefix (paged, no mask) + suffix (under `suffix_mask`), merged by log-sum-exp: o [B, Q, H, D] float32.
 
     Same contract as `eyas.layers.attention.split_tree_attention`; `past_k`/`past_v` [B, P, KVH, D] are earlier
-    tree tokens placed before the new ones (suffix_mask is then [B, Q, P + Q]). The merge is fused into the suffix
-    kernel. A row that sees nothing at all gets 0 (the reference gives NaN)."""
+    tree tokens placed before the new ones (suffix_mask is then [B, Q, P + Q]). Two kernels: the prefix's KV splits
+    stay unreduced, and the suffix kernel merges them as its starting state. A row that sees nothing at all gets 0
+    (the reference gives NaN)."""
     o_p, lse_p = paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                        num_splits=num_splits, max_context_len=max_context_len)
+                                        num_splits=num_splits, max_context_len=max_context_len, reduce=False)
     ks, vs = k_new, v_new
     if past_k is not None:
         ks, vs = torch.cat([past_k, k_new], dim=1), torch.cat([past_v, v_new], dim=1)
