@@ -77,3 +77,27 @@ def test_greedy_acceptance_on_the_presets():
         seen |= set(accept_tree_greedy(target, nodes, tree)[1].tolist())
         check(tree, 16, seed)
     assert seen == {0, 1, 2, 3}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 40), st.integers(1, 4), st.integers(0, 10**6))
+def test_replayed_acceptance_equals_the_tree_builder_replay(max_nodes, max_width, seed):
+    """`simulate_replay` stepped on the device (a sequence's position advancing by what it commits) makes the target
+    calls and commits the tokens of `eyas.spec.tree_builder.replay` over the same rank paths."""
+    from eyas.spec.tree_builder import MISS, replay
+    from eyas.spec.verifier import simulate_replay
+    g = torch.Generator().manual_seed(seed)
+    tree = random_tree(g, max_nodes, max_width)
+    T, R, M = 300, 8, 120
+    ranks = torch.randint(0, max_width + 1, (T, R), generator=g)  # often on the tree: long accepted paths
+    ranks[torch.rand(T, R, generator=g) < 0.1] = MISS
+    calls = committed = 0
+    n, produced = torch.ones(1, dtype=torch.long), 1  # seed 0, position 1: replay's first root is row 1
+    nodes = torch.zeros(1, tree.num_nodes + 1, dtype=torch.long)
+    while produced < M:
+        path, acc, _ = simulate_replay(nodes, tree, ranks, torch.zeros(1, dtype=torch.long), n, nodes)
+        a = int(acc)
+        assert path[0, a] >= 0 and (a == tree.max_depth or path[0, a + 1] < 0)
+        k = min(a + 1, M - produced)
+        calls, committed, produced, n = calls + 1, committed + k, produced + k, n + a + 1
+    assert (calls, committed) == replay(ranks, [list(p) for p in tree.paths], M)

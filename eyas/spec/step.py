@@ -14,7 +14,7 @@ from eyas.layers.attention import MetaBuilder, write_kv
 from eyas.layers.sampler import logits_to_probs
 from eyas.spec.drafter import catch_up, expand_tree
 from eyas.spec.tree import Tree
-from eyas.spec.verifier import accept_tree, accept_tree_greedy, simulate_accept
+from eyas.spec.verifier import accept_tree, accept_tree_greedy, simulate_accept, simulate_replay
 
 
 @dataclass
@@ -52,7 +52,8 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     KV holds 0..d-1 and the committed pairs (x_{t+1}, h_t), t = d..n-1, it has not read are `catchup_tokens` and
     rows 0..n-d-1 of `draft_hidden[slots]` ([num_slots, D+1, H], one row per running sequence, kept on the device).
     `all_greedy`: every request has temperature 0, so acceptance needs only the target's argmax (no sort over the
-    vocabulary); the result is the same as the general path's. `simulated_accept` (benchmarks of random-weight models): per-depth acceptance rates replace the real acceptance.
+    vocabulary); the result is the same as the general path's. `simulated_accept` (benchmarks of random-weight models): per-depth acceptance rates (float [D]) or a real
+    draft's recorded rank paths (integer [T, R], `simulate_replay`) replace the real acceptance.
 
     After: the target KV holds 0..n+m (root and the m accepted draft tokens; nothing of rejected branches), the draft
     KV holds 0..n-1, the outputs give the new tokens (accepted path + bonus), and `draft_hidden[slots]` holds the
@@ -101,8 +102,11 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     V = logits.shape[-1]
 
     # accept: the longest accepted path and a bonus token (greedy or lossless speculative sampling)
-    if simulated_accept is not None:  # benchmarks of random-weight models only
-        path, num_accepted, bonus = simulate_accept(node_tokens, tree, simulated_accept, inp.seeds, n,
+    if simulated_accept is not None and simulated_accept.is_floating_point():  # benchmarks of random weights only:
+        path, num_accepted, bonus = simulate_accept(node_tokens, tree, simulated_accept, inp.seeds, n,  # rates by
+                                                    logits.argmax(-1))  # depth
+    elif simulated_accept is not None:  # ... or a real draft's recorded rank paths, replayed
+        path, num_accepted, bonus = simulate_replay(node_tokens, tree, simulated_accept, inp.seeds, n,
                                                     logits.argmax(-1))
     elif all_greedy:
         path, num_accepted, bonus = accept_tree_greedy(logits.argmax(-1), node_tokens, tree)

@@ -43,12 +43,14 @@ class Tree:
     children: torch.Tensor  # [N+1, max_children] int64, by rank, -1 padded
     levels: list[range]  # node indices of each depth, levels[0] = range(0, 1)
     topk_per_level: list[int]  # how many draft candidates each level's nodes need (max child rank + 1)
+    rank_paths: torch.Tensor  # [N+1, max(D, 1)] int64: node i's path of ranks, -1 past its depth (root: all -1)
 
     def to(self, device) -> "Tree":
         """The same tree with its tensors on `device` (so that a step makes no host->device copies)."""
         from dataclasses import replace
         return replace(self, parents=self.parents.to(device), depth=self.depth.to(device), rank=self.rank.to(device),
-                       ancestor_mask=self.ancestor_mask.to(device), children=self.children.to(device))
+                       ancestor_mask=self.ancestor_mask.to(device), children=self.children.to(device),
+                       rank_paths=self.rank_paths.to(device))
 
     @property
     def num_nodes(self) -> int:
@@ -92,8 +94,11 @@ class Tree:
         D = max(depth)
         levels = [range(depth.index(d), depth.index(d) + depth.count(d)) for d in range(D + 1)]
         topk = [max([rank[c] + 1 for i in lv for c in kids[i]], default=0) for lv in levels]
+        rank_paths = torch.full((n, max(D, 1)), -1, dtype=torch.long)
+        for i, p in enumerate(ps, start=1):
+            rank_paths[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         return cls(name, ps, torch.tensor(parents), torch.tensor(depth), torch.tensor(rank), mask, children,
-                   levels, topk)
+                   levels, topk, rank_paths)
 
     @classmethod
     def chain(cls, k: int) -> "Tree":

@@ -89,15 +89,18 @@ def accept_tree_greedy(target_tokens: torch.Tensor, node_tokens: torch.Tensor, t
     match[:, 0] = True  # the root is committed already
     reachable = ~(ancestors[None] & ~match[:, None, :]).any(-1)  # [B, N+1]
     best = torch.where(reachable, depth[None, :], -1).argmax(-1)  # [B] the deepest reachable node
-    num_accepted = depth[best]
-    # the path to `best`, root first: its ancestor at each depth d <= depth[best] (-1 beyond)
-    D1 = tree.max_depth + 1
-    on_path = ancestors[best]  # [B, N+1]
-    at_depth = depth[None, :, None] == torch.arange(D1, device=device)[None, None, :]  # [1, N+1, D+1]
+    path = path_to(best, tree)
+    return path, depth[best], target_tokens[torch.arange(B, device=device), best]
+
+
+def path_to(best: torch.Tensor, tree: Tree) -> torch.Tensor:
+    """[B, D+1] the nodes from the root to node best[b], root first: its ancestor at each depth (-1 beyond)."""
+    device = best.device
+    depth = tree.depth.to(device)
+    on_path = tree.ancestor_mask.to(device)[best]  # [B, N+1]
+    at_depth = depth[None, :, None] == torch.arange(tree.max_depth + 1, device=device)[None, None, :]
     hit = on_path[:, :, None] & at_depth  # [B, N+1, D+1]
-    path = torch.where(hit.any(1), hit.long().argmax(1), -1)
-    rows = torch.arange(B, device=device)
-    return path, num_accepted, target_tokens[rows, best]
+    return torch.where(hit.any(1), hit.long().argmax(1), -1)
 
 
 def simulate_accept(node_tokens: torch.Tensor, tree: Tree, accept_prob: torch.Tensor, seeds: torch.Tensor,
@@ -122,3 +125,29 @@ def simulate_accept(node_tokens: torch.Tensor, tree: Tree, accept_prob: torch.Te
         num_accepted += ok.long()
         alive = ok
     return path, num_accepted, target_tokens[torch.arange(B, device=device), cur]
+
+
+def simulate_replay(node_tokens: torch.Tensor, tree: Tree, ranks: torch.Tensor, seeds: torch.Tensor,
+                    counters: torch.Tensor, target_tokens: torch.Tensor):
+    """Replayed acceptance from a real draft's recorded rank paths, for benchmarks of random-weight models: `ranks`
+    [T, R] holds, for T positions of text the target wrote, the ranks of its greedy tokens among the draft's
+    proposals at depths 1..R (-1: not among them; `eyas make-tree --save-eval-ranks`). A sequence at position n
+    (`counters`) reads row (seed * 7919 + n) mod T and accepts the deepest tree node whose rank path starts that
+    row. Its position then advances by the tokens committed, so its steps read the rows a real decode would reach:
+    `eyas.spec.tree_builder.replay` on the device, for any tree (`simulate_accept` follows rank-0 children only).
+    The bonus is the target's greedy token. Never used for real output."""
+    B = node_tokens.shape[0]
+    device = node_tokens.device
+    depth = tree.depth.to(device)
+    node_ranks = tree.rank_paths.to(device)  # [N+1, Dt]
+    Dt = node_ranks.shape[1]
+    t = torch.remainder(seeds.long() * 7919 + counters.long(), ranks.shape[0])
+    row = ranks[t].long()  # [B, R]
+    if row.shape[1] < Dt:  # a shorter recording: its missing depths match nothing
+        row = torch.cat([row, row.new_full((B, Dt - row.shape[1]), -1)], dim=1)
+    row = row[:, :Dt]
+    beyond = torch.arange(Dt, device=device)[None, :] >= depth[:, None]  # [N+1, Dt]: past node i's depth
+    match = ((row[:, None, :] == node_ranks[None]) | beyond[None]).all(-1)  # [B, N+1]; the root always matches
+    best = torch.where(match, depth[None, :], -1).argmax(-1)  # distinct rank paths: one match per depth at most
+    return path_to(best, tree), depth[best], target_tokens[torch.arange(B, device=device), best]
+
