@@ -3,6 +3,7 @@ tree dispatcher, and refuses bad input before loading anything."""
 import json
 
 import pytest
+import torch
 
 from eyas.bench.latency import rates_from_tpc_report, split_modes, spread
 from eyas.cli import main
@@ -72,3 +73,28 @@ def test_bench_latency_writes_json_markdown_and_plot(tmp_path):
 def test_bench_latency_refuses_bad_input(bad, tmp_path):
     with pytest.raises(SystemExit, match="eyas bench latency"):
         main(["bench", "latency", "--model", "no-such-model", "--out", str(tmp_path)] + bad)
+
+
+def test_accept_ranks_replays_a_recording_on_any_tree(tmp_path):
+    """--accept-ranks replays recorded rank paths on a random-weight shape: rows of all rank 0 give every tree its
+    longest chain; rows [1, 0, ...] reach tree:8's node [1, 0] (depth 2), which rank-0 rates could never reach."""
+    from safetensors.torch import save_file
+
+    def bench(rows):
+        path = tmp_path / "ranks.safetensors"
+        save_file({"ranks": torch.tensor(rows, dtype=torch.int8).repeat(50, 1)}, str(path))
+        out = tmp_path / "lat"
+        assert main(["bench", "latency", "--model", "smollm2-shape", "--modes", "chain:3,tree:8", "--batch-sizes", "1",
+                     "--max-tokens", "9", "--context", "4", "--num-prompts", "1", "--accept-ranks", str(path),
+                     "--device", "cpu", "--dtype", "float32", "--out", str(out)]) == 0
+        res = json.loads((out / "latency.json").read_text())
+        assert res["meta"]["accept_ranks"] == str(path) and res["meta"]["accept_rates"] is None
+        return [r["tpc"] for r in res["results"]]
+    # 8 tokens after prefill: chain:3 in calls of 4 + 4; tree:8 down its 4-deep chain, 5 + 3
+    assert bench([[0] * 8]) == pytest.approx([4.0, 4.0])
+    # the second-ranked token, then the best: off the chain (1 token a call); tree:8's node [1, 0], 3 + 3 + 2
+    assert bench([[1, 0, 0, 0, 0, 0, 0, 0]]) == pytest.approx([1.0, 8 / 3])
+    bad = tmp_path / "bad.safetensors"
+    save_file({"ranks": torch.zeros(3)}, str(bad))
+    with pytest.raises(SystemExit, match="integer tensor"):
+        main(["bench", "latency", "--model", "smollm2-shape", "--accept-ranks", str(bad)])

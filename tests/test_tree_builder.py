@@ -110,11 +110,17 @@ def test_make_tree_writes_trees_the_engine_takes(pair_and_text, tmp_path, capsys
     # replayed on other answers (here the same one): chain:3 as the engine measures it
     assert main(["--model", str(tdir), "--draft", str(ddir), "--data", str(data), "--out", str(tmp_path / "u.json"),
                  "--nodes", "6", "--max-rank", "4", "--min-count", "1", "--compare", "chain:3",
-                 "--eval-data", str(data), "--device", "cpu", "--dtype", "float32"]) == 0
+                 "--eval-data", str(data), "--save-eval-ranks", str(tmp_path / "ranks.safetensors"),
+                 "--device", "cpu", "--dtype", "float32"]) == 0
     ev = json.loads(capsys.readouterr().out)["eval"]
+    # the recording `bench latency --accept-ranks` replays: replaying chain:3 over it gives the engine's TPC too
+    from eyas.bench.latency import load_ranks
+    ranks = load_ranks(ev["ranks_file"])
+    assert ranks.shape[1] == 8
     spec = LLM(str(tdir), device="cpu", dtype="float32", draft=str(ddir), speculation="chain:3").generate(
         prompt, SamplingParams(max_tokens=len(out), ignore_eos=True))[0].stats
     assert ev["replayed_tpc"]["chain:3"] == round(spec.committed / spec.target_calls, 4)
+    assert replay(ranks, [[0], [0, 0], [0, 0, 0]], len(out)) == (spec.target_calls, spec.committed)
     assert ev["answer_tokens"] == len(out) and set(ev["replayed_tpc"]) == {"6", "chain:3"}
     with pytest.raises(ValueError, match=">= 1"):
         main(["--draft", str(ddir), "--data", str(data), "--out", str(tmp_path / "x.json"), "--nodes", "0"])

@@ -56,6 +56,18 @@ def rates_from_tpc_report(path: str | Path, temperature: float = 0.0) -> list[fl
     return rates
 
 
+def load_ranks(path: str | Path) -> torch.Tensor:
+    """A rank-path recording ([T, R] int, `ranks` in a safetensors file) for `--accept-ranks`."""
+    from safetensors.torch import load_file
+    try:
+        ranks = load_file(str(path)).get("ranks")
+    except Exception as e:  # not a file, not safetensors
+        raise ValueError(f"--accept-ranks {path}: cannot read it ({type(e).__name__}: {e})") from None
+    if ranks is None or ranks.dim() != 2 or ranks.is_floating_point() or ranks.shape[0] == 0:
+        raise ValueError(f"--accept-ranks {path}: expected an integer tensor `ranks` [T, R] with T >= 1")
+    return ranks.long()
+
+
 def spread(total: int, n: int) -> list[int]:
     """n indices spread evenly over range(total) (all of them, cycled, when n >= total): 8 of MT-Bench's 80
     questions, which come sorted by category, ten each, are one question of each category."""
@@ -97,7 +109,9 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
                                                                 longest + max_tokens + 64),
                        num_blocks=batch * (-(-(longest + max_tokens + 64) // block_size)) + 8)
     engine = LLMEngine(target, tokenizer, draft if tree is not None else None, tree, cfg)
-    if simulated_rates is not None and tree is not None:
+    if isinstance(simulated_rates, torch.Tensor) and tree is not None:  # a real draft's rank paths, replayed
+        engine.runner.simulated_accept = simulated_rates.to(next(target.parameters()).device)
+    elif simulated_rates is not None and tree is not None:
         D = engine.tree.max_depth
         rates = (list(simulated_rates) + [simulated_rates[-1]] * D)[:D]
         engine.runner.simulated_accept = torch.tensor(rates, device=next(target.parameters()).device)
@@ -210,7 +224,9 @@ def run(args) -> int:
         batches = [int(b) for b in args.batch_sizes.split(",")]
         if not batches or min(batches) < 1:
             raise ValueError("batch sizes must be >= 1")
-        if Path(args.accept_rates).is_file():
+        if args.accept_ranks:
+            accept = load_ranks(args.accept_ranks)
+        elif Path(args.accept_rates).is_file():
             accept = rates_from_tpc_report(args.accept_rates)
         else:
             accept = [float(x) for x in args.accept_rates.split(",")]
@@ -243,7 +259,9 @@ def run(args) -> int:
                                  profile=args.profile, num_prompts=args.num_prompts))
     meta = {"model": args.model, "draft": args.draft, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-            "dtype": str(dtype), "date": str(date.today()), "simulated": simulated, "accept_rates": rates,
+            "dtype": str(dtype), "date": str(date.today()), "simulated": simulated,
+            "accept_rates": None if isinstance(rates, torch.Tensor) else rates,
+            "accept_ranks": args.accept_ranks if simulated and args.accept_ranks else None,
             "context": args.context, "max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
             "draft_vocab": args.draft_vocab or None,
             "cuda_graphs": graphs}
@@ -274,6 +292,10 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--accept-rates", default="0.8",
                    help="simulated acceptance (random weights): per-depth conditional rates, comma-separated, or "
                         "an `eyas bench tpc` tpc.json of one draft (its longest chain at T=0)")
+    p.add_argument("--accept-ranks", default=None,
+                   help="simulated acceptance replayed from a real draft's recorded rank paths (a safetensors file "
+                        "with `ranks` [T, R], from `eyas make-tree --save-eval-ranks`): exact for any tree, where "
+                        "--accept-rates follows each node's rank-0 child only")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="random-weight shapes: the draft proposes only this many token ids (the cost of a reduced "
                         "draft vocabulary; acceptance stays simulated)")

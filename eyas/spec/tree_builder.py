@@ -205,7 +205,7 @@ class StepCost:
 def make_tree(model: str, draft: str, data: list[str], out: str, nodes: list[int], max_depth: int | list[int] = 8,
               max_rank: int = 10, min_count: int = 3, limit: int | None = None, device: str = "auto",
               dtype: str = "auto", compare: list[str] | None = None, eval_data: list[str] | None = None,
-              refit_rounds: int = 3, step_cost: StepCost | None = None) -> dict:
+              refit_rounds: int = 3, step_cost: StepCost | None = None, save_eval_ranks: str | None = None) -> dict:
     """Fit trees of each size in `nodes` to `draft` on the conversations of `data` (the target's own answers, e.g.
     `eyas make-distill-data` output, kept out of the draft's training); writes `out` (one size: a JSON list of paths,
     which `--speculation` takes; several: OUT_STEM-N.json each) and returns the fit, with the expected TPC of the
@@ -270,6 +270,12 @@ def make_tree(model: str, draft: str, data: list[str], out: str, nodes: list[int
         lengths = [int(e.mask.sum()) for e in ev]
         res["eval"] = {"conversations": len(ev), "answer_tokens": sum(lengths),
                        "replayed_tpc": {k: round(replayed_tpc(per, lengths, t), 4) for k, t in trees.items()}}
+        if save_eval_ranks:  # the recording `eyas bench latency --accept-ranks` replays on random-weight shapes
+            from safetensors.torch import save_file
+            Path(save_eval_ranks).parent.mkdir(parents=True, exist_ok=True)
+            save_file({"ranks": torch.cat(per).to(torch.int8).contiguous()}, save_eval_ranks,
+                      metadata={"draft": str(draft), "eval_data": " ".join(eval_data), "max_rank": str(max_rank)})
+            res["eval"]["ranks_file"] = save_eval_ranks
     return res
 
 
@@ -296,6 +302,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--refit-rounds", type=int, default=3, help="refit on the roots decoding visits (0: none)")
     p.add_argument("--eval-data", nargs="*", default=None,
                    help="the target's greedy answers to other prompts: replay every tree's TPC on them")
+    p.add_argument("--save-eval-ranks", default=None,
+                   help="write the rank paths of --eval-data (safetensors `ranks` [T, depth]): the acceptance profile "
+                        "that `eyas bench latency --accept-ranks` replays on random-weight shapes")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.set_defaults(func=run)
@@ -306,9 +315,11 @@ def run(args) -> int:
     if min(args.nodes) < 1 or min(args.max_depth) < 1 or args.max_rank < 1:
         raise ValueError("--nodes, --max-depth and --max-rank must be >= 1")
     cost = StepCost.parse(args.step_cost) if args.step_cost else None
+    if args.save_eval_ranks and not args.eval_data:
+        raise ValueError("--save-eval-ranks needs --eval-data")
     print(json.dumps(make_tree(args.model, args.draft, args.data, args.out, args.nodes, args.max_depth, args.max_rank,
                                args.min_count, args.limit, args.device, args.dtype, args.compare, args.eval_data,
-                               args.refit_rounds, cost), indent=2))
+                               args.refit_rounds, cost, args.save_eval_ranks), indent=2))
     return 0
 
 

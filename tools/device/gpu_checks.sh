@@ -13,15 +13,17 @@ timeout ${TESTS_S:-330} python3 -m pytest -q ${TESTS:-tests/test_kernels.py test
   tests/test_cuda_graph.py} -p no:cacheprovider 2>&1 | tail -n 8
 echo "== GEMV bench [t=$(el)]"
 [ -f tools/diag/gemv_bench.py ] && timeout ${GEMV_S:-150} python3 tools/diag/gemv_bench.py --out $OUT/gemv.json 2>&1 | tail -n 60
+# RANKS: a rank-path recording (`eyas make-tree --save-eval-ranks`) replayed exactly for any tree; else RATES
+ACCEPT=$([ -n "${RANKS:-}" ] && echo "--accept-ranks $RANKS" || echo "--accept-rates ${RATES:-0.6,0.45,0.4}")
 echo "== 8B shape latency [t=$(el)]"
 timeout ${LAT_S:-200} python3 -m eyas.cli bench latency --model ${MODEL:-llama-3.1-8b-shape} --modes ${MODES:-plain,chain:3,tree:8} \
-  --batch-sizes ${BATCHES:-1,32} --context ${CONTEXT:-1024} --max-tokens ${NEW:-64} --accept-rates ${RATES:-0.6,0.45,0.4} \
+  --batch-sizes ${BATCHES:-1,32} --context ${CONTEXT:-1024} --max-tokens ${NEW:-64} $ACCEPT \
   --out $OUT/l8b ${PROFILE:---profile} > $OUT/l8b.log 2>&1; cat $OUT/l8b/*.md   # the profiles: l8b.log
 if [ -n "${DRAFT_VOCAB:-}" ]; then  # the same speculative rows with a reduced draft vocabulary of DRAFT_VOCAB tokens
   echo "== 8B shape latency, draft vocabulary $DRAFT_VOCAB [t=$(el)]"
   timeout ${LAT_DV_S:-150} python3 -m eyas.cli bench latency --model ${MODEL:-llama-3.1-8b-shape} \
     --modes ${MODES_DV:-chain:3,tree:8} --batch-sizes ${BATCHES:-1,32} --context ${CONTEXT:-1024} \
-    --max-tokens ${NEW:-64} --accept-rates ${RATES:-0.6,0.45,0.4} --draft-vocab $DRAFT_VOCAB --out $OUT/l8bdv \
+    --max-tokens ${NEW:-64} $ACCEPT --draft-vocab $DRAFT_VOCAB --out $OUT/l8bdv \
     > $OUT/l8bdv.log 2>&1; cat $OUT/l8bdv/*.md
 fi
 (cd $OUT && tar czf l8b.tar.gz l8b* && rm -rf l8b l8bdv l8b.log l8bdv.log)  # at most 8 files come back
