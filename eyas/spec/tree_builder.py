@@ -169,8 +169,8 @@ class StepCost:
 
     def ms(self, paths: list[list[int]]) -> float:
         from eyas.spec.tree import Tree
-        f = self.features(Tree.from_paths(paths))
-        return self.base * f[0] + self.per_level * f[1] + self.per_node * f[2] + self.per_topk * f[3]
+        weights = (self.base, self.per_level, self.per_node, self.per_topk)
+        return sum(w * f for w, f in zip(weights, self.features(Tree.from_paths(paths))))
 
     @classmethod
     def parse(cls, text: str) -> "StepCost":

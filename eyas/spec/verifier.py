@@ -80,27 +80,27 @@ def accept_tree_greedy(target_tokens: torch.Tensor, node_tokens: torch.Tensor, t
     its ancestors match; the accepted path ends at the deepest reachable node. Siblings carry distinct tokens (the
     draft's top-k), so at most one node per depth is reachable and that node is unique. A handful of kernels for any
     tree, where a walk costs depth x width steps of several kernels each (the step's largest cost on deep trees)."""
-    B, N1 = node_tokens.shape
     device = node_tokens.device
     parents = tree.parents.to(device)
     ancestors = tree.ancestor_mask.to(device)  # [N+1, N+1]: [i, j] = j is i or an ancestor of i
-    depth = tree.depth.to(device)
     match = node_tokens == target_tokens[:, parents.clamp(min=0)]  # [B, N+1]
     match[:, 0] = True  # the root is committed already
     reachable = ~(ancestors[None] & ~match[:, None, :]).any(-1)  # [B, N+1]
-    best = torch.where(reachable, depth[None, :], -1).argmax(-1)  # [B] the deepest reachable node
-    path = path_to(best, tree)
-    return path, depth[best], target_tokens[torch.arange(B, device=device), best]
+    return accept_deepest(reachable, tree, target_tokens)
 
 
-def path_to(best: torch.Tensor, tree: Tree) -> torch.Tensor:
-    """[B, D+1] the nodes from the root to node best[b], root first: its ancestor at each depth (-1 beyond)."""
-    device = best.device
+def accept_deepest(ok: torch.Tensor, tree: Tree, target_tokens: torch.Tensor):
+    """Accept the deepest node with ok[b, node] (at most one per depth; the root always ok): -> path [B, D+1] (the
+    nodes from the root to it, root first, -1 beyond), num_accepted [B] (its depth), bonus [B] (the target's token
+    after it)."""
+    device = ok.device
     depth = tree.depth.to(device)
+    best = torch.where(ok, depth[None, :], -1).argmax(-1)  # [B]
     on_path = tree.ancestor_mask.to(device)[best]  # [B, N+1]
     at_depth = depth[None, :, None] == torch.arange(tree.max_depth + 1, device=device)[None, None, :]
     hit = on_path[:, :, None] & at_depth  # [B, N+1, D+1]
-    return torch.where(hit.any(1), hit.long().argmax(1), -1)
+    path = torch.where(hit.any(1), hit.long().argmax(1), -1)
+    return path, depth[best], target_tokens[torch.arange(ok.shape[0], device=device), best]
 
 
 def simulate_accept(node_tokens: torch.Tensor, tree: Tree, accept_prob: torch.Tensor, seeds: torch.Tensor,
@@ -148,6 +148,5 @@ def simulate_replay(node_tokens: torch.Tensor, tree: Tree, ranks: torch.Tensor, 
     row = row[:, :Dt]
     beyond = torch.arange(Dt, device=device)[None, :] >= depth[:, None]  # [N+1, Dt]: past node i's depth
     match = ((row[:, None, :] == node_ranks[None]) | beyond[None]).all(-1)  # [B, N+1]; the root always matches
-    best = torch.where(match, depth[None, :], -1).argmax(-1)  # distinct rank paths: one match per depth at most
-    return path_to(best, tree), depth[best], target_tokens[torch.arange(B, device=device), best]
+    return accept_deepest(match, tree, target_tokens)  # distinct rank paths: one match per depth at most
 
