@@ -19,8 +19,8 @@ import pytest  # noqa: E402
 
 from eyas import LLM, SamplingParams  # noqa: E402
 from eyas.config import ModelConfig  # noqa: E402
-from eyas.kernels import (add_rms_norm_reference, add_rms_norm_triton, rope_reference, rope_triton,  # noqa: E402
-                          swiglu_reference, swiglu_triton)
+from eyas.kernels import (add_rms_norm_reference, add_rms_norm_triton, rope_reference, rope_store_reference,  # noqa: E402
+                          rope_store_triton, rope_triton, swiglu_reference, swiglu_triton)
 from eyas.layers.norm import RMSNorm  # noqa: E402
 from eyas.layers.rotary import RotaryEmbedding  # noqa: E402
 from eyas.models.eagle import EagleDraft  # noqa: E402
@@ -90,6 +90,50 @@ def test_rope_on_views_of_a_fused_qkv(dtype):
         rq, rk = rope_reference(pos, q, k, rope.cos, rope.sin)
         close(qo, rq, dtype)
         close(ko, rk, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_to_cache_slots_and_stash_rows(dtype):
+    """RoPE with the K/V store fused in (plain decoding's cache write, tree tokens' stash) equals RoPE followed by
+    the store: the same rotated q, rotated k and v at the asked rows, nothing else touched, a skipped slot skipped."""
+    g = torch.Generator().manual_seed(5)
+    B, Q, H, KVH = 3, 4, 6, 2
+    for D in (16, 24):
+        rope = RotaryEmbedding(D, 200, 10000.0, None).to(DEV)
+        pos = torch.randint(0, 200, (B, Q), generator=g).to(DEV)
+        qkv = (torch.randn(B, Q, (H + 2 * KVH) * D, generator=g) * 2).to(DEV, dtype)
+        q, k, v = (t.view(B, Q, -1, D) for t in qkv.split([H * D, KVH * D, KVH * D], dim=-1))
+        rq, rk = rope_reference(pos, q, k, rope.cos, rope.sin)
+        # a cache layer's flat slots: a permutation of rows >= 1, one token skipped (-1)
+        R = 40
+        rows = (torch.randperm(R - 1, generator=g)[: B * Q] + 1).view(B, Q).to(DEV)
+        rows[1, 2] = -1
+        for store in ("slots", "stash"):
+            kd0 = torch.randn(R, KVH, D, generator=g).to(DEV, dtype)
+            vd0 = torch.randn(R, KVH, D, generator=g).to(DEV, dtype)
+            where = dict(rows=rows) if store == "slots" else dict(seq_rows=9, row_offset=3)
+            kd, vd, kr, vr = kd0.clone(), vd0.clone(), kd0.clone(), vd0.clone()
+            qo = rope_store_triton(pos, q, k, v, rope.cos, rope.sin, kd, vd, **where)
+            qr = rope_store_reference(pos, q, k, v, rope.cos, rope.sin, kr, vr, **where)
+            close(qo, rq, dtype)
+            close(qr, rq, dtype)
+            if store == "slots":
+                dst = rows.clamp(min=0)
+                ok = rows >= 0
+                close(kd[dst[ok]], rk[ok], dtype)
+                assert torch.equal(vd[dst[ok]], v[ok])
+                untouched = torch.ones(R, dtype=torch.bool, device=DEV)
+                untouched[dst[ok]] = False
+                assert torch.equal(kd[untouched], kd0[untouched]) and torch.equal(vd[untouched], vd0[untouched])
+                kr[0], vr[0] = kd0[0], vd0[0]  # the reference sends skipped rows to scratch row 0; the kernel skips
+            else:
+                at = (torch.arange(B, device=DEV)[:, None] * 9 + 3 + torch.arange(Q, device=DEV)).view(-1)
+                close(kd[at], rk.reshape(-1, KVH, D), dtype)
+                assert torch.equal(vd[at], v.reshape(-1, KVH, D))
+            close(kd, kr, dtype)
+            assert torch.equal(vd, vr)
+    with pytest.raises(ValueError, match="seq_rows"):
+        rope_store_triton(pos, q, k, v, rope.cos, rope.sin, kd, vd, seq_rows=4, row_offset=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -167,6 +167,39 @@ def test_prefix_half_caches(dtype):
     torch.testing.assert_close(o, ro, atol=2e-2, rtol=2e-2)  # probabilities rounded to 16 bits for P @ V
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_outputs_in_the_model_dtype_are_the_float32_outputs_rounded(splits):
+    """`out_dtype`: the prefix pass (reduced, or one split written directly) and the split tree attention return
+    o in the model's dtype, equal to their float32 o cast once (what the layer's cast after them did)."""
+    g = torch.Generator().manual_seed(12)
+    B, Q, H, KVH, D = 2, 3, 4, 2, 32
+    kc, vc, bt, cl = make_cache(B, KVH, D, 16, [40, 7], dtype=torch.bfloat16, gen=g)
+    q = torch.randn(B, Q, H, D, generator=g).to(torch.bfloat16).to(DEV)
+    o32, lse32 = paged_prefix_attention(q, kc, vc, bt, cl, 0.2, num_splits=splits)
+    o16, lse16 = paged_prefix_attention(q, kc, vc, bt, cl, 0.2, num_splits=splits, out_dtype=torch.bfloat16)
+    assert o32.dtype == torch.float32 and o16.dtype == torch.bfloat16 and lse16.dtype == torch.float32
+    rounded_once(o16, o32)
+    assert torch.equal(lse16, lse32)
+    k = torch.randn(B, Q, KVH, D, generator=g).to(torch.bfloat16).to(DEV)
+    v = torch.randn(B, Q, KVH, D, generator=g).to(torch.bfloat16).to(DEV)
+    mask = tree_mask(B, Q, g)
+    t32 = split_tree_attention_triton(q, k, v, kc, vc, bt, cl, mask, 0.2, num_splits=splits)
+    t16 = split_tree_attention_triton(q, k, v, kc, vc, bt, cl, mask, 0.2, num_splits=splits,
+                                      out_dtype=torch.bfloat16)
+    assert t16.dtype == torch.bfloat16
+    rounded_once(t16, t32)
+
+
+def rounded_once(o16, o32):
+    """o16 is o32 rounded to bf16: exactly on the GPU; the interpreter truncates instead of rounding to nearest, so
+    there within one bf16 step (2^-7 relative)."""
+    if INTERPRET:
+        torch.testing.assert_close(o16.float(), o32, atol=1e-6, rtol=2 ** -7)
+        assert (o16.float() - o32).abs().max() > 0  # it did round (a test that cannot tell would pass anything)
+    else:
+        assert torch.equal(o16, o32.to(torch.bfloat16))
+
+
 def test_choose_num_splits():
     # batch 1, 8 kv heads, one row tile: ~4 waves of 132 SMs when the context is long enough
     assert choose_num_splits(8, 32768) == 64  # capped at 64 splits
@@ -444,6 +477,30 @@ def test_commit_tree_kv_matches_reference(dtype):
     flat = kr.view(-1, KVH, D)
     assert torch.equal(flat[19], sk[0, 5]) and torch.equal(flat[72], sk[2, 8]) and torch.equal(flat[34], sk[1, 1])
     assert torch.equal(flat[71], kc.view(-1, KVH, D)[71])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_commit_tree_kv_all_layers_in_one_launch(dtype):
+    """Caches [L, ...] and stashes [L, ...]: one launch commits each layer's own stash rows, as a layer-by-layer
+    commit does."""
+    g = torch.Generator().manual_seed(3)
+    L, nb, page, KVH, D, B, N = 3, 6, 8, 2, 32, 2, 7
+    kc = torch.randn(L, nb, page, KVH, D, generator=g).to(dtype).to(DEV)
+    vc = torch.randn(L, nb, page, KVH, D, generator=g).to(dtype).to(DEV)
+    sk = torch.randn(L, B, N + 1, KVH, D, generator=g).to(dtype).to(DEV)
+    sv = torch.randn(L, B, N + 1, KVH, D, generator=g).to(dtype).to(DEV)
+    path = torch.tensor([[0, 3, 6, -1], [0, 1, 2, 7]], device=DEV)
+    slots = torch.tensor([[9, 10, 11, -1], [30, 31, 32, 33]], device=DEV)
+    kr, vr, kq, vq = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    for layer in range(L):
+        commit_tree_kv_triton(kr[layer], vr[layer], sk[layer], sv[layer], path, slots)
+    commit_tree_kv_reference(kq, vq, sk, sv, path, slots)  # the reference, layered too
+    commit_tree_kv_triton(kc, vc, sk, sv, path, slots)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    assert torch.equal(kc, kq) and torch.equal(vc, vq)
+    assert torch.equal(kc[2].view(-1, KVH, D)[11], sk[2, 0, 6]) and torch.equal(vc[1].view(-1, KVH, D)[33], sv[1, 1, 7])
+    with pytest.raises(ValueError, match="layers"):
+        commit_tree_kv_triton(kc, vc, sk[:2], sv[:2], path, slots)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

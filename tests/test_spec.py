@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from eyas import LLM, SamplingParams
+from eyas.layers.attention import slots_for
 from eyas.loader.eagle import load_draft
 from helpers import write_mirror_pair, write_random_draft, write_tiny_llama
 
@@ -245,6 +246,19 @@ def test_packed_inputs_equal_the_per_field_ones_and_pad_the_rest(mirror_pair, sp
             pad = {"top_p": 1.0, "slots": runner.num_slots}.get(name, 0)
             assert (got[n:] == pad).all(), name
         assert inp.max_context_len == max(s.num_cached for s in batch)
+        # the slots and positions packed on the host are the device formulas' (`slots_for`), padding rows included
+        P, bs = runner.lookahead, runner.block_size
+        ar = torch.arange(P)[None, :]
+        bt, nc, nd = inp.block_tables.cpu(), inp.num_cached.cpu(), inp.num_draft_cached.cpu()
+        assert torch.equal(inp.commit_slots.cpu(), slots_for(bt, nc[:, None] + ar, torch.ones(B, P, dtype=torch.bool),
+                                                             bs))
+        if spec is not None:
+            lens = nc - nd
+            valid = ar < lens[:, None]
+            assert (lens[:n] >= 1).all() and (lens[n:] == 0).all()
+            assert torch.equal(inp.catchup_lens.cpu(), lens)
+            assert torch.equal(inp.catchup_positions.cpu(), torch.where(valid, nd[:, None] + ar, 0))
+            assert torch.equal(inp.catchup_slots.cpu(), slots_for(bt, nd[:, None] + ar, valid, bs))
     assert len({s.slot for s in seqs}) == 4
     for s in seqs:
         engine.abort(s.request_id)

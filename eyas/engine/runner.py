@@ -33,6 +33,12 @@ def padded(rows: list[list[int]], Q: int) -> torch.Tensor:
     return out
 
 
+def flat_slots(tables: np.ndarray, positions: np.ndarray, block_size: int, out=None) -> np.ndarray:
+    """Flat KV-cache slots of positions [B, P] through block tables [B, W] (host; `slots_for` on the device)."""
+    blk = np.take_along_axis(tables, np.minimum(positions // block_size, tables.shape[1] - 1), axis=1)
+    return np.add(blk * block_size, positions % block_size, out=out)
+
+
 def block_tables_of(seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
     width = width or max(1, max(len(s.block_table) for s in seqs))
     return padded([s.block_table for s in seqs], width)
@@ -44,15 +50,19 @@ class StepPacker:
     inputs are these slices). `send()` is the step's one host->device copy.
 
     Layout, each field contiguous: root_tokens, num_cached, num_draft_cached, top_k, seeds, slots [B] each;
-    catchup_tokens [B, P] (with a draft); block_tables [B, W]; temperature and top_p [B] float32 each, sharing B
-    int64 words."""
+    commit_slots [B, P]; with a draft catchup_tokens, catchup_positions, catchup_slots [B, P] and catchup_lens [B];
+    block_tables [B, W]; temperature and top_p [B] float32 each, sharing B int64 words. The slots and positions are
+    host arithmetic on the block tables, sent with the rest rather than computed by a dozen small kernels a step."""
+
+    PER_STEP = ("commit_slots", "catchup_tokens", "catchup_positions", "catchup_slots")  # the [B, P] fields
 
     def __init__(self, B: int, P: int, W: int, with_draft: bool, device: torch.device):
         self.B = B
         sizes = [("root_tokens", B), ("num_cached", B), ("num_draft_cached", B), ("top_k", B), ("seeds", B),
-                 ("slots", B)]
+                 ("slots", B), ("commit_slots", B * P)]
         if with_draft:
-            sizes.append(("catchup_tokens", B * P))
+            sizes += [("catchup_tokens", B * P), ("catchup_positions", B * P), ("catchup_slots", B * P),
+                      ("catchup_lens", B)]
         sizes += [("block_tables", B * W), ("floats", B)]
         total = sum(n for _, n in sizes)
         pin = device.type == "cuda"
@@ -68,10 +78,11 @@ class StepPacker:
                 fa = a.view(np.float32).reshape(2, B)
                 self.np["temperature"], self.np["top_p"] = fa[0], fa[1]
             else:
-                shape = {"catchup_tokens": (B, P), "block_tables": (B, W)}.get(name, (B,))
+                shape = (B, W) if name == "block_tables" else (B, P) if name in self.PER_STEP else (B,)
                 views[name], self.np[name] = d.view(shape), a.reshape(shape)
             off += n
-        self.inputs = DecodeInputs(catchup_tokens=views.pop("catchup_tokens", None), max_context_len=0, **views)
+        draft_fields = ("catchup_tokens", "catchup_positions", "catchup_slots", "catchup_lens")
+        self.inputs = DecodeInputs(**{f: views.pop(f, None) for f in draft_fields}, max_context_len=0, **views)
 
     def wait_host(self) -> None:
         """Before refilling the host buffer: the previous copy out of it must have finished (it has, after the step's
@@ -286,7 +297,18 @@ class ModelRunner:
         sl[:] = slots
         if cat_tokens is not None:
             a["catchup_tokens"].reshape(-1)[:] = cat_tokens
-        np.take(bt, sl, axis=0, out=a["block_tables"])
+        tables = a["block_tables"]
+        np.take(bt, sl, axis=0, out=tables)
+        # the K/V slots of positions n .. n+P-1 (what a step may commit; padding rows: the scratch block's)
+        nc = a["num_cached"]
+        flat_slots(tables, nc[:, None] + np.arange(P), self.block_size, out=a["commit_slots"])
+        if cat_tokens is not None:  # the catch-up pairs at positions d .. n-1: the draft's slots, positions, count
+            lens = a["catchup_lens"]
+            np.subtract(nc, a["num_draft_cached"], out=lens)
+            pos = a["num_draft_cached"][:, None] + np.arange(P)
+            valid = np.arange(P) < lens[:, None]
+            a["catchup_slots"][:] = np.where(valid, flat_slots(tables, pos, self.block_size), -1)
+            a["catchup_positions"][:] = np.where(valid, pos, 0)
         np.take(self.slot_temperature, sl, out=a["temperature"])
         np.take(self.slot_top_p, sl, out=a["top_p"])
         np.take(self.slot_top_k, sl, out=a["top_k"])

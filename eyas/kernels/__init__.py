@@ -20,6 +20,8 @@ _EXPORTS = {
     "add_rms_norm_reference": "fused_norm",
     "rope_triton": "fused_rope",
     "rope_reference": "fused_rope",
+    "rope_store_triton": "fused_rope",
+    "rope_store_reference": "fused_rope",
     "swiglu_triton": "swiglu",
     "swiglu_reference": "swiglu",
 }

@@ -9,6 +9,11 @@ out1 = x1 * cos1 - x2 * sin1, out2 = x2 * cos2 + x1 * sin2 — the exact float32
 One program per token: all its query and key heads. q and k may be strided views (e.g. of a fused qkv output) as
 long as the head dimension is contiguous; the outputs are new contiguous tensors. The reference is
 `rope_reference` below.
+
+`rope_store_triton` is the same rotation with the K/V store fused in, for the steps whose new K/V go straight to
+storage: plain decoding (to the paged cache, by slot) and tree tokens (to the step's stash, by node). It returns only
+the rotated q, stores rotated k and v, and so replaces two launches (RoPE, then the K/V write) by one. Its reference is
+`rope_store_reference`.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from eyas.layers.attention import store_rows
 from eyas.layers.rotary import rotate_half
 
 
@@ -54,6 +60,45 @@ def _rope_kernel(Q, K, QO, KO, POS, COS, SIN,
                   NK, HALF, BLOCK_K)
 
 
+@triton.jit
+def _rope_store_kernel(Q, K, V, QO, KD, VD, POS, ROWS, COS, SIN,
+                       num_q, seq_rows, row_offset,
+                       stride_qb, stride_qq, stride_qh, stride_kb, stride_kq, stride_kh,
+                       stride_vb, stride_vq, stride_vh, stride_qob, stride_qoq, stride_qoh,
+                       stride_kdr, stride_kdh, stride_vdr, stride_vdh, stride_pb, stride_pq, stride_rb, stride_rq,
+                       stride_cos, stride_sin,
+                       NQ: tl.constexpr, NK: tl.constexpr, HALF: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    b = (pid // num_q).to(tl.int64)
+    j = (pid % num_q).to(tl.int64)
+    pos = tl.load(POS + b * stride_pb + j * stride_pq).to(tl.int64)
+    if HAS_ROWS:  # destination rows given (cache slots); < 0: do not store
+        row = tl.load(ROWS + b * stride_rb + j * stride_rq).to(tl.int64)
+    else:  # the stash: row b * seq_rows + row_offset + j
+        row = b * seq_rows + row_offset + j
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HALF
+    c1 = tl.load(COS + pos * stride_cos + offs_d, mask=mask_d, other=0.0)
+    c2 = tl.load(COS + pos * stride_cos + HALF + offs_d, mask=mask_d, other=0.0)
+    s1 = tl.load(SIN + pos * stride_sin + offs_d, mask=mask_d, other=0.0)
+    s2 = tl.load(SIN + pos * stride_sin + HALF + offs_d, mask=mask_d, other=0.0)
+    # q: token (b, j) of Q to row b * num_q + j of the contiguous output
+    _rotate_heads(Q + b * stride_qb + j * stride_qq, QO + b * stride_qob + j * stride_qoq, 0, 0, stride_qh, 0,
+                  stride_qoh, c1, c2, s1, s2, offs_d, mask_d, NQ, HALF, BLOCK_Q)
+    # k and v: to the destination row (a masked-out row stores nothing; row 0 keeps the addresses in bounds)
+    ok_d = mask_d & ((offs_d * 0 + row) >= 0)
+    row = tl.maximum(row, 0)
+    _rotate_heads(K + b * stride_kb + j * stride_kq, KD + row * stride_kdr, 0, 0, stride_kh, 0, stride_kdh,
+                  c1, c2, s1, s2, offs_d, ok_d, NK, HALF, BLOCK_K)
+    offs_h = tl.arange(0, BLOCK_K)
+    vmask = (offs_h < NK)[:, None] & ok_d[None, :]
+    src = V + b * stride_vb + j * stride_vq + offs_h[:, None] * stride_vh + offs_d[None, :]
+    dst = VD + row * stride_vdr + offs_h[:, None] * stride_vdh + offs_d[None, :]
+    tl.store(dst, tl.load(src, mask=vmask, other=0.0).to(VD.dtype.element_ty), mask=vmask)
+    tl.store(dst + HALF, tl.load(src + HALF, mask=vmask, other=0.0).to(VD.dtype.element_ty), mask=vmask)
+
+
 def _tokens(t: torch.Tensor) -> torch.Tensor:
     t = t.reshape(-1, *t.shape[-2:])
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -89,6 +134,68 @@ def rope_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: 
         BLOCK_D=triton.next_power_of_2(D // 2), num_warps=4, enable_fp_fusion=False,
     )
     return q_out, k_out
+
+
+def _store_args(positions, q, k, v, k_dst, v_dst, rows, seq_rows, row_offset):
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be [B, Q, heads, D] "
+                         "with k and v alike")
+    if k_dst.dim() != 3 or v_dst.shape != k_dst.shape or tuple(k_dst.shape[1:]) != tuple(k.shape[2:]):
+        raise ValueError(f"destinations {tuple(k_dst.shape)}/{tuple(v_dst.shape)} must be [rows, "
+                         f"{k.shape[2]}, {k.shape[3]}]")
+    B, NQ = q.shape[:2]
+    if rows is not None and tuple(rows.shape) != (B, NQ):
+        raise ValueError(f"rows {tuple(rows.shape)}, expected {(B, NQ)}")
+    if rows is None and (seq_rows is None or row_offset + NQ > seq_rows or B * seq_rows > k_dst.shape[0]):
+        raise ValueError(f"without rows, sequence b stores at b * seq_rows + row_offset + j: seq_rows={seq_rows}, "
+                         f"row_offset={row_offset} do not fit {NQ} tokens x {B} sequences in {k_dst.shape[0]} rows")
+    return positions.expand(B, NQ)
+
+
+def rope_store_triton(positions, q, k, v, cos, sin, k_dst, v_dst, rows=None, seq_rows=None, row_offset=0):
+    """RoPE on q [B, Q, H, D] and k [B, Q, KVH, D] at positions [B, Q] (or broadcastable), then k (rotated) and v
+    [B, Q, KVH, D] stored into the row stores k_dst/v_dst [R, KVH, D], in their dtype. Token (b, j) goes to row
+    rows[b, j] (skipped when < 0), or, without `rows`, to row b * seq_rows + row_offset + j. Returns the rotated q,
+    a new tensor. A paged cache layer [blocks, block_size, KVH, D] is a row store through `.view(-1, KVH, D)`, its
+    rows the flat slots."""
+    positions = _store_args(positions, q, k, v, k_dst, v_dst, rows, seq_rows, row_offset)
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != q.shape[-1]:
+        raise ValueError(f"cos/sin tables {tuple(cos.shape)}/{tuple(sin.shape)} must be [max_positions, "
+                         f"{q.shape[-1]}]")
+    B, NQ, H, D = q.shape
+    KVH = k.shape[2]
+    if D % 2:
+        raise ValueError(f"head dim {D} is odd")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if B * NQ == 0:
+        return q_out
+    for t, name in ((q, "q"), (k, "k"), (v, "v"), (k_dst, "k_dst"), (v_dst, "v_dst")):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous head dimension")
+    if cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    has_rows = rows is not None
+    r = rows if has_rows else positions  # a placeholder, never read
+    _rope_store_kernel[(B * NQ,)](
+        q, k, v, q_out, k_dst, v_dst, positions, r, cos, sin,
+        NQ, seq_rows or 0, row_offset,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), q_out.stride(0), q_out.stride(1), q_out.stride(2),
+        k_dst.stride(0), k_dst.stride(1), v_dst.stride(0), v_dst.stride(1),
+        positions.stride(0), positions.stride(1), r.stride(0), r.stride(1), cos.stride(0), sin.stride(0),
+        NQ=H, NK=KVH, HALF=D // 2, BLOCK_Q=triton.next_power_of_2(H), BLOCK_K=triton.next_power_of_2(KVH),
+        BLOCK_D=triton.next_power_of_2(D // 2), HAS_ROWS=has_rows, num_warps=4, enable_fp_fusion=False,
+    )
+    return q_out
+
+
+def rope_store_reference(positions, q, k, v, cos, sin, k_dst, v_dst, rows=None, seq_rows=None, row_offset=0):
+    """Plain-PyTorch reference of `rope_store_triton` (same arguments and result; rows < 0 go to the scratch row 0,
+    which the kernel leaves alone: `eyas.layers.attention.store_rows`)."""
+    positions = _store_args(positions, q, k, v, k_dst, v_dst, rows, seq_rows, row_offset)
+    q, k = rope_reference(positions, q, k, cos, sin)
+    store_rows(k_dst, v_dst, k, v, rows, seq_rows, row_offset)
+    return q
 
 
 def rope_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

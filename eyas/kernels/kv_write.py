@@ -4,10 +4,12 @@
   `eyas.layers.attention.write_kv`.
 * `commit_tree_kv_triton`: after verification, copy the stashed K/V of the accepted tree nodes to the cache:
   stash [B, N+1, KVH, D], path [B, P] node indices (-1 = none), slots [B, P] flat slots (-1 = skip); the reference
-  is `commit_tree_kv_reference` below.
+  is `commit_tree_kv_reference` below. With a layer axis in front (stash [L, B, N+1, KVH, D], cache [L, blocks,
+  block_size, KVH, D]) one launch commits every layer.
 
 A flat slot s is block s // block_size, offset s % block_size of a cache [num_blocks, block_size, KVH, D]. Both
-kernels run one program per (sequence, token) and copy its KVH x D rows for K and V, casting to the cache dtype.
+kernels run one program per (sequence, token) (and layer) and copy its KVH x D rows for K and V, casting to the
+cache dtype.
 """
 from __future__ import annotations
 
@@ -60,15 +62,20 @@ def _commit_tree_kv_kernel(
     KC, VC, SK, SV, PATH, SLOTS,
     path_len,
     num_nodes,
-    stride_kcb, stride_kcs, stride_kch, stride_kcd,
-    stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    stride_skb, stride_skn, stride_skh, stride_skd,
-    stride_svb, stride_svn, stride_svh, stride_svd,
+    stride_kcl, stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcl, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    stride_skl, stride_skb, stride_skn, stride_skh, stride_skd,
+    stride_svl, stride_svb, stride_svn, stride_svh, stride_svd,
     stride_pb, stride_pj,
     stride_sb, stride_sj,
     KVH: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    KC += layer * stride_kcl
+    VC += layer * stride_vcl
+    SK += layer * stride_skl
+    SV += layer * stride_svl
     b = pid // path_len
     j = pid % path_len
     node = tl.load(PATH + b * stride_pb + j * stride_pj).to(tl.int64)
@@ -124,18 +131,28 @@ def commit_tree_kv_triton(k_cache, v_cache, stash_k, stash_v, path, slots):
     """Copy stashed K/V of accepted tree nodes into the cache.
 
     stash_k/stash_v [B, N+1, KVH, D]; path [B, P] node indices (-1 = none); slots [B, P] flat cache slots
-    (-1 = skip). Entry j of sequence b copies stash[b, path[b, j]] to slot slots[b, j] when both are >= 0."""
-    page, KVH, D = _check_cache(k_cache, v_cache)
-    if stash_k.shape != stash_v.shape or stash_k.dim() != 4 or tuple(stash_k.shape[2:]) != (KVH, D):
+    (-1 = skip). Entry j of sequence b copies stash[b, path[b, j]] to slot slots[b, j] when both are >= 0.
+    All layers in one launch: caches [L, blocks, block_size, KVH, D] and stashes [L, B, N+1, KVH, D]."""
+    layered = k_cache.dim() == 5
+    if layered:
+        if stash_k.dim() != 5 or stash_k.shape[0] != k_cache.shape[0] or v_cache.shape != k_cache.shape:
+            raise ValueError(f"layered caches {tuple(k_cache.shape)} need stashes [L, B, N+1, KVH, D] of as many "
+                             f"layers, got {tuple(stash_k.shape)}")
+        L = k_cache.shape[0]
+    else:
+        k_cache, v_cache, stash_k, stash_v = (t.unsqueeze(0) for t in (k_cache, v_cache, stash_k, stash_v))
+        L = 1
+    page, KVH, D = _check_cache(k_cache[0], v_cache[0])
+    if stash_k.shape != stash_v.shape or stash_k.dim() != 5 or tuple(stash_k.shape[3:]) != (KVH, D):
         raise ValueError(f"stash {tuple(stash_k.shape)}/{tuple(stash_v.shape)} does not fit the cache "
                          f"{tuple(k_cache.shape)}")
-    B, N1 = stash_k.shape[:2]
+    B, N1 = stash_k.shape[1:3]
     if path.shape != slots.shape or path.dim() != 2 or path.shape[0] != B:
         raise ValueError(f"path {tuple(path.shape)} and slots {tuple(slots.shape)} must both be [B={B}, P]")
     P = path.shape[1]
     if B * P == 0:
         return
-    _commit_tree_kv_kernel[(B * P,)](
+    _commit_tree_kv_kernel[(B * P, L)](
         k_cache, v_cache, stash_k, stash_v, path, slots, P, N1,
         *k_cache.stride(), *v_cache.stride(), *stash_k.stride(), *stash_v.stride(), *path.stride(),
         *slots.stride(),
@@ -144,7 +161,11 @@ def commit_tree_kv_triton(k_cache, v_cache, stash_k, stash_v, path, slots):
 
 
 def commit_tree_kv_reference(k_cache, v_cache, stash_k, stash_v, path, slots):
-    """Plain-PyTorch reference of `commit_tree_kv_triton` (same arguments, same effect)."""
+    """Plain-PyTorch reference of `commit_tree_kv_triton` (same arguments, same effect), a layer at a time."""
+    if k_cache.dim() == 5:
+        for layer in range(k_cache.shape[0]):
+            commit_tree_kv_reference(k_cache[layer], v_cache[layer], stash_k[layer], stash_v[layer], path, slots)
+        return
     B, N1 = stash_k.shape[:2]
     keep = (path >= 0) & (path < N1) & (slots >= 0)  # [B, P]
     b_idx = torch.arange(B, device=path.device)[:, None].expand_as(path)[keep]

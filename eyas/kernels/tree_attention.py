@@ -391,7 +391,7 @@ def _prefix_block_n(block_m: int, block_n: int, block_d: int, splits: int, dtype
 
 
 def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None,
-                           max_context_len=None, block_n=None, reduce=True):
+                           max_context_len=None, block_n=None, reduce=True, out_dtype=torch.float32):
     """Attention of every new token over its sequence's first `context_lens[b]` cache entries, without mask.
 
     q [B, Q, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks] (int32/int64);
@@ -399,7 +399,8 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     block-table width is used, so that no device value is read back (CUDA-graph safe).
     Returns o [B, Q, H, D] float32 and lse [B, Q, H] float32; rows with context 0 get o = 0, lse = -inf.
     `reduce=False`: the KV splits' partial results instead, o [B, S, Q, H, D] and lse [B, S, Q, H], for a kernel
-    that merges them itself (`tree_suffix_attention`), one kernel launch fewer."""
+    that merges them itself (`tree_suffix_attention`), one kernel launch fewer. `out_dtype`: the reduced o's dtype
+    (the model's, so that no cast follows; the partials and lse stay float32)."""
     B, NQ, H, D = q.shape
     _, page, KVH, Dk = k_cache.shape
     if Dk != D or v_cache.shape != k_cache.shape:
@@ -427,7 +428,9 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         o, lse = (torch.zeros((B, NQ, H, D), dtype=torch.float32, device=q.device),
                   torch.full((B, NQ, H), float("-inf"), dtype=torch.float32, device=q.device))
         return (o, lse) if reduce else (o.unsqueeze(1), lse.unsqueeze(1))
-    o_part = torch.empty((B, S, NQ, H, D), dtype=torch.float32, device=q.device)
+    # one split reduced is the split itself: written in the output dtype at once
+    o_part = torch.empty((B, S, NQ, H, D), dtype=out_dtype if (reduce and S == 1) else torch.float32,
+                         device=q.device)
     lse_part = torch.empty((B, S, NQ, H), dtype=torch.float32, device=q.device)
     _paged_prefix_kernel[(B * KVH, m_tiles, S)](
         q, k_cache, v_cache, block_tables, context_lens, o_part, lse_part,
@@ -441,7 +444,7 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         return o_part, lse_part
     if S == 1:
         return o_part[:, 0], lse_part[:, 0]
-    o = torch.empty((B, NQ, H, D), dtype=torch.float32, device=q.device)
+    o = torch.empty((B, NQ, H, D), dtype=out_dtype, device=q.device)
     lse = torch.empty((B, NQ, H), dtype=torch.float32, device=q.device)
     _reduce_splits_kernel[(B * NQ * H,)](
         o_part, lse_part, o, lse, NQ, H, S,
@@ -451,14 +454,14 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     return o, lse
 
 
-def tree_suffix_attention(q, k_new, v_new, suffix_mask, scale, o_init=None, lse_init=None):
+def tree_suffix_attention(q, k_new, v_new, suffix_mask, scale, o_init=None, lse_init=None, out_dtype=torch.float32):
     """Attention of the Q new tokens over the suffix keys under `suffix_mask`.
 
     q [B, Q, H, D]; k_new/v_new [B, L, KVH, D] (L = Q, or P + Q with earlier tree tokens first);
     suffix_mask [B, Q, L] bool (or integer, nonzero = visible). With `o_init`/`lse_init` (a normalised partial
     result over other keys, e.g. the prefix, or several: [B, S, Q, H, D] / [B, S, Q, H], e.g. the prefix's KV splits
     unreduced), the result is merged with them in the same pass.
-    Returns o [B, Q, H, D] float32 and lse [B, Q, H] float32."""
+    Returns o [B, Q, H, D] (`out_dtype`, float32 by default) and lse [B, Q, H] float32."""
     B, NQ, H, D = q.shape
     _, L, KVH, Dk = k_new.shape
     if Dk != D or v_new.shape != k_new.shape or k_new.shape[0] != B:
@@ -475,7 +478,7 @@ def tree_suffix_attention(q, k_new, v_new, suffix_mask, scale, o_init=None, lse_
     n_rows = NQ * G
     BLOCK_M, BLOCK_N, BLOCK_D = _tiles(n_rows, D, k_new.dtype, kv_len=L)
     m_tiles = triton.cdiv(n_rows, BLOCK_M)
-    o = torch.empty((B, NQ, H, D), dtype=torch.float32, device=q.device)
+    o = torch.empty((B, NQ, H, D), dtype=out_dtype, device=q.device)
     lse = torch.empty((B, NQ, H), dtype=torch.float32, device=q.device)
     if B == 0 or NQ == 0:
         return o, lse
@@ -521,8 +524,9 @@ def merge_attention_states(o1, lse1, o2, lse2):
 
 
 def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables, context_lens, suffix_mask, scale,
-                                num_splits=None, max_context_len=None, past_k=None, past_v=None):
-    """Prefix (paged, no mask) + suffix (under `suffix_mask`), merged by log-sum-exp: o [B, Q, H, D] float32.
+                                num_splits=None, max_context_len=None, past_k=None, past_v=None,
+                                out_dtype=torch.float32):
+    """Prefix (paged, no mask) + suffix (under `suffix_mask`), merged by log-sum-exp: o [B, Q, H, D] (`out_dtype`).
 
     Same contract as `eyas.layers.attention.split_tree_attention`; `past_k`/`past_v` [B, P, KVH, D] are earlier
     tree tokens placed before the new ones (suffix_mask is then [B, Q, P + Q]). Two kernels: the prefix's KV splits
@@ -533,5 +537,5 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
     ks, vs = k_new, v_new
     if past_k is not None:
         ks, vs = torch.cat([past_k, k_new], dim=1), torch.cat([past_v, v_new], dim=1)
-    o, _ = tree_suffix_attention(q, ks, vs, suffix_mask, scale, o_init=o_p, lse_init=lse_p)
+    o, _ = tree_suffix_attention(q, ks, vs, suffix_mask, scale, o_init=o_p, lse_init=lse_p, out_dtype=out_dtype)
     return o

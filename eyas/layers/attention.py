@@ -12,7 +12,7 @@ The two parts are computed separately, each returning its output and log-sum-exp
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,13 +27,33 @@ class AttentionMetadata:
     max_context_len: int  # host-side bound on context_lens (prefix gather width)
     block_size: int
     slot_mapping: torch.Tensor | None = None  # [B, Q] int64: cache slots for new K/V; None: do not write
-    stash: bool = False  # keep each layer's new K/V in `new_kv` (uncommitted tree tokens)
-    new_kv: dict = field(default_factory=dict)  # layer -> (k, v) [B, Q, KVH, D]
-    past_kv: dict | None = None  # layer -> (k, v) [B, P, KVH, D], earlier tree tokens (draft levels)
+    # tree tokens: their K/V go to the step's stash, never to the cache (`Stash`); None: no stash
+    stash: "Stash | None" = None
+    stash_at: int = 0  # the stash row of this forward's first token (a node index)
+    suffix_from: int = 0  # the first stash row the suffix attends to (earlier tree tokens, then these Q)
     use_triton: bool = False  # the Triton kernels of eyas.kernels instead of this reference (CUDA)
     # plain decoding (one new token that is always kept): its K/V go to the cache first and the prefix pass, over
     # context_lens entries that include it, is the whole attention (no suffix pass, no merge)
     prefix_includes_new: bool = False
+
+
+@dataclass
+class Stash:
+    """The K/V of one step's tree tokens, for every layer: k and v [L, B, R, KVH, D], row r of sequence b for tree
+    node r. A forward's layer l stores its Q tokens' K/V at rows stash_at .. stash_at+Q-1 (the fused RoPE kernel
+    writes them there directly) and its suffix attends to rows suffix_from .. stash_at+Q-1, so the levels of a tree
+    need no concatenation. After verification the accepted rows go to the cache, all layers in one launch."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def like(cls, cache, batch: int, rows: int) -> "Stash":
+        """A stash for `rows` tree nodes of `batch` sequences, shaped and typed after a KVCache."""
+        L, _, _, KVH, D = cache.k.shape
+        shape = (L, batch, rows, KVH, D)
+        return cls(torch.empty(shape, dtype=cache.k.dtype, device=cache.k.device),
+                   torch.empty(shape, dtype=cache.v.dtype, device=cache.v.device))
 
 
 @dataclass
@@ -109,29 +129,47 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
     v_cache.view(-1, *v_cache.shape[2:])[slots] = vf.to(v_cache.dtype)
 
 
+def store_rows(k_dst, v_dst, k, v, rows=None, seq_rows=None, row_offset=0) -> None:
+    """Store K/V [B, Q, KVH, D] into the row stores k_dst/v_dst [R, KVH, D] (a cache layer's flat slots, or a
+    stash's b * R + node rows), in their dtype: token (b, j) at rows[b, j], or without `rows` at
+    b * seq_rows + row_offset + j. Rows < 0 go to row 0, the scratch slot a paged cache never reads (as `write_kv`;
+    the Triton kernel skips them). No host synchronisation."""
+    if rows is None:
+        B, Q = k.shape[:2]
+        for src, dst in ((k, k_dst), (v, v_dst)):
+            dst[: B * seq_rows].view(B, seq_rows, *dst.shape[1:])[:, row_offset: row_offset + Q] = src.to(dst.dtype)
+        return
+    r = rows.reshape(-1).clamp(min=0)
+    k_dst[r] = k.reshape(-1, *k.shape[2:]).to(k_dst.dtype)
+    v_dst[r] = v.reshape(-1, *v.shape[2:]).to(v_dst.dtype)
+
+
 def slots_for(block_tables: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, block_size: int):
     """Flat cache slots of positions [B, Q] through each sequence's block table; -1 where not valid."""
     blk = block_tables.gather(1, (positions // block_size).clamp(0, block_tables.shape[1] - 1))
     return torch.where(valid, blk * block_size + positions % block_size, torch.full_like(positions, -1))
 
 
-def prefix_only_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    """The prefix pass alone ([B, Q, H, D] float32): for `meta.prefix_includes_new`, where the new tokens' K/V are
-    already in the cache and `context_lens` counts them."""
+def prefix_only_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out_dtype=torch.float32):
+    """The prefix pass alone ([B, Q, H, D]; float32 in the reference, `out_dtype` from the kernel): for
+    `meta.prefix_includes_new`, where the new tokens' K/V are already in the cache and `context_lens` counts them."""
     if meta.use_triton:
         from eyas.kernels import paged_prefix_attention
-        return paged_prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)[0]
+        return paged_prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                      out_dtype=out_dtype)[0]
     return prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_context_len,
                             meta.block_size, scale)[0]
 
 
 def split_tree_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                         past_k=None, past_v=None):
-    """Prefix part (paged, no mask) + suffix part (tree mask), merged by log-sum-exp. Returns [B, Q, H, D] float32."""
+                         past_k=None, past_v=None, out_dtype=torch.float32):
+    """Prefix part (paged, no mask) + suffix part (tree mask), merged by log-sum-exp. Returns [B, Q, H, D]: float32
+    in the reference, `out_dtype` from the kernels (the model's dtype: no cast follows)."""
     if meta.use_triton:
         from eyas.kernels import split_tree_attention_triton
         return split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                           meta.suffix_mask, scale, past_k=past_k, past_v=past_v)
+                                           meta.suffix_mask, scale, past_k=past_k, past_v=past_v,
+                                           out_dtype=out_dtype)
     o_p, lse_p = prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                   meta.max_context_len, meta.block_size, scale)
     ks, vs = k_new, v_new

@@ -26,6 +26,17 @@ def chunk_size(V: int, k: int) -> int | None:
     return None
 
 
+_STARTS: dict = {}
+
+
+def _chunk_starts(V: int, C: int, device) -> torch.Tensor:
+    """[V // C, 1]: each chunk's first index, made once per (V, C, device) (a CUDA graph's eager warm-up makes it)."""
+    key = (V, C, str(device))
+    if key not in _STARTS:
+        _STARTS[key] = torch.arange(0, V, C, device=device)[:, None]
+    return _STARTS[key]
+
+
 def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     """Indices [..., k] of the k largest entries of x [..., V] along the last dimension, largest first."""
     V = x.shape[-1]
@@ -35,6 +46,6 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     lead = x.shape[:-1]
     n = V // C
     v1, i1 = x.reshape(-1, n, C).topk(k, dim=-1, sorted=False)  # [R, n, k] each chunk's winners
-    i1 = i1 + torch.arange(0, V, C, device=x.device)[:, None]  # ids in the whole row
+    i1 = i1 + _chunk_starts(V, C, x.device)  # ids in the whole row
     j = v1.reshape(-1, n * k).topk(k, dim=-1).indices  # [R, k] the winners among the winners, sorted
     return i1.reshape(-1, n * k).gather(-1, j).reshape(*lead, k)

@@ -16,7 +16,8 @@ from torch import nn
 
 from eyas.cache.kv_cache import KVCache
 from eyas.config import ModelConfig
-from eyas.layers.attention import AttentionMetadata, prefix_only_attention, split_tree_attention, write_kv
+from eyas.layers.attention import (AttentionMetadata, prefix_only_attention, split_tree_attention, store_rows,
+                                   write_kv)
 from eyas.layers.norm import RMSNorm, rms_normalize
 from eyas.layers.rotary import RotaryEmbedding
 
@@ -42,17 +43,20 @@ class Attention(nn.Module):
         self.qkv_sizes = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def project(self, x, positions, rope: RotaryEmbedding, fused: bool = False):
-        """x [B, Q, H] -> q [B, Q, heads, D], k and v [B, Q, kv heads, D], RoPE applied to q and k (`fused`: by the
-        Triton kernel; the reference otherwise). Fused or separate projections alike."""
+    def qkv(self, x):
+        """x [B, Q, H] -> q [B, Q, heads, D], k and v [B, Q, kv heads, D], before RoPE (views of one fused
+        projection's output, or three separate ones)."""
         B, Q, _ = x.shape
         if hasattr(self, "qkv_proj"):
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(B, Q, self.n_heads, self.head_dim)
-        k = k.view(B, Q, self.n_kv, self.head_dim)
-        v = v.view(B, Q, self.n_kv, self.head_dim)
+        return (q.view(B, Q, self.n_heads, self.head_dim), k.view(B, Q, self.n_kv, self.head_dim),
+                v.view(B, Q, self.n_kv, self.head_dim))
+
+    def project(self, x, positions, rope: RotaryEmbedding, fused: bool = False):
+        """`qkv` with RoPE applied to q and k (`fused`: by the Triton kernel; the reference otherwise)."""
+        q, k, v = self.qkv(x)
         if fused:
             from eyas.kernels import rope_triton
             q, k = rope_triton(positions, q, k, rope.cos, rope.sin)
@@ -60,28 +64,45 @@ class Attention(nn.Module):
             q, k = rope(positions, q, k)
         return q, k, v
 
+    def rope_store(self, x, positions, rope: RotaryEmbedding, k_dst, v_dst, fused: bool, **where):
+        """`qkv`, then RoPE, with k (rotated) and v stored at once into the row stores k_dst/v_dst [R, KVH, D]
+        (`fused`: one launch of `eyas.kernels.rope_store_triton`; otherwise RoPE and `store_rows`). `where`:
+        rows=[B, Q] (cache slots), or seq_rows and row_offset (the stash). Returns the rotated q."""
+        q, k, v = self.qkv(x)
+        positions = positions.expand(q.shape[:2])
+        if fused:
+            from eyas.kernels import rope_store_triton
+            return rope_store_triton(positions, q, k, v, rope.cos, rope.sin, k_dst, v_dst, **where)
+        q, k = rope(positions, q, k)
+        store_rows(k_dst, v_dst, k, v, **where)
+        return q
+
     def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata | None, cache: KVCache | None,
                 fused: bool = False):
-        """`fused`: RoPE by the Triton kernel (`DecoderLayer.forward_fused`); the reference otherwise."""
+        """`fused`: RoPE (and the K/V store it feeds) by the Triton kernels (`DecoderLayer.forward_fused`); the
+        reference otherwise. The attention kernels (`meta.use_triton`) return the model's dtype directly."""
         B, Q, _ = x.shape
-        q, k, v = self.project(x, positions, rope, fused)
         if meta is None:  # dense causal attention over the block itself (training, oracles): no cache involved
+            q, k, v = self.project(x, positions, rope, fused)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, enable_gqa=True, scale=self.scale)
             return self.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
-        if meta.prefix_includes_new:  # plain decoding: write the token's K/V, then one prefix pass covers it
-            self._write_kv(k_cache, v_cache, k, v, meta)
-            o = prefix_only_attention(q, k_cache, v_cache, meta, self.scale)
-            return self.o_proj(o.to(x.dtype).reshape(B, Q, -1))
-        past_k = past_v = None
-        if meta.past_kv is not None and self.layer_idx in meta.past_kv:
-            past_k, past_v = meta.past_kv[self.layer_idx]
-        o = split_tree_attention(q, k, v, k_cache, v_cache, meta, self.scale, past_k, past_v)
-        if meta.slot_mapping is not None:
-            self._write_kv(k_cache, v_cache, k, v, meta)
-        if meta.stash:
-            meta.new_kv[self.layer_idx] = (k, v)
+        if meta.prefix_includes_new:  # plain decoding: the token's K/V go to the cache, then one prefix pass
+            q = self.rope_store(x, positions, rope, _rows(k_cache), _rows(v_cache), fused, rows=meta.slot_mapping)
+            o = prefix_only_attention(q, k_cache, v_cache, meta, self.scale, out_dtype=x.dtype)
+        elif meta.stash is not None:  # tree tokens: K/V to the stash (never the cache), suffix over stash rows
+            sk, sv = meta.stash.k[self.layer_idx], meta.stash.v[self.layer_idx]  # [B, R, KVH, D]
+            q = self.rope_store(x, positions, rope, _rows(sk), _rows(sv), fused, seq_rows=sk.shape[1],
+                                row_offset=meta.stash_at)
+            end = meta.stash_at + Q
+            o = split_tree_attention(q, sk[:, meta.suffix_from: end], sv[:, meta.suffix_from: end], k_cache,
+                                     v_cache, meta, self.scale, out_dtype=x.dtype)
+        else:  # prefill chunks, the draft's catch-up: attend among themselves, then their K/V go to the cache
+            q, k, v = self.project(x, positions, rope, fused)
+            o = split_tree_attention(q, k, v, k_cache, v_cache, meta, self.scale, out_dtype=x.dtype)
+            if meta.slot_mapping is not None:
+                self._write_kv(k_cache, v_cache, k, v, meta)
         return self.o_proj(o.to(x.dtype).reshape(B, Q, -1))
 
     @staticmethod
@@ -91,6 +112,11 @@ class Attention(nn.Module):
             write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping)
         else:
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., KVH, D] -> [rows, KVH, D], a view: a cache layer's rows are its flat slots, a stash's b * R + node."""
+    return t.view(-1, *t.shape[-2:])
 
 
 class MLP(nn.Module):
@@ -205,34 +231,44 @@ class LlamaForCausalLM(nn.Module):
         scales are comparable with each other and with the final hidden state). None: `hidden` alone."""
         x = self.model.embed_tokens(input_ids)
         want = set(feature_layers) if feature_layers is not None else ()
-        taps: dict[int, torch.Tensor] = {}
+        eps = self.config.rms_norm_eps
+        taps: dict[int, torch.Tensor] = {}  # layer -> rms(r_i)
         if takes_fused_path(self, x.device):
             from eyas.kernels import add_rms_norm_triton
             res = None
             for i, layer in enumerate(self.model.layers):
                 x, res = layer.forward_fused(x, res, positions, self.rope, meta, cache)
-                if i in want:
-                    taps[i] = x + res  # the fused layer's output is the sum of what it returns
+                if i in want:  # r_i = x + res; with a unit weight the fused norm is rms(r_i) in one launch
+                    taps[i] = add_rms_norm_triton(x, res, self._unit_weight(x), eps)[0]
             hidden = add_rms_norm_triton(x, res, self.model.norm.weight, self.model.norm.eps)[0]
         else:
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, positions, self.rope, meta, cache)
                 if i in want:
-                    taps[i] = x
+                    taps[i] = rms_normalize(x, eps)
             hidden = self.model.norm(x)
         if feature_layers is None:
             return hidden
         missing = [i for i in feature_layers if i not in taps]
         if missing:
             raise ValueError(f"feature layers {missing} are outside the target's {len(self.model.layers)} layers")
-        eps = self.config.rms_norm_eps
-        return hidden, torch.cat([rms_normalize(taps[i], eps) for i in feature_layers] + [hidden], dim=-1)
+        return hidden, torch.cat([taps[i] for i in feature_layers] + [hidden], dim=-1)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _unit_weight(self, x: torch.Tensor) -> torch.Tensor:
+        """Ones [H] in x's dtype and device, made once (an RMSNorm weight that makes the norm `rms_normalize`: the
+        normalised value cast to x's dtype, times exactly 1)."""
+        w = getattr(self, "_ones", None)
+        if w is None or w.dtype != x.dtype or w.device != x.device:
+            w = self._ones = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+        return w
+
+    def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """Logits in `dtype` (None: the head's own, e.g. for a top-k, which needs no upcast: one kernel fewer)."""
         # as one 2-D matmul: a strided 3-D input sends F.linear to a batched matmul that re-reads the whole head
         # per row (measured on the H200: 7.8 ms instead of ~0.3 ms for a 128k vocabulary)
         H = hidden.shape[-1]
-        return self.lm_head(hidden.reshape(-1, H)).float().view(*hidden.shape[:-1], -1)
+        logits = self.lm_head(hidden.reshape(-1, H))
+        return (logits if dtype is None else logits.to(dtype)).view(*hidden.shape[:-1], -1)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

@@ -67,11 +67,12 @@ def draft_topk(draft, target, h: torch.Tensor, k: int) -> torch.Tensor:
     """Target token ids [..., k] of the draft's top-k candidates from features h [..., H]: over the draft
     vocabulary when one is attached, the whole vocabulary otherwise (`target.compute_logits`)."""
     ids = getattr(draft, "vocab_ids", None)
+    # the logits stay in the head's dtype: the float32 upcast of the same values would order them the same
     if ids is None:
-        logits = target.compute_logits(h)
+        logits = target.compute_logits(h, dtype=None)
     else:
         H = h.shape[-1]
-        logits = (h.reshape(-1, H) @ draft.vocab_head.t()).float().view(*h.shape[:-1], -1)  # one 2-D matmul
+        logits = (h.reshape(-1, H) @ draft.vocab_head.t()).view(*h.shape[:-1], -1)  # one 2-D matmul
     # k = 1 (every chain level): one argmax reduction; otherwise a two-pass top-k in a few kernels
     top = logits.argmax(-1, keepdim=True) if k == 1 else topk_indices(logits, k)
     return top if ids is None else ids[top]

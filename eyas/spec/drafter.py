@@ -12,53 +12,70 @@ from __future__ import annotations
 
 import torch
 
-from eyas.layers.attention import MetaBuilder
+from eyas.layers.attention import MetaBuilder, Stash
 from eyas.spec.draft_vocab import draft_topk
 from eyas.spec.tree import Tree
 
 
+_CAUSAL: dict = {}
+
+
 def causal_mask(lens: torch.Tensor, Q: int) -> torch.Tensor:
-    """[B, Q, Q]: causal among each row's first lens[b] tokens; padded rows see themselves (never an empty row)."""
-    ar = torch.arange(Q, device=lens.device)
+    """[B, Q, Q]: causal among each row's first lens[b] tokens (lens <= Q); padded rows see themselves (never an
+    empty row). For a decode step's catch-up (Q small): one lookup in a table of the Q + 1 masks, made once per
+    (Q, device)."""
+    if Q > 64:  # prefill chunks: computed (a table would hold Q^3 entries)
+        return _causal_masks(lens, Q, lens.device)
+    key = (Q, str(lens.device))
+    if key not in _CAUSAL:
+        _CAUSAL[key] = _causal_masks(torch.arange(Q + 1, device=lens.device), Q, lens.device)
+    return _CAUSAL[key][lens.clamp(0, Q)]
+
+
+def _causal_masks(lens: torch.Tensor, Q: int, device) -> torch.Tensor:
+    ar = torch.arange(Q, device=device)
     causal = ar[None, :] <= ar[:, None]
     valid = ar[None, :] < lens[:, None]
-    return (causal[None] & valid[:, None, :]) | torch.eye(Q, dtype=torch.bool, device=lens.device)[None]
+    return (causal[None] & valid[:, None, :]) | torch.eye(Q, dtype=torch.bool, device=device)[None]
 
 
-def catch_up(draft, target, draft_cache, tokens, hidden, lens, start, meta: MetaBuilder):
+def catch_up(draft, target, draft_cache, tokens, hidden, lens, start, meta: MetaBuilder, positions=None,
+             slots=None):
     """Draft forward over pairs (tokens[b, j], hidden[b, j]) at positions start[b] + j, j < lens[b]; their K/V are
-    written to the draft cache. Returns the draft outputs [B, P, H]."""
+    written to the draft cache. Returns the draft outputs [B, P, H]. `positions` and `slots` [B, P] (0 and -1 past
+    lens[b]), when the caller has them (the runner packs them on the host), save computing them here."""
     B, P = tokens.shape
-    ar = torch.arange(P, device=tokens.device)[None, :]
-    valid = ar < lens[:, None]
-    positions = torch.where(valid, start[:, None] + ar, torch.zeros_like(ar))
-    m = meta(start, causal_mask(lens, P), slot_mapping=meta.slots(start[:, None] + ar, valid))
+    if positions is None or slots is None:
+        ar = torch.arange(P, device=tokens.device)[None, :]
+        valid = ar < lens[:, None]
+        positions = torch.where(valid, start[:, None] + ar, torch.zeros_like(ar))
+        slots = meta.slots(start[:, None] + ar, valid)
+    m = meta(start, causal_mask(lens, P), slot_mapping=slots)
     return draft(target.embed(tokens), hidden, positions, m, draft_cache)
 
 
 def expand_tree(draft, target, draft_cache, tree: Tree, root_h, n, node_tokens, meta: MetaBuilder) -> None:
     """Fill node_tokens[:, 1:] level by level from the root feature root_h [B, H]; n [B] = target KV length (the
-    root's draft entry is at n-1, so a node of depth d sits at draft position n-1+d)."""
+    root's draft entry is at n-1, so a node of depth d sits at draft position n-1+d). The levels' K/V go to a stash
+    (row = node), and each level's suffix attends to rows 1.. of it: the ancestors it needs, no concatenation."""
     B, H = root_h.shape
     device = root_h.device
-    node_h = torch.zeros(B, tree.num_nodes + 1, H, dtype=root_h.dtype, device=device)
+    node_h = torch.empty(B, tree.num_nodes + 1, H, dtype=root_h.dtype, device=device)
     node_h[:, 0] = root_h
-    parents, ranks = tree.parents.to(device), tree.rank.to(device)
+    idx = tree.level_index(device)
     ancestors = tree.ancestor_mask.to(device)
-    past: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    stash = Stash.like(draft_cache, B, tree.num_nodes + 1) if tree.max_depth > 1 else None
     for d in range(tree.max_depth):
         level, nxt = tree.levels[d], tree.levels[d + 1]
+        par, rank, par_abs = idx[d]  # parents within the level, ranks, parents as node ids (device constants)
         # the draft's candidates: greedy top-k over the vocabulary (or the draft's reduced vocabulary)
         top = draft_topk(draft, target, node_h[:, level.start: level.stop], tree.topk_per_level[d])  # [B, |level|, k]
-        par = parents[nxt.start: nxt.stop] - level.start
-        node_tokens[:, nxt.start: nxt.stop] = top[:, par, ranks[nxt.start: nxt.stop]]
+        node_tokens[:, nxt.start: nxt.stop] = top[:, par, rank]
         if d + 1 == tree.max_depth:
             break  # the deepest level needs tokens, not features
         ids = node_tokens[:, nxt.start: nxt.stop]
-        h_in = node_h[:, parents[nxt.start: nxt.stop]]
-        positions = (n + d)[:, None].expand(B, len(nxt))
+        h_in = node_h[:, par_abs]
+        positions = (n + d)[:, None]  # every node of the level sits at draft position n-1+(d+1)
         mask = ancestors[nxt.start: nxt.stop, 1: nxt.stop]
-        m = meta(n, mask[None].expand(B, *mask.shape), stash=True, past_kv=past or None)
+        m = meta(n, mask[None].expand(B, *mask.shape), stash=stash, stash_at=nxt.start, suffix_from=1)
         node_h[:, nxt.start: nxt.stop] = draft(target.embed(ids), h_in, positions, m, draft_cache)
-        past = {l: (torch.cat([past[l][0], k], 1), torch.cat([past[l][1], v], 1)) if l in past else (k, v)
-                for l, (k, v) in m.new_kv.items()}

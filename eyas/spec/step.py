@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eyas.layers.attention import MetaBuilder, write_kv
+from eyas.layers.attention import MetaBuilder, Stash, write_kv
 from eyas.layers.sampler import logits_to_probs
 from eyas.spec.drafter import catch_up, expand_tree
 from eyas.spec.tree import Tree
@@ -26,7 +26,11 @@ class DecodeInputs:
     num_cached: torch.Tensor  # [B] n: target KV entries (positions 0..n-1)
     num_draft_cached: torch.Tensor  # [B] draft KV entries
     block_tables: torch.Tensor  # [B, W]
+    commit_slots: torch.Tensor  # [B, P] flat KV slots of positions n .. n+P-1 (what a step may commit)
     catchup_tokens: torch.Tensor | None  # [B, P] tokens x_{t+1} for t = num_draft_cached .. n-1 (padded)
+    catchup_positions: torch.Tensor | None  # [B, P] their positions t (0 past catchup_lens)
+    catchup_slots: torch.Tensor | None  # [B, P] their flat slots in the draft cache (-1 past catchup_lens)
+    catchup_lens: torch.Tensor | None  # [B] n - num_draft_cached: how many pairs the draft catches up on
     slots: torch.Tensor  # [B] rows of the draft's hidden-state buffer (see `spec_step`)
     temperature: torch.Tensor  # [B]
     top_k: torch.Tensor  # [B]
@@ -75,24 +79,26 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     # draft: read the committed history, then expand the tree level by level (a bare root, which a tree dispatcher
     # picks for large batches, only reads: the draft stays in step for the next speculative step)
     if draft is not None:
-        lens = n - inp.num_draft_cached
+        lens = inp.catchup_lens
         out = catch_up(draft, target, draft_cache, inp.catchup_tokens, draft_hidden[inp.slots], lens,
-                       inp.num_draft_cached, meta)
-        if tree.num_nodes:
-            root_h = out[torch.arange(B, device=device), (lens - 1).clamp(min=0)]
+                       inp.num_draft_cached, meta, inp.catchup_positions, inp.catchup_slots)
+        if tree.num_nodes:  # the root's feature: the last pair's output (n > d always: the root's own pair)
+            root_h = out.gather(1, (lens - 1).clamp(min=0)[:, None, None].expand(B, 1, out.shape[-1]))[:, 0]
             expand_tree(draft, target, draft_cache, tree, root_h, n, node_tokens, meta)
 
     # verify: one target forward over root + tree; split tree attention; K/V stashed, not cached (a bare root, which
     # is always accepted, writes its K/V to the cache directly)
     positions = n[:, None] + tree.depth.to(device)[None, :]
     mask = tree.ancestor_mask.to(device)[None].expand(B, N1, N1)
+    stash = None
     if tree.num_nodes:
-        vmeta = meta(n, mask, stash=True)
+        stash = Stash.like(cache, B, N1)  # every layer's K/V of root + tree, node by node
+        vmeta = meta(n, mask, stash=stash)
     else:
         # plain decoding: the root's K/V go straight to the cache, and one prefix pass over n + 1 entries (the root
         # included) is its whole attention
         vmeta = meta(n + 1, mask, max_context_len=inp.max_context_len + 1, prefix_includes_new=True,
-                     slot_mapping=meta.slots(n[:, None], torch.ones(B, 1, dtype=torch.bool, device=device)))
+                     slot_mapping=inp.commit_slots[:, :1])
     feature_layers = getattr(draft, "feature_layers", None)
     if feature_layers is None:  # EAGLE-1 (or no draft): the draft reads the final hidden state itself
         hidden = feats = target(node_tokens, positions, vmeta, cache)
@@ -108,6 +114,9 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     elif simulated_accept is not None:  # ... or a real draft's recorded rank paths, replayed
         path, num_accepted, bonus = simulate_replay(node_tokens, tree, simulated_accept, inp.seeds, n,
                                                     logits.argmax(-1))
+    elif all_greedy and not tree.num_nodes:  # plain greedy decoding: nothing to accept, the bonus is the argmax
+        path = torch.zeros(B, 1, dtype=torch.long, device=device)
+        num_accepted, bonus = path[:, 0], logits[:, 0].argmax(-1)
     elif all_greedy:
         path, num_accepted, bonus = accept_tree_greedy(logits.argmax(-1), node_tokens, tree)
     else:
@@ -115,19 +124,20 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
                                 inp.top_k.repeat_interleave(N1), inp.top_p.repeat_interleave(N1)).view(B, N1, V)
         path, num_accepted, bonus = accept_tree(probs, node_tokens, tree, inp.seeds, n)
 
-    # commit: the accepted path's K/V go to positions n..n+m
+    # commit: the accepted path's K/V go to positions n..n+m, every layer at once (a bare root's are there already)
     D1 = path.shape[1]
     rows = torch.arange(B, device=device)[:, None]
     node = path.clamp(min=0)
-    if vmeta.stash:
+    if stash is not None:
         steps = torch.arange(D1, device=device)[None, :]
-        slots = meta.slots(n[:, None] + steps, steps <= num_accepted[:, None])
-    for layer, (k, v) in vmeta.new_kv.items():  # empty for a bare root
+        slots = torch.where(steps <= num_accepted[:, None], inp.commit_slots[:, :D1], -1)
         if use_triton:
             from eyas.kernels import commit_tree_kv_triton
-            commit_tree_kv_triton(cache.k[layer], cache.v[layer], k, v, path, slots)
+            commit_tree_kv_triton(cache.k, cache.v, stash.k, stash.v, path, slots)
         else:
-            write_kv(cache.k[layer], cache.v[layer], k[rows, node], v[rows, node], slots)
+            for layer in range(stash.k.shape[0]):
+                write_kv(cache.k[layer], cache.v[layer], stash.k[layer][rows, node], stash.v[layer][rows, node],
+                         slots)
     if draft is not None:
         # rows 0..m valid; a dispatcher's shallower trees fill only the first D+1 of the buffer's rows
         draft_hidden[inp.slots, :D1] = draft.read_features(feats[rows, node]).to(draft_hidden.dtype)

@@ -8,7 +8,7 @@ A chain of length K is the tree `[(0,), (0, 0), ...]`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,6 +44,22 @@ class Tree:
     levels: list[range]  # node indices of each depth, levels[0] = range(0, 1)
     topk_per_level: list[int]  # how many draft candidates each level's nodes need (max child rank + 1)
     rank_paths: torch.Tensor  # [N+1, max(D, 1)] int64: node i's path of ranks, -1 past its depth (root: all -1)
+    _level_index: dict = field(default_factory=dict, repr=False, compare=False)  # device -> `level_index`
+
+    def level_index(self, device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per level d < max_depth, for the nodes of level d+1: their parents' positions within level d, their
+        ranks, and their parents' node ids; device tensors made once per device (drafting then indexes with them
+        and computes none; the first call is eager, e.g. a CUDA graph's warm-up, never inside a capture)."""
+        key = str(torch.device(device))
+        if key not in self._level_index:
+            out = []
+            for d in range(self.max_depth):
+                nxt = self.levels[d + 1]
+                par = self.parents[nxt.start: nxt.stop].cpu()
+                out.append(((par - self.levels[d].start).to(device), self.rank[nxt.start: nxt.stop].cpu().to(device),
+                            par.to(device)))
+            self._level_index[key] = out
+        return self._level_index[key]
 
     def to(self, device) -> "Tree":
         """The same tree with its tensors on `device` (so that a step makes no host->device copies)."""
