@@ -1,10 +1,19 @@
-"""The two-pass top-k of the draft's candidates (`eyas.layers.topk`) against torch.topk over the whole row."""
-import pytest
+"""The two-pass top-k of the draft's candidates (`eyas.layers.topk`) against torch.topk over the whole row, and its
+Triton kernel (`eyas.kernels.chunk_topk`, under the interpreter on the CPU) against a stable sort."""
+import os
+
 import torch
+
+if not torch.cuda.is_available():  # before Triton is first imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eyas.layers.topk import chunk_size, topk_indices
+from eyas.layers.topk import argmax, chunk_size, topk_indices  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @settings(max_examples=60, deadline=None)
@@ -38,3 +47,34 @@ def test_on_the_gpu_bf16():
     x = torch.randn(26, 49152, device="cuda").bfloat16().float()
     x += torch.arange(49152, device="cuda") * 1e-6  # break bf16 ties
     assert torch.equal(topk_indices(x, 10), x.topk(10, dim=-1).indices)
+
+
+def _stable_topk(x, k):
+    """The k largest, lower index first among equal values: a stable descending sort (an oracle with ties too)."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([16, 1000, 2048, 4097, 49152]), st.integers(1, 3), st.integers(1, 16), st.booleans(),
+       st.integers(0, 10**6))
+def test_triton_topk_equals_a_stable_sort(V, rows, k, ties, seed):
+    """The Triton kernel's indices are the stable sort's first k, also with ties (few distinct values), also with
+    the whole top k inside one chunk, across chunk edges (4097) and in bf16."""
+    from eyas.kernels.chunk_topk import topk_indices_triton
+    k = min(k, V)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 5, (rows, V), generator=g).float() if ties else torch.randn(rows, V, generator=g)
+    x[0, V - k:] = 100 + torch.arange(k, dtype=torch.float32)  # the top k at the row's end, in one chunk
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        got = topk_indices_triton(xd.view(rows, 1, V).to(DEV), k).cpu()
+        assert got.shape == (rows, 1, k) and got.dtype == torch.long
+        assert torch.equal(got.view(rows, k), _stable_topk(xd.float(), k))
+
+
+def test_argmax_is_the_first_maximum():
+    x = torch.tensor([[1.0, 7.0, 3.0, 7.0], [-5.0, -5.0, -6.0, -9.0]]).to(DEV)
+    assert argmax(x).tolist() == [1, 0] == x.argmax(-1).tolist()
+    wide = torch.randn(3, 5000).to(DEV)
+    wide[1, 4999] = wide[1, 17] = 50.0
+    assert torch.equal(argmax(wide), wide.argmax(-1)) and argmax(wide)[1].item() == 17

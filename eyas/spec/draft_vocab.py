@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eyas.layers.topk import topk_indices
+from eyas.layers.topk import argmax, topk_indices
 
 FILE = "draft_vocab.safetensors"
 
@@ -73,8 +73,9 @@ def draft_topk(draft, target, h: torch.Tensor, k: int) -> torch.Tensor:
     else:
         H = h.shape[-1]
         logits = (h.reshape(-1, H) @ draft.vocab_head.t()).view(*h.shape[:-1], -1)  # one 2-D matmul
-    # k = 1 (every chain level): one argmax reduction; otherwise a two-pass top-k in a few kernels
-    top = logits.argmax(-1, keepdim=True) if k == 1 else topk_indices(logits, k)
+    # k = 1 (every chain level): an argmax; otherwise a top-k (on CUDA each is two Triton launches, `eyas.kernels.
+    # chunk_topk`)
+    top = argmax(logits)[..., None] if k == 1 else topk_indices(logits, k)
     return top if ids is None else ids[top]
 
 

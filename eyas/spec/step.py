@@ -12,6 +12,7 @@ import torch
 
 from eyas.layers.attention import MetaBuilder, Stash, write_kv
 from eyas.layers.sampler import logits_to_probs
+from eyas.layers.topk import argmax
 from eyas.spec.drafter import catch_up, expand_tree
 from eyas.spec.tree import Tree
 from eyas.spec.verifier import accept_tree, accept_tree_greedy, simulate_accept, simulate_replay
@@ -110,15 +111,15 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     # accept: the longest accepted path and a bonus token (greedy or lossless speculative sampling)
     if simulated_accept is not None and simulated_accept.is_floating_point():  # benchmarks of random weights only:
         path, num_accepted, bonus = simulate_accept(node_tokens, tree, simulated_accept, inp.seeds, n,  # rates by
-                                                    logits.argmax(-1))  # depth
+                                                    argmax(logits))  # depth
     elif simulated_accept is not None:  # ... or a real draft's recorded rank paths, replayed
         path, num_accepted, bonus = simulate_replay(node_tokens, tree, simulated_accept, inp.seeds, n,
-                                                    logits.argmax(-1))
+                                                    argmax(logits))
     elif all_greedy and not tree.num_nodes:  # plain greedy decoding: nothing to accept, the bonus is the argmax
         path = torch.zeros(B, 1, dtype=torch.long, device=device)
-        num_accepted, bonus = path[:, 0], logits[:, 0].argmax(-1)
+        num_accepted, bonus = path[:, 0], argmax(logits[:, 0])
     elif all_greedy:
-        path, num_accepted, bonus = accept_tree_greedy(logits.argmax(-1), node_tokens, tree)
+        path, num_accepted, bonus = accept_tree_greedy(argmax(logits), node_tokens, tree)
     else:
         probs = logits_to_probs(logits.view(B * N1, V), inp.temperature.repeat_interleave(N1),
                                 inp.top_k.repeat_interleave(N1), inp.top_p.repeat_interleave(N1)).view(B, N1, V)

@@ -1,0 +1,77 @@
+"""Top-k indices over a wide last dimension in two Triton launches (the draft's candidates at every tree level, and
+argmax, k = 1).
+
+On the H200 a level's `torch.topk` over SmolLM2's 49k logits took ~30 us in 3-5 kernels (a radix select per chunk,
+a bitonic sort, gathers), and `argmax` over one 49k row ~13 us in one single-block reduction: the largest cost of a
+tree level after the draft forward itself (session 6 profile, docs/benchmarks.md). Here:
+
+1. one program per (row, chunk of BLOCK entries) takes its chunk's k largest by k rounds of max, and
+2. one program per row takes the k largest of those n_chunks x k candidates the same way.
+
+Values are compared in float32 (exact for bf16/fp16 inputs). Among equal values the lower index comes first, so
+k = 1 is `argmax` (its first maximum) and the result is `torch.topk(x, k).indices` whenever the top values do not
+tie. NaN is not supported. The reference is `eyas.layers.topk.topk_indices` (torch.topk).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048  # entries per chunk (pass 1)
+MAX_K = 16
+
+
+@triton.jit
+def _chunk_topk_kernel(X, VOUT, IOUT, V, n_chunks, stride_xr, K: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < V
+    x = tl.load(X + r * stride_xr + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    out = (r * n_chunks + c) * K
+    for j in tl.static_range(K):
+        m = tl.max(x, axis=0)
+        idx = tl.min(tl.where((x == m) & ok, offs, 2147483647), axis=0)  # the first of the maxima
+        tl.store(VOUT + out + j, m)
+        tl.store(IOUT + out + j, idx)
+        x = tl.where(offs == idx, float("-inf"), x)
+        ok = ok & (offs != idx)
+
+
+@triton.jit
+def _merge_topk_kernel(VIN, IIN, OUT, n_cand, K: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n_cand
+    v = tl.load(VIN + r * n_cand + offs, mask=ok, other=float("-inf"))
+    ids = tl.load(IIN + r * n_cand + offs, mask=ok, other=2147483647)
+    for j in tl.static_range(K):
+        m = tl.max(v, axis=0)
+        idx = tl.min(tl.where((v == m) & ok, ids, 2147483647), axis=0)
+        tl.store(OUT + r * K + j, idx.to(tl.int64))
+        hit = ids == idx
+        v = tl.where(hit, float("-inf"), v)
+        ok = ok & (~hit)
+
+
+def topk_indices_triton(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [..., k] (int64) of the k largest entries of x [..., V] along the last dimension, largest first (ties:
+    lower index first). k <= 16 and V >= k."""
+    V = x.shape[-1]
+    if not 1 <= k <= min(MAX_K, V):
+        raise ValueError(f"k must be in [1, {min(MAX_K, V)}], got {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, V)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    R = x2.shape[0]
+    out = torch.empty((R, k), dtype=torch.long, device=x.device)
+    if R == 0:
+        return out.view(*lead, k)
+    n = triton.cdiv(V, BLOCK)
+    vals = torch.empty((R, n, k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((R, n, k), dtype=torch.int32, device=x.device)
+    _chunk_topk_kernel[(R, n)](x2, vals, ids, V, n, x2.stride(0), K=k, BLOCK=BLOCK, num_warps=4)
+    _merge_topk_kernel[(R,)](vals, ids, out, n * k, K=k, BLOCK=triton.next_power_of_2(n * k), num_warps=4)
+    return out.view(*lead, k)
