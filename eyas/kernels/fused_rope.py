@@ -41,6 +41,16 @@ def _rotate_heads(X, XO, n, stride_xn, stride_xh, stride_on, stride_oh, c1, c2, 
 
 
 @triton.jit
+def _angles(COS, SIN, pos, stride_cos, stride_sin, offs_d, mask_d, HALF: tl.constexpr):
+    """The cos/sin table rows of position `pos`, as first and second halves."""
+    c1 = tl.load(COS + pos * stride_cos + offs_d, mask=mask_d, other=0.0)
+    c2 = tl.load(COS + pos * stride_cos + HALF + offs_d, mask=mask_d, other=0.0)
+    s1 = tl.load(SIN + pos * stride_sin + offs_d, mask=mask_d, other=0.0)
+    s2 = tl.load(SIN + pos * stride_sin + HALF + offs_d, mask=mask_d, other=0.0)
+    return c1, c2, s1, s2
+
+
+@triton.jit
 def _rope_kernel(Q, K, QO, KO, POS, COS, SIN,
                  stride_qn, stride_qh, stride_kn, stride_kh, stride_qon, stride_qoh, stride_kon, stride_koh,
                  stride_cos, stride_sin,
@@ -50,10 +60,7 @@ def _rope_kernel(Q, K, QO, KO, POS, COS, SIN,
     pos = tl.load(POS + n).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HALF
-    c1 = tl.load(COS + pos * stride_cos + offs_d, mask=mask_d, other=0.0)
-    c2 = tl.load(COS + pos * stride_cos + HALF + offs_d, mask=mask_d, other=0.0)
-    s1 = tl.load(SIN + pos * stride_sin + offs_d, mask=mask_d, other=0.0)
-    s2 = tl.load(SIN + pos * stride_sin + HALF + offs_d, mask=mask_d, other=0.0)
+    c1, c2, s1, s2 = _angles(COS, SIN, pos, stride_cos, stride_sin, offs_d, mask_d, HALF)
     _rotate_heads(Q, QO, n, stride_qn, stride_qh, stride_qon, stride_qoh, c1, c2, s1, s2, offs_d, mask_d,
                   NQ, HALF, BLOCK_Q)
     _rotate_heads(K, KO, n, stride_kn, stride_kh, stride_kon, stride_koh, c1, c2, s1, s2, offs_d, mask_d,
@@ -79,10 +86,7 @@ def _rope_store_kernel(Q, K, V, QO, KD, VD, POS, ROWS, COS, SIN,
         row = b * seq_rows + row_offset + j
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HALF
-    c1 = tl.load(COS + pos * stride_cos + offs_d, mask=mask_d, other=0.0)
-    c2 = tl.load(COS + pos * stride_cos + HALF + offs_d, mask=mask_d, other=0.0)
-    s1 = tl.load(SIN + pos * stride_sin + offs_d, mask=mask_d, other=0.0)
-    s2 = tl.load(SIN + pos * stride_sin + HALF + offs_d, mask=mask_d, other=0.0)
+    c1, c2, s1, s2 = _angles(COS, SIN, pos, stride_cos, stride_sin, offs_d, mask_d, HALF)
     # q: token (b, j) of Q to row b * num_q + j of the contiguous output
     _rotate_heads(Q + b * stride_qb + j * stride_qq, QO + b * stride_qob + j * stride_qoq, 0, 0, stride_qh, 0,
                   stride_qoh, c1, c2, s1, s2, offs_d, mask_d, NQ, HALF, BLOCK_Q)
