@@ -1,11 +1,19 @@
 """Greedy acceptance without a walk (`accept_tree_greedy`) equals the multi-round speculative sampler (`accept_tree`)
 at one-hot target distributions, on random trees and on the shipped presets: same path, same count, same bonus."""
-import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+import os
 
-from eyas.spec.tree import PRESETS, Tree
-from eyas.spec.verifier import accept_tree, accept_tree_greedy
+import torch
+
+if not torch.cuda.is_available():  # before Triton is first imported: its kernel runs in the interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from eyas.spec.tree import PRESETS, Tree  # noqa: E402
+from eyas.spec.verifier import accept_tree, accept_tree_greedy  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 V = 12  # a small vocabulary (above the widest preset node, 10 children): random tokens often collide
 
@@ -36,7 +44,7 @@ def draft_tokens(tree: Tree, B: int, rng: torch.Generator) -> torch.Tensor:
     return toks
 
 
-def check(tree: Tree, B: int, seed: int) -> None:
+def check(tree: Tree, B: int, seed: int, triton: bool = False) -> torch.Tensor:
     rng = torch.Generator().manual_seed(seed)
     nodes = draft_tokens(tree, B, rng)
     target = torch.randint(V, (B, tree.num_nodes + 1), generator=rng)
@@ -53,6 +61,12 @@ def check(tree: Tree, B: int, seed: int) -> None:
     got = accept_tree_greedy(target, nodes, tree)
     for w, g, name in zip(want, got, ("path", "num_accepted", "bonus")):
         assert torch.equal(w, g), (name, w, g)
+    if triton:  # the one-launch Triton kernel of the fast path: the same again
+        from eyas.kernels.accept_greedy import accept_tree_greedy_triton
+        fast = accept_tree_greedy_triton(target.to(DEV), nodes.to(DEV), tree.to(DEV))
+        for w, g, name in zip(want, fast, ("path", "num_accepted", "bonus")):
+            assert torch.equal(w, g.cpu()), ("triton", name, w, g)
+    return want[1]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -101,3 +115,21 @@ def test_replayed_acceptance_equals_the_tree_builder_replay(max_nodes, max_width
         k = min(a + 1, M - produced)
         calls, committed, produced, n = calls + 1, committed + k, produced + k, n + a + 1
     assert (calls, committed) == replay(ranks, [list(p) for p in tree.paths], M)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 40), st.integers(1, 4), st.integers(1, 5), st.integers(0, 10**6))
+def test_triton_greedy_acceptance_equals_the_sampler(max_nodes, max_width, B, seed):
+    check(random_tree(torch.Generator().manual_seed(seed), max_nodes, max_width), B, seed, triton=True)
+
+
+def test_triton_greedy_acceptance_on_the_presets():
+    """The largest fitted tree (129 rows: the ancestor mask in several row chunks) and a chain; the accepted depths
+    seen cover empty and deep acceptance."""
+    seen = set()
+    for i, name in enumerate(("smollm2_128", "mc_sim_7b_63")):
+        tree = Tree.from_paths(PRESETS[name], name)
+        for seed in range(3):
+            seen |= set(check(tree, 8, 200 * i + seed, triton=True).tolist())
+    check(Tree.chain(3), 6, 7, triton=True)
+    assert 0 in seen and max(seen) >= 3, seen

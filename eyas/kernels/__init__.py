@@ -23,6 +23,8 @@ _EXPORTS = {
     "rope_store_triton": "fused_rope",
     "rope_store_reference": "fused_rope",
     "swiglu_triton": "swiglu",
+    "topk_indices_triton": "chunk_topk",
+    "accept_tree_greedy_triton": "accept_greedy",
     "swiglu_reference": "swiglu",
 }
 

@@ -118,8 +118,12 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     elif all_greedy and not tree.num_nodes:  # plain greedy decoding: nothing to accept, the bonus is the argmax
         path = torch.zeros(B, 1, dtype=torch.long, device=device)
         num_accepted, bonus = path[:, 0], argmax(logits[:, 0])
-    elif all_greedy:
-        path, num_accepted, bonus = accept_tree_greedy(argmax(logits), node_tokens, tree)
+    elif all_greedy:  # a child is accepted iff it is the target's argmax (on CUDA: one Triton launch)
+        if use_triton:
+            from eyas.kernels.accept_greedy import accept_tree_greedy_triton
+            path, num_accepted, bonus = accept_tree_greedy_triton(argmax(logits), node_tokens, tree)
+        else:
+            path, num_accepted, bonus = accept_tree_greedy(argmax(logits), node_tokens, tree)
     else:
         probs = logits_to_probs(logits.view(B * N1, V), inp.temperature.repeat_interleave(N1),
                                 inp.top_k.repeat_interleave(N1), inp.top_p.repeat_interleave(N1)).view(B, N1, V)

@@ -79,7 +79,8 @@ def accept_tree_greedy(target_tokens: torch.Tensor, node_tokens: torch.Tensor, t
     No walk: node i matches when its token is the target's token after its parent; it is reachable when it and all
     its ancestors match; the accepted path ends at the deepest reachable node. Siblings carry distinct tokens (the
     draft's top-k), so at most one node per depth is reachable and that node is unique. A handful of kernels for any
-    tree, where a walk costs depth x width steps of several kernels each (the step's largest cost on deep trees)."""
+    tree, where a walk costs depth x width steps of several kernels each (the step's largest cost on deep trees).
+    On CUDA the step runs the same in one Triton launch (`eyas.kernels.accept_greedy`); this is its reference."""
     device = node_tokens.device
     parents = tree.parents.to(device)
     ancestors = tree.ancestor_mask.to(device)  # [N+1, N+1]: [i, j] = j is i or an ancestor of i

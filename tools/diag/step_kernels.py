@@ -8,8 +8,9 @@ that issued it.
 
     PYTHONPATH=. python3 tools/diag/step_kernels.py --speculation plain chain:3 tree:smollm2_48d5 [--by-line]
 
-The count is an estimate of the GPU's: some ATen ops are several CUDA kernels there (e.g. cuBLAS split-K GEMMs, a
-multi-block argmax), a few are none (a copy of 0 bytes). Compare counts with each other, not with a profile.
+The count is an estimate of the GPU's: some ATen ops are several CUDA kernels there (e.g. cuBLAS split-K GEMMs), a
+few are none (a copy of 0 bytes), and on CPU tensors the top-k and argmax take their PyTorch path (`eyas.layers.topk`),
+where CUDA runs two Triton launches each. Compare counts with each other, not with a profile.
 """
 from __future__ import annotations
 

@@ -1,0 +1,80 @@
+"""Greedy tree acceptance in one Triton launch: `eyas.spec.verifier.accept_tree_greedy` (its reference) for CUDA.
+
+The reference takes ~20 small PyTorch kernels (a gather, the comparison, an ancestor-mask reduction, the deepest
+node, the path's nodes by depth, the bonus): ~15% of a tree step's kernels after session 6's other cuts. Here one
+program per sequence does the same:
+
+* node i matches when its token is the target's token after its parent (the root always matches);
+* it is reachable when it and every ancestor match (a row of the ancestor mask, rows in chunks of RB);
+* the accepted path ends at the deepest reachable node (the first such index, as `argmax`), its nodes by depth
+  are that node's ancestors, and the bonus is the target's token after it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BIG = 2147483647
+
+
+@triton.jit
+def _accept_greedy_kernel(TGT, NODE, PAR, DEP, ANC, PATH, NACC, BONUS,
+                          n_nodes, stride_tb, stride_nb, stride_ar, stride_pb,
+                          DMAX: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n_nodes
+    par = tl.maximum(tl.load(PAR + offs, mask=ok, other=0), 0)
+    tok = tl.load(NODE + b * stride_nb + offs, mask=ok, other=0)
+    after_parent = tl.load(TGT + b * stride_tb + par, mask=ok, other=0)
+    match = ((tok == after_parent) | (offs == 0)) & ok
+    best_d = tl.full([], -1, tl.int64)
+    best = tl.full([], 0, tl.int64)
+    for r0 in range(0, n_nodes, RB):
+        rows = r0 + tl.arange(0, RB)
+        row_ok = rows < n_nodes
+        anc = tl.load(ANC + rows[:, None] * stride_ar + offs[None, :], mask=row_ok[:, None] & ok[None, :], other=0)
+        broken = (anc != 0) & (~match)[None, :]  # an ancestor (or the node itself) that does not match
+        reach = (tl.max(broken.to(tl.int32), axis=1) == 0) & row_ok
+        d = tl.load(DEP + rows, mask=row_ok, other=-1).to(tl.int64)
+        score = tl.where(reach, d, -1)
+        m = tl.max(score, axis=0)
+        first = tl.min(tl.where(score == m, rows, BIG), axis=0).to(tl.int64)
+        take = m > best_d  # strictly deeper: an earlier chunk keeps a tie (the first index, as argmax)
+        best = tl.where(take, first, best)
+        best_d = tl.maximum(best_d, m)
+    on_path = tl.load(ANC + best * stride_ar + offs, mask=ok, other=0) != 0
+    dep = tl.load(DEP + offs, mask=ok, other=-1)
+    for d in tl.static_range(DMAX + 1):
+        node = tl.min(tl.where(on_path & (dep == d), offs, BIG), axis=0)
+        tl.store(PATH + b * stride_pb + d, tl.where(node == BIG, -1, node).to(tl.int64))
+    tl.store(NACC + b, best_d)
+    tl.store(BONUS + b, tl.load(TGT + b * stride_tb + best))
+
+
+def accept_tree_greedy_triton(target_tokens: torch.Tensor, node_tokens: torch.Tensor, tree) -> tuple:
+    """Same arguments and results as `accept_tree_greedy`: target_tokens, node_tokens [B, N+1] -> path [B, D+1]
+    (-1 beyond the accepted depth), num_accepted [B], bonus [B] (int64)."""
+    B, N1 = node_tokens.shape
+    if target_tokens.shape != node_tokens.shape:
+        raise ValueError(f"target_tokens {tuple(target_tokens.shape)} and node_tokens {tuple(node_tokens.shape)} differ")
+    if N1 != tree.num_nodes + 1:
+        raise ValueError(f"{N1} node columns for a tree of {tree.num_nodes} nodes and the root")
+    device = node_tokens.device
+    D = tree.max_depth
+    path = torch.empty((B, D + 1), dtype=torch.long, device=device)
+    num_accepted = torch.empty((B,), dtype=torch.long, device=device)
+    bonus = torch.empty((B,), dtype=target_tokens.dtype, device=device)
+    if B == 0:
+        return path, num_accepted, bonus
+    tgt, nodes = target_tokens.contiguous(), node_tokens.contiguous()
+    anc = tree.ancestor_mask.to(device)
+    anc = (anc.view(torch.uint8) if anc.dtype == torch.bool else anc).contiguous()
+    _accept_greedy_kernel[(B,)](
+        tgt, nodes, tree.parents.to(device), tree.depth.to(device), anc, path, num_accepted, bonus,
+        N1, tgt.stride(0), nodes.stride(0), anc.stride(0), path.stride(0),
+        DMAX=D, BLOCK=max(16, triton.next_power_of_2(N1)), RB=min(32, max(16, triton.next_power_of_2(N1))),
+        num_warps=4,
+    )
+    return path, num_accepted, bonus
