@@ -61,15 +61,18 @@ class EagleDraft(nn.Module):
         w[:, -H:] = torch.eye(H, dtype=w.dtype, device=w.device)
 
     def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta=None,
-                cache=None) -> torch.Tensor:
+                cache=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """token_embeds [B, Q, H] (embedding of token t+1), hidden [B, Q, H] (target feature at t), positions
-        [B, Q] (= t) -> predicted feature at t+1. Without meta/cache: causal attention over the block (training)."""
+        [B, Q] (= t) -> predicted feature at t+1. Without meta/cache: causal attention over the block (training).
+        `out` [B, Q, H] (a view may do): written with the result and returned (the fast path's last residual add
+        writes it directly, no copy after)."""
         x = self.fc(torch.cat([token_embeds, hidden.to(token_embeds.dtype)], dim=-1))
         if takes_fused_path(self, x.device):
             res = None
             for layer in self.layers:
                 x, res = layer.forward_fused(x, res, positions, self.rope, meta, cache)
-            return res + x  # no final norm: the last residual add stays a plain add
+            # no final norm: the last residual add stays a plain add
+            return res + x if out is None else torch.add(res, x, out=out)
         for layer in self.layers:
             x = layer(x, positions, self.rope, meta, cache)
-        return x
+        return x if out is None else out.copy_(x)

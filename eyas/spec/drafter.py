@@ -54,10 +54,12 @@ def catch_up(draft, target, draft_cache, tokens, hidden, lens, start, meta: Meta
     return draft(target.embed(tokens), hidden, positions, m, draft_cache)
 
 
-def expand_tree(draft, target, draft_cache, tree: Tree, root_h, n, node_tokens, meta: MetaBuilder) -> None:
+def expand_tree(draft, target, draft_cache, tree: Tree, root_h, n, node_tokens, meta: MetaBuilder,
+                draft_positions=None) -> None:
     """Fill node_tokens[:, 1:] level by level from the root feature root_h [B, H]; n [B] = target KV length (the
-    root's draft entry is at n-1, so a node of depth d sits at draft position n-1+d). The levels' K/V go to a stash
-    (row = node), and each level's suffix attends to rows 1.. of it: the ancestors it needs, no concatenation."""
+    root's draft entry is at n-1, so a node of depth d sits at draft position n-1+d: `draft_positions` [B, N+1] when
+    the caller has them). The levels' K/V go to a stash (row = node), and each level's suffix attends to rows 1.. of
+    it: the ancestors it needs, no concatenation."""
     B, H = root_h.shape
     device = root_h.device
     node_h = torch.empty(B, tree.num_nodes + 1, H, dtype=root_h.dtype, device=device)
@@ -75,7 +77,8 @@ def expand_tree(draft, target, draft_cache, tree: Tree, root_h, n, node_tokens, 
             break  # the deepest level needs tokens, not features
         ids = node_tokens[:, nxt.start: nxt.stop]
         h_in = node_h[:, par_abs]
-        positions = (n + d)[:, None]  # every node of the level sits at draft position n-1+(d+1)
+        # every node of the level sits at draft position n-1+(d+1)
+        positions = (n + d)[:, None] if draft_positions is None else draft_positions[:, nxt.start: nxt.stop]
         mask = ancestors[nxt.start: nxt.stop, 1: nxt.stop]
         m = meta(n, mask[None].expand(B, *mask.shape), stash=stash, stash_at=nxt.start, suffix_from=1)
-        node_h[:, nxt.start: nxt.stop] = draft(target.embed(ids), h_in, positions, m, draft_cache)
+        draft(target.embed(ids), h_in, positions, m, draft_cache, out=node_h[:, nxt.start: nxt.stop])

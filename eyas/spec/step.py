@@ -72,8 +72,9 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     device = inp.root_tokens.device
     N1 = tree.num_nodes + 1
     n = inp.num_cached
-    node_tokens = torch.zeros(B, N1, dtype=torch.long, device=device)
+    node_tokens = torch.empty(B, N1, dtype=torch.long, device=device)  # the levels fill nodes 1..N
     node_tokens[:, 0] = inp.root_tokens
+    positions = n[:, None] + tree.depth.to(device)[None, :]  # of root + tree in the target
 
     meta = MetaBuilder(inp.block_tables, block_size, inp.max_context_len, use_triton)
 
@@ -85,11 +86,10 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
                        inp.num_draft_cached, meta, inp.catchup_positions, inp.catchup_slots)
         if tree.num_nodes:  # the root's feature: the last pair's output (n > d always: the root's own pair)
             root_h = out.gather(1, (lens - 1).clamp(min=0)[:, None, None].expand(B, 1, out.shape[-1]))[:, 0]
-            expand_tree(draft, target, draft_cache, tree, root_h, n, node_tokens, meta)
+            expand_tree(draft, target, draft_cache, tree, root_h, n, node_tokens, meta, positions - 1)
 
     # verify: one target forward over root + tree; split tree attention; K/V stashed, not cached (a bare root, which
     # is always accepted, writes its K/V to the cache directly)
-    positions = n[:, None] + tree.depth.to(device)[None, :]
     mask = tree.ancestor_mask.to(device)[None].expand(B, N1, N1)
     stash = None
     if tree.num_nodes:
