@@ -363,23 +363,20 @@ def test_split_tree_attention_matches_reference_and_oracle(B, Q, H, KVH, D, page
     q = torch.randn(B, Q, H, D, generator=g).to(DEV)
     k_new = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
     v_new = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
-    past_k = past_v = None
-    if P:
-        past_k = torch.randn(B, P, KVH, D, generator=g).to(DEV)
-        past_v = torch.randn(B, P, KVH, D, generator=g).to(DEV)
+    ks, vs = k_new, v_new
+    if P:  # earlier tree tokens first in the suffix keys (as a draft level's stash rows)
+        ks = torch.cat([torch.randn(B, P, KVH, D, generator=g).to(DEV), k_new], 1)
+        vs = torch.cat([torch.randn(B, P, KVH, D, generator=g).to(DEV), v_new], 1)
         full = tree_mask(B, P + Q, g)
         mask = full[:, P:, :].contiguous()  # the new tokens are the last Q nodes of a P + Q node tree
     else:
         mask = tree_mask(B, Q, g)
     scale = D ** -0.5
-    o = split_tree_attention_triton(q, k_new, v_new, kc, vc, bt, cl, mask, scale, num_splits=splits,
-                                    past_k=past_k, past_v=past_v)
+    o = split_tree_attention_triton(q, ks, vs, kc, vc, bt, cl, mask, scale, num_splits=splits)
     meta = SimpleNamespace(use_triton=False, block_tables=bt, context_lens=cl, suffix_mask=mask, max_context_len=int(cl.max()),
                            block_size=page)
-    ref = split_tree_attention(q, k_new, v_new, kc, vc, meta, scale, past_k, past_v)
+    ref = split_tree_attention(q, ks, vs, kc, vc, meta, scale)
     torch.testing.assert_close(o, ref, **TOL)
-    ks = k_new if past_k is None else torch.cat([past_k, k_new], 1)
-    vs = v_new if past_v is None else torch.cat([past_v, v_new], 1)
     torch.testing.assert_close(o, dense_oracle(q, ks, vs, kc, vc, bt, cl, mask, scale), **TOL)
 
 

@@ -18,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from eyas.layers.topk import MAX_K
+
 BLOCK = 2048  # entries per chunk (pass 1)
-MAX_K = 16
 
 
 @triton.jit

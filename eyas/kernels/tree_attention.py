@@ -524,18 +524,15 @@ def merge_attention_states(o1, lse1, o2, lse2):
 
 
 def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables, context_lens, suffix_mask, scale,
-                                num_splits=None, max_context_len=None, past_k=None, past_v=None,
-                                out_dtype=torch.float32):
+                                num_splits=None, max_context_len=None, out_dtype=torch.float32):
     """Prefix (paged, no mask) + suffix (under `suffix_mask`), merged by log-sum-exp: o [B, Q, H, D] (`out_dtype`).
 
-    Same contract as `eyas.layers.attention.split_tree_attention`; `past_k`/`past_v` [B, P, KVH, D] are earlier
-    tree tokens placed before the new ones (suffix_mask is then [B, Q, P + Q]). Two kernels: the prefix's KV splits
+    Same contract as `eyas.layers.attention.split_tree_attention`: k_new/v_new [B, L, KVH, D] are the suffix keys
+    (earlier tree tokens first, then the Q new ones; suffix_mask [B, Q, L]). Two kernels: the prefix's KV splits
     stay unreduced, and the suffix kernel merges them as its starting state. A row that sees nothing at all gets 0
     (the reference gives NaN)."""
     o_p, lse_p = paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                         num_splits=num_splits, max_context_len=max_context_len, reduce=False)
-    ks, vs = k_new, v_new
-    if past_k is not None:
-        ks, vs = torch.cat([past_k, k_new], dim=1), torch.cat([past_v, v_new], dim=1)
-    o, _ = tree_suffix_attention(q, ks, vs, suffix_mask, scale, o_init=o_p, lse_init=lse_p, out_dtype=out_dtype)
+    o, _ = tree_suffix_attention(q, k_new, v_new, suffix_mask, scale, o_init=o_p, lse_init=lse_p,
+                                 out_dtype=out_dtype)
     return o

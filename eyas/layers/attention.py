@@ -123,10 +123,7 @@ def prefix_attention(q, k_cache, v_cache, block_tables, context_lens, max_contex
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
     """Store new K/V [B, Q, KVH, D] at flat cache slots [B, Q]. Slots < 0 are not stored: they go to slot 0 of the
     scratch block 0, which no sequence reads (static shapes, so this also runs inside a CUDA graph)."""
-    slots = slot_mapping.reshape(-1).clamp(min=0)
-    kf, vf = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = kf.to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = vf.to(v_cache.dtype)
+    store_rows(k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]), k, v, rows=slot_mapping)
 
 
 def store_rows(k_dst, v_dst, k, v, rows=None, seq_rows=None, row_offset=0) -> None:
@@ -162,19 +159,17 @@ def prefix_only_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
 
 
 def split_tree_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                         past_k=None, past_v=None, out_dtype=torch.float32):
-    """Prefix part (paged, no mask) + suffix part (tree mask), merged by log-sum-exp. Returns [B, Q, H, D]: float32
-    in the reference, `out_dtype` from the kernels (the model's dtype: no cast follows)."""
+                         out_dtype=torch.float32):
+    """Prefix part (paged, no mask) + suffix part (tree mask), merged by log-sum-exp. k_new/v_new [B, L, KVH, D] are
+    the suffix keys: the Q new tokens, after any earlier tree tokens (L = P + Q, `meta.suffix_mask` [B, Q, L]).
+    Returns [B, Q, H, D]: float32 in the reference, `out_dtype` from the kernels (the model's dtype: no cast
+    follows)."""
     if meta.use_triton:
         from eyas.kernels import split_tree_attention_triton
         return split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                           meta.suffix_mask, scale, past_k=past_k, past_v=past_v,
-                                           out_dtype=out_dtype)
+                                           meta.suffix_mask, scale, out_dtype=out_dtype)
     o_p, lse_p = prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                   meta.max_context_len, meta.block_size, scale)
-    ks, vs = k_new, v_new
-    if past_k is not None:
-        ks, vs = torch.cat([past_k, k_new], dim=1), torch.cat([past_v, v_new], dim=1)
-    o_s, lse_s = attend(q, ks, vs, meta.suffix_mask, scale)
+    o_s, lse_s = attend(q, k_new, v_new, meta.suffix_mask, scale)
     o, _ = merge_attention(o_p, lse_p, o_s, lse_s)
     return o

@@ -11,9 +11,11 @@ ties the set of values is the same (`tests/test_topk.py` holds both).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-MAX_K = 16  # beyond this the one-pass radix select is as good
+MAX_K = 16  # the most k the two-pass top-k (and its Triton kernel) takes; beyond it torch.topk is as good
 
 
 def chunk_size(V: int, k: int) -> int | None:
@@ -26,15 +28,10 @@ def chunk_size(V: int, k: int) -> int | None:
     return None
 
 
-_STARTS: dict = {}
-
-
-def _chunk_starts(V: int, C: int, device) -> torch.Tensor:
+@functools.cache
+def _chunk_starts(V: int, C: int, device: str) -> torch.Tensor:
     """[V // C, 1]: each chunk's first index, made once per (V, C, device) (a CUDA graph's eager warm-up makes it)."""
-    key = (V, C, str(device))
-    if key not in _STARTS:
-        _STARTS[key] = torch.arange(0, V, C, device=device)[:, None]
-    return _STARTS[key]
+    return torch.arange(0, V, C, device=device)[:, None]
 
 
 def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -67,6 +64,6 @@ def topk_indices_torch(x: torch.Tensor, k: int) -> torch.Tensor:
     lead = x.shape[:-1]
     n = V // C
     v1, i1 = x.reshape(-1, n, C).topk(k, dim=-1, sorted=False)  # [R, n, k] each chunk's winners
-    i1 = i1 + _chunk_starts(V, C, x.device)  # ids in the whole row
+    i1 = i1 + _chunk_starts(V, C, str(x.device))  # ids in the whole row
     j = v1.reshape(-1, n * k).topk(k, dim=-1).indices  # [R, k] the winners among the winners, sorted
     return i1.reshape(-1, n * k).gather(-1, j).reshape(*lead, k)

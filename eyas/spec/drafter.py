@@ -10,6 +10,8 @@ enter the cache).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from eyas.layers.attention import MetaBuilder, Stash
@@ -17,26 +19,25 @@ from eyas.spec.draft_vocab import draft_topk
 from eyas.spec.tree import Tree
 
 
-_CAUSAL: dict = {}
-
-
 def causal_mask(lens: torch.Tensor, Q: int) -> torch.Tensor:
     """[B, Q, Q]: causal among each row's first lens[b] tokens (lens <= Q); padded rows see themselves (never an
     empty row). For a decode step's catch-up (Q small): one lookup in a table of the Q + 1 masks, made once per
     (Q, device)."""
     if Q > 64:  # prefill chunks: computed (a table would hold Q^3 entries)
-        return _causal_masks(lens, Q, lens.device)
-    key = (Q, str(lens.device))
-    if key not in _CAUSAL:
-        _CAUSAL[key] = _causal_masks(torch.arange(Q + 1, device=lens.device), Q, lens.device)
-    return _CAUSAL[key][lens.clamp(0, Q)]
+        return _causal_masks(lens, Q)
+    return _causal_table(Q, str(lens.device))[lens.clamp(0, Q)]
 
 
-def _causal_masks(lens: torch.Tensor, Q: int, device) -> torch.Tensor:
-    ar = torch.arange(Q, device=device)
+@functools.cache
+def _causal_table(Q: int, device: str) -> torch.Tensor:
+    return _causal_masks(torch.arange(Q + 1, device=device), Q)
+
+
+def _causal_masks(lens: torch.Tensor, Q: int) -> torch.Tensor:
+    ar = torch.arange(Q, device=lens.device)
     causal = ar[None, :] <= ar[:, None]
     valid = ar[None, :] < lens[:, None]
-    return (causal[None] & valid[:, None, :]) | torch.eye(Q, dtype=torch.bool, device=device)[None]
+    return (causal[None] & valid[:, None, :]) | torch.eye(Q, dtype=torch.bool, device=lens.device)[None]
 
 
 def catch_up(draft, target, draft_cache, tokens, hidden, lens, start, meta: MetaBuilder, positions=None,
@@ -55,11 +56,11 @@ def catch_up(draft, target, draft_cache, tokens, hidden, lens, start, meta: Meta
 
 
 def expand_tree(draft, target, draft_cache, tree: Tree, root_h, n, node_tokens, meta: MetaBuilder,
-                draft_positions=None) -> None:
+                draft_positions) -> None:
     """Fill node_tokens[:, 1:] level by level from the root feature root_h [B, H]; n [B] = target KV length (the
-    root's draft entry is at n-1, so a node of depth d sits at draft position n-1+d: `draft_positions` [B, N+1] when
-    the caller has them). The levels' K/V go to a stash (row = node), and each level's suffix attends to rows 1.. of
-    it: the ancestors it needs, no concatenation."""
+    root's draft entry is at n-1, so a node of depth d sits at draft position n-1+d: `draft_positions` [B, N+1]).
+    The levels' K/V go to a stash (row = node), and each level's suffix attends to rows 1.. of it: the ancestors it
+    needs, no concatenation."""
     B, H = root_h.shape
     device = root_h.device
     node_h = torch.empty(B, tree.num_nodes + 1, H, dtype=root_h.dtype, device=device)
@@ -77,8 +78,7 @@ def expand_tree(draft, target, draft_cache, tree: Tree, root_h, n, node_tokens, 
             break  # the deepest level needs tokens, not features
         ids = node_tokens[:, nxt.start: nxt.stop]
         h_in = node_h[:, par_abs]
-        # every node of the level sits at draft position n-1+(d+1)
-        positions = (n + d)[:, None] if draft_positions is None else draft_positions[:, nxt.start: nxt.stop]
+        positions = draft_positions[:, nxt.start: nxt.stop]  # all n-1+(d+1)
         mask = ancestors[nxt.start: nxt.stop, 1: nxt.stop]
         m = meta(n, mask[None].expand(B, *mask.shape), stash=stash, stash_at=nxt.start, suffix_from=1)
         draft(target.embed(ids), h_in, positions, m, draft_cache, out=node_h[:, nxt.start: nxt.stop])

@@ -150,4 +150,3 @@ def simulate_replay(node_tokens: torch.Tensor, tree: Tree, ranks: torch.Tensor, 
     beyond = torch.arange(Dt, device=device)[None, :] >= depth[:, None]  # [N+1, Dt]: past node i's depth
     match = ((row[:, None, :] == node_ranks[None]) | beyond[None]).all(-1)  # [B, N+1]; the root always matches
     return accept_deepest(match, tree, target_tokens)  # distinct rank paths: one match per depth at most
-
