@@ -19,8 +19,9 @@ import pytest  # noqa: E402
 
 from eyas import LLM, SamplingParams  # noqa: E402
 from eyas.config import ModelConfig  # noqa: E402
-from eyas.kernels import (add_rms_norm_reference, add_rms_norm_triton, rope_reference, rope_store_reference,  # noqa: E402
-                          rope_store_triton, rope_triton, swiglu_reference, swiglu_triton)
+from eyas.kernels import (add_rms_norm_reference, add_rms_norm_triton, draft_pairs_reference,  # noqa: E402
+                          draft_pairs_triton, rope_reference, rope_store_reference, rope_store_triton, rope_triton,
+                          swiglu_reference, swiglu_triton)
 from eyas.layers.norm import RMSNorm  # noqa: E402
 from eyas.layers.rotary import RotaryEmbedding  # noqa: E402
 from eyas.models.eagle import EagleDraft  # noqa: E402
@@ -143,6 +144,39 @@ def test_swiglu_on_halves_of_a_fused_gate_up(dtype):
         gu = (torch.randn(3, 2 * I, generator=g) * 3).to(DEV, dtype)
         gate, up = gu.chunk(2, dim=-1)
         close(swiglu_triton(gate, up), swiglu_reference(gate, up), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_pairs_tree_level_and_catch_up(dtype):
+    """The draft's input pairs in one launch equal the reference, and the reference is the plain gathers and cat:
+    a tree level (tokens picked from a flat top-k, written to a column slice of node_tokens, parents' features),
+    a deepest level (tokens only), and the catch-up (every row, features from a per-slot buffer in float32)."""
+    g = torch.Generator().manual_seed(5)
+    V, H, B = 40, 1100, 3  # H: a masked second tile of 1024
+    embed = torch.randn(V, H, generator=g).to(DEV, dtype)
+    top = torch.randint(0, V, (B, 3, 2), generator=g).to(DEV)  # [B, parents, k]
+    pick = torch.tensor([0, 1, 2, 4, 5], device=DEV)  # parent * k + rank of each child
+    node_h = torch.randn(B, 9, H, generator=g).to(DEV, dtype)
+    par_abs = torch.tensor([1, 1, 2, 3, 3], device=DEV)
+    toks = {}
+    for name, fn in (("triton", draft_pairs_triton), ("ref", draft_pairs_reference)):
+        node_tokens = torch.full((B, 9), -1, dtype=torch.long, device=DEV)
+        pairs = fn(embed, top.flatten(1), pick, node_h, par_abs, tok_out=node_tokens[:, 4:9])
+        toks[name] = (node_tokens, pairs)
+        none = fn(embed, top.flatten(1), pick, tok_out=node_tokens[:, 4:9], pairs=False)
+        assert none is None
+    ids = top.flatten(1)[:, pick]
+    assert torch.equal(toks["ref"][0][:, 4:], ids) and (toks["ref"][0][:, :4] == -1).all()
+    assert torch.equal(toks["triton"][0], toks["ref"][0])
+    assert torch.equal(toks["ref"][1], torch.cat([embed[ids], node_h[:, par_abs]], -1))
+    close(toks["triton"][1], toks["ref"][1], dtype)
+    # catch-up: tokens [B, P] as they are, features rows slots[b] of a [num_slots, P, H] float32 buffer
+    tokens = torch.randint(0, V, (B, 4), generator=g).to(DEV)
+    buf = torch.randn(5, 4, H, generator=g).to(DEV)
+    slots = torch.tensor([3, 0, 4], device=DEV)
+    ref = draft_pairs_reference(embed, tokens, feats=buf, feat_rows=slots)
+    assert torch.equal(ref, torch.cat([embed[tokens], buf[slots].to(dtype)], -1))
+    close(draft_pairs_triton(embed, tokens, feats=buf, feat_rows=slots), ref, dtype)
 
 
 # ---- models ------------------------------------------------------------------------------------------------------

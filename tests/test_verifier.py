@@ -63,9 +63,12 @@ def check(tree: Tree, B: int, seed: int, triton: bool = False) -> torch.Tensor:
         assert torch.equal(w, g), (name, w, g)
     if triton:  # the one-launch Triton kernel of the fast path: the same again
         from eyas.kernels.accept_greedy import accept_tree_greedy_triton
-        fast = accept_tree_greedy_triton(target.to(DEV), nodes.to(DEV), tree.to(DEV))
+        *fast, packed = accept_tree_greedy_triton(target.to(DEV), nodes.to(DEV), tree.to(DEV))
         for w, g, name in zip(want, fast, ("path", "num_accepted", "bonus")):
             assert torch.equal(w, g.cpu()), ("triton", name, w, g)
+        # the packed output the host reads: num_accepted, the path's tokens (the root's past the path), bonus
+        path_tokens = nodes.gather(1, want[0].clamp(min=0))
+        assert torch.equal(packed.cpu(), torch.cat([want[1][:, None], path_tokens, want[2][:, None]], 1))
     return want[1]
 
 

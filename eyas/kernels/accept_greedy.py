@@ -19,8 +19,8 @@ BIG = 2147483647
 
 
 @triton.jit
-def _accept_greedy_kernel(TGT, NODE, PAR, DEP, ANC, PATH, NACC, BONUS,
-                          n_nodes, stride_tb, stride_nb, stride_ar, stride_pb,
+def _accept_greedy_kernel(TGT, NODE, PAR, DEP, ANC, PATH, PACKED,
+                          n_nodes, stride_tb, stride_nb, stride_ar, stride_pb, stride_kb,
                           DMAX: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -49,13 +49,16 @@ def _accept_greedy_kernel(TGT, NODE, PAR, DEP, ANC, PATH, NACC, BONUS,
     for d in tl.static_range(DMAX + 1):
         node = tl.min(tl.where(on_path & (dep == d), offs, BIG), axis=0)
         tl.store(PATH + b * stride_pb + d, tl.where(node == BIG, -1, node).to(tl.int64))
-    tl.store(NACC + b, best_d)
-    tl.store(BONUS + b, tl.load(TGT + b * stride_tb + best))
+        # the path's tokens (the root's past the accepted depth, as the gather of the clamped path gives)
+        tl.store(PACKED + b * stride_kb + 1 + d, tl.load(NODE + b * stride_nb + tl.where(node == BIG, 0, node)))
+    tl.store(PACKED + b * stride_kb, best_d)
+    tl.store(PACKED + b * stride_kb + DMAX + 2, tl.load(TGT + b * stride_tb + best))
 
 
 def accept_tree_greedy_triton(target_tokens: torch.Tensor, node_tokens: torch.Tensor, tree) -> tuple:
-    """Same arguments and results as `accept_tree_greedy`: target_tokens, node_tokens [B, N+1] -> path [B, D+1]
-    (-1 beyond the accepted depth), num_accepted [B], bonus [B] (int64)."""
+    """The results of `accept_tree_greedy` (target_tokens, node_tokens [B, N+1] -> path [B, D+1], -1 beyond the
+    accepted depth; num_accepted [B]; bonus [B]), and with them the step's `packed` output [B, D+3] = (num_accepted,
+    the path's tokens, bonus) that the host reads: num_accepted and bonus are views of it (int64)."""
     B, N1 = node_tokens.shape
     if target_tokens.shape != node_tokens.shape:
         raise ValueError(f"target_tokens {tuple(target_tokens.shape)} and node_tokens {tuple(node_tokens.shape)} differ")
@@ -64,17 +67,15 @@ def accept_tree_greedy_triton(target_tokens: torch.Tensor, node_tokens: torch.Te
     device = node_tokens.device
     D = tree.max_depth
     path = torch.empty((B, D + 1), dtype=torch.long, device=device)
-    num_accepted = torch.empty((B,), dtype=torch.long, device=device)
-    bonus = torch.empty((B,), dtype=target_tokens.dtype, device=device)
-    if B == 0:
-        return path, num_accepted, bonus
-    tgt, nodes = target_tokens.contiguous(), node_tokens.contiguous()
-    anc = tree.ancestor_mask.to(device)
-    anc = (anc.view(torch.uint8) if anc.dtype == torch.bool else anc).contiguous()
-    _accept_greedy_kernel[(B,)](
-        tgt, nodes, tree.parents.to(device), tree.depth.to(device), anc, path, num_accepted, bonus,
-        N1, tgt.stride(0), nodes.stride(0), anc.stride(0), path.stride(0),
-        DMAX=D, BLOCK=max(16, triton.next_power_of_2(N1)), RB=min(32, max(16, triton.next_power_of_2(N1))),
-        num_warps=4,
-    )
-    return path, num_accepted, bonus
+    packed = torch.empty((B, D + 3), dtype=torch.long, device=device)
+    if B:
+        tgt, nodes = target_tokens.contiguous(), node_tokens.contiguous()
+        anc = tree.ancestor_mask.to(device)
+        anc = (anc.view(torch.uint8) if anc.dtype == torch.bool else anc).contiguous()
+        _accept_greedy_kernel[(B,)](
+            tgt, nodes, tree.parents.to(device), tree.depth.to(device), anc, path, packed,
+            N1, tgt.stride(0), nodes.stride(0), anc.stride(0), path.stride(0), packed.stride(0),
+            DMAX=D, BLOCK=max(16, triton.next_power_of_2(N1)), RB=min(32, max(16, triton.next_power_of_2(N1))),
+            num_warps=4,
+        )
+    return path, packed[:, 0], packed[:, D + 2], packed

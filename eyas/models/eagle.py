@@ -66,7 +66,14 @@ class EagleDraft(nn.Module):
         [B, Q] (= t) -> predicted feature at t+1. Without meta/cache: causal attention over the block (training).
         `out` [B, Q, H] (a view may do): written with the result and returned (the fast path's last residual add
         writes it directly, no copy after)."""
-        x = self.fc(torch.cat([token_embeds, hidden.to(token_embeds.dtype)], dim=-1))
+        return self.forward_pairs(torch.cat([token_embeds, hidden.to(token_embeds.dtype)], dim=-1), positions, meta,
+                                  cache, out)
+
+    def forward_pairs(self, pairs: torch.Tensor, positions: torch.Tensor, meta=None, cache=None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` from the concatenated pairs [B, Q, 2H] = cat(embed(token t+1), feature t), as
+        `eyas.kernels.draft_pairs` builds them in one launch during decoding."""
+        x = self.fc(pairs)
         if takes_fused_path(self, x.device):
             res = None
             for layer in self.layers:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import nn
 
 from eyas.layers.attention import MetaBuilder, Stash
 from eyas.spec.draft_vocab import draft_topk
@@ -40,11 +41,25 @@ def _causal_masks(lens: torch.Tensor, Q: int) -> torch.Tensor:
     return (causal[None] & valid[:, None, :]) | torch.eye(Q, dtype=torch.bool, device=lens.device)[None]
 
 
+def draft_pairs(target, use_triton: bool, tokens, tok_idx=None, feats=None, feat_idx=None, feat_rows=None,
+                tok_out=None, pairs: bool = True):
+    """The draft's input pairs cat(embed(token), feature) [B, Q, 2H] (and the tokens into `tok_out`), as
+    `eyas.kernels.draft_pairs` defines them: one Triton launch when `use_triton`, its PyTorch reference otherwise.
+    A tensor-parallel target's embedding (vocabulary shards, all-reduced) is not a plain table: the reference
+    calls the module itself."""
+    from eyas.kernels import draft_pairs as dp
+    emb = target.model.embed_tokens
+    plain = type(emb) is nn.Embedding
+    fn = dp.draft_pairs_triton if (use_triton and plain) else dp.draft_pairs_reference
+    return fn(emb.weight if plain else emb, tokens, tok_idx, feats, feat_idx, feat_rows, tok_out, pairs)
+
+
 def catch_up(draft, target, draft_cache, tokens, hidden, lens, start, meta: MetaBuilder, positions=None,
-             slots=None):
+             slots=None, hidden_rows=None):
     """Draft forward over pairs (tokens[b, j], hidden[b, j]) at positions start[b] + j, j < lens[b]; their K/V are
     written to the draft cache. Returns the draft outputs [B, P, H]. `positions` and `slots` [B, P] (0 and -1 past
-    lens[b]), when the caller has them (the runner packs them on the host), save computing them here."""
+    lens[b]), when the caller has them (the runner packs them on the host), save computing them here.
+    `hidden_rows` [B]: `hidden` is a larger buffer and sequence b reads its row hidden_rows[b] (no gather first)."""
     B, P = tokens.shape
     if positions is None or slots is None:
         ar = torch.arange(P, device=tokens.device)[None, :]
@@ -52,7 +67,8 @@ def catch_up(draft, target, draft_cache, tokens, hidden, lens, start, meta: Meta
         positions = torch.where(valid, start[:, None] + ar, torch.zeros_like(ar))
         slots = meta.slots(start[:, None] + ar, valid)
     m = meta(start, causal_mask(lens, P), slot_mapping=slots)
-    return draft(target.embed(tokens), hidden, positions, m, draft_cache)
+    pairs = draft_pairs(target, meta.use_triton, tokens, feats=hidden, feat_rows=hidden_rows)
+    return draft.forward_pairs(pairs, positions, m, draft_cache)
 
 
 def expand_tree(draft, target, draft_cache, tree: Tree, root_h, n, node_tokens, meta: MetaBuilder,
@@ -70,15 +86,16 @@ def expand_tree(draft, target, draft_cache, tree: Tree, root_h, n, node_tokens, 
     stash = Stash.like(draft_cache, B, tree.num_nodes + 1) if tree.max_depth > 1 else None
     for d in range(tree.max_depth):
         level, nxt = tree.levels[d], tree.levels[d + 1]
-        par, rank, par_abs = idx[d]  # parents within the level, ranks, parents as node ids (device constants)
+        pick, par_abs = idx[d]  # each child's entry in its level's flat [parent, rank] top-k, its parent's node id
         # the draft's candidates: greedy top-k over the vocabulary (or the draft's reduced vocabulary)
         top = draft_topk(draft, target, node_h[:, level.start: level.stop], tree.topk_per_level[d])  # [B, |level|, k]
-        node_tokens[:, nxt.start: nxt.stop] = top[:, par, rank]
-        if d + 1 == tree.max_depth:
-            break  # the deepest level needs tokens, not features
-        ids = node_tokens[:, nxt.start: nxt.stop]
-        h_in = node_h[:, par_abs]
+        # the children's tokens into node_tokens, and their pairs (token, parent's feature) for the draft
+        last = d + 1 == tree.max_depth  # the deepest level needs tokens, not features
+        pairs = draft_pairs(target, meta.use_triton, top.flatten(1), pick, node_h, par_abs,
+                            tok_out=node_tokens[:, nxt.start: nxt.stop], pairs=not last)
+        if last:
+            break
         positions = draft_positions[:, nxt.start: nxt.stop]  # all n-1+(d+1)
         mask = ancestors[nxt.start: nxt.stop, 1: nxt.stop]
         m = meta(n, mask[None].expand(B, *mask.shape), stash=stash, stash_at=nxt.start, suffix_from=1)
-        draft(target.embed(ids), h_in, positions, m, draft_cache, out=node_h[:, nxt.start: nxt.stop])
+        draft.forward_pairs(pairs, positions, m, draft_cache, out=node_h[:, nxt.start: nxt.stop])

@@ -82,8 +82,8 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     # picks for large batches, only reads: the draft stays in step for the next speculative step)
     if draft is not None:
         lens = inp.catchup_lens
-        out = catch_up(draft, target, draft_cache, inp.catchup_tokens, draft_hidden[inp.slots], lens,
-                       inp.num_draft_cached, meta, inp.catchup_positions, inp.catchup_slots)
+        out = catch_up(draft, target, draft_cache, inp.catchup_tokens, draft_hidden, lens,
+                       inp.num_draft_cached, meta, inp.catchup_positions, inp.catchup_slots, hidden_rows=inp.slots)
         if tree.num_nodes:  # the root's feature: the last pair's output (n > d always: the root's own pair)
             root_h = out.gather(1, (lens - 1).clamp(min=0)[:, None, None].expand(B, 1, out.shape[-1]))[:, 0]
             expand_tree(draft, target, draft_cache, tree, root_h, n, node_tokens, meta, positions - 1)
@@ -105,8 +105,9 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
         hidden = feats = target(node_tokens, positions, vmeta, cache)
     else:  # EAGLE-3-style draft: it reads lower layers' features too (fused to H at commit, `read_features`)
         hidden, feats = target(node_tokens, positions, vmeta, cache, feature_layers=feature_layers)
-    logits = target.compute_logits(hidden)
+    logits = target.compute_logits(hidden, dtype=None)  # argmaxes need no float32 copy; the sampler upcasts
     V = logits.shape[-1]
+    packed = None  # (num_accepted, path tokens, bonus): what the host reads; the Triton acceptance writes it itself
 
     # accept: the longest accepted path and a bonus token (greedy or lossless speculative sampling)
     if simulated_accept is not None and simulated_accept.is_floating_point():  # benchmarks of random weights only:
@@ -121,7 +122,7 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     elif all_greedy:  # a child is accepted iff it is the target's argmax (on CUDA: one Triton launch)
         if use_triton:
             from eyas.kernels.accept_greedy import accept_tree_greedy_triton
-            path, num_accepted, bonus = accept_tree_greedy_triton(argmax(logits), node_tokens, tree)
+            path, num_accepted, bonus, packed = accept_tree_greedy_triton(argmax(logits), node_tokens, tree)
         else:
             path, num_accepted, bonus = accept_tree_greedy(argmax(logits), node_tokens, tree)
     else:
@@ -131,21 +132,24 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
 
     # commit: the accepted path's K/V go to positions n..n+m, every layer at once (a bare root's are there already)
     D1 = path.shape[1]
-    rows = torch.arange(B, device=device)[:, None]
     node = path.clamp(min=0)
-    if stash is not None:
-        steps = torch.arange(D1, device=device)[None, :]
-        slots = torch.where(steps <= num_accepted[:, None], inp.commit_slots[:, :D1], -1)
+    if stash is not None:  # the path is -1 past the accepted depth: nothing is written there
         if use_triton:
             from eyas.kernels import commit_tree_kv_triton
-            commit_tree_kv_triton(cache.k, cache.v, stash.k, stash.v, path, slots)
+            commit_tree_kv_triton(cache.k, cache.v, stash.k, stash.v, path, inp.commit_slots[:, :D1])
         else:
+            slots = torch.where(path >= 0, inp.commit_slots[:, :D1], -1)
+            rows = torch.arange(B, device=device)[:, None]
             for layer in range(stash.k.shape[0]):
                 write_kv(cache.k[layer], cache.v[layer], stash.k[layer][rows, node], stash.v[layer][rows, node],
                          slots)
     if draft is not None:
         # rows 0..m valid; a dispatcher's shallower trees fill only the first D+1 of the buffer's rows
-        draft_hidden[inp.slots, :D1] = draft.read_features(feats[rows, node]).to(draft_hidden.dtype)
-    path_tokens = node_tokens.gather(1, node)
-    packed = torch.cat([num_accepted[:, None], path_tokens, bonus[:, None]], dim=1)
+        path_feats = feats.gather(1, node[:, :, None].expand(-1, -1, feats.shape[-1]))  # [B, D+1, F]
+        draft_hidden[inp.slots, :D1] = draft.read_features(path_feats).to(draft_hidden.dtype)
+    if packed is None:
+        path_tokens = node_tokens.gather(1, node)
+        packed = torch.cat([num_accepted[:, None], path_tokens, bonus[:, None]], dim=1)
+    else:
+        path_tokens = packed[:, 1: D1 + 1]
     return DecodeOutputs(path_tokens, num_accepted, bonus, packed)

@@ -46,18 +46,19 @@ class Tree:
     rank_paths: torch.Tensor  # [N+1, max(D, 1)] int64: node i's path of ranks, -1 past its depth (root: all -1)
     _level_index: dict = field(default_factory=dict, repr=False, compare=False)  # device -> `level_index`
 
-    def level_index(self, device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per level d < max_depth, for the nodes of level d+1: their parents' positions within level d, their
-        ranks, and their parents' node ids; device tensors made once per device (drafting then indexes with them
-        and computes none; the first call is eager, e.g. a CUDA graph's warm-up, never inside a capture)."""
+    def level_index(self, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per level d < max_depth, for the nodes of level d+1: where each one's token sits in level d's top-k
+        flattened to [parent within the level x k] (parent * k + rank, k = topk_per_level[d]), and their parents'
+        node ids; device tensors made once per device (drafting then indexes with them and computes none; the first
+        call is eager, e.g. a CUDA graph's warm-up, never inside a capture)."""
         key = str(torch.device(device))
         if key not in self._level_index:
             out = []
             for d in range(self.max_depth):
                 nxt = self.levels[d + 1]
                 par = self.parents[nxt.start: nxt.stop].cpu()
-                out.append(((par - self.levels[d].start).to(device), self.rank[nxt.start: nxt.stop].cpu().to(device),
-                            par.to(device)))
+                pick = (par - self.levels[d].start) * self.topk_per_level[d] + self.rank[nxt.start: nxt.stop].cpu()
+                out.append((pick.to(device), par.to(device)))
             self._level_index[key] = out
         return self._level_index[key]
 
