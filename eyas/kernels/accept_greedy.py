@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-BIG = 2147483647
+BIG = tl.constexpr(2147483647)  # a global a @triton.jit function reads must be a constexpr
 
 
 @triton.jit

@@ -44,8 +44,10 @@ def _rows(t: torch.Tensor, H: int) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """x, residual [..., H] (same shape and dtype; residual may be None), weight [H] -> (normed, new_residual)."""
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                        res_out: torch.Tensor | None = None):
+    """x, residual [..., H] (same shape and dtype; residual may be None), weight [H] -> (normed, new_residual).
+    `res_out` (contiguous, x's shape and dtype; with a residual): where new_residual is written (and returned)."""
     H = x.shape[-1]
     if weight.shape != (H,):
         raise ValueError(f"weight {tuple(weight.shape)} does not fit rows of {H}")
@@ -55,7 +57,11 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     x2 = _rows(x, H)
     N = x2.shape[0]
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    new_res = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if res_out is not None and (residual is None or res_out.shape != x.shape or res_out.dtype != x.dtype
+                                or not res_out.is_contiguous()):
+        raise ValueError("res_out needs a residual, x's shape and dtype, and contiguous memory")
+    new_res = x if residual is None else (torch.empty(x.shape, dtype=x.dtype, device=x.device) if res_out is None
+                                          else res_out)
     if N == 0:
         return out, new_res
     r2 = _rows(residual, H) if residual is not None else x2

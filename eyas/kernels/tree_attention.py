@@ -8,8 +8,11 @@
   visibility mask. Grid (batch x kv-head, query-row tile). It can start from a prefix result (o, lse), which
   fuses the merge of the two parts into it.
 * `merge_attention_states`: a standalone log-sum-exp merge of two partial results.
-* `split_tree_attention_triton`: prefix kernel, then the suffix kernel seeded with the prefix's unreduced split
-  results (it reduces them itself: two launches per layer, not three).
+* `split_tree_attention_triton`: one grid whose programs walk the prefix's KV splits and, beside them, the suffix
+  (`_split_tree_kernel`, the same two walks as the kernels above), then `_reduce_splits_kernel` merges the S + 1
+  partial results. Two launches per layer, and the second is the short one plain decoding also ends with. (Until
+  session 7 the suffix kernel ran after the prefix, seeded with its splits: 4.5 us of a 8.1 us layer on the H200
+  for a 48-node tree at batch 1.)
 
 Every function returns float32 o [B, Q, H, D] and lse [B, Q, H] (natural log). A row that sees no key gets o = 0 and
 lse = -inf (the reference gives the same for each part; its final merge of two such parts gives NaN, ours 0).
@@ -64,6 +67,73 @@ def _store_rows(O, LSE, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i, G: tl.const
     tl.store(LSE + b * stride_lb + qi * stride_lq + h * stride_lh, lse, mask=row_ok)
 
 
+@triton.jit
+def _walk_prefix(q, k_head, v_head, bt_row, start, end, offs_d, d_ok, qk_scale,
+                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_btn,
+                 PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax of the query tile over cache entries [start, end) of one sequence and kv head, walked through
+    its block table (no mask). Returns the unnormalised state (m in log2 units, l, acc)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_ok = pos < end
+        blk = tl.load(bt_row + (pos // PAGE) * stride_btn, mask=n_ok, other=0).to(tl.int64)
+        off = (pos % PAGE).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        # every tile holds at least one valid key, so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _walk_suffix(q, k_base, v_base, m_base, kv_len, row_ok, offs_d, d_ok, qk_scale, m_i, l_i, acc,
+                 stride_kl, stride_kd, stride_vl, stride_vd, stride_ml,
+                 BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Continue an online-softmax state (m in log2 units, l, acc) over the kv_len dense suffix keys of one sequence
+    and kv head, each row seeing the keys its mask row (m_base, [BLOCK_M] pointers) marks nonzero."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(0, kv_len, BLOCK_N):
+        pos = n0 + offs_n
+        n_ok = pos < kv_len
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        vis = tl.load(m_base[:, None] + pos[None, :] * stride_ml, mask=row_ok[:, None] & n_ok[None, :], other=0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        s = tl.where(vis != 0, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays empty
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + pos[:, None] * stride_vl + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Prefix: paged, unmasked, split over the context
 
@@ -101,44 +171,15 @@ def _paged_prefix_kernel(
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_D
     q = _load_q_rows(Q, b, kvh, rows, offs_d, n_rows, G, HEAD_D, stride_qb, stride_qq, stride_qh, stride_qd)
     q = q.to(K.dtype.element_ty)
     if UPCAST:  # the Triton interpreter's bf16 tl.dot is wrong: do its dots in float32 (exact products)
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-
-    bt_row = BT + b * stride_btb
-    k_head = K + kvh * stride_kh
-    v_head = V + kvh * stride_vh
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        n_ok = pos < end
-        blk = tl.load(bt_row + (pos // PAGE) * stride_btn, mask=n_ok, other=0).to(tl.int64)
-        off = (pos % PAGE).to(tl.int64)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ks + offs_d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        # every tile holds at least one valid key, so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
-
+    m_i, l_i, acc = _walk_prefix(q, K + kvh * stride_kh, V + kvh * stride_vh, BT + b * stride_btb, start, end,
+                                 offs_d, d_ok, qk_scale, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+                                 stride_vd, stride_btn, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
     _store_rows(O + pid_s * stride_os, LSE + pid_s * stride_ls, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i,
                 G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
 
@@ -212,7 +253,6 @@ def _tree_suffix_kernel(
     qi = rows // G
     h = kvh * G + rows % G
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_D
     q = _load_q_rows(Q, b, kvh, rows, offs_d, n_rows, G, HEAD_D, stride_qb, stride_qq, stride_qh, stride_qd)
     q = q.to(K.dtype.element_ty)
@@ -242,32 +282,74 @@ def _tree_suffix_kernel(
             l_i = l_i * alpha + beta
             m_i = m_new
 
-    k_base = K + b * stride_kb + kvh * stride_kh
-    v_base = V + b * stride_vb + kvh * stride_vh
-    m_base = MASK + b * stride_mb + qi * stride_mq
-    for n0 in range(0, kv_len, BLOCK_N):
-        pos = n0 + offs_n
-        n_ok = pos < kv_len
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        vis = tl.load(m_base[:, None] + pos[None, :] * stride_ml, mask=row_ok[:, None] & n_ok[None, :], other=0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        s = tl.where(vis != 0, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays empty
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + pos[:, None] * stride_vl + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
-
+    m_i, l_i, acc = _walk_suffix(q, K + b * stride_kb + kvh * stride_kh, V + b * stride_vb + kvh * stride_vh,
+                                 MASK + b * stride_mb + qi * stride_mq, kv_len, row_ok, offs_d, d_ok, qk_scale,
+                                 m_i, l_i, acc, stride_kl, stride_kd, stride_vl, stride_vd, stride_ml,
+                                 BLOCK_N, DOT_PREC, UPCAST)
     _store_rows(O, LSE, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i, G, HEAD_D,
                 stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Prefix splits and suffix in one grid (the partials that `_reduce_splits_kernel` merges)
+
+
+@triton.jit
+def _split_tree_kernel(
+    Q, KC, VC, BT, CL, KN, VN, MASK, O, LSE,
+    qk_scale,
+    n_rows,  # Q * G
+    kv_len,  # L: suffix keys
+    num_kv_heads,
+    num_splits,  # S: prefix splits; program S of the split axis takes the suffix
+    stride_qb, stride_qq, stride_qh, stride_qd,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    stride_btb, stride_btn,
+    stride_knb, stride_knl, stride_knh, stride_knd,
+    stride_vnb, stride_vnl, stride_vnh, stride_vnd,
+    stride_mb, stride_mq, stride_ml,
+    stride_ob, stride_os, stride_oq, stride_oh, stride_od,
+    stride_lb, stride_ls, stride_lq, stride_lh,
+    G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NS: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // num_kv_heads
+    kvh = pid_bh % num_kv_heads
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    qi = rows // G
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_D
+    q = _load_q_rows(Q, b, kvh, rows, offs_d, n_rows, G, HEAD_D, stride_qb, stride_qq, stride_qh, stride_qd)
+    q = q.to(KC.dtype.element_ty)
+    if UPCAST:  # the Triton interpreter's bf16 tl.dot is wrong: do its dots in float32 (exact products)
+        q = q.to(tl.float32)
+
+    if pid_s < num_splits:  # a split of the prefix, cut as in `_paged_prefix_kernel`
+        ctx = tl.load(CL + b).to(tl.int32)
+        tiles_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), num_splits)
+        start = pid_s * tiles_per_split * BLOCK_N
+        end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
+        m_i, l_i, acc = _walk_prefix(q, KC + kvh * stride_kch, VC + kvh * stride_vch, BT + b * stride_btb, start,
+                                     end, offs_d, d_ok, qk_scale, stride_kcb, stride_kcs, stride_kcd, stride_vcb,
+                                     stride_vcs, stride_vcd, stride_btn, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC,
+                                     UPCAST)
+    else:  # the suffix keys under the mask
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i, l_i, acc = _walk_suffix(q, KN + b * stride_knb + kvh * stride_knh, VN + b * stride_vnb + kvh * stride_vnh,
+                                     MASK + b * stride_mb + qi * stride_mq, kv_len, row_ok, offs_d, d_ok, qk_scale,
+                                     m_i, l_i, acc, stride_knl, stride_knd, stride_vnl, stride_vnd, stride_ml,
+                                     BLOCK_NS, DOT_PREC, UPCAST)
+    _store_rows(O + pid_s * stride_os, LSE + pid_s * stride_ls, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i,
+                G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -444,8 +526,15 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         return o_part, lse_part
     if S == 1:
         return o_part[:, 0], lse_part[:, 0]
-    o = torch.empty((B, NQ, H, D), dtype=out_dtype, device=q.device)
-    lse = torch.empty((B, NQ, H), dtype=torch.float32, device=q.device)
+    return _reduce_splits(o_part, lse_part, out_dtype)
+
+
+def _reduce_splits(o_part, lse_part, out_dtype):
+    """Merge partial results o_part [B, S, Q, H, D], lse_part [B, S, Q, H] (float32) by log-sum-exp: one launch.
+    Returns o [B, Q, H, D] in `out_dtype` and lse [B, Q, H] float32."""
+    B, S, NQ, H, D = o_part.shape
+    o = torch.empty((B, NQ, H, D), dtype=out_dtype, device=o_part.device)
+    lse = torch.empty((B, NQ, H), dtype=torch.float32, device=o_part.device)
     _reduce_splits_kernel[(B * NQ * H,)](
         o_part, lse_part, o, lse, NQ, H, S,
         *o_part.stride(), *lse_part.stride(), *o.stride(), *lse.stride(),
@@ -528,11 +617,50 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
     """Prefix (paged, no mask) + suffix (under `suffix_mask`), merged by log-sum-exp: o [B, Q, H, D] (`out_dtype`).
 
     Same contract as `eyas.layers.attention.split_tree_attention`: k_new/v_new [B, L, KVH, D] are the suffix keys
-    (earlier tree tokens first, then the Q new ones; suffix_mask [B, Q, L]). Two kernels: the prefix's KV splits
-    stay unreduced, and the suffix kernel merges them as its starting state. A row that sees nothing at all gets 0
-    (the reference gives NaN)."""
-    o_p, lse_p = paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                        num_splits=num_splits, max_context_len=max_context_len, reduce=False)
-    o, _ = tree_suffix_attention(q, k_new, v_new, suffix_mask, scale, o_init=o_p, lse_init=lse_p,
-                                 out_dtype=out_dtype)
-    return o
+    (earlier tree tokens first, then the Q new ones; suffix_mask [B, Q, L]). Two launches: one grid whose programs
+    walk the prefix's KV splits and, one more per query tile, the suffix (`_split_tree_kernel`), then the reduction
+    of those S + 1 partial results. The suffix runs beside the prefix splits rather than after them, and the
+    reduction is the cheap kernel plain decoding also ends with. A row that sees nothing at all gets 0 (the
+    reference gives NaN)."""
+    B, NQ, H, D = q.shape
+    _, page, KVH, Dk = k_cache.shape
+    L = k_new.shape[1]
+    if Dk != D or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
+    if k_new.dim() != 4 or tuple(k_new.shape[2:]) != (KVH, D) or v_new.shape != k_new.shape or k_new.shape[0] != B:
+        raise ValueError(f"k/v shapes {tuple(k_new.shape)}/{tuple(v_new.shape)} do not fit q {tuple(q.shape)}")
+    if H % KVH:
+        raise ValueError(f"{H} query heads are not a multiple of {KVH} kv heads")
+    if page & (page - 1):
+        raise ValueError(f"block_size must be a power of two, got {page}")
+    if tuple(suffix_mask.shape) != (B, NQ, L):
+        raise ValueError(f"suffix_mask shape {tuple(suffix_mask.shape)}, expected {(B, NQ, L)}")
+    for t, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (k_new, "k_new"), (v_new, "v_new")):
+        _check_dtype(t, n)
+    if k_new.dtype != k_cache.dtype:
+        raise TypeError(f"suffix keys ({k_new.dtype}) and cache ({k_cache.dtype}) differ in dtype")
+    if suffix_mask.dtype == torch.bool:
+        suffix_mask = suffix_mask.view(torch.uint8)  # same bytes; Triton loads it as an integer
+    G = H // KVH
+    n_rows = NQ * G
+    BLOCK_M, BLOCK_N, BLOCK_D = _tiles(n_rows, D, k_cache.dtype)
+    BLOCK_NS = _tiles(n_rows, D, k_cache.dtype, kv_len=L)[1]
+    m_tiles = triton.cdiv(n_rows, BLOCK_M)
+    bound = max_context_len if max_context_len is not None else block_tables.shape[1] * page
+    if num_splits is None:
+        num_splits = choose_num_splits(B * KVH * m_tiles, int(bound), device_sm_count(q.device))
+    S = max(1, int(num_splits))
+    BLOCK_N = _prefix_block_n(BLOCK_M, BLOCK_N, BLOCK_D, S, k_cache.dtype, int(bound))
+    if B == 0 or NQ == 0:
+        return torch.zeros((B, NQ, H, D), dtype=out_dtype, device=q.device)
+    o_part = torch.empty((B, S + 1, NQ, H, D), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, S + 1, NQ, H), dtype=torch.float32, device=q.device)
+    _split_tree_kernel[(B * KVH, m_tiles, S + 1)](
+        q, k_cache, v_cache, block_tables, context_lens, k_new, v_new, suffix_mask, o_part, lse_part,
+        float(scale) * LOG2E, n_rows, L, KVH, S,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+        *k_new.stride(), *v_new.stride(), *suffix_mask.stride(), *o_part.stride(), *lse_part.stride(),
+        G=G, HEAD_D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_NS=BLOCK_NS,
+        DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), num_warps=4, num_stages=2,
+    )
+    return _reduce_splits(o_part, lse_part, out_dtype)[0]

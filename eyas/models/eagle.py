@@ -76,10 +76,13 @@ class EagleDraft(nn.Module):
         x = self.fc(pairs)
         if takes_fused_path(self, x.device):
             res = None
-            for layer in self.layers:
+            for layer in self.layers[:-1]:
                 x, res = layer.forward_fused(x, res, positions, self.rope, meta, cache)
-            # no final norm: the last residual add stays a plain add
-            return res + x if out is None else torch.add(res, x, out=out)
+            # no final norm: the last layer returns its output + residual itself (its down projection adds into the
+            # residual), written to `out`
+            if out is None:
+                out = torch.empty_like(x)
+            return self.layers[-1].forward_fused(x, res, positions, self.rope, meta, cache, out=out)
         for layer in self.layers:
             x = layer(x, positions, self.rope, meta, cache)
         return x if out is None else out.copy_(x)

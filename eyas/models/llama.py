@@ -134,16 +134,30 @@ class MLP(nn.Module):
         self.gate_up_proj = _concat_linears(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
+    def gate_up(self, x):
+        if hasattr(self, "gate_up_proj"):
+            return self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.gate_proj(x), self.up_proj(x)
+
     def forward(self, x, fused: bool = False):
         """`fused`: silu(gate) * up by one Triton kernel; the reference otherwise."""
-        if hasattr(self, "gate_up_proj"):
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.gate_up(x)
         if fused:
             from eyas.kernels import swiglu_triton
             return self.down_proj(swiglu_triton(gate, up))
         return self.down_proj(F.silu(gate) * up)
+
+    def add_into(self, x, residual):
+        """residual + forward(x, fused=True), accumulated into `residual` in place: the down projection is one
+        GEMM with cuBLAS's beta = 1 (no separate add). For the fast path's last residual add of an EAGLE draft,
+        which has no final norm; `residual` must be a fresh tensor nothing else reads."""
+        from eyas.kernels import swiglu_triton
+        act = swiglu_triton(*self.gate_up(x))
+        down = self.down_proj
+        if down.bias is not None or not residual.is_contiguous():
+            return residual.add_(down(act))
+        residual.view(-1, residual.shape[-1]).addmm_(act.reshape(-1, act.shape[-1]), down.weight.t())
+        return residual
 
 
 class DecoderLayer(nn.Module):
@@ -159,11 +173,14 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(self, hidden, residual, positions, rope, meta, cache):
+    def forward_fused(self, hidden, residual, positions, rope, meta, cache, out=None):
         """The same layer on the fused kernels, carrying the residual stream apart (as vLLM does): the layer's input
         is hidden + residual (just `hidden` when residual is None, the first layer), and it returns
         (mlp output, residual), whose sum is what `forward` returns. Each residual add is fused into the RMSNorm
-        that follows it (`eyas.kernels.add_rms_norm_triton`). Inference only: no autograd through the kernels."""
+        that follows it (`eyas.kernels.add_rms_norm_triton`). Inference only: no autograd through the kernels.
+        `out` (an EAGLE draft's last layer, which no norm follows): return that sum itself, written to `out` (the
+        down projection adds into the residual, which the post-attention norm writes to `out` when it is
+        contiguous: no add kernel, no copy)."""
         from eyas.kernels import add_rms_norm_triton
         norm = self.input_layernorm
         if isinstance(norm, nn.Identity):  # EAGLE's first layer: no input norm
@@ -173,8 +190,13 @@ class DecoderLayer(nn.Module):
             h, residual = add_rms_norm_triton(hidden, residual, norm.weight, norm.eps)
         a = self.self_attn(h, positions, rope, meta, cache, fused=True)
         post = self.post_attention_layernorm
-        h, residual = add_rms_norm_triton(a, residual, post.weight, post.eps)
-        return self.mlp(h, fused=True), residual
+        if out is None:
+            h, residual = add_rms_norm_triton(a, residual, post.weight, post.eps)
+            return self.mlp(h, fused=True), residual
+        direct = out.is_contiguous() and out.shape == a.shape and out.dtype == a.dtype
+        h, residual = add_rms_norm_triton(a, residual, post.weight, post.eps, res_out=out if direct else None)
+        y = self.mlp.add_into(h, residual)
+        return y if direct else out.copy_(y)
 
 
 def takes_fused_path(model: nn.Module, device: torch.device) -> bool:
