@@ -254,6 +254,39 @@ def test_fused_ops_model_equals_reference():
     torch.testing.assert_close(d, ref_d, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layers", [1, 2])
+def test_fused_draft_writes_out_views(layers):
+    """The fused draft's last layer returns output + residual through `out`: a contiguous view (the norm writes the
+    residual there and the down projection adds into it) or a strided one (a copy); both equal the reference, and
+    nothing outside the view moves. Layer 0 has no input norm, so with one layer it is also the last."""
+    draft = randomize(EagleDraft(tiny_config(num_hidden_layers=layers)).to(DEV), seed=7)
+    g = torch.Generator().manual_seed(8)
+    emb, hid = (torch.randn(2, 5, 48, generator=g).to(DEV) for _ in range(2))
+    pos = (torch.arange(5).repeat(2, 1) + 2).to(DEV)
+    with torch.no_grad():
+        ref = draft(emb, hid, pos)
+        enable_fast_path(draft)
+        for B in (1, 2):  # a [B, 5, H] slice of a [B, 9, H] buffer: contiguous only when B == 1
+            buf = torch.full((B, 9, 48), 7.0, device=DEV)
+            got = draft(emb[:B], hid[:B], pos[:B], out=buf[:, 2:7])
+            assert got.data_ptr() == buf[:, 2:7].data_ptr()
+            torch.testing.assert_close(buf[:, 2:7], ref[:B], atol=1e-5, rtol=1e-5)
+            assert (buf[:, :2] == 7).all() and (buf[:, 7:] == 7).all()
+        torch.testing.assert_close(draft(emb, hid, pos), ref, atol=1e-5, rtol=1e-5)  # no out: a fresh tensor
+
+
+def test_add_rms_norm_writes_res_out():
+    g = torch.Generator().manual_seed(9)
+    x, r, w = torch.randn(3, 24, generator=g).to(DEV), torch.randn(3, 24, generator=g).to(DEV), torch.randn(24).to(DEV)
+    dst = torch.empty(3, 24, device=DEV)
+    normed, new_r = add_rms_norm_triton(x, r, w, 1e-6, res_out=dst)
+    want_n, want_r = add_rms_norm_reference(x, r, w, 1e-6)
+    assert new_r is dst and torch.equal(dst, want_r)
+    close(normed, want_n, torch.float32)
+    with pytest.raises(ValueError, match="res_out"):
+        add_rms_norm_triton(x, None, w, 1e-6, res_out=dst)
+
+
 def test_fused_ops_leave_training_on_the_reference():
     """With autograd on, a fused-ops model runs the eager reference: gradients reach every parameter. Under autocast
     (mixed dtypes) too, even without gradients."""
