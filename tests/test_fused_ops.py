@@ -323,6 +323,25 @@ def test_runner_switches_to_the_fast_path_with_triton(pair):
         assert m.fused_ops and hasattr(layers[0].self_attn, "qkv_proj") and hasattr(layers[0].mlp, "gate_up_proj")
 
 
+def test_the_cpu_path_runs_without_triton(pair):
+    """Triton is a test dependency only: with `import triton` failing, a CPU engine still prefills, drafts a tree,
+    verifies and commits (a subprocess, so that this process's Triton stays)."""
+    import subprocess
+    import sys
+    target, draft_dir = pair
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from eyas import LLM, SamplingParams\n"
+        f"llm = LLM({str(target)!r}, device='cpu', dtype='float32', draft={str(draft_dir)!r}, speculation='tree:8')\n"
+        "out = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=6, ignore_eos=True))\n"
+        "assert [len(o.token_ids) for o in out] == [6, 6], out\n"
+        "assert 'triton' not in [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n"
+        "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 @pytest.mark.parametrize("spec", [None, "tree:8"])
 def test_greedy_generation_with_the_fast_path_equals_reference(pair, spec):
     target, draft = pair

@@ -4,8 +4,9 @@ An EAGLE draft reads `fc(cat(embed(x_{t+1}), h_t))`. At a tree level the tokens 
 (`top[b, parent, rank]`), written to the step's `node_tokens`, and each feature is the parent's. In PyTorch that is
 an index and a copy of the tokens, an embedding gather, a gather of the parents' features and a `torch.cat`: five
 small kernels at every level, and three for the catch-up pass of the committed pairs. On CUDA one program per
-(sequence, row) does them all (`draft_pairs_triton`); `draft_pairs_reference` is the same in PyTorch, and the test
-(`tests/test_fused_ops.py`) holds the two equal.
+(sequence, row) does them all (`draft_pairs_triton`); `eyas.spec.drafter.draft_pairs_reference` is the same in
+PyTorch (it lives there so that the model runs without Triton), and the test (`tests/test_fused_ops.py`) holds the
+two equal.
 
 Arguments of both:
 * `embed` [V, H]: the (shared) token embedding;
@@ -21,6 +22,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from eyas.spec.drafter import check_pairs, draft_pairs_reference  # noqa: F401 (the reference, exported beside)
 
 
 @triton.jit
@@ -50,28 +53,10 @@ def _draft_pairs_kernel(EMB, TOK, TOK_IDX, FEAT, FEAT_IDX, FEAT_ROWS, OUT, TOK_O
             tl.store(dst + H + offs, x.to(OUT.dtype.element_ty), mask=ok)
 
 
-def _check(embed, tokens, tok_idx, feats, feat_idx, feat_rows, tok_out, pairs):
-    B = tokens.shape[0]
-    Q = tokens.shape[1] if tok_idx is None else tok_idx.shape[0]
-    if tokens.dim() != 2:
-        raise ValueError(f"tokens must be [B, T], got {tuple(tokens.shape)}")
-    if tok_out is not None and tuple(tok_out.shape) != (B, Q):
-        raise ValueError(f"tok_out {tuple(tok_out.shape)} must be [B={B}, Q={Q}]")
-    if pairs:
-        H = (embed.weight if isinstance(embed, torch.nn.Module) else embed).shape[-1]
-        if (not isinstance(embed, torch.nn.Module) and embed.dim() != 2) or feats.dim() != 3 or feats.shape[-1] != H:
-            raise ValueError(f"embed [V, H] {tuple(embed.shape)} and feats [F, R, H] {tuple(feats.shape)} do not fit")
-        if feat_rows is None and feats.shape[0] != B:
-            raise ValueError(f"feats has {feats.shape[0]} rows for {B} sequences and no feat_rows")
-        if feat_idx is not None and feat_idx.shape[0] != Q:
-            raise ValueError(f"feat_idx has {feat_idx.shape[0]} entries for {Q} rows")
-    return B, Q
-
-
 def draft_pairs_triton(embed, tokens, tok_idx=None, feats=None, feat_idx=None, feat_rows=None, tok_out=None,
                        pairs: bool = True):
     """One launch (module docstring)."""
-    B, Q = _check(embed, tokens, tok_idx, feats, feat_idx, feat_rows, tok_out, pairs)
+    B, Q = check_pairs(embed, tokens, tok_idx, feats, feat_idx, feat_rows, tok_out, pairs)
     H = embed.shape[1]
     out = torch.empty((B, Q, 2 * H), dtype=embed.dtype, device=tokens.device) if pairs else None
     if B * Q == 0 or (out is None and tok_out is None):
@@ -90,19 +75,3 @@ def draft_pairs_triton(embed, tokens, tok_idx=None, feats=None, feat_idx=None, f
         num_warps=4,
     )
     return out
-
-
-def draft_pairs_reference(embed, tokens, tok_idx=None, feats=None, feat_idx=None, feat_rows=None, tok_out=None,
-                          pairs: bool = True):
-    """`draft_pairs_triton` in PyTorch (module docstring). `embed` may also be an embedding module, which is then
-    called (a tensor-parallel target's vocabulary shards)."""
-    B, Q = _check(embed, tokens, tok_idx, feats, feat_idx, feat_rows, tok_out, pairs)
-    ids = tokens[:, :Q] if tok_idx is None else tokens[:, tok_idx]
-    if tok_out is not None:
-        tok_out.copy_(ids)
-    if not pairs:
-        return None
-    f = feats if feat_rows is None else feats[feat_rows]
-    f = f[:, :Q] if feat_idx is None else f[:, feat_idx]
-    e = embed(ids) if isinstance(embed, torch.nn.Module) else embed[ids]
-    return torch.cat([e, f.to(e.dtype)], dim=-1)

@@ -44,14 +44,51 @@ def _causal_masks(lens: torch.Tensor, Q: int) -> torch.Tensor:
 def draft_pairs(target, use_triton: bool, tokens, tok_idx=None, feats=None, feat_idx=None, feat_rows=None,
                 tok_out=None, pairs: bool = True):
     """The draft's input pairs cat(embed(token), feature) [B, Q, 2H] (and the tokens into `tok_out`), as
-    `eyas.kernels.draft_pairs` defines them: one Triton launch when `use_triton`, its PyTorch reference otherwise.
+    `eyas.kernels.draft_pairs` defines them: one Triton launch when `use_triton`, `draft_pairs_reference` otherwise.
     A tensor-parallel target's embedding (vocabulary shards, all-reduced) is not a plain table: the reference
     calls the module itself."""
-    from eyas.kernels import draft_pairs as dp
     emb = target.model.embed_tokens
-    plain = type(emb) is nn.Embedding
-    fn = dp.draft_pairs_triton if (use_triton and plain) else dp.draft_pairs_reference
-    return fn(emb.weight if plain else emb, tokens, tok_idx, feats, feat_idx, feat_rows, tok_out, pairs)
+    if use_triton and type(emb) is nn.Embedding:
+        from eyas.kernels.draft_pairs import draft_pairs_triton
+        return draft_pairs_triton(emb.weight, tokens, tok_idx, feats, feat_idx, feat_rows, tok_out, pairs)
+    table = emb.weight if type(emb) is nn.Embedding else emb
+    return draft_pairs_reference(table, tokens, tok_idx, feats, feat_idx, feat_rows, tok_out, pairs)
+
+
+def check_pairs(embed, tokens, tok_idx, feats, feat_idx, feat_rows, tok_out, pairs):
+    """The shapes `draft_pairs` needs (see `eyas.kernels.draft_pairs` for the arguments); returns (B, Q)."""
+    B = tokens.shape[0]
+    Q = tokens.shape[1] if tok_idx is None else tok_idx.shape[0]
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [B, T], got {tuple(tokens.shape)}")
+    if tok_out is not None and tuple(tok_out.shape) != (B, Q):
+        raise ValueError(f"tok_out {tuple(tok_out.shape)} must be [B={B}, Q={Q}]")
+    if pairs:
+        H = (embed.weight if isinstance(embed, nn.Module) else embed).shape[-1]
+        if (not isinstance(embed, nn.Module) and embed.dim() != 2) or feats.dim() != 3 or feats.shape[-1] != H:
+            raise ValueError(f"embed [V, H] {tuple(embed.shape)} and feats [F, R, H] {tuple(feats.shape)} do not fit")
+        if feat_rows is None and feats.shape[0] != B:
+            raise ValueError(f"feats has {feats.shape[0]} rows for {B} sequences and no feat_rows")
+        if feat_idx is not None and feat_idx.shape[0] != Q:
+            raise ValueError(f"feat_idx has {feat_idx.shape[0]} entries for {Q} rows")
+    return B, Q
+
+
+def draft_pairs_reference(embed, tokens, tok_idx=None, feats=None, feat_idx=None, feat_rows=None, tok_out=None,
+                          pairs: bool = True):
+    """`eyas.kernels.draft_pairs.draft_pairs_triton` in PyTorch: tokens[b, tok_idx[q]] (into `tok_out`), and
+    cat(embed[token], feats[feat_rows[b], feat_idx[q]]) (None: the identity). `embed` may also be an embedding
+    module, which is then called (a tensor-parallel target's vocabulary shards)."""
+    B, Q = check_pairs(embed, tokens, tok_idx, feats, feat_idx, feat_rows, tok_out, pairs)
+    ids = tokens[:, :Q] if tok_idx is None else tokens[:, tok_idx]
+    if tok_out is not None:
+        tok_out.copy_(ids)
+    if not pairs:
+        return None
+    f = feats if feat_rows is None else feats[feat_rows]
+    f = f[:, :Q] if feat_idx is None else f[:, feat_idx]
+    e = embed(ids) if isinstance(embed, nn.Module) else embed[ids]
+    return torch.cat([e, f.to(e.dtype)], dim=-1)
 
 
 def catch_up(draft, target, draft_cache, tokens, hidden, lens, start, meta: MetaBuilder, positions=None,
