@@ -122,7 +122,8 @@ class ModelRunner:
             dc = draft.config
             self.draft_cache = KVCache.allocate(dc, dc.num_hidden_layers, num_blocks, block_size, self.dtype,
                                                 self.device)
-        self.simulated_accept: torch.Tensor | None = None  # benchmarks: rates by depth or recorded rank paths (spec_step)
+        # benchmarks: acceptance rates by depth or recorded rank paths (`spec_step`)
+        self.simulated_accept: torch.Tensor | None = None
         self.tree_steps: dict[str, int] = {}  # decode steps run with each tree (a dispatcher uses several)
         self._init_slots(max_num_seqs, max_model_len or cfg.max_position_embeddings)
         self.graphs = None

@@ -61,7 +61,8 @@ def accept_tree_greedy_triton(target_tokens: torch.Tensor, node_tokens: torch.Te
     the path's tokens, bonus) that the host reads: num_accepted and bonus are views of it (int64)."""
     B, N1 = node_tokens.shape
     if target_tokens.shape != node_tokens.shape:
-        raise ValueError(f"target_tokens {tuple(target_tokens.shape)} and node_tokens {tuple(node_tokens.shape)} differ")
+        raise ValueError(f"target_tokens {tuple(target_tokens.shape)} and node_tokens {tuple(node_tokens.shape)} "
+                         "differ")
     if N1 != tree.num_nodes + 1:
         raise ValueError(f"{N1} node columns for a tree of {tree.num_nodes} nodes and the root")
     device = node_tokens.device
