@@ -40,14 +40,18 @@ _DOT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _load_q_rows(Q, b, kvh, rows, offs_d, n_rows, G: tl.constexpr, HEAD_D: tl.constexpr,
-                 stride_qb, stride_qq, stride_qh, stride_qd):
-    """The query tile of one kv head: row r is (token r // G, head kvh * G + r % G). Returns [BLOCK_M, BLOCK_D]."""
+def _load_q_rows(Q, K, b, kvh, rows, offs_d, n_rows, G: tl.constexpr, HEAD_D: tl.constexpr,
+                 stride_qb, stride_qq, stride_qh, stride_qd, UPCAST: tl.constexpr):
+    """The query tile of one kv head: row r is (token r // G, head kvh * G + r % G). Returns [BLOCK_M, BLOCK_D] in
+    the keys' dtype (K: any key pointer), float32 with UPCAST."""
     qi = rows // G
     h = kvh * G + rows % G
     ptrs = Q + b * stride_qb + qi[:, None] * stride_qq + h[:, None] * stride_qh + offs_d[None, :] * stride_qd
     mask = (rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_D)
-    return tl.load(ptrs, mask=mask, other=0.0)
+    q = tl.load(ptrs, mask=mask, other=0.0).to(K.dtype.element_ty)
+    if UPCAST:  # the Triton interpreter's bf16 tl.dot is wrong: do its dots in float32 (exact products)
+        q = q.to(tl.float32)
+    return q
 
 
 @triton.jit
@@ -68,12 +72,40 @@ def _store_rows(O, LSE, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i, G: tl.const
 
 
 @triton.jit
-def _walk_prefix(q, k_head, v_head, bt_row, start, end, offs_d, d_ok, qk_scale,
+def _score_tile(q, k, visible, qk_scale, m_i, l_i, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile of an online softmax (log2 units): the scores q k^T of the keys `visible` marks ([BLOCK_M,
+    BLOCK_N] or broadcastable) update the running max m_i and sum l_i. Returns (p, alpha, m_new, l_new); the caller's
+    accumulator becomes acc * alpha + p v (`_accumulate_tile`). A row that has seen no key yet stays empty."""
+    if UPCAST:  # the Triton interpreter's bf16 tl.dot is wrong: do its dots in float32 (exact products)
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _accumulate_tile(acc, alpha, p, v, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        v = v.to(tl.float32)
+    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _walk_prefix(q, k_head, v_head, bt_row, ctx, split, num_splits, offs_d, d_ok, qk_scale,
                  stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_btn,
                  PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Online softmax of the query tile over cache entries [start, end) of one sequence and kv head, walked through
-    its block table (no mask). Returns the unnormalised state (m in log2 units, l, acc)."""
+    """Online softmax of the query tile over split `split` of the ctx cache entries of one sequence and kv head,
+    walked through its block table (no mask). Returns the unnormalised state (m in log2 units, l, acc).
+    The context is cut into num_splits equal chunks (whole BLOCK_N tiles), so that every split of a sequence does
+    about the same work whatever the other sequences' lengths are."""
+    tiles_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -86,21 +118,10 @@ def _walk_prefix(q, k_head, v_head, bt_row, start, end, offs_d, d_ok, qk_scale,
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_head + blk[:, None] * stride_kb + off[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                     mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        # every tile holds at least one valid key, so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _score_tile(q, k, n_ok[None, :], qk_scale, m_i, l_i, DOT_PREC, UPCAST)
         v = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :] * stride_vd,
                     mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        acc = _accumulate_tile(acc, alpha, p, v, DOT_PREC, UPCAST)
     return m_i, l_i, acc
 
 
@@ -117,20 +138,9 @@ def _walk_suffix(q, k_base, v_base, m_base, kv_len, row_ok, offs_d, d_ok, qk_sca
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         vis = tl.load(m_base[:, None] + pos[None, :] * stride_ml, mask=row_ok[:, None] & n_ok[None, :], other=0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        s = tl.where(vis != 0, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays empty
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _score_tile(q, k, vis != 0, qk_scale, m_i, l_i, DOT_PREC, UPCAST)
         v = tl.load(v_base + pos[:, None] * stride_vl + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        acc = _accumulate_tile(acc, alpha, p, v, DOT_PREC, UPCAST)
     return m_i, l_i, acc
 
 
@@ -161,25 +171,16 @@ def _paged_prefix_kernel(
     b = pid_bh // num_kv_heads
     kvh = pid_bh % num_kv_heads
 
-    ctx = tl.load(CL + b).to(tl.int32)
-    # This sequence's context is cut into num_splits equal chunks (whole BLOCK_N tiles), so that every split of a
-    # sequence does about the same work whatever the other sequences' lengths are.
-    n_tiles = tl.cdiv(ctx, BLOCK_N)
-    tiles_per_split = tl.cdiv(n_tiles, num_splits)
-    start = pid_s * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
-
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
-    q = _load_q_rows(Q, b, kvh, rows, offs_d, n_rows, G, HEAD_D, stride_qb, stride_qq, stride_qh, stride_qd)
-    q = q.to(K.dtype.element_ty)
-    if UPCAST:  # the Triton interpreter's bf16 tl.dot is wrong: do its dots in float32 (exact products)
-        q = q.to(tl.float32)
+    q = _load_q_rows(Q, K, b, kvh, rows, offs_d, n_rows, G, HEAD_D, stride_qb, stride_qq, stride_qh, stride_qd,
+                     UPCAST)
 
-    m_i, l_i, acc = _walk_prefix(q, K + kvh * stride_kh, V + kvh * stride_vh, BT + b * stride_btb, start, end,
-                                 offs_d, d_ok, qk_scale, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-                                 stride_vd, stride_btn, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
+    m_i, l_i, acc = _walk_prefix(q, K + kvh * stride_kh, V + kvh * stride_vh, BT + b * stride_btb,
+                                 tl.load(CL + b).to(tl.int32), pid_s, num_splits, offs_d, d_ok, qk_scale,
+                                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_btn,
+                                 PAGE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
     _store_rows(O + pid_s * stride_os, LSE + pid_s * stride_ls, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i,
                 G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
 
@@ -254,10 +255,8 @@ def _tree_suffix_kernel(
     h = kvh * G + rows % G
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
-    q = _load_q_rows(Q, b, kvh, rows, offs_d, n_rows, G, HEAD_D, stride_qb, stride_qq, stride_qh, stride_qd)
-    q = q.to(K.dtype.element_ty)
-    if UPCAST:  # the Triton interpreter's bf16 tl.dot is wrong: do its dots in float32 (exact products)
-        q = q.to(tl.float32)
+    q = _load_q_rows(Q, K, b, kvh, rows, offs_d, n_rows, G, HEAD_D, stride_qb, stride_qq, stride_qh, stride_qd,
+                     UPCAST)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -326,20 +325,14 @@ def _split_tree_kernel(
     qi = rows // G
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
-    q = _load_q_rows(Q, b, kvh, rows, offs_d, n_rows, G, HEAD_D, stride_qb, stride_qq, stride_qh, stride_qd)
-    q = q.to(KC.dtype.element_ty)
-    if UPCAST:  # the Triton interpreter's bf16 tl.dot is wrong: do its dots in float32 (exact products)
-        q = q.to(tl.float32)
+    q = _load_q_rows(Q, KC, b, kvh, rows, offs_d, n_rows, G, HEAD_D, stride_qb, stride_qq, stride_qh, stride_qd,
+                     UPCAST)
 
-    if pid_s < num_splits:  # a split of the prefix, cut as in `_paged_prefix_kernel`
-        ctx = tl.load(CL + b).to(tl.int32)
-        tiles_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), num_splits)
-        start = pid_s * tiles_per_split * BLOCK_N
-        end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
-        m_i, l_i, acc = _walk_prefix(q, KC + kvh * stride_kch, VC + kvh * stride_vch, BT + b * stride_btb, start,
-                                     end, offs_d, d_ok, qk_scale, stride_kcb, stride_kcs, stride_kcd, stride_vcb,
-                                     stride_vcs, stride_vcd, stride_btn, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC,
-                                     UPCAST)
+    if pid_s < num_splits:  # a split of the prefix, as `_paged_prefix_kernel` walks it
+        m_i, l_i, acc = _walk_prefix(q, KC + kvh * stride_kch, VC + kvh * stride_vch, BT + b * stride_btb,
+                                     tl.load(CL + b).to(tl.int32), pid_s, num_splits, offs_d, d_ok, qk_scale,
+                                     stride_kcb, stride_kcs, stride_kcd, stride_vcb, stride_vcs, stride_vcd,
+                                     stride_btn, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
     else:  # the suffix keys under the mask
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
