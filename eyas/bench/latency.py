@@ -1,6 +1,14 @@
 """`eyas bench latency`: TTFT, TTIT (ms per committed token), TPC and tokens/s by batch size, for plain decoding,
 chains and trees, on SmolLM2 with its draft or on random-weight models of real shapes (simulated acceptance).
 
+Each batch size runs waves of `batch` requests that start together. Two per-token times come out:
+- TTIT (`ttit_ms`): the wave's decode time (all first tokens to the last request's end) over the tokens one request
+  commits. Every request is charged until the slowest of its wave is done: with speculation, requests finish at
+  different steps, and the wave's tail counts.
+- TPOT (`tpot_ms`): each request's own time from its first to its last token over its tokens after the first,
+  averaged over requests: vLLM's and SGLang's "mean TPOT", what a request sees when a finished request's slot would
+  be taken by a new one. Equal to TTIT at batch 1 and for plain decoding, where a wave's requests finish together.
+
 Writes latency.json, latency.md and latency.png (ms/token against batch size) to --out.
 """
 from __future__ import annotations
@@ -16,6 +24,7 @@ from pathlib import Path
 import torch
 
 from eyas.engine.engine import EngineConfig, LLMEngine
+from eyas.engine.sequence import Status
 from eyas.sampling_params import SamplingParams
 from eyas.spec.tree import resolve_tree
 
@@ -132,6 +141,7 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
     order = spread(len(prompts), waves * batch)  # spread over the prompt list (its categories), not its head
     ttft = decode_s = total_s = per_seq_tokens = 0.0
     tokens = calls = decode_tokens = steps = 0
+    tpots: list[float] = []
     for w in range(waves):
         wave = [prompts[order[w * batch + i]] for i in range(batch)]
         sync()
@@ -139,8 +149,18 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
         t0 = time.perf_counter()
         seqs = [engine.add_request(p, params) for p in wave]
         first = None
+        # each request's own first-token and finish times (the host knows both once the step that made them
+        # returns), for its time per output token as vLLM's benchmarks define it (TPOT): a request that finishes
+        # early is not charged the steps its batch-mates still take
+        seen, done = [None] * batch, [None] * batch
         while engine.has_unfinished():
             engine.step()
+            now = time.perf_counter()
+            for i, s in enumerate(seqs):
+                if seen[i] is None and s.num_output > 0:
+                    seen[i] = now
+                if done[i] is None and s.status == Status.FINISHED:
+                    done[i] = now
             if first is None and all(s.num_output > 0 for s in seqs):
                 sync()
                 first = time.perf_counter()
@@ -156,6 +176,8 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
         calls += sum(s.stats.target_calls for s in seqs)
         decode_tokens += n_tok - len(seqs)  # the first token of each comes from prefill
         per_seq_tokens += (n_tok - len(seqs)) / len(seqs)
+        tpots += [(d - f) * 1000 / (s.num_output - 1) for s, f, d in zip(seqs, seen, done)
+                  if s.num_output > 1 and f is not None and d is not None]
     if profile:  # where the GPU time of a few decode steps goes, by kernel
         from torch.profiler import ProfilerActivity, profile as torch_profile
         for p in prompts[:batch]:
@@ -177,6 +199,7 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
     return {
         "mode": mode, "batch": batch, "prompts": waves * batch, "ttft_ms": ttft * 1000 / waves,
         "ttit_ms": decode_s * 1000 / max(per_seq_tokens, 1e-9),
+        "tpot_ms": sum(tpots) / len(tpots) if tpots else None,
         "tpc": decode_tokens / calls if calls else 1.0, "tokens_per_s": tokens / total_s,
         "decode_steps": steps, "ms_per_decode_step": decode_s * 1000 / max(steps, 1),
         "new_tokens": max_tokens, "simulated_acceptance": simulated_rates is not None,
@@ -186,10 +209,11 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
 def markdown(rows: list[dict], meta: dict) -> str:
     sim = " (simulated acceptance)" if meta.get("simulated") else ""
     out = [f"model `{meta['model']}`{sim}, {meta['device_name']}, {meta['dtype']}, {meta['date']}", "",
-           "| mode | batch | TTFT ms | ms/token (TTIT) | TPC | tokens/s | decode steps | ms/step |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| mode | batch | TTFT ms | ms/token (TTIT) | TPOT ms | TPC | tokens/s | decode steps | ms/step |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        out.append(f"| {r['mode']} | {r['batch']} | {r['ttft_ms']:.1f} | {r['ttit_ms']:.3f} | {r['tpc']:.2f} | "
+        tpot = f"{r['tpot_ms']:.3f}" if r.get("tpot_ms") is not None else ""
+        out.append(f"| {r['mode']} | {r['batch']} | {r['ttft_ms']:.1f} | {r['ttit_ms']:.3f} | {tpot} | {r['tpc']:.2f} | "
                    f"{r['tokens_per_s']:.0f} | {r['decode_steps']} | {r['ms_per_decode_step']:.3f} |")
     return "\n".join(out) + "\n"
 
