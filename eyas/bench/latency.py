@@ -5,9 +5,10 @@ Each batch size runs waves of `batch` requests that start together. Two per-toke
 - TTIT (`ttit_ms`): the wave's decode time (all first tokens to the last request's end) over the tokens one request
   commits. Every request is charged until the slowest of its wave is done: with speculation, requests finish at
   different steps, and the wave's tail counts.
-- TPOT (`tpot_ms`): each request's own time from its first to its last token over its tokens after the first,
-  averaged over requests: vLLM's and SGLang's "mean TPOT", what a request sees when a finished request's slot would
-  be taken by a new one. Equal to TTIT at batch 1 and for plain decoding, where a wave's requests finish together.
+- TPOT (`tpot_ms`): each request's own time from the wave's decode start to its last token over the tokens it
+  committed in that time, averaged over requests: vLLM's and SGLang's "mean TPOT" without the prefill steps of the
+  wave, what a request sees when a finished request's slot would be taken by a new one. Equal to TTIT at batch 1
+  and for plain decoding, where a wave's requests finish together.
 
 Writes latency.json, latency.md and latency.png (ms/token against batch size) to --out.
 """
@@ -149,21 +150,22 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
         t0 = time.perf_counter()
         seqs = [engine.add_request(p, params) for p in wave]
         first = None
-        # each request's own first-token and finish times (the host knows both once the step that made them
-        # returns), for its time per output token as vLLM's benchmarks define it (TPOT): a request that finishes
-        # early is not charged the steps its batch-mates still take
-        seen, done = [None] * batch, [None] * batch
+        # each request's own finish time (the host knows it once the step that finished it returns), for its time
+        # per output token (TPOT): a request that finishes early is not charged the steps its batch-mates still
+        # take. Timed from the wave's decode start, like TTIT, so that neither counts the wave's prefills (requests
+        # admitted first would otherwise be charged their batch-mates' prefill steps)
+        done, n_first = [None] * batch, [0] * batch
         while engine.has_unfinished():
             engine.step()
-            now = time.perf_counter()
-            for i, s in enumerate(seqs):
-                if seen[i] is None and s.num_output > 0:
-                    seen[i] = now
-                if done[i] is None and s.status == Status.FINISHED:
-                    done[i] = now
+            if first is not None:
+                now = time.perf_counter()
+                for i, s in enumerate(seqs):
+                    if done[i] is None and s.status == Status.FINISHED:
+                        done[i] = now
             if first is None and all(s.num_output > 0 for s in seqs):
                 sync()
                 first = time.perf_counter()
+                n_first = [s.num_output for s in seqs]
         sync()
         t1 = time.perf_counter()
         first = first or t1
@@ -176,8 +178,8 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
         calls += sum(s.stats.target_calls for s in seqs)
         decode_tokens += n_tok - len(seqs)  # the first token of each comes from prefill
         per_seq_tokens += (n_tok - len(seqs)) / len(seqs)
-        tpots += [(d - f) * 1000 / (s.num_output - 1) for s, f, d in zip(seqs, seen, done)
-                  if s.num_output > 1 and f is not None and d is not None]
+        tpots += [(d - first) * 1000 / (s.num_output - n0) for s, n0, d in zip(seqs, n_first, done)
+                  if d is not None and s.num_output > n0]
     if profile:  # where the GPU time of a few decode steps goes, by kernel
         from torch.profiler import ProfilerActivity, profile as torch_profile
         for p in prompts[:batch]:
@@ -213,8 +215,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         tpot = f"{r['tpot_ms']:.3f}" if r.get("tpot_ms") is not None else ""
-        out.append(f"| {r['mode']} | {r['batch']} | {r['ttft_ms']:.1f} | {r['ttit_ms']:.3f} | {tpot} | {r['tpc']:.2f} | "
-                   f"{r['tokens_per_s']:.0f} | {r['decode_steps']} | {r['ms_per_decode_step']:.3f} |")
+        out.append(f"| {r['mode']} | {r['batch']} | {r['ttft_ms']:.1f} | {r['ttit_ms']:.3f} | {tpot} | "
+                   f"{r['tpc']:.2f} | {r['tokens_per_s']:.0f} | {r['decode_steps']} | {r['ms_per_decode_step']:.3f} |")
     return "\n".join(out) + "\n"
 
 
