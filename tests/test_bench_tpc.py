@@ -96,7 +96,9 @@ def test_shipped_smollm2_draft_speculates_on_the_cpu():
     path = default_draft_path("smollm2")
     assert path is not None and (path / "model.safetensors").exists()
     info = json.loads((path / "training.json").read_text())
-    assert info["loss_weights"] == {"w_ce": 0.1, "w_l1": 1.0} and info["layers"] == 1
+    config = json.loads((path / "config.json").read_text())
+    assert set(info["loss_weights"]) == {"w_ce", "w_l1"} and info["layers"] == config["num_hidden_layers"] == 1
+    assert info["feature_layers"] == config["eyas_feature_layers"]  # the record describes the weights shipped
     try:
         llm = LLM("smollm2", device="cpu", dtype="float32", draft="default", speculation="chain:3")
     except ValueError as e:
