@@ -309,6 +309,43 @@ def test_init_grows_deeper_drafts_that_start_as_the_checkpoint(tiny_setup, tmp_p
         train(_cfg(tdir, data, tmp_path / "x", init=str(tmp_path / "s"), max_steps=1), target)
 
 
+def test_first_answer_tokens_keeps_the_start_of_each_assistant_turn():
+    from eyas.train.data import Example, first_answer_tokens
+
+    ids = np.arange(12, dtype=np.int32)
+    mask = np.array([0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0], dtype=bool)  # two assistant turns, of 4 and 3 tokens
+    two = first_answer_tokens(Example(ids, mask), 2)
+    assert two.mask.tolist() == [False, False, True, True, False, False, False, False, True, True]
+    assert two.ids.tolist() == list(range(10))  # cut after the last token that stays
+    four = first_answer_tokens(Example(ids, mask), 4)
+    assert four.mask.tolist() == mask[:11].tolist() and four.ids.tolist() == list(range(11))
+    # a turn that opens the sequence (pre-tokenised data masked throughout) counts from index 0
+    assert first_answer_tokens(Example(ids[:5], np.ones(5, bool)), 3).mask.tolist() == [True] * 3
+    # nothing a draft learns from left (its loss at t is on token t + 2): dropped
+    assert first_answer_tokens(Example(ids[:6], np.array([0, 1, 1, 1, 1, 1], bool)), 1) is None
+    with pytest.raises(ValueError, match=">= 1"):
+        first_answer_tokens(Example(ids, mask), 0)
+
+
+def test_answer_tokens_trains_on_answer_starts_and_evaluates_whole_answers(tiny_setup, tmp_path):
+    """--answer-tokens N: the training batches hold each example up to its N-th answer token, the held-out
+    evaluation still covers whole answers (its positions are the default run's), and training.json records N."""
+    from eyas.train.data import first_answer_tokens
+    from eyas.train.trainer import train
+
+    tdir, data, target = tiny_setup
+    kw = dict(epochs=1, tpc_prompts=0)
+    whole = train(_cfg(tdir, data, tmp_path / "w", **kw), target)
+    start = train(_cfg(tdir, data, tmp_path / "s", answer_tokens=4, **kw), target)
+    train_exs, _ = split_heldout(load_examples([data]), 40, 0)
+    assert whole["tokens_seen"] == sum(len(e) for e in train_exs)
+    assert start["tokens_seen"] == sum(len(first_answer_tokens(e, 4)) for e in train_exs) == (PROMPT + 4) * 200
+    assert start["final_metrics"]["layers-1"]["positions"] == whole["final_metrics"]["layers-1"]["positions"]
+    assert json.loads((tmp_path / "s" / "training.json").read_text())["answer_tokens"] == 4
+    with pytest.raises(ValueError, match="--answer-tokens"):  # refused before anything loads
+        train(_cfg("no-such-target", data, tmp_path / "x", answer_tokens=0))
+
+
 def test_resume_repeats_the_uninterrupted_loss_curve(tiny_setup, tmp_path):
     from eyas.train.trainer import main, train
 

@@ -138,6 +138,23 @@ def make_example(ids, mask, max_len: int) -> Example | None:
     return Example(ids, mask)
 
 
+def first_answer_tokens(ex: Example, n: int) -> Example | None:
+    """`ex` with only the first `n` tokens of each assistant turn (a run of masked tokens) left in its loss mask, cut
+    after the last one that stays; None when nothing the draft can learn from is left. Where speculation is judged
+    (a chat answer's first ~128 tokens), long answers' tails -- often repetitive at T=0 -- would otherwise dominate
+    the loss."""
+    if n < 1:
+        raise ValueError(f"the answer tokens kept must be >= 1, got {n}")
+    idx = np.arange(len(ex.mask))
+    starts = ex.mask & ~np.concatenate([[False], ex.mask[:-1]])
+    run_start = np.maximum.accumulate(np.where(starts, idx, 0))
+    keep = ex.mask & (idx - run_start < n)
+    if not keep.any():
+        return None
+    last = int(idx[keep][-1])
+    return make_example(ex.ids[: last + 1], keep[: last + 1], last + 1)
+
+
 _WORKER_TOK = None
 
 

@@ -54,7 +54,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from eyas.models.eagle import EagleDraft
-from eyas.train.data import Example, collate, length_batches, load_examples, plan_epoch, split_heldout
+from eyas.train.data import (Example, collate, first_answer_tokens, length_batches, load_examples, plan_epoch,
+                             split_heldout)
 from eyas.train.loss import distill_loss
 
 
@@ -88,6 +89,7 @@ class TrainConfig:
     w_ce: float = 0.1
     w_l1: float = 1.0
     feature_layers: list[int] | None = None  # target layers the drafts also read (EAGLE-3 style); None: EAGLE-1
+    answer_tokens: int | None = None  # train on the first N tokens of each assistant turn only (None: all)
     unroll: int = 1  # train on the draft's own rollouts, chain steps 1..unroll (EAGLE-3's training-time test)
     unroll_decay: float = 0.8  # weight of chain step d's loss: decay^(d-1) (EAGLE-3: 0.8)
     noise: str = "uniform"  # none | uniform | gaussian
@@ -449,6 +451,8 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
     from eyas.loader.resolve import load_target, resolve_device
 
     t_start = time.perf_counter()
+    if cfg.answer_tokens is not None and cfg.answer_tokens < 1:
+        raise ValueError(f"--answer-tokens must be >= 1, got {cfg.answer_tokens}")
     device = resolve_device(cfg.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -465,7 +469,10 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
             raise ValueError(f"the data has {len(exs)} usable conversations; need at least 2")
         train_examples, held = split_heldout(exs, cfg.heldout, cfg.seed)
         heldout_examples = held if heldout_examples is None else heldout_examples
-    heldout_examples = heldout_examples or []
+    heldout_examples = heldout_examples or []  # evaluated on whole answers, comparable across runs
+    if cfg.answer_tokens is not None:
+        train_examples = [x for e in train_examples
+                          if (x := first_answer_tokens(e, cfg.answer_tokens)) is not None]
     target.to(device)
     if cfg.fast_target if cfg.fast_target is not None else device.type == "cuda":
         # the frozen target's pass (most of a step) on the fused inference kernels: faster, and the draft learns the
@@ -517,6 +524,9 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
         ck = torch.load(resume, map_location="cpu", weights_only=False)
         if ck["layers"] != list(cfg.layers):
             raise ValueError(f"checkpoint {resume} trains layers {ck['layers']}, not {cfg.layers}")
+        if ck.get("config", {}).get("answer_tokens") != cfg.answer_tokens:
+            raise ValueError(f"checkpoint {resume} trains on answer tokens {ck['config'].get('answer_tokens')}, "
+                             f"not {cfg.answer_tokens}")
         ck_fl = ck.get("config", {}).get("feature_layers")
         if (list(ck_fl) if ck_fl is not None else None) != (list(fl) if fl is not None else None):
             raise ValueError(f"checkpoint {resume} reads feature layers {ck_fl}, not {cfg.feature_layers}")
@@ -656,6 +666,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
         "loss_weights": {"w_ce": cfg.w_ce, "w_l1": cfg.w_l1},
         "unroll": {"steps": cfg.unroll, "decay": cfg.unroll_decay},
         "feature_layers": list(fl) if fl is not None else None,
+        "answer_tokens": cfg.answer_tokens,
         "optimizer": {"name": "AdamW", "lr": cfg.lr, "betas": [cfg.beta1, cfg.beta2],
                       "weight_decay": cfg.weight_decay, "schedule": "linear warm-up + cosine",
                       "min_lr_ratio": cfg.min_lr_ratio, "grad_clip": cfg.grad_clip},
@@ -731,6 +742,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--feature-layers", nargs="+", type=int, default=None, metavar="I",
                    help="target layers (0-based) whose rms-normalised outputs the drafts also read, next to the final "
                         "hidden state (EAGLE-3 style; e.g. 3 15); default: the final hidden state only (EAGLE-1)")
+    p.add_argument("--answer-tokens", type=int, default=None, metavar="N",
+                   help="train on the first N tokens of each assistant turn only, where a chat answer's speculation "
+                        "is judged (held-out evaluation still covers whole answers); default: all")
     p.add_argument("--unroll", type=int, default=d.unroll,
                    help="train on the draft's own rollouts: chain steps 1..N, step d fed the draft's features from "
                         "step d-1 (EAGLE-3's training-time test); 1: plain EAGLE-1 training")
