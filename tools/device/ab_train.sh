@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Two draft-training variants side by side on one GPU (the same data, steps and seed; A_ARGS and B_ARGS differ), then
+# MT-Bench TPC of both. Call 2 or later of tools/device/README.md (the GGUF's first half and the data copied to $S in
+# call 1). Comes back in $OUT: tpc.json, and a tar in 6 MB parts of variant A's draft and both training.json files.
+#   A_ARGS="--answer-tokens 128" B_ARGS="" STEPS=480 TB=90 bash tools/device/ab_train.sh
+# STAGED=1 S=... W=... OUT=... D=... EXTRA="--limit 20 --batch-tokens 2048 --device cpu" makes a CPU dry run.
+set -u
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+source tools/device/stage_smollm2.sh > /dev/null 2>&1
+[ -n "${STAGED:-}" ] || [ -f $S/smollm2.gguf ] || { echo "staging failed"; exit 1; }
+D=${D:-/root/stage/regen_runD_self.jsonl.xz}
+BASE=${BASE_ARGS:---layers 1 --unroll 3 --init eyas/drafts/smollm2 --feature-layers 3 15 --lr 3e-4 --w-ce 1.0 --w-l1 0.1}
+COMMON="--target smollm2 --data $D $BASE --epochs 100 --max-steps ${STEPS:-500} --time-budget ${TB:-100} \
+  --heldout ${HO:-64} --tpc-prompts 0 --no-progress ${EXTRA:-}"
+echo "== train A (${A_ARGS:-}) and B (${B_ARGS:-}) [t=$(el)]"
+python3 -m eyas.train.trainer $COMMON ${A_ARGS:-} --out $W/a > $W/a.log 2>&1 &
+python3 -m eyas.train.trainer $COMMON ${B_ARGS:-} --out $W/b > $W/b.log 2>&1 &
+wait
+for x in a b; do echo "-- $x"; grep -a '"steps"\|tokens_per_second\|acc_by_depth' -A3 $W/$x.log | tr -d ' \n' | head -c 400; echo; done
+(cd $W && tar cf - a/model.safetensors a/config.json a/training.json b/training.json | split -b 6M -d - $OUT/ab.tar.part)
+echo "== tpc [t=$(el)]"
+timeout ${TPC_S:-90} python3 -m eyas.bench.tpc --model smollm2 --draft $W/a $W/b --speculation chain:3 \
+  --speculation tree:smollm2_48d5 --temperature 0 --max-tokens 128 --prompts $S/question.jsonl ${TPC_EXTRA:-} \
+  --out $W/tpc 2>&1 | grep "^|"
+cp $W/tpc/tpc.json $OUT/ 2>/dev/null
+echo "== end [t=$(el)]"
