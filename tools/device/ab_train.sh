@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two draft-training variants side by side on one GPU (the same data, steps and seed; A_ARGS and B_ARGS differ), then
 # MT-Bench TPC of both. Call 2 or later of tools/device/README.md (the GGUF's first half and the data copied to $S in
-# call 1). Comes back in $OUT: tpc.json, and a tar in 6 MB parts of variant A's draft and both training.json files.
+# call 1). Comes back in $OUT: tpc.json, and both drafts in a tar of 6 MB parts (`cat ab.tar.part* | tar xf -`).
 #   A_ARGS="--answer-tokens 128" B_ARGS="" STEPS=480 TB=90 bash tools/device/ab_train.sh
 # STAGED=1 S=... W=... OUT=... D=... EXTRA="--limit 20 --batch-tokens 2048 --device cpu" makes a CPU dry run.
 set -u
@@ -17,7 +17,7 @@ python3 -m eyas.train.trainer $COMMON ${A_ARGS:-} --out $W/a > $W/a.log 2>&1 &
 python3 -m eyas.train.trainer $COMMON ${B_ARGS:-} --out $W/b > $W/b.log 2>&1 &
 wait
 for x in a b; do echo "-- $x"; grep -a '"steps"\|tokens_per_second\|acc_by_depth' -A3 $W/$x.log | tr -d ' \n' | head -c 400; echo; done
-(cd $W && tar cf - a/model.safetensors a/config.json a/training.json b/training.json | split -b 6M -d - $OUT/ab.tar.part)
+(cd $W && tar cf - {a,b}/model.safetensors {a,b}/config.json {a,b}/training.json | split -b 6M -d - $OUT/ab.tar.part)
 echo "== tpc [t=$(el)]"
 timeout ${TPC_S:-90} python3 -m eyas.bench.tpc --model smollm2 --draft $W/a $W/b --speculation chain:3 \
   --speculation tree:smollm2_48d5 --temperature 0 --max-tokens 128 --prompts $S/question.jsonl ${TPC_EXTRA:-} \
