@@ -227,7 +227,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode in dict.fromkeys(r["mode"] for r in rows):
         rs = [r for r in rows if r["mode"] == mode]
-        ax.plot([r["batch"] for r in rs], [r["ttit_ms"] for r in rs], marker="o", label=mode)
+        line, = ax.plot([r["batch"] for r in rs], [r["ttit_ms"] for r in rs], marker="o", label=f"{mode} (TTIT)")
+        tp = [(r["batch"], r["tpot_ms"]) for r in rs if r.get("tpot_ms") is not None]
+        if any(b > 1 for b, _ in tp):  # at batch 1 the two are one figure
+            ax.plot(*zip(*tp), marker="x", linestyle="--", color=line.get_color(), label=f"{mode} (TPOT)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("ms per committed token (per sequence)")
