@@ -524,10 +524,11 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
         ck = torch.load(resume, map_location="cpu", weights_only=False)
         if ck["layers"] != list(cfg.layers):
             raise ValueError(f"checkpoint {resume} trains layers {ck['layers']}, not {cfg.layers}")
-        if ck.get("config", {}).get("answer_tokens") != cfg.answer_tokens:
-            raise ValueError(f"checkpoint {resume} trains on answer tokens {ck['config'].get('answer_tokens')}, "
+        ck_cfg = ck.get("config", {})  # older checkpoints have no config: they trained on whole answers
+        if ck_cfg.get("answer_tokens") != cfg.answer_tokens:
+            raise ValueError(f"checkpoint {resume} trains on answer tokens {ck_cfg.get('answer_tokens')}, "
                              f"not {cfg.answer_tokens}")
-        ck_fl = ck.get("config", {}).get("feature_layers")
+        ck_fl = ck_cfg.get("feature_layers")
         if (list(ck_fl) if ck_fl is not None else None) != (list(fl) if fl is not None else None):
             raise ValueError(f"checkpoint {resume} reads feature layers {ck_fl}, not {cfg.feature_layers}")
         for d, s in zip(drafts, ck["drafts"]):
