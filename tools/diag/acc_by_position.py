@@ -5,12 +5,13 @@ in the answers' order) and the answers it was recorded on (`input_ids` + `loss_m
 import json
 import sys
 
-from safetensors.torch import load_file
 import torch
+
+from eyas.bench.latency import load_ranks
 
 
 def main(ranks_path: str, answers_path: str, questions_path: str | None = None) -> None:
-    ranks = load_file(ranks_path)["ranks"].long()
+    ranks = load_ranks(ranks_path)
     lens = [sum(json.loads(line)["loss_mask"]) for line in open(answers_path) if line.strip()]
     if sum(lens) != len(ranks):
         raise SystemExit(f"{answers_path} has {sum(lens)} answer tokens, {ranks_path} {len(ranks)} rows")
