@@ -102,3 +102,50 @@ def test_accept_ranks_replays_a_recording_on_any_tree(tmp_path):
     save_file({"ranks": torch.zeros(3)}, str(bad))
     with pytest.raises(SystemExit, match="integer tensor"):
         main(["bench", "latency", "--model", "smollm2-shape", "--accept-ranks", str(bad)])
+
+
+def test_bench_latency_tensor_parallel_equals_tp1(tmp_path):
+    """`--tensor-parallel 2` (2 gloo ranks on the CPU) on a random shape built sharded: the same decode steps and TPC
+    as TP = 1 (simulated acceptance draws from each request's explicit seed, identically on every rank), with the
+    draft replicated or sharded, and half the weight bytes per rank."""
+    ranks = "docs/bench/ranks_smollm2_runG_mtbench.safetensors"
+
+    def bench(*extra):
+        out = tmp_path / "-".join(extra or ("tp1",))
+        assert main(["bench", "latency", "--model", "llama-tiny-shape", "--modes", "plain,chain:3,tree:8",
+                     "--batch-sizes", "1,3", "--max-tokens", "10", "--context", "12", "--num-prompts", "3",
+                     "--accept-ranks", ranks, "--device", "cpu", "--dtype", "float32", "--out", str(out),
+                     *extra]) == 0
+        res = json.loads((out / "latency.json").read_text())
+        return res["meta"], {(r["mode"], r["batch"]): (r["decode_steps"], r["tpc"]) for r in res["results"]}
+    meta1, rows1 = bench()
+    meta2, rows2 = bench("--tensor-parallel", "2")
+    meta3, rows3 = bench("--tensor-parallel", "2", "--shard-draft")
+    assert rows1 == rows2 == rows3
+    assert rows1[("chain:3", 1)][1] > 1.5  # the replay accepts: speculative steps ran
+    assert (meta1["tensor_parallel"], meta2["tensor_parallel"], meta3["draft_sharded"]) == (1, 2, True)
+    assert meta2["linear_weight_bytes"] * 2 == meta1["linear_weight_bytes"]
+    assert "tensor parallel 2 (draft sharded)" in (tmp_path / "--tensor-parallel-2---shard-draft" /
+                                                   "latency.md").read_text()
+
+
+@pytest.mark.parametrize("bad", [["--tensor-parallel", "0"], ["--shard-draft"],
+                                 ["--tensor-parallel", "2", "--draft-vocab", "64"]])
+def test_bench_latency_refuses_bad_tensor_parallel(bad, tmp_path):
+    with pytest.raises(SystemExit, match="eyas bench latency"):
+        main(["bench", "latency", "--model", "llama-tiny-shape", "--out", str(tmp_path)] + bad)
+
+
+def test_soak_under_tensor_parallel_loses_nothing(tmp_path):
+    """`eyas bench soak` at TP = 2 (gloo): bursts and quiet spells through a tree dispatcher, greedy and sampled
+    requests, aborts and refusals; every admitted request ends, no KV block stays in use, the ranks never disagree
+    (TPEngine's check) and the command returns in bounded time."""
+    out = tmp_path / "soak"
+    assert main(["bench", "soak", "--model", "llama-tiny-shape", "--tensor-parallel", "2", "--duration", "6",
+                 "--max-batch", "6", "--max-prompt", "48", "--max-tokens", "24", "--burst-rate", "50",
+                 "--quiet-rate", "5", "--accept-rates", "0.9,0.8,0.7", "--device", "cpu", "--dtype", "float32",
+                 "--report-every", "2", "--grace", "120", "--out", str(out)]) == 0
+    rep = json.loads((out / "soak.json").read_text())
+    assert rep["passed"] and rep["final"] and rep["kv_blocks_in_use"] == 0 and rep["still_running"] == 0
+    assert rep["admitted"] == rep["finished"] + rep["aborted"] > 10
+    assert max(int(b) for b in rep["batch_sizes_seen"]) > 1 and rep["tokens"] > rep["admitted"]

@@ -31,7 +31,8 @@ def prompts(vocab, sizes=(1, 3, 7, 12)):
 
 
 def _generate(target, tok, draft, spec, rank, world, params, prompt_list, **engine_kw):
-    cfg = EngineConfig(**({"num_blocks": 64, "block_size": 8} | engine_kw))
+    graphs = next(target.parameters()).device.type == "cuda"  # on GPUs: whole steps replayed from CUDA graphs
+    cfg = EngineConfig(**({"num_blocks": 64, "block_size": 8, "cuda_graphs": graphs} | engine_kw))
     eng = LLMEngine(target, tok, draft, resolve_tree(spec), cfg)
     tp = TPEngine(eng, rank, world, check=world > 1)
     out = tp.generate(prompt_list if rank == 0 else None, params if rank == 0 else None)
@@ -39,21 +40,22 @@ def _generate(target, tok, draft, spec, rank, world, params, prompt_list, **engi
     return out, stats
 
 
-def run_cases(rank: int, world: int, dirs: dict) -> dict:
+def run_cases(rank: int, world: int, dirs: dict, device="cpu") -> dict:
     """Every case on this rank; with world = 1 it is the unsharded oracle (no process group needed)."""
     res = {}
     # -- logits: dense forward and the paged engine path (plain greedy decoding, every compute_logits call recorded)
     for name in ("untied", "tied"):
-        target, tok = load_target(dirs[name], "cpu", "float32")
+        target, tok = load_target(dirs[name], device, "float32")
         apply_tensor_parallel(target, rank, world)
         V = target.config.vocab_size
-        ids = torch.tensor(prompts(V, (9, 9))[:2])
+        ids = torch.tensor(prompts(V, (9, 9))[:2], device=device)
+        pos = torch.arange(9, device=device)[None].expand(2, 9)
         with torch.inference_mode():
-            res[f"{name}/dense"] = target.compute_logits(target(ids, torch.arange(9)[None].expand(2, 9)))
+            res[f"{name}/dense"] = target.compute_logits(target(ids, pos)).cpu()
         seen = []
-        h = target.lm_head.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+        h = target.lm_head.register_forward_hook(lambda m, a, out: seen.append(out.detach().cpu()))
         toks, _ = _generate(target, tok, None, None, rank, world, SamplingParams(max_tokens=6, ignore_eos=True),
-                            prompts(V))
+                            prompts(V), cuda_graphs=False)  # eager: the hook sees every step's logits
         h.remove()
         res[f"{name}/paged"] = seen
         res[f"{name}/paged_tokens"] = toks
@@ -61,10 +63,10 @@ def run_cases(rank: int, world: int, dirs: dict) -> dict:
         # the fast path fuses projections after sharding (as the runner does on CUDA): each rank's own shards
         enable_fast_path(target)
         with torch.inference_mode():
-            res[f"{name}/dense_fused"] = target.compute_logits(target(ids, torch.arange(9)[None].expand(2, 9)))
+            res[f"{name}/dense_fused"] = target.compute_logits(target(ids, pos)).cpu()
 
     # -- speculative decoding with a replicated draft that accepts often
-    target, tok, draft = load_sharded(dirs["mirror_target"], rank, world, "cpu", "float32", dirs["mirror_draft"])
+    target, tok, draft = load_sharded(dirs["mirror_target"], rank, world, device, "float32", dirs["mirror_draft"])
     assert draft.layers[0].self_attn.n_heads == 4  # replicated
     V = 24
     greedy = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -75,6 +77,12 @@ def run_cases(rank: int, world: int, dirs: dict) -> dict:
     # a small pool: preemption by recompute, decided identically on every rank
     res["tree:8/preempt"], res["tree:8/preempt_stats"] = _generate(target, tok, draft, "tree:8", rank, world, greedy,
                                                                    prompts(V), num_blocks=12, block_size=4)
+    # the draft sharded like the target (its row-parallel projections all-reduced too)
+    t2, tok2, d2 = load_sharded(dirs["mirror_target"], rank, world, device, "float32", dirs["mirror_draft"],
+                                shard_draft=True)
+    assert d2.layers[0].self_attn.n_heads == 4 // world
+    res["chain:3/greedy_sharded_draft"], res["chain:3/stats_sharded_draft"] = _generate(t2, tok2, d2, "chain:3", rank,
+                                                                                        world, greedy, prompts(V))
     sampled = [SamplingParams(temperature=1.0, max_tokens=20, seed=100 + i, ignore_eos=True) for i in range(4)]
     for spec in (None, "chain:3"):
         res[f"{spec}/sampled"], _ = _generate(target, tok, draft if spec else None, spec, rank, world, sampled,
@@ -84,7 +92,7 @@ def run_cases(rank: int, world: int, dirs: dict) -> dict:
 
 def _rank_main(rank, world, device, out_dir, dirs):
     import torch.distributed as dist
-    res = run_cases(rank, world, dirs)
+    res = run_cases(rank, world, dirs, device)
     tokens = {k: v for k, v in res.items() if k.endswith(("greedy", "sampled", "tokens", "preempt"))}
     everyone = [None] * world
     dist.all_gather_object(everyone, tokens)
@@ -148,6 +156,13 @@ def test_greedy_speculative_equals_tp1(ranks, oracle, spec):
         assert used == 0 and decodes < 4 * 19 / 2  # long draft paths were accepted at TP = 2 too
 
 
+def test_sharded_draft_equals_tp1(ranks, oracle):
+    assert oracle["chain:3/greedy_sharded_draft"] == oracle["plain/greedy"]
+    for r in ranks:
+        assert r["chain:3/greedy_sharded_draft"] == oracle["plain/greedy"]
+        assert r["chain:3/stats_sharded_draft"] == ranks[0]["chain:3/stats"]  # the same draft, the same steps
+
+
 def test_preemption_under_tp(ranks, oracle):
     for r in ranks:
         assert r["tree:8/preempt"] == oracle["plain/greedy"]
@@ -160,6 +175,42 @@ def test_seeded_sampling_equals_tp1(ranks, oracle, spec):
     assert len({json.dumps(t) for t in toks}) == len(toks)  # different seeds, different outputs
     for r in ranks:
         assert r[f"{spec}/sampled"] == toks
+
+
+two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                              reason="needs 2 GPUs (NCCL)")
+
+
+@pytest.fixture(scope="module")
+def gpu_runs(dirs, tmp_path_factory):
+    """The same cases on 2 GPUs with NCCL (float32, the fast path's kernels, CUDA graphs for the generations), and
+    the oracle: the unsharded model on cuda:0, same code."""
+    out = tmp_path_factory.mktemp("tp_gpu")
+    spawn(_rank_main, WORLD, str(out), dirs, timeout=300)
+    torch.manual_seed(0)
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)], run_cases(0, 1, dirs, "cuda:0")
+
+
+@two_gpus
+def test_nccl_tp2_equals_tp1_with_cuda_graphs(gpu_runs):
+    ranks, oracle = gpu_runs
+    assert all(r["ranks_agree"] for r in ranks)
+    for name in ("untied", "tied"):
+        assert torch.equal(ranks[0][f"{name}/dense"], ranks[1][f"{name}/dense"])  # the same bits on every rank
+        for r in ranks:
+            torch.testing.assert_close(r[f"{name}/dense"], oracle[f"{name}/dense"], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(r[f"{name}/dense_fused"], oracle[f"{name}/dense"], atol=1e-4, rtol=1e-4)
+            for a, b in zip(r[f"{name}/paged"], oracle[f"{name}/paged"]):
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+            assert r[f"{name}/paged_tokens"] == oracle[f"{name}/paged_tokens"]
+    assert oracle["chain:3/greedy"] == oracle["tree:8/greedy"] == oracle["plain/greedy"]
+    for r in ranks:
+        for key in ("plain/greedy", "chain:3/greedy", "tree:8/greedy", "None/sampled", "chain:3/sampled",
+                    "chain:3/greedy_sharded_draft"):
+            assert r[key] == oracle[key], key
+        assert r["tree:8/preempt"] == oracle["plain/greedy"]
+    assert ranks[0]["chain:3/stats"][1] == 0 and ranks[0]["chain:3/stats"][2] < 4 * 19 / 2
+    assert ranks[0]["chain:3/stats_sharded_draft"] == ranks[0]["chain:3/stats"]
 
 
 def test_indivisible_heads_are_refused(dirs):

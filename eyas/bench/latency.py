@@ -30,16 +30,45 @@ from eyas.sampling_params import SamplingParams
 from eyas.spec.tree import resolve_tree
 
 
-def load_models(model: str, draft: str | None, device, dtype):
-    """-> (target, tokenizer, draft or None, simulated: bool)."""
+def load_models(model: str, draft: str | None, device, dtype, rank: int = 0, world_size: int = 1,
+                shard_draft: bool = False):
+    """-> (target, tokenizer, draft or None, simulated: bool). With `world_size` > 1, this rank's shard of the target
+    (random shapes are built sharded; checkpoints are loaded whole on the host and sliced) and the draft replicated,
+    or sharded with `shard_draft`."""
     from eyas.bench.shapes import SHAPES, random_draft, random_target
     if model in SHAPES:
-        target = random_target(model, device, dtype)
-        return target, None, random_draft(target), True
+        target = random_target(model, device, dtype, rank=rank, world_size=world_size)
+        d = random_draft(target, config=SHAPES[model], rank=rank, world_size=world_size if shard_draft else 1)
+        return target, None, d, True
     from eyas.loader.resolve import resolve_draft_arg
+    if world_size > 1:
+        from eyas.dist.tp import load_sharded
+        target, tok, d = load_sharded(model, rank, world_size, device, dtype, resolve_draft_arg(model, draft),
+                                      shard_draft=shard_draft)
+        return target, tok, d, False
     from eyas.engine.llm import LLM
     llm = LLM(model, device=str(device), dtype=str(dtype).removeprefix("torch."), draft=resolve_draft_arg(model, draft))
     return llm.target, llm.tokenizer, llm.draft, False
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30, reps: int = 10) -> float | None:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written (how NOTES.md and issue 5 quote
+    the H200's 4.18 TB/s); None off CUDA. The weight-read floor of a decode step is its weight bytes over this."""
+    if device.type != "cuda":
+        return None
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        b.copy_(a)
+    end.record()
+    end.synchronize()
+    bw = 2 * nbytes * reps / (start.elapsed_time(end) / 1000)
+    del a, b
+    torch.cuda.empty_cache()
+    return bw
 
 
 def rates_from_tpc_report(path: str | Path, temperature: float = 0.0) -> list[float]:
@@ -111,7 +140,8 @@ def split_modes(text: str) -> list[str]:
 
 
 def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
-             graphs: bool, block_size: int = 16, profile: bool = False, num_prompts: int = 1) -> dict:
+             graphs: bool, block_size: int = 16, profile: bool = False, num_prompts: int = 1,
+             verbose: bool = True) -> dict:
     tree = None if mode == "plain" else resolve_tree(mode)
     longest = max(len(p) for p in prompts)
     cfg = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, longest), cuda_graphs=graphs,
@@ -125,10 +155,13 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
         D = engine.tree.max_depth
         rates = (list(simulated_rates) + [simulated_rates[-1]] * D)[:D]
         engine.runner.simulated_accept = torch.tensor(rates, device=next(target.parameters()).device)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # explicit seeds: simulated acceptance draws from (seed, position), so the rows are reproducible, and under
+    # tensor parallelism every rank draws the same acceptance (a per-rank random seed would make the ranks diverge)
+    def params(i, n=max_tokens):
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, seed=i)
     # warm-up: captures the graph of this batch size and compiles the kernels
-    for p in prompts[:batch]:
-        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    for i, p in enumerate(prompts[:batch]):
+        engine.add_request(p, params(i, 4))
     while engine.has_unfinished():
         engine.step()
     if engine.runner.graphs is not None:
@@ -148,7 +181,7 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
         sync()
         steps0 = engine.step_counts["decode"]
         t0 = time.perf_counter()
-        seqs = [engine.add_request(p, params) for p in wave]
+        seqs = [engine.add_request(p, params(w * batch + i)) for i, p in enumerate(wave)]
         first = None
         # each request's own finish time (the host knows it once the step that finished it returns), for its time
         # per output token (TPOT): a request that finishes early is not charged the steps its batch-mates still
@@ -182,8 +215,8 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
                   if d is not None and s.num_output > n0]
     if profile:  # where the GPU time of a few decode steps goes, by kernel
         from torch.profiler import ProfilerActivity, profile as torch_profile
-        for p in prompts[:batch]:
-            engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        for i, p in enumerate(prompts[:batch]):
+            engine.add_request(p, params(i, 12))
         while any(s.in_prefill or s.status.value == "waiting" for s in engine.scheduler.running) or \
                 engine.scheduler.waiting:
             engine.step()
@@ -191,11 +224,12 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
             for _ in range(3):
                 engine.step()
             sync()
-        print(f"--- profile: {mode}, batch {batch}, 3 decode steps ---")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        busy = sum(e.device_time for e in kernels) / 1000
-        print(f"GPU kernels per step: {len(kernels) / 3:.0f}, busy {busy / 3:.3f} ms per step")
+        if verbose:
+            print(f"--- profile: {mode}, batch {batch}, 3 decode steps ---")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            busy = sum(e.device_time for e in kernels) / 1000
+            print(f"GPU kernels per step: {len(kernels) / 3:.0f}, busy {busy / 3:.3f} ms per step")
         while engine.has_unfinished():
             engine.step()
     return {
@@ -210,13 +244,24 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
 
 def markdown(rows: list[dict], meta: dict) -> str:
     sim = " (simulated acceptance)" if meta.get("simulated") else ""
-    out = [f"model `{meta['model']}`{sim}, {meta['device_name']}, {meta['dtype']}, {meta['date']}", "",
-           "| mode | batch | TTFT ms | ms/token (TTIT) | TPOT ms | TPC | tokens/s | decode steps | ms/step |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    tp = f", tensor parallel {meta['tensor_parallel']}" if meta.get("tensor_parallel", 1) > 1 else ""
+    if tp and meta.get("draft_sharded"):
+        tp += " (draft sharded)"
+    elif tp:
+        tp += " (draft replicated)"
+    out = [f"model `{meta['model']}`{sim}{tp}, {meta['device_name']}, {meta['dtype']}, {meta['date']}"]
+    floor = meta.get("weight_read_floor_ms")
+    if floor:
+        out.append(f"weight-read floor {floor:.3f} ms per step: {meta['linear_weight_bytes'] / 1e9:.2f} GB of linear "
+                   f"weights per GPU at the measured copy bandwidth {meta['copy_bytes_per_s'] / 1e12:.2f} TB/s")
+    out += ["", "| mode | batch | TTFT ms | ms/token (TTIT) | TPOT ms | TPC | tokens/s | decode steps | ms/step |"
+            + (" TTIT / floor |" if floor else ""),
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if floor else "")]
     for r in rows:
         tpot = f"{r['tpot_ms']:.3f}" if r.get("tpot_ms") is not None else ""
         out.append(f"| {r['mode']} | {r['batch']} | {r['ttft_ms']:.1f} | {r['ttit_ms']:.3f} | {tpot} | "
-                   f"{r['tpc']:.2f} | {r['tokens_per_s']:.0f} | {r['decode_steps']} | {r['ms_per_decode_step']:.3f} |")
+                   f"{r['tpc']:.2f} | {r['tokens_per_s']:.0f} | {r['decode_steps']} | {r['ms_per_decode_step']:.3f} |"
+                   + (f" {r['ttit_ms'] / floor:.2f} |" if floor else ""))
     return "\n".join(out) + "\n"
 
 
@@ -242,11 +287,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def run(args) -> int:
-    from tqdm.auto import tqdm
-    from eyas.loader.resolve import resolve_device, resolve_dtype
+def _parse(args):
+    """-> (modes, batch sizes, acceptance); bad input exits before any model is loaded."""
     modes = split_modes(args.modes)
-    try:  # bad input fails before any model is loaded
+    try:
         for m in modes:
             if m != "plain":
                 resolve_tree(m)
@@ -263,11 +307,27 @@ def run(args) -> int:
             raise ValueError("--num-prompts must be >= 1")
         if args.draft_vocab < 0:
             raise ValueError("--draft-vocab must be >= 1 (or 0: the whole vocabulary)")
+        if args.tensor_parallel < 1:
+            raise ValueError("--tensor-parallel must be >= 1")
+        if args.tensor_parallel > 1 and args.draft_vocab:
+            raise ValueError("--draft-vocab does not combine with --tensor-parallel (the draft vocabulary slices the "
+                             "LM head, which tensor parallelism shards by vocabulary)")
+        if args.shard_draft and args.tensor_parallel == 1:
+            raise ValueError("--shard-draft needs --tensor-parallel > 1")
     except ValueError as e:
         raise SystemExit(f"eyas bench latency: {e}") from None
-    device = resolve_device(args.device)
+    return modes, batches, accept
+
+
+def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int = 1):
+    """Every (mode, batch) row on this rank -> (rows, meta). Under tensor parallelism every rank runs the same rows
+    in lockstep (the same prompts, seeds and schedule, hence the same collectives); rank 0's timings are reported."""
+    from tqdm.auto import tqdm
+    from eyas.loader.resolve import resolve_dtype
     dtype = resolve_dtype(args.dtype, device)
-    target, tokenizer, draft, simulated = load_models(args.model, args.draft, device, dtype)
+    bw = copy_bandwidth(device)
+    target, tokenizer, draft, simulated = load_models(args.model, args.draft, device, dtype, rank, world_size,
+                                                      args.shard_draft)
     if args.draft_vocab:
         if not simulated or draft is None:
             raise SystemExit("eyas bench latency: --draft-vocab is for random-weight shapes (a trained draft carries "
@@ -276,33 +336,68 @@ def run(args) -> int:
         attach_draft_vocab(draft, target, torch.arange(min(args.draft_vocab, target.config.vocab_size)))
     rates = accept if simulated else None
     if draft is None and any(m != "plain" for m in modes):
-        print(f"no draft for {args.model}: measuring plain decoding only")
+        if rank == 0:
+            print(f"no draft for {args.model}: measuring plain decoding only")
         modes = [m for m in modes if m == "plain"]
     prompts = make_prompts(tokenizer, target.config.vocab_size, max(max(batches), args.num_prompts), args.context,
                            args.prompts)
     graphs = args.cuda_graphs and device.type == "cuda"
     rows = []
     for mode in modes:
-        for b in tqdm(batches, desc=mode):
+        for b in tqdm(batches, desc=mode, disable=rank != 0):
             rows.append(run_mode(target, tokenizer, draft, mode, b, prompts, args.max_tokens, rates, graphs,
-                                 profile=args.profile, num_prompts=args.num_prompts))
+                                 profile=args.profile, num_prompts=args.num_prompts, verbose=rank == 0))
     meta = {"model": args.model, "draft": args.draft, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
             "dtype": str(dtype), "date": str(date.today()), "simulated": simulated,
             "accept_rates": None if isinstance(rates, torch.Tensor) else rates,
             "accept_ranks": args.accept_ranks if simulated and args.accept_ranks else None,
             "context": args.context, "max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
-            "draft_vocab": args.draft_vocab or None,
-            "cuda_graphs": graphs}
+            "draft_vocab": args.draft_vocab or None, "cuda_graphs": graphs,
+            "tensor_parallel": world_size, "draft_sharded": bool(args.shard_draft and world_size > 1)}
     if simulated:
         from eyas.bench.shapes import linear_weight_bytes
-        meta["linear_weight_bytes"] = linear_weight_bytes(target)
-    out = Path(args.out)
+        meta["linear_weight_bytes"] = linear_weight_bytes(target)  # of one rank's shard under TP
+        if bw:  # every rank reads its own shard at the same time: the step cannot beat one shard over one GPU's copy
+            meta["copy_bytes_per_s"] = bw
+            meta["weight_read_floor_ms"] = meta["linear_weight_bytes"] / bw * 1000
+    return rows, meta
+
+
+def write_outputs(out: str | Path, rows: list[dict], meta: dict) -> None:
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "latency.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
     (out / "latency.md").write_text(markdown(rows, meta))
-    plot(rows, out / "latency.png", f"{args.model}{' (simulated acceptance)' if simulated else ''}")
+    tp = f", TP = {meta['tensor_parallel']}" if meta.get("tensor_parallel", 1) > 1 else ""
+    plot(rows, out / "latency.png", f"{meta['model']}{tp}{' (simulated acceptance)' if meta['simulated'] else ''}")
     print(markdown(rows, meta))
+
+
+def _tp_rank(rank: int, world_size: int, device, args, modes, batches, accept) -> None:
+    """One rank of `eyas bench latency --tensor-parallel N` (started by `eyas.dist.spawn`)."""
+    rows, meta = measure(args, modes, batches, accept, device, rank, world_size)
+    if rank == 0:
+        write_outputs(args.out, rows, meta)
+
+
+def run(args) -> int:
+    from eyas.loader.resolve import resolve_device
+    modes, batches, accept = _parse(args)
+    device = resolve_device(args.device)
+    W = args.tensor_parallel
+    if W > 1:
+        from eyas.dist.launch import spawn
+        if device.type == "cuda" and torch.cuda.device_count() < W:
+            raise SystemExit(f"eyas bench latency: --tensor-parallel {W} needs {W} GPUs, this machine has "
+                             f"{torch.cuda.device_count()}")
+        cpu = device.type != "cuda"
+        args.func = None  # the namespace travels to the ranks by pickle
+        spawn(_tp_rank, W, args, modes, batches, accept, backend="gloo" if cpu else None,
+              threads=1 if cpu else None, timeout=args.timeout)
+        return 0
+    rows, meta = measure(args, modes, batches, accept, device)
+    write_outputs(args.out, rows, meta)
     return 0
 
 
@@ -328,6 +423,12 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="random-weight shapes: the draft proposes only this many token ids (the cost of a reduced "
                         "draft vocabulary; acceptance stays simulated)")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="shard the target over N ranks (N GPUs, NCCL; gloo on the CPU), started by this command")
+    p.add_argument("--shard-draft", action="store_true",
+                   help="with --tensor-parallel: shard the draft like the target (default: every rank holds it whole)")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="with --tensor-parallel: seconds after which every rank is killed (never wait forever)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")

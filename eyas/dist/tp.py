@@ -289,9 +289,10 @@ class TPEngine:
 
 
 def load_sharded(model: str, rank: int, world_size: int, device="cpu", dtype="auto", draft: str | None = None,
-                 group=None):
-    """Load a target (and optionally an EAGLE draft, replicated) for one rank: read on the CPU, shard, then move only
-    this rank's slices to `device`. Returns (target, tokenizer, draft or None).
+                 group=None, shard_draft: bool = False):
+    """Load a target (and optionally an EAGLE draft, replicated, or sharded like the target with `shard_draft`) for
+    one rank: read on the CPU, shard, then move only this rank's slices to `device`. Returns (target, tokenizer,
+    draft or None).
 
     The checkpoint is still read whole into host memory by each rank before slicing (not yet slice-wise reading of
     the safetensors/GGUF tensors)."""
@@ -303,4 +304,6 @@ def load_sharded(model: str, rank: int, world_size: int, device="cpu", dtype="au
     apply_tensor_parallel(target, rank, world_size, group)
     target = target.to(dev)
     d = load_draft(draft, target) if draft is not None else None
+    if d is not None and shard_draft:
+        apply_tensor_parallel(d, rank, world_size, group)
     return target, tok, d

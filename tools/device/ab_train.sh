@@ -3,6 +3,7 @@
 # MT-Bench TPC of both. Call 2 or later of tools/device/README.md (the GGUF's first half and the data copied to $S in
 # call 1). Comes back in $OUT: tpc.json, and both drafts in a tar of 6 MB parts (`cat ab.tar.part* | tar xf -`).
 #   A_ARGS="--answer-tokens 128" B_ARGS="" STEPS=480 TB=90 bash tools/device/ab_train.sh
+# A_GPU / B_GPU (default 0 and 0) put the variants on GPUs of their own (nvidia-h200-x2: A_GPU=0 B_GPU=1).
 # STAGED=1 S=... W=... OUT=... D=... EXTRA="--limit 20 --batch-tokens 2048 --device cpu" makes a CPU dry run.
 set -u
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
@@ -13,8 +14,8 @@ BASE=${BASE_ARGS:---layers 1 --unroll 3 --init eyas/drafts/smollm2 --feature-lay
 COMMON="--target smollm2 --data $D $BASE --epochs 100 --max-steps ${STEPS:-500} --time-budget ${TB:-100} \
   --heldout ${HO:-64} --tpc-prompts 0 --no-progress ${EXTRA:-}"
 echo "== train A (${A_ARGS:-}) and B (${B_ARGS:-}) [t=$(el)]"
-python3 -m eyas.train.trainer $COMMON ${A_ARGS:-} --out $W/a > $W/a.log 2>&1 &
-python3 -m eyas.train.trainer $COMMON ${B_ARGS:-} --out $W/b > $W/b.log 2>&1 &
+CUDA_VISIBLE_DEVICES=${A_GPU:-0} python3 -m eyas.train.trainer $COMMON ${A_ARGS:-} --out $W/a > $W/a.log 2>&1 &
+CUDA_VISIBLE_DEVICES=${B_GPU:-0} python3 -m eyas.train.trainer $COMMON ${B_ARGS:-} --out $W/b > $W/b.log 2>&1 &
 wait
 for x in a b; do echo "-- $x"; grep -a '"steps"\|tokens_per_second\|acc_by_depth' -A3 $W/$x.log | tr -d ' \n' | head -c 400; echo; done
 (cd $W && tar cf - {a,b}/model.safetensors {a,b}/config.json {a,b}/training.json | split -b 6M -d - $OUT/ab.tar.part)
