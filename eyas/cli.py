@@ -34,18 +34,11 @@ def _timings(n: int, t0: float, first: float | None, t1: float, spec: str = "") 
 def _tp_generate(rank: int, world_size: int, device, args) -> None:
     """One rank of `eyas generate --tensor-parallel N`: shard the target, replicate the draft, step in lockstep
     (eyas.dist.TPEngine); rank 0 takes the prompt and prints."""
-    from eyas.dist.tp import TPEngine, load_sharded
-    from eyas.engine.engine import EngineConfig, LLMEngine
-    from eyas.loader.resolve import draft_dir, resolve_draft_arg
-    from eyas.spec.dispatch import default_speculation
-    from eyas.spec.tree import resolve_tree
-    draft = resolve_draft_arg(args.model, args.draft)
-    if draft is not None:
-        draft = draft_dir(args.model, draft)
-    target, tok, draft_model = load_sharded(args.model, rank, world_size, device, args.dtype, draft=draft)
-    tree = resolve_tree(args.speculation) or (resolve_tree(default_speculation(draft_model, device))
-                                              if draft_model is not None else None)
-    tp = TPEngine(LLMEngine(target, tok, draft_model, tree, EngineConfig()), rank, world_size)
+    from eyas.dist.tp import build_tp_engine
+    from eyas.loader.resolve import resolve_draft_arg
+    tp = build_tp_engine(args.model, resolve_draft_arg(args.model, args.draft), args.speculation, rank, world_size,
+                         device, args.dtype, cuda_graphs="auto" if args.cuda_graphs else False)
+    tok = tp.engine.tokenizer
     if rank != 0:
         tp.generate()
         return
@@ -66,9 +59,9 @@ def cmd_generate(args) -> int:
     params = _sampling_params(args)  # bad settings fail before the model loads
     if args.tensor_parallel > 1:
         import torch
-        from eyas.dist.launch import spawn
+        from eyas.dist.launch import run_ranks
         cpu = args.device == "cpu" or not torch.cuda.is_available()
-        spawn(_tp_generate, args.tensor_parallel, args, backend="gloo" if cpu else None, threads=1 if cpu else None)
+        run_ranks(_tp_generate, args.tensor_parallel, args, backend="gloo" if cpu else None, threads=1 if cpu else None)
         return 0
     llm = LLM(args.model, device=args.device, dtype=args.dtype, draft=resolve_draft_arg(args.model, args.draft),
               speculation=args.speculation, cuda_graphs="auto" if args.cuda_graphs else False)

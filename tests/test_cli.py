@@ -50,3 +50,17 @@ def test_generate_tensor_parallel_2_equals_1(tmp_path, capfd):
     out, err = capfd.readouterr()
     assert out.strip() == single and len(single.split()) == 16
     assert "TP 2" in err
+    # started by torchrun: each of its processes is one rank (no spawn of its own); rank 0 prints
+    import os
+    import subprocess
+    import sys
+    from eyas.dist.launch import free_port
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(free_port()), "-m", "eyas.cli", *common, "--tensor-parallel", "2"],
+                       capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == single and r.stderr.count("TP 2") == 1
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(free_port()), "-m", "eyas.cli", *common, "--tensor-parallel", "3"],
+                       capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode != 0 and "torchrun started 2 processes" in r.stderr

@@ -618,3 +618,74 @@ def test_eyas_serve_subprocess(tiny_dir):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+def _children(pid: int) -> list[int]:
+    """Live descendants of `pid` (from /proc)."""
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(d.name))
+    return kids + [g for k in kids for g in _children(k)]
+
+
+def test_eyas_serve_tensor_parallel(tmp_path):
+    """`eyas serve --tensor-parallel 2` (2 gloo ranks on the CPU): the openai client gets, at TP = 2 with a draft
+    (chain:3), the text that offline TP = 1 plain decoding writes; requests at once and a bad one (400) are served; an
+    idle server keeps its ranks alive past the heartbeat; SIGTERM stops every process in bounded time."""
+    from conftest import smollm2_tokenizer
+    from helpers import write_random_draft, write_tiny_chat_model
+    tok = smollm2_tokenizer()
+    mdir = write_tiny_chat_model(tmp_path / "m", tok)  # 4 heads, 2 kv heads: shards over 2 ranks
+    ddir = write_random_draft(tmp_path / "d", mdir)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    llm = LLM(str(mdir), device="cpu", dtype="float32")
+    want = [o.text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "eyas.cli", "serve", "--model", str(mdir), "--draft", str(ddir), "--speculation",
+           "chain:3", "--served-model-name", "tiny", "--device", "cpu", "--dtype", "float32", "--port", str(port),
+           "--num-blocks", "64", "--tensor-parallel", "2", "--log-level", "warning"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "eyas serve --tensor-parallel 2 did not come up"
+            time.sleep(0.2)
+        assert len(_children(proc.pid)) >= 2  # the two ranks
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.completions.create(model="tiny", prompt=prompts, max_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="tiny", prompt="hi", max_tokens=10, temperature=-1)
+        time.sleep(3)  # idle: rank 0 keeps stepping (a heartbeat), so the other rank is not left waiting
+        stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=10, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream) == want[0]
+        kids = _children(proc.pid)
+        proc.terminate()
+        assert proc.wait(60) == 0
+        out = proc.stdout.read().decode()
+        assert "Traceback" not in out, out  # rank 0 stopped the other rank before leaving (no broken collective)
+        time.sleep(0.5)
+        assert not [k for k in kids if Path(f"/proc/{k}").exists() and "zombie" not in
+                    (Path(f"/proc/{k}/status").read_text() if Path(f"/proc/{k}").exists() else "zombie").lower()]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)

@@ -387,13 +387,13 @@ def run(args) -> int:
     device = resolve_device(args.device)
     W = args.tensor_parallel
     if W > 1:
-        from eyas.dist.launch import spawn
+        from eyas.dist.launch import run_ranks
         if device.type == "cuda" and torch.cuda.device_count() < W:
             raise SystemExit(f"eyas bench latency: --tensor-parallel {W} needs {W} GPUs, this machine has "
                              f"{torch.cuda.device_count()}")
         cpu = device.type != "cuda"
         args.func = None  # the namespace travels to the ranks by pickle
-        spawn(_tp_rank, W, args, modes, batches, accept, backend="gloo" if cpu else None,
+        run_ranks(_tp_rank, W, args, modes, batches, accept, backend="gloo" if cpu else None,
               threads=1 if cpu else None, timeout=args.timeout)
         return 0
     rows, meta = measure(args, modes, batches, accept, device)

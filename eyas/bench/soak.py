@@ -180,9 +180,9 @@ def run(args) -> int:
     if device.type == "cuda" and torch.cuda.device_count() < W:
         raise SystemExit(f"eyas bench soak: --tensor-parallel {W} needs {W} GPUs, this machine has "
                          f"{torch.cuda.device_count()}")
-    from eyas.dist.launch import spawn
+    from eyas.dist.launch import run_ranks
     cpu = device.type != "cuda"
-    spawn(soak_rank, W, args, backend="gloo" if cpu else None, threads=1 if cpu else None,
+    run_ranks(soak_rank, W, args, backend="gloo" if cpu else None, threads=1 if cpu else None,
           timeout=args.duration + args.grace)
     report = json.loads((Path(args.out) / "soak.json").read_text())
     return 0 if report.get("passed") else 1

@@ -8,6 +8,8 @@
   If either times out, it warns and returns; the caller may then `os._exit`.
 * `spawn(fn, world_size, *args)` starts `world_size` processes, each running `fn(rank, world_size, device, *args)`
   between `init_distributed` and `shutdown`, and kills them all if they do not finish within `timeout`.
+* `run_ranks(fn, world_size, *args)`: what the commands call. Started by torchrun (its WORLD_SIZE in the
+  environment), this process is one rank already: it joins the group and runs `fn` itself; otherwise `spawn`.
 """
 from __future__ import annotations
 
@@ -108,22 +110,67 @@ def _worker(rank: int, fn, world_size: int, init_method: str, backend: str | Non
         os._exit(0)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def spawn(fn, world_size: int, *args, backend: str | None = None, timeout: float = 600.0,
-          threads: int | None = None) -> None:
+          threads: int | None = None, grace_s: float = 30.0) -> None:
     """Run `fn(rank, world_size, device, *args)` on `world_size` fresh processes (`fn` must be importable: a module-level
     function of a real module). Rendezvous on 127.0.0.1 and a free port. Raises if a rank fails; kills every rank and
-    raises TimeoutError if they are not all done within `timeout` seconds."""
+    raises TimeoutError if they are not all done within `timeout` seconds (`float("inf")`: a server, no limit).
+
+    Interrupted (Ctrl-C, or SIGTERM, which it turns into KeyboardInterrupt while it waits), it sends SIGTERM to
+    rank 0 alone, which drives the others (a server shuts down and stops them), waits up to `grace_s` seconds for
+    every rank to end, kills what is left and raises KeyboardInterrupt."""
+    import signal
+    import threading as _threading
     import torch.multiprocessing as mp
     init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.start_processes(_worker, args=(fn, world_size, init_method, backend, threads, args), nprocs=world_size,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
+    main = _threading.current_thread() is _threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _interrupt) if main else None
     try:
         while not ctx.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"tensor-parallel ranks still running after {timeout} s: killed")
+    except KeyboardInterrupt:
+        if ctx.processes[0].is_alive():
+            ctx.processes[0].terminate()
+        end = time.monotonic() + grace_s
+        for p in ctx.processes:
+            p.join(max(0.0, end - time.monotonic()))
+        raise
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, old)
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+def under_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def run_ranks(fn, world_size: int, *args, backend: str | None = None, timeout: float = 600.0,
+              threads: int | None = None) -> None:
+    """Run `fn(rank, world_size, device, *args)` on every rank: in this process when torchrun started it (one rank
+    of its WORLD_SIZE, which must equal `world_size`), else on `world_size` processes of `spawn`."""
+    if under_torchrun():
+        env_world = int(os.environ["WORLD_SIZE"])
+        if env_world != world_size:
+            raise ValueError(f"--tensor-parallel {world_size}, but torchrun started {env_world} processes "
+                             "(--nproc-per-node must equal it)")
+        if threads:
+            torch.set_num_threads(threads)
+        rank, world, device = init_distributed(backend=backend)
+        try:
+            fn(rank, world, device, *args)
+        finally:
+            shutdown()
+        return
+    spawn(fn, world_size, *args, backend=backend, timeout=timeout, threads=threads)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from typing import Any
 
 import torch
@@ -286,6 +287,79 @@ class TPEngine:
         for rid, err in self.last_errors:
             raise ValueError(f"request {rid}: {err}")
         return [results.get(r, []) for r in rids]
+
+
+class TPServingEngine:
+    """Rank 0's `LLMEngine` face of a `TPEngine`, for the server's engine loop (`eyas.serve.async_engine`), which
+    calls `add_request`, `abort`, `has_unfinished` and `step` from its one loop thread and reads the engine's state
+    (tokenizer, scheduler, blocks, step counts, ...: rank 0's own engine, forwarded).
+
+    * `add_request` checks the request on rank 0 at once (a bad one raises ValueError there, as LLMEngine does, so
+      the client gets its 4xx) and queues it for every rank's next step.
+    * `has_unfinished` is also true while operations are queued, and once `heartbeat_s` has passed since the last
+      step: an idle server still steps (an empty broadcast) every ~second, so the other ranks, which wait in that
+      broadcast, never reach the process group's timeout.
+    * A request that every rank refuses at its step (it passed rank 0's check, so this is not expected) comes back
+      as a finished output with finish_reason "error": the loop never waits for a request that will not run.
+    * `close()` stops every rank (their `TPEngine.step` returns None); call it after the loop thread has stopped.
+    """
+
+    def __init__(self, tp: TPEngine, heartbeat_s: float = 0.5):
+        if tp.rank != 0:
+            raise ValueError("only rank 0 serves")
+        self.tp, self.local, self.heartbeat_s = tp, tp.engine, heartbeat_s
+        self._last_step = time.monotonic()
+
+    def __getattr__(self, name):  # tokenizer, tree, draft, blocks, scheduler, step_counts, max_model_len, ...
+        return getattr(self.local, name)
+
+    def add_request(self, prompt, params=None, request_id: str | None = None) -> str:
+        if request_id is not None and any(op[0] == "add" and op[1] == request_id for op in self.tp._ops):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.local.check_request(prompt, request_id)
+        return self.tp.add_request(ids, params, request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.tp.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return (bool(self.tp._ops) or self.local.has_unfinished()
+                or time.monotonic() - self._last_step > self.heartbeat_s)
+
+    def step(self):
+        from eyas.engine.engine import RequestOutput
+        self._last_step = time.monotonic()
+        outs = self.tp.step()
+        if outs is None:
+            return []
+        return outs + [RequestOutput(rid, [], [], "", True, "error", 0) for rid, _ in self.tp.last_errors]
+
+    def close(self) -> None:
+        self.tp.stop()
+        self.tp.step()
+
+
+def build_tp_engine(model: str, draft: str | None, speculation: str | None, rank: int, world_size: int, device,
+                    dtype="auto", check: bool = False, **engine_kwargs) -> TPEngine:
+    """This rank's `TPEngine` for `eyas generate/serve --tensor-parallel N`: the target sharded, the draft
+    (`draft`: as `eyas.loader.resolve.resolve_draft_arg` returns it) replicated, the speculation given or the draft's
+    default for the device. `engine_kwargs` go to `EngineConfig` (cuda_graphs="auto": on a GPU)."""
+    from eyas.engine.engine import EngineConfig, LLMEngine
+    from eyas.loader.resolve import draft_dir
+    from eyas.spec.dispatch import default_speculation
+    from eyas.spec.tree import resolve_tree
+    if draft is not None:
+        draft = draft_dir(model, draft)
+    target, tok, draft_model = load_sharded(model, rank, world_size, device, dtype, draft=draft)
+    tree = resolve_tree(speculation)
+    if tree is not None and draft_model is None:
+        raise ValueError(f"speculation {speculation!r} needs a draft model")
+    if draft_model is not None and tree is None:
+        tree = resolve_tree(default_speculation(draft_model, device))
+    if engine_kwargs.get("cuda_graphs") == "auto":
+        engine_kwargs["cuda_graphs"] = torch.device(device).type == "cuda"
+    return TPEngine(LLMEngine(target, tok, draft_model, tree, EngineConfig(**engine_kwargs)), rank, world_size,
+                    check=check)
 
 
 def load_sharded(model: str, rank: int, world_size: int, device="cpu", dtype="auto", draft: str | None = None,

@@ -95,9 +95,8 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         return ids
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Sequence:
-        params = params or SamplingParams()
+    def check_request(self, prompt: str | list[int], request_id: str | None = None) -> list[int]:
+        """The prompt's token ids, if this engine can take the request; ValueError (what is wrong) otherwise."""
         ids = self.encode(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, but the model's context is {self.max_model_len} "
@@ -107,6 +106,12 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than the KV cache holds ({capacity} slots)")
         if request_id is not None and request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Sequence:
+        params = params or SamplingParams()
+        ids = self.check_request(prompt, request_id)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(ids, params, seed, request_id=request_id or "")
         if self.tokenizer is not None:

@@ -446,6 +446,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly on a GPU (default: CUDA graphs, all captured at start-up)")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="shard the target over N ranks (N GPUs with NCCL; gloo on the CPU), spawned by this command; "
+                        "rank 0 serves HTTP and schedules, the draft is replicated")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
@@ -463,22 +466,77 @@ def build_llm(args):
                speculation=args.speculation, **kwargs)
 
 
-def run_serve(args) -> int:
-    import uvicorn
-
-    if args.max_queue < 0:
-        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    llm = build_llm(args)
-    graphs = llm.engine.runner.graphs
+def _capture_graphs(engine, max_num_seqs: int) -> None:
+    graphs = engine.runner.graphs
     if graphs is not None:  # every batch size the server can see, before the first request (as vLLM does)
         t0 = time.perf_counter()
-        n = graphs.capture_all(args.max_num_seqs)
+        n = graphs.capture_all(max_num_seqs)
         log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
-    spec = f"speculation {llm.engine.tree.name}" if llm.draft is not None else "no speculation"
-    log.info("serving %s (%s) on http://%s:%d", args.served_model_name or args.model, spec, args.host, args.port)
-    app = create_app(llm, args.served_model_name or args.model, max_queue=args.max_queue)
+
+
+def _serve_app(app, engine, args) -> None:
+    import uvicorn
+    spec = f"speculation {engine.tree.name}" if engine.draft is not None else "no speculation"
+    tp = f", tensor parallel {args.tensor_parallel}" if args.tensor_parallel > 1 else ""
+    log.info("serving %s (%s%s) on http://%s:%d", args.served_model_name or args.model, spec, tp, args.host,
+             args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _tp_serve(rank: int, world_size: int, device, args) -> None:
+    """One rank of `eyas serve --tensor-parallel N` (started by `eyas.dist.spawn`): every rank loads its shard and
+    captures its graphs in the same order; rank 0 runs the HTTP server, whose engine loop drives the lockstep steps
+    (`eyas.dist.tp.TPServingEngine`), and the others step until rank 0 stops them."""
+    from eyas.dist.tp import TPServingEngine, build_tp_engine
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s [rank {rank}]: %(message)s")
+    kwargs = dict(max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                  cuda_graphs="auto" if args.cuda_graphs else False)
+    for key in ("max_model_len", "num_blocks"):
+        if getattr(args, key) is not None:
+            kwargs[key] = getattr(args, key)
+    tp = build_tp_engine(args.model, resolve_draft_arg(args.model, args.draft), args.speculation, rank, world_size,
+                         device, args.dtype, **kwargs)
+    _capture_graphs(tp.engine, args.max_num_seqs)
+    if rank != 0:
+        while tp.step() is not None:
+            pass
+        return
+    engine = TPServingEngine(tp)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the handler found before
+    # it started: with Python's defaults that kills this rank before `close()`, leaving the others in a collective
+    import signal
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        _serve_app(create_app(engine, args.served_model_name or args.model, max_queue=args.max_queue), engine, args)
+    finally:
+        engine.close()  # the server has stopped (its engine loop too): release the other ranks
+
+
+def run_serve(args) -> int:
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.tensor_parallel < 1:
+        raise ValueError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.tensor_parallel > 1:
+        import torch
+        from eyas.dist.launch import run_ranks
+        cpu = args.device == "cpu" or not torch.cuda.is_available()
+        if not cpu and torch.cuda.device_count() < args.tensor_parallel:
+            raise ValueError(f"--tensor-parallel {args.tensor_parallel} needs {args.tensor_parallel} GPUs, this "
+                             f"machine has {torch.cuda.device_count()}")
+        args.func = None  # the namespace travels to the ranks by pickle
+        try:
+            run_ranks(_tp_serve, args.tensor_parallel, args, backend="gloo" if cpu else None,
+                  threads=1 if cpu else None, timeout=float("inf"))
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: rank 0 shut the server down and stopped the others
+            log.info("stopped")
+        return 0
+    llm = build_llm(args)
+    _capture_graphs(llm.engine, args.max_num_seqs)
+    _serve_app(create_app(llm, args.served_model_name or args.model, max_queue=args.max_queue), llm.engine, args)
     return 0
 
 
