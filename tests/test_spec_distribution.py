@@ -115,3 +115,42 @@ def test_the_test_has_power(models):
     tempered = p ** (1 / 1.1)
     biased = rng.multinomial(RUNS, tempered / tempered.sum())
     assert pooled_chisquare(dict(zip(keys, biased)), joint, RUNS) < 1e-3
+
+
+def test_sample_from_is_the_inverse_cdf_on_integers():
+    """sample_from on the fixed-point CDF equals a float64 inverse CDF away from the boundaries, and draws only tokens
+    with mass; fixed_point_cumsum is exact integer arithmetic."""
+    from eyas.layers.sampler import fixed_point_cumsum, sample_from
+    g = torch.Generator().manual_seed(3)
+    p = torch.rand(4, 1000, generator=g) ** 4
+    p[1, ::2] = 0.0  # tokens without mass are never drawn
+    q, cum = fixed_point_cumsum(p)
+    assert q.dtype == torch.int64 and torch.equal(cum, torch.cumsum(q, -1)) and int(q.max()) == 1 << 32
+    u = torch.rand(4, generator=g).clamp(1e-6, 1 - 1e-6)
+    for j in range(200):
+        uj = (u + j / 200) % 1
+        got = sample_from(p, uj)
+        ref = torch.searchsorted(p.double().cumsum(-1), (uj.double() * p.double().sum(-1))[:, None],
+                                 right=True).squeeze(-1)
+        assert torch.equal(got, ref)
+        assert bool((p[torch.arange(4), got] > 0).all())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampling_is_reproducible_bit_for_bit_on_cuda():
+    """One row of a 128k vocabulary (a 1-row float cumsum runs CUB's look-back scan, not reproducible): the same
+    logits and uniforms give the same tokens and top-p sets every time. Tensor-parallel ranks rely on it."""
+    from eyas.layers.sampler import logits_to_probs, sample_from
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(1, 128256, device="cuda", generator=g) * 3).bfloat16().float()  # bf16: many ties
+    t, k, p = (torch.tensor([1.0], device="cuda"), torch.tensor([0], device="cuda"), torch.tensor([0.9], device="cuda"))
+    u = torch.rand(64, device="cuda", generator=g)
+    first_probs = logits_to_probs(logits, t, k, p)
+    first = torch.stack([sample_from(first_probs, u[i:i + 1]) for i in range(64)])
+    float_cdfs = set()
+    for _ in range(50):
+        probs = logits_to_probs(logits, t, k, p)
+        assert torch.equal(probs, first_probs)
+        assert torch.equal(torch.stack([sample_from(probs, u[i:i + 1]) for i in range(64)]), first)
+        float_cdfs.add(probs.cumsum(-1)[0, -1].item())
+    print(f"distinct totals of the float cumsum over 50 runs: {len(float_cdfs)}")

@@ -6,6 +6,12 @@ in the batch, and the same ops run inside a CUDA graph.
 
 Sampling from a distribution p uses the inverse CDF with one uniform: the first token whose cumulative mass exceeds
 u * sum(p). Greedy rows (temperature 0) become one-hot distributions, so the same code serves them exactly.
+
+Cumulative sums are taken in integers (`fixed_point_cumsum`): a float cumsum on CUDA is not reproducible bit for bit.
+A one-row cumsum goes through CUB's decoupled look-back scan, whose float additions associate as the tiles happen to
+finish, so two runs (or two tensor-parallel ranks, on identical logits) could put the CDF's crossing one token apart.
+`eyas bench soak` at TP = 2 caught exactly that: after 74k steps the ranks sampled tokens 35821 and 35823. Integer
+sums are the same in any order.
 """
 from __future__ import annotations
 
@@ -62,18 +68,35 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     keep_sorted = ranks < k[:, None]
     sorted_p = torch.softmax(sorted_x.masked_fill(~keep_sorted, float("-inf")), dim=-1)
     # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays)
-    mass_before = sorted_p.cumsum(-1) - sorted_p
-    keep_sorted &= (mass_before < top_p[:, None].float()) | (top_p[:, None] >= 1.0)
+    fixed, cum = fixed_point_cumsum(sorted_p)
+    mass_before = (cum - fixed).double()
+    keep_sorted &= (mass_before < top_p[:, None].double() * cum[:, -1:].double()) | (top_p[:, None] >= 1.0)
     sorted_x = sorted_x.masked_fill(~keep_sorted, float("-inf"))
     probs = torch.zeros_like(x).scatter_(-1, order, torch.softmax(sorted_x, dim=-1))
     onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], onehot, probs)
 
 
+FIXED_POINT_BITS = 32
+
+
+def fixed_point_cumsum(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """p [N, V] non-negative -> (q, cumsum of q), int64: q = floor(p / max(p) * 2^32) per row, the probabilities in
+    fixed point relative to the row's largest one. Scaling by a power of two and flooring are exact in float32, and
+    integer sums do not depend on the order of the additions, so every device, stream and rank gets the same bits.
+    A token below 2^-32 of the row's top one is dropped (its probability < 2.4e-10, under what the uniforms'
+    24 bits resolve)."""
+    p = p.float()
+    m = p.amax(-1, keepdim=True)
+    q = torch.floor(p / torch.where(m > 0, m, torch.ones_like(m)) * float(1 << FIXED_POINT_BITS)).long()
+    return q, q.cumsum(-1)
+
+
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: probs [N, V] (unnormalised, non-negative), u [N] in (0, 1) -> token ids [N]."""
-    cdf = probs.float().cumsum(-1)
-    target = (u * cdf[:, -1]).unsqueeze(-1)
+    """Inverse-CDF sampling: probs [N, V] (unnormalised, non-negative), u [N] in (0, 1) -> token ids [N]: the first
+    token whose cumulative mass exceeds u * total, on the integer CDF of `fixed_point_cumsum` (reproducible)."""
+    _, cdf = fixed_point_cumsum(probs)
+    target = (u.double() * cdf[:, -1].double()).long().unsqueeze(-1)  # in [0, total) since u < 1
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    # float rounding can push the target onto the total: fall back to the most likely token then
+    # a row of zeros (no mass at all): the most likely token, i.e. token 0
     return torch.where(idx >= probs.shape[-1], probs.argmax(-1), idx)

@@ -4,6 +4,7 @@
 #           (plain, chain:3 and the default tree at batch 1 and 8; chain:3 with the draft sharded too);
 #   PART=2: the Llama-3.3-70B shape at TP = 2, batch 1 (plain and chain:3, the draft replicated or sharded), then the
 #           10-minute soak started detached (`setsid`), so that it runs on after the call;
+#   PART=3: the sampler's reproducibility test, then the soak again (detached), waited on for WAIT_S (540) seconds;
 #   PART=soak: waits for the soak (at most WAIT_S seconds) and returns its report and log.
 # Results come back in $OUT as tp_PART.tar (the JSON, markdown and plots of each run) and the logs.
 set -u
@@ -41,6 +42,16 @@ run() {  # name timeout command...: the command's output to $W/name.log, its tai
     > $W/soak.log 2>&1 < /dev/null &
   sleep 45; cat $W/soak/soak.json 2>/dev/null | head -30; grep -v "s/s\]" $W/soak.log | tail -5
   ;;
+3)  # the soak again, after the sampler's fix: the sampler's reproducibility test first, then the soak, waited on
+  run sampler_test 120 python3 -m pytest -q -s -p no:cacheprovider tests/test_spec_distribution.py -k reproducible
+  echo "== soak started [t=$(el)]"
+  setsid nohup python3 -m eyas.cli bench soak --model llama-3.1-8b-shape --tensor-parallel 2 \
+    --duration ${SOAK_S:-600} --grace 300 --accept-ranks $R --num-blocks 4096 --report-every 20 --out $W/soak \
+    > $W/soak.log 2>&1 < /dev/null &
+  deadline=$(( T0 + ${WAIT_S:-540} ))
+  while pgrep -f "bench soak" > /dev/null && [ $(date +%s) -lt $deadline ]; do sleep 5; done
+  head -14 $W/soak/soak.json; tr '\r' '\n' < $W/soak.log | grep -v "^soak:" | tail -5
+  ;;
 soak)
   deadline=$(( T0 + ${WAIT_S:-500} ))
   while pgrep -f "bench soak" > /dev/null && [ $(date +%s) -lt $deadline ]; do sleep 5; done
@@ -49,7 +60,7 @@ soak)
   tr '\r' '\n' < $W/soak.log | grep -v "^soak:" | tail -40 > $OUT/soak_tail.log; tail -20 $OUT/soak_tail.log
   ;;
 esac
-if [ "${PART:-1}" != soak ]; then  # $OUT returns at most 8 files
+if [ "${PART:-1}" = 1 ] || [ "${PART:-1}" = 2 ]; then  # $OUT returns at most 8 files
   (cd $W && ls -d l8b_* l70b_* 2>/dev/null | xargs -r tar cf $OUT/tp_${PART:-1}.tar --exclude='*.log')
   for f in $W/*.log; do [ $f -nt $W/.t0_${PART:-1} ] && cp $f $OUT/; done
 fi
