@@ -37,7 +37,8 @@ def _tp_generate(rank: int, world_size: int, device, args) -> None:
     from eyas.dist.tp import build_tp_engine
     from eyas.loader.resolve import resolve_draft_arg
     tp = build_tp_engine(args.model, resolve_draft_arg(args.model, args.draft), args.speculation, rank, world_size,
-                         device, args.dtype, cuda_graphs="auto" if args.cuda_graphs else False)
+                         device, args.dtype, shard_draft=args.tp_draft == "sharded",
+                         cuda_graphs="auto" if args.cuda_graphs else False)
     tok = tp.engine.tokenizer
     if rank != 0:
         tp.generate()
@@ -100,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly on a GPU (default: replay them from CUDA graphs)")
     g.add_argument("--tensor-parallel", type=int, default=1,
-                   help="shard the target over N ranks (NCCL on GPUs, gloo on the CPU); the draft is replicated")
+                   help="shard the target over N ranks (NCCL on GPUs, gloo on the CPU)")
+    g.add_argument("--tp-draft", choices=["sharded", "replicated"], default="sharded",
+                   help="with --tensor-parallel: the draft sharded like the target, or whole on every rank")
     g.set_defaults(func=cmd_generate)
 
     for module, attr in (("eyas.serve.api_server", "add_serve_parser"), ("eyas.train.trainer", "add_parser"),

@@ -119,17 +119,17 @@ def test_bench_latency_tensor_parallel_equals_tp1(tmp_path):
         res = json.loads((out / "latency.json").read_text())
         return res["meta"], {(r["mode"], r["batch"]): (r["decode_steps"], r["tpc"]) for r in res["results"]}
     meta1, rows1 = bench()
-    meta2, rows2 = bench("--tensor-parallel", "2")
-    meta3, rows3 = bench("--tensor-parallel", "2", "--shard-draft")
+    meta2, rows2 = bench("--tensor-parallel", "2", "--tp-draft", "replicated")
+    meta3, rows3 = bench("--tensor-parallel", "2")
     assert rows1 == rows2 == rows3
     assert rows1[("chain:3", 1)][1] > 1.5  # the replay accepts: speculative steps ran
-    assert (meta1["tensor_parallel"], meta2["tensor_parallel"], meta3["draft_sharded"]) == (1, 2, True)
+    assert (meta1["tensor_parallel"], meta2["tensor_parallel"], meta2["draft_sharded"], meta3["draft_sharded"]) == \
+        (1, 2, False, True)
     assert meta2["linear_weight_bytes"] * 2 == meta1["linear_weight_bytes"]
-    assert "tensor parallel 2 (draft sharded)" in (tmp_path / "--tensor-parallel-2---shard-draft" /
-                                                   "latency.md").read_text()
+    assert "tensor parallel 2 (draft sharded)" in (tmp_path / "--tensor-parallel-2" / "latency.md").read_text()
 
 
-@pytest.mark.parametrize("bad", [["--tensor-parallel", "0"], ["--shard-draft"],
+@pytest.mark.parametrize("bad", [["--tensor-parallel", "0"], ["--tensor-parallel", "-2"],
                                  ["--tensor-parallel", "2", "--draft-vocab", "64"]])
 def test_bench_latency_refuses_bad_tensor_parallel(bad, tmp_path):
     with pytest.raises(SystemExit, match="eyas bench latency"):

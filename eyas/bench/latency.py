@@ -312,8 +312,6 @@ def _parse(args):
         if args.tensor_parallel > 1 and args.draft_vocab:
             raise ValueError("--draft-vocab does not combine with --tensor-parallel (the draft vocabulary slices the "
                              "LM head, which tensor parallelism shards by vocabulary)")
-        if args.shard_draft and args.tensor_parallel == 1:
-            raise ValueError("--shard-draft needs --tensor-parallel > 1")
     except ValueError as e:
         raise SystemExit(f"eyas bench latency: {e}") from None
     return modes, batches, accept
@@ -327,7 +325,7 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
     dtype = resolve_dtype(args.dtype, device)
     bw = copy_bandwidth(device)
     target, tokenizer, draft, simulated = load_models(args.model, args.draft, device, dtype, rank, world_size,
-                                                      args.shard_draft)
+                                                      args.tp_draft == "sharded")
     if args.draft_vocab:
         if not simulated or draft is None:
             raise SystemExit("eyas bench latency: --draft-vocab is for random-weight shapes (a trained draft carries "
@@ -354,7 +352,7 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
             "accept_ranks": args.accept_ranks if simulated and args.accept_ranks else None,
             "context": args.context, "max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
             "draft_vocab": args.draft_vocab or None, "cuda_graphs": graphs,
-            "tensor_parallel": world_size, "draft_sharded": bool(args.shard_draft and world_size > 1)}
+            "tensor_parallel": world_size, "draft_sharded": args.tp_draft == "sharded" and world_size > 1}
     if simulated:
         from eyas.bench.shapes import linear_weight_bytes
         meta["linear_weight_bytes"] = linear_weight_bytes(target)  # of one rank's shard under TP
@@ -425,8 +423,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                         "draft vocabulary; acceptance stays simulated)")
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="shard the target over N ranks (N GPUs, NCCL; gloo on the CPU), started by this command")
-    p.add_argument("--shard-draft", action="store_true",
-                   help="with --tensor-parallel: shard the draft like the target (default: every rank holds it whole)")
+    p.add_argument("--tp-draft", choices=["sharded", "replicated"], default="sharded",
+                   help="with --tensor-parallel: shard the draft like the target (default; measured faster on the "
+                        "H200 x2), or give every rank all of it")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="with --tensor-parallel: seconds after which every rank is killed (never wait forever)")
     p.add_argument("--device", default="auto")

@@ -54,7 +54,8 @@ def soak_rank(rank: int, world_size: int, device, args) -> None:
     from eyas.dist.tp import TPEngine
     from eyas.loader.resolve import resolve_dtype
     dtype = resolve_dtype(args.dtype, device)
-    target, tokenizer, draft, simulated = load_models(args.model, args.draft, device, dtype, rank, world_size)
+    target, tokenizer, draft, simulated = load_models(args.model, args.draft, device, dtype, rank, world_size,
+                                                      args.tp_draft == "sharded")
     tree = resolve_tree(args.speculation) if draft is not None else None
     max_len = args.max_prompt + args.max_tokens + 64
     cfg = EngineConfig(max_num_seqs=args.max_batch, max_num_batched_tokens=max(2048, args.max_prompt),
@@ -76,7 +77,8 @@ def soak_rank(rank: int, world_size: int, device, args) -> None:
             pass
         return
     rng = random.Random(args.seed)
-    report = {"model": args.model, "tensor_parallel": world_size, "speculation": args.speculation,
+    report = {"model": args.model, "tensor_parallel": world_size, "tp_draft": args.tp_draft,
+              "speculation": args.speculation,
               "simulated_acceptance": simulated, "cuda_graphs": cfg.cuda_graphs, "duration_s": args.duration,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     live: set[str] = set()
@@ -195,6 +197,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--speculation", default="dispatch:1=tree:smollm2_48d5,4=chain:3,24=plain",
                    help="chain:K, tree:NAME or dispatch:B1=SPEC,... (a tree per batch size)")
     p.add_argument("--tensor-parallel", type=int, default=1)
+    p.add_argument("--tp-draft", choices=["sharded", "replicated"], default="sharded",
+                   help="with --tensor-parallel: the draft sharded like the target, or whole on every rank")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of traffic (then the running requests "
                                                                  "finish)")
     p.add_argument("--grace", type=float, default=600.0, help="seconds after --duration at which every rank is killed")

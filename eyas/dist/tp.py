@@ -340,9 +340,10 @@ class TPServingEngine:
 
 
 def build_tp_engine(model: str, draft: str | None, speculation: str | None, rank: int, world_size: int, device,
-                    dtype="auto", check: bool = False, **engine_kwargs) -> TPEngine:
+                    dtype="auto", check: bool = False, shard_draft: bool = True, **engine_kwargs) -> TPEngine:
     """This rank's `TPEngine` for `eyas generate/serve --tensor-parallel N`: the target sharded, the draft
-    (`draft`: as `eyas.loader.resolve.resolve_draft_arg` returns it) replicated, the speculation given or the draft's
+    (`draft`: as `eyas.loader.resolve.resolve_draft_arg` returns it) sharded too (`shard_draft`, the default: 2.5-3%
+    faster than replicated on the H200 x2, 8B and 70B shapes) or replicated, the speculation given or the draft's
     default for the device. `engine_kwargs` go to `EngineConfig` (cuda_graphs="auto": on a GPU)."""
     from eyas.engine.engine import EngineConfig, LLMEngine
     from eyas.loader.resolve import draft_dir
@@ -350,7 +351,8 @@ def build_tp_engine(model: str, draft: str | None, speculation: str | None, rank
     from eyas.spec.tree import resolve_tree
     if draft is not None:
         draft = draft_dir(model, draft)
-    target, tok, draft_model = load_sharded(model, rank, world_size, device, dtype, draft=draft)
+    target, tok, draft_model = load_sharded(model, rank, world_size, device, dtype, draft=draft,
+                                            shard_draft=shard_draft)
     tree = resolve_tree(speculation)
     if tree is not None and draft_model is None:
         raise ValueError(f"speculation {speculation!r} needs a draft model")

@@ -448,7 +448,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="run decode steps eagerly on a GPU (default: CUDA graphs, all captured at start-up)")
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="shard the target over N ranks (N GPUs with NCCL; gloo on the CPU), spawned by this command; "
-                        "rank 0 serves HTTP and schedules, the draft is replicated")
+                        "rank 0 serves HTTP and schedules")
+    p.add_argument("--tp-draft", choices=["sharded", "replicated"], default="sharded",
+                   help="with --tensor-parallel: the draft sharded like the target, or whole on every rank")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
@@ -496,7 +498,7 @@ def _tp_serve(rank: int, world_size: int, device, args) -> None:
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
     tp = build_tp_engine(args.model, resolve_draft_arg(args.model, args.draft), args.speculation, rank, world_size,
-                         device, args.dtype, **kwargs)
+                         device, args.dtype, shard_draft=args.tp_draft == "sharded", **kwargs)
     _capture_graphs(tp.engine, args.max_num_seqs)
     if rank != 0:
         while tp.step() is not None:

@@ -28,17 +28,17 @@ run() {  # name timeout command...: the command's output to $W/name.log, its tai
   M="--model llama-3.1-8b-shape --modes plain,chain:3,tree:smollm2_48d5 --batch-sizes 1,8 --num-prompts 16"
   run l8b_tp1 ${LAT_S:-200} $LAT $M --out $W/l8b_tp1
   [ $ok = 0 ] || M="$M --no-cuda-graphs"  # the NCCL test failed: TP = 2 rows without graphs, to see what else fails
-  run l8b_tp2 ${LAT_S:-200} $LAT $M --tensor-parallel 2 --out $W/l8b_tp2
+  run l8b_tp2 ${LAT_S:-200} $LAT $M --tensor-parallel 2 --tp-draft replicated --out $W/l8b_tp2
   run l8b_tp2_sharded_draft ${LAT_S:-200} $LAT --model llama-3.1-8b-shape --modes chain:3 --batch-sizes 1,8 \
-    --num-prompts 16 --tensor-parallel 2 --shard-draft --out $W/l8b_tp2s
+    --num-prompts 16 --tensor-parallel 2 --tp-draft sharded --out $W/l8b_tp2s
   ;;
 2)
   M="--model llama-3.3-70b-shape --batch-sizes 1 --num-prompts 8 --tensor-parallel 2"
-  run l70b_tp2 ${LAT70_S:-240} $LAT $M --modes plain,chain:3 --out $W/l70b_tp2
-  run l70b_tp2_sharded_draft ${LAT70_S:-240} $LAT $M --modes chain:3 --shard-draft --out $W/l70b_tp2s
+  run l70b_tp2 ${LAT70_S:-240} $LAT $M --modes plain,chain:3 --tp-draft replicated --out $W/l70b_tp2
+  run l70b_tp2_sharded_draft ${LAT70_S:-240} $LAT $M --modes chain:3 --tp-draft sharded --out $W/l70b_tp2s
   echo "== soak started [t=$(el)]"
   setsid nohup python3 -m eyas.cli bench soak --model llama-3.1-8b-shape --tensor-parallel 2 \
-    --duration ${SOAK_S:-600} --grace 300 --accept-ranks $R --num-blocks 4096 --report-every 20 --out $W/soak \
+    --duration ${SOAK_S:-600} --grace 300 --tp-draft ${SOAK_DRAFT:-replicated} --accept-ranks $R --num-blocks 4096 --report-every 20 --out $W/soak \
     > $W/soak.log 2>&1 < /dev/null &
   sleep 45; cat $W/soak/soak.json 2>/dev/null | head -30; grep -v "s/s\]" $W/soak.log | tail -5
   ;;
@@ -46,7 +46,7 @@ run() {  # name timeout command...: the command's output to $W/name.log, its tai
   run sampler_test 120 python3 -m pytest -q -s -p no:cacheprovider tests/test_spec_distribution.py -k reproducible
   echo "== soak started [t=$(el)]"
   setsid nohup python3 -m eyas.cli bench soak --model llama-3.1-8b-shape --tensor-parallel 2 \
-    --duration ${SOAK_S:-600} --grace 300 --accept-ranks $R --num-blocks 4096 --report-every 20 --out $W/soak \
+    --duration ${SOAK_S:-600} --grace 300 --tp-draft ${SOAK_DRAFT:-replicated} --accept-ranks $R --num-blocks 4096 --report-every 20 --out $W/soak \
     > $W/soak.log 2>&1 < /dev/null &
   deadline=$(( T0 + ${WAIT_S:-540} ))
   while pgrep -f "bench soak" > /dev/null && [ $(date +%s) -lt $deadline ]; do sleep 5; done
