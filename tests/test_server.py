@@ -585,28 +585,35 @@ def test_serve_command_line(tiny_dir):
     assert _resolve_draft("smollm2", "auto") == ("default" if default_draft_path("smollm2") else None)
 
 
-def test_eyas_serve_subprocess(tiny_dir):
-    """`eyas serve` through the real command line, in its own process."""
+def _start_serve(args: list[str], timeout: float = 90) -> tuple[subprocess.Popen, int]:
+    """`eyas serve ARGS` (served as "tiny", float32 on the CPU) in its own process on a free port, up and healthy."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "eyas.cli", "serve", "--model", str(tiny_dir), "--served-model-name", "tiny",
-           "--device", "cpu", "--dtype", "float32", "--port", str(port), "--num-blocks", "32",
-           "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "eyas.cli", "serve", *args, "--served-model-name", "tiny", "--device", "cpu",
+           "--dtype", "float32", "--port", str(port), "--log-level", "warning"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read().decode())
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, port
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"eyas serve {' '.join(args)} did not come up in {timeout} s")
+        time.sleep(0.2)
+
+
+def test_eyas_serve_subprocess(tiny_dir):
+    """`eyas serve` through the real command line, in its own process."""
+    proc, port = _start_serve(["--model", str(tiny_dir), "--num-blocks", "32"])
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "eyas serve did not come up"
-            time.sleep(0.2)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                        json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
@@ -646,26 +653,9 @@ def test_eyas_serve_tensor_parallel(tmp_path):
     prompts = ["The capital of France is", "def fibonacci(n):"]
     llm = LLM(str(mdir), device="cpu", dtype="float32")
     want = [o.text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "eyas.cli", "serve", "--model", str(mdir), "--draft", str(ddir), "--speculation",
-           "chain:3", "--served-model-name", "tiny", "--device", "cpu", "--dtype", "float32", "--port", str(port),
-           "--num-blocks", "64", "--tensor-parallel", "2", "--log-level", "warning"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc, port = _start_serve(["--model", str(mdir), "--draft", str(ddir), "--speculation", "chain:3",
+                               "--num-blocks", "64", "--tensor-parallel", "2"], timeout=120)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "eyas serve --tensor-parallel 2 did not come up"
-            time.sleep(0.2)
         assert len(_children(proc.pid)) >= 2  # the two ranks
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
         r = client.completions.create(model="tiny", prompt=prompts, max_tokens=10, temperature=0,

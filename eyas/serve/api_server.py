@@ -501,6 +501,8 @@ def _tp_serve(rank: int, world_size: int, device, args) -> None:
                          device, args.dtype, shard_draft=args.tp_draft == "sharded", **kwargs)
     _capture_graphs(tp.engine, args.max_num_seqs)
     if rank != 0:
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank: rank 0 shuts down and stops us
         while tp.step() is not None:
             pass
         return
