@@ -149,3 +149,10 @@ def test_soak_under_tensor_parallel_loses_nothing(tmp_path):
     assert rep["passed"] and rep["final"] and rep["kv_blocks_in_use"] == 0 and rep["still_running"] == 0
     assert rep["admitted"] == rep["finished"] + rep["aborted"] > 10
     assert max(int(b) for b in rep["batch_sizes_seen"]) > 1 and rep["tokens"] > rep["admitted"]
+
+
+@pytest.mark.parametrize("bad", [["--duration", "0"], ["--max-batch", "0"], ["--tensor-parallel", "0"],
+                                 ["--speculation", "tree:nope"]])
+def test_soak_refuses_bad_input(bad, tmp_path):
+    with pytest.raises(SystemExit, match="eyas bench soak"):
+        main(["bench", "soak", "--model", "llama-tiny-shape", "--out", str(tmp_path)] + bad)

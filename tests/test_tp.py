@@ -243,3 +243,37 @@ def test_spawn_never_waits_forever():
 def test_load_sharded_refuses_indivisible_heads(dirs):
     with pytest.raises(ValueError, match="divisible by 3"):
         load_sharded(dirs["untied"], 0, 3)
+
+
+def test_tp_serving_engine_on_one_rank(dirs, monkeypatch):
+    """TPServingEngine, the server loop's face of a TPEngine (world size 1 here: the same code as rank 0): requests
+    are checked at once and queued, the loop sees work while operations are queued and once the heartbeat is due,
+    a request the ranks refuse at their step comes back finished with 'error', and close() stops the ranks."""
+    import time
+    from eyas.dist.tp import TPServingEngine
+    target, tok = load_target(dirs["untied"], "cpu", "float32")
+    eng = LLMEngine(target, tok, None, None, EngineConfig(num_blocks=16, block_size=8))
+    srv = TPServingEngine(TPEngine(eng, 0, 1), heartbeat_s=0.2)
+    assert srv.max_model_len == eng.max_model_len and srv.scheduler is eng.scheduler  # rank 0's state, forwarded
+    with pytest.raises(ValueError, match="token ids"):
+        srv.add_request([99], SamplingParams(max_tokens=2))  # checked on rank 0 at once, never queued
+    srv.step()
+    assert not srv.has_unfinished()  # just stepped, nothing queued
+    time.sleep(0.25)
+    assert srv.has_unfinished()  # the heartbeat is due: an idle server still steps
+    srv.step()
+    srv.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), request_id="a")
+    with pytest.raises(ValueError, match="already in use"):
+        srv.add_request([1, 2], SamplingParams(max_tokens=2), request_id="a")  # queued, not yet applied
+    assert srv.has_unfinished()
+    outs = []
+    while srv.has_unfinished() and not any(o.finished for o in outs):
+        outs += srv.step()
+    assert [o.request_id for o in outs if o.finished] == ["a"] and eng.blocks.num_used == 0
+    # refused at the step on every rank (here: the engine's own add_request fails) -> finished with "error"
+    monkeypatch.setattr(eng, "add_request", lambda *a, **k: (_ for _ in ()).throw(ValueError("no room")))
+    srv.add_request([1, 2, 3], SamplingParams(max_tokens=2), request_id="b")
+    outs = srv.step()
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("b", True, "error")]
+    srv.close()
+    assert srv.tp.step() is None  # every rank's step returns None from now on
