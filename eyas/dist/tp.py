@@ -367,18 +367,23 @@ def build_tp_engine(model: str, draft: str | None, speculation: str | None, rank
 def load_sharded(model: str, rank: int, world_size: int, device="cpu", dtype="auto", draft: str | None = None,
                  group=None, shard_draft: bool = False):
     """Load a target (and optionally an EAGLE draft, replicated, or sharded like the target with `shard_draft`) for
-    one rank: read on the CPU, shard, then move only this rank's slices to `device`. Returns (target, tokenizer,
-    draft or None).
+    one rank. Returns (target, tokenizer, draft or None).
 
-    The checkpoint is still read whole into host memory by each rank before slicing (not yet slice-wise reading of
-    the safetensors/GGUF tensors)."""
+    An HF safetensors directory is read slice by slice (`eyas.loader.hf.load_hf_sharded`: each rank reads only the
+    rows or columns it keeps, straight onto `device`). Other checkpoints (a GGUF file, whose quantised blocks are not
+    sliced) are read whole on the host, sharded, and only this rank's slices moved to `device`."""
     from eyas.loader.eagle import load_draft
     from eyas.loader.resolve import load_target, resolve_device, resolve_dtype
     dev = resolve_device(device) if isinstance(device, str) else device
     dt = resolve_dtype(dtype, dev)
-    target, tok = load_target(model, "cpu", dt)
-    apply_tensor_parallel(target, rank, world_size, group)
-    target = target.to(dev)
+    from pathlib import Path
+    if Path(model).is_dir() and any(Path(model).glob("*.safetensors")):
+        from eyas.loader.hf import load_hf_sharded
+        target, tok = load_hf_sharded(model, rank, world_size, dev, dt, group)
+    else:
+        target, tok = load_target(model, "cpu", dt)
+        apply_tensor_parallel(target, rank, world_size, group)
+        target = target.to(dev)
     d = load_draft(draft, target) if draft is not None else None
     if d is not None and shard_draft:
         apply_tensor_parallel(d, rank, world_size, group)
