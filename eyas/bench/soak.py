@@ -3,8 +3,8 @@ leaks a KV block; under tensor parallelism (`--tensor-parallel N`) also that the
 
 Rank 0 (the only rank that takes requests, `eyas.dist.TPEngine`) admits requests at random: bursts (`--burst-rate`
 requests/s for 2-10 s) and quiet spells (`--quiet-rate` for 5-20 s), with at most 2 x `--max-batch` requests queued
-or running, so the running batch moves through every size up to `--max-batch` and back to 1, and a tree dispatcher picks a
-different speculation per batch size. Requests mix greedy and sampled decoding (temperature, top-k, top-p), prompt
+or running, so the running batch moves through every size up to `--max-batch` and back to 1, and a tree dispatcher
+picks a different speculation per batch size. Requests mix greedy and sampled decoding (temperature, top-k, top-p), prompt
 lengths and output lengths; a few are aborted while running, and a few are refused (too long). Acceptance is real
 for a checkpoint and its draft, and simulated for random-weight shapes (`--accept-ranks`/`--accept-rates`), so the
 number of tokens accepted per step varies as it would with a real draft (the case where ranks that disagreed would
