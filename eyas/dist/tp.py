@@ -370,7 +370,7 @@ def load_sharded(model: str, rank: int, world_size: int, device="cpu", dtype="au
     one rank. Returns (target, tokenizer, draft or None).
 
     An HF safetensors directory is read slice by slice (`eyas.loader.hf.load_hf_sharded`: each rank reads only the
-    rows or columns it keeps, straight onto `device`). Other checkpoints (a GGUF file, whose quantised blocks are not
+    rows or columns it keeps, and copies them into its shard on `device`). Other checkpoints (a GGUF file, whose quantised blocks are not
     sliced) are read whole on the host, sharded, and only this rank's slices moved to `device`."""
     from eyas.loader.eagle import load_draft
     from eyas.loader.resolve import load_target, resolve_device, resolve_dtype

@@ -66,61 +66,40 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def load_hf_sharded(path: str | Path, rank: int, world_size: int, device="cpu", dtype=torch.float32, group=None):
-    """This rank's tensor-parallel shard of an HF safetensors checkpoint, read slice by slice: the model is built on
-    the meta device and sharded there (`eyas.dist.apply_tensor_parallel`), then each of its weights is read from the
-    files as only the rows or columns this rank keeps (safetensors' `get_slice`), straight into tensors on `device`.
-    No rank ever holds the whole checkpoint. -> (LlamaForCausalLM shard, Tokenizer or None).
+    """This rank's tensor-parallel shard of an HF safetensors checkpoint, read slice by slice: each weight is read
+    from the files as only the rows or columns this rank keeps (safetensors' `get_slice`), so no rank ever holds the
+    whole checkpoint; then `build_target` builds the shard from them. -> (LlamaForCausalLM shard, Tokenizer or None).
 
-    Which slice: a weight whose sharded shape differs from the file's in dim d keeps the block
-    [rank * ceil(n / W), + its own size) of that dim: q/k/v and gate/up by rows, o/down by columns, the embedding and
-    LM head by vocabulary rows (the last rank's block may be short). Anything else is read whole."""
+    Which slice: a weight whose sharded shape (`meta_target`, sharded on the meta device) differs from the file's in
+    dim d keeps the block [rank * ceil(n / W), + its own size) of that dim: q/k/v and gate/up by rows, o/down by
+    columns, the embedding and LM head by vocabulary rows (the last rank's block may be short). Anything else is
+    read whole."""
     from safetensors import safe_open
-    from eyas.dist.tp import apply_tensor_parallel
-    from eyas.layers.rotary import RotaryEmbedding
-    from eyas.models.llama import LlamaForCausalLM
+    from eyas.loader.resolve import build_target, meta_target
     path = Path(path)
     cfg = llama_config(path)
     files = _safetensors_files(path)
     if not files:
         raise ValueError(f"{path}: no *.safetensors files (slice-wise loading reads safetensors only)")
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    apply_tensor_parallel(model, rank, world_size, group)
-    want = dict(model.named_parameters())  # a tied head shares the embedding's parameter: listed once
-    model = model.to_empty(device=device)
-    model.to(dtype)
-    params = dict(model.named_parameters())
-    done: set[str] = set()
+    shapes = {k: tuple(v.shape) for k, v in meta_target(cfg, rank, world_size).state_dict().items()}
+    state: dict[str, torch.Tensor] = {}
     for f in files:
         if not f.exists():
             raise ValueError(f"{f}: listed in the safetensors index but missing")
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
-                if name not in want:
+                if name not in shapes:
                     continue
                 sl = sf.get_slice(name)
-                full = tuple(sl.get_shape())
-                mine = tuple(want[name].shape)
+                full, mine = tuple(sl.get_shape()), shapes[name]
                 if len(full) != len(mine):
                     raise ValueError(f"{path}: weight {name} has shape {full}, expected {mine}")
                 index = []
-                for d, (n, m) in enumerate(zip(full, mine)):
-                    if n == m:
-                        index.append(slice(None))
-                    else:
-                        start = rank * -(-n // world_size)
-                        if m > n or start + m > n:
-                            raise ValueError(f"{path}: weight {name} has shape {full}, not a whole of {mine} shards")
-                        index.append(slice(start, start + m))
-                with torch.no_grad():
-                    params[name].copy_(sl[tuple(index)])
-                done.add(name)
-    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    missing = [k for k in want if k not in done and k not in optional]
-    if missing:
-        raise ValueError(f"{path}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.rope = RotaryEmbedding.for_config(cfg).to(device)
-    return model.eval().requires_grad_(False), Tokenizer.from_hf_dir(path)
-
+                for n, m in zip(full, mine):
+                    start = 0 if n == m else rank * -(-n // world_size)
+                    if start + m > n:
+                        raise ValueError(f"{path}: weight {name} has shape {full}, not a whole of {mine} shards")
+                    index.append(slice(start, start + m))
+                state[name] = sl[tuple(index)]
+    target = build_target(cfg, state, str(path), device, dtype, rank, world_size, group)
+    return target, Tokenizer.from_hf_dir(path)

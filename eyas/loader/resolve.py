@@ -63,16 +63,27 @@ def _load_state(module: torch.nn.Module, state: dict, where: str, optional: tupl
     module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
 
 
-def build_target(cfg: ModelConfig, state: dict, where: str, device, dtype) -> LlamaForCausalLM:
+def meta_target(cfg: ModelConfig, rank: int = 0, world_size: int = 1, group=None) -> LlamaForCausalLM:
+    """The model of `cfg` on the meta device (no memory), sharded for `rank` of `world_size` (1: whole)."""
+    from eyas.dist.tp import apply_tensor_parallel
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device="cpu")
-    model.rope = RotaryEmbedding.for_config(cfg)  # buffers are not weights: rebuild them after the meta init
+        return apply_tensor_parallel(LlamaForCausalLM(cfg), rank, world_size, group)
+
+
+def build_target(cfg: ModelConfig, state: dict, where: str, device, dtype, rank: int = 0, world_size: int = 1,
+                 group=None) -> LlamaForCausalLM:
+    """The model of `cfg` with the weights of `state` (HF names), on `device` in `dtype`. With `world_size` > 1,
+    rank `rank`'s tensor-parallel shard, and `state` must hold that shard's slices (`eyas.loader.hf.load_hf_sharded`)."""
+    # materialised on `device` in `dtype` at once: each weight is converted as it is copied in, and no host copy of
+    # the whole model in float32 exists (a 70B model would need 280 GB of it)
+    model = meta_target(cfg, rank, world_size, group).to_empty(device=device).to(dtype)
+    # buffers are not weights: rebuild them after the meta init
+    model.rope = RotaryEmbedding.for_config(cfg).to(device=device, dtype=dtype)
     optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     _load_state(model, state, where, optional)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
 
 
 def load_target(model: str, device="cpu", dtype="float32"):
