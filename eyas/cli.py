@@ -62,7 +62,7 @@ def cmd_generate(args) -> int:
         import torch
         from eyas.dist.launch import run_ranks
         cpu = args.device == "cpu" or not torch.cuda.is_available()
-        run_ranks(_tp_generate, args.tensor_parallel, args, backend="gloo" if cpu else None, threads=1 if cpu else None)
+        run_ranks(_tp_generate, args.tensor_parallel, args, on_gpu=not cpu)
         return 0
     llm = LLM(args.model, device=args.device, dtype=args.dtype, draft=resolve_draft_arg(args.model, args.draft),
               speculation=args.speculation, cuda_graphs="auto" if args.cuda_graphs else False)

@@ -33,8 +33,8 @@ from eyas.spec.tree import resolve_tree
 def load_models(model: str, draft: str | None, device, dtype, rank: int = 0, world_size: int = 1,
                 shard_draft: bool = False):
     """-> (target, tokenizer, draft or None, simulated: bool). With `world_size` > 1, this rank's shard of the target
-    (random shapes are built sharded; checkpoints are loaded whole on the host and sliced) and the draft replicated,
-    or sharded with `shard_draft`."""
+    (random shapes are built sharded; checkpoints through `eyas.dist.load_sharded`) and the draft replicated, or
+    sharded with `shard_draft`."""
     from eyas.bench.shapes import SHAPES, random_draft, random_target
     if model in SHAPES:
         target = random_target(model, device, dtype, rank=rank, world_size=world_size)
@@ -107,6 +107,27 @@ def load_ranks(path: str | Path) -> torch.Tensor:
     return ranks.long()
 
 
+def parse_acceptance(accept_ranks: str | None, accept_rates: str) -> torch.Tensor | list[float]:
+    """Simulated acceptance from the command line: recorded rank paths (`--accept-ranks`, a tensor), else per-depth
+    rates from a tpc.json report or a comma-separated list (`--accept-rates`). ValueError if unreadable."""
+    if accept_ranks:
+        return load_ranks(accept_ranks)
+    if Path(accept_rates).is_file():
+        return rates_from_tpc_report(accept_rates)
+    return [float(x) for x in accept_rates.split(",")]
+
+
+def simulate_acceptance(engine: LLMEngine, accept: torch.Tensor | list[float]) -> None:
+    """Make a random-weight engine replay a real draft's rank paths (a tensor), or accept each depth at the given
+    rates (the last rate repeats for deeper levels). Benchmarks only (`spec_step`)."""
+    dev = engine.runner.device
+    if isinstance(accept, torch.Tensor):
+        engine.runner.simulated_accept = accept.to(dev)
+    else:
+        D = engine.tree.max_depth
+        engine.runner.simulated_accept = torch.tensor((list(accept) + [accept[-1]] * D)[:D], device=dev)
+
+
 def spread(total: int, n: int) -> list[int]:
     """n indices spread evenly over range(total) (all of them, cycled, when n >= total): 8 of MT-Bench's 80
     questions, which come sorted by category, ten each, are one question of each category."""
@@ -149,12 +170,8 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
                                                                 longest + max_tokens + 64),
                        num_blocks=batch * (-(-(longest + max_tokens + 64) // block_size)) + 8)
     engine = LLMEngine(target, tokenizer, draft if tree is not None else None, tree, cfg)
-    if isinstance(simulated_rates, torch.Tensor) and tree is not None:  # a real draft's rank paths, replayed
-        engine.runner.simulated_accept = simulated_rates.to(next(target.parameters()).device)
-    elif simulated_rates is not None and tree is not None:
-        D = engine.tree.max_depth
-        rates = (list(simulated_rates) + [simulated_rates[-1]] * D)[:D]
-        engine.runner.simulated_accept = torch.tensor(rates, device=next(target.parameters()).device)
+    if simulated_rates is not None and tree is not None:
+        simulate_acceptance(engine, simulated_rates)
     # explicit seeds: simulated acceptance draws from (seed, position), so the rows are reproducible, and under
     # tensor parallelism every rank draws the same acceptance (a per-rank random seed would make the ranks diverge)
     def params(i, n=max_tokens):
@@ -297,12 +314,7 @@ def _parse(args):
         batches = [int(b) for b in args.batch_sizes.split(",")]
         if not batches or min(batches) < 1:
             raise ValueError("batch sizes must be >= 1")
-        if args.accept_ranks:
-            accept = load_ranks(args.accept_ranks)
-        elif Path(args.accept_rates).is_file():
-            accept = rates_from_tpc_report(args.accept_rates)
-        else:
-            accept = [float(x) for x in args.accept_rates.split(",")]
+        accept = parse_acceptance(args.accept_ranks, args.accept_rates)
         if args.num_prompts < 1:
             raise ValueError("--num-prompts must be >= 1")
         if args.draft_vocab < 0:
@@ -323,7 +335,8 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
     from tqdm.auto import tqdm
     from eyas.loader.resolve import resolve_dtype
     dtype = resolve_dtype(args.dtype, device)
-    bw = copy_bandwidth(device)
+    from eyas.bench.shapes import SHAPES
+    bw = copy_bandwidth(device) if args.model in SHAPES else None  # the floor is reported for random shapes only
     target, tokenizer, draft, simulated = load_models(args.model, args.draft, device, dtype, rank, world_size,
                                                       args.tp_draft == "sharded")
     if args.draft_vocab:
@@ -386,13 +399,7 @@ def run(args) -> int:
     W = args.tensor_parallel
     if W > 1:
         from eyas.dist.launch import run_ranks
-        if device.type == "cuda" and torch.cuda.device_count() < W:
-            raise SystemExit(f"eyas bench latency: --tensor-parallel {W} needs {W} GPUs, this machine has "
-                             f"{torch.cuda.device_count()}")
-        cpu = device.type != "cuda"
-        args.func = None  # the namespace travels to the ranks by pickle
-        run_ranks(_tp_rank, W, args, modes, batches, accept, backend="gloo" if cpu else None,
-              threads=1 if cpu else None, timeout=args.timeout)
+        run_ranks(_tp_rank, W, args, modes, batches, accept, on_gpu=device.type == "cuda", timeout=args.timeout)
         return 0
     rows, meta = measure(args, modes, batches, accept, device)
     write_outputs(args.out, rows, meta)

@@ -10,6 +10,7 @@ import dataclasses
 import torch
 
 from eyas.config import ModelConfig
+from eyas.dist.tp import apply_tensor_parallel
 from eyas.layers.rotary import RotaryEmbedding
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
@@ -45,20 +46,13 @@ def _random_init(module: torch.nn.Module, device, dtype, seed: int):
     return module
 
 
-def _shard(module, rank: int, world_size: int, group):
-    if world_size > 1:
-        from eyas.dist.tp import apply_tensor_parallel
-        apply_tensor_parallel(module, rank, world_size, group)
-    return module
-
-
 def random_target(name: str, device, dtype=torch.bfloat16, seed: int = 0, rank: int = 0, world_size: int = 1,
                   group=None) -> LlamaForCausalLM:
     """The shape `name` with random weights on `device`; with `world_size` > 1, only rank `rank`'s shard (its
     weights drawn from seed + rank: random either way)."""
     cfg = SHAPES[name]
     with torch.device("meta"):
-        model = _shard(LlamaForCausalLM(cfg), rank, world_size, group)
+        model = apply_tensor_parallel(LlamaForCausalLM(cfg), rank, world_size, group)  # world size 1: as is
     model = _random_init(model, device, dtype, seed + rank)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -73,7 +67,7 @@ def random_draft(target: LlamaForCausalLM, layers: int = 1, seed: int = 1, confi
     cfg = dataclasses.replace(config or target.config, num_hidden_layers=layers)
     p = next(target.parameters())
     with torch.device("meta"):
-        draft = _shard(EagleDraft(cfg), rank, world_size, group)
+        draft = apply_tensor_parallel(EagleDraft(cfg), rank, world_size, group)
     draft = _random_init(draft, p.device, p.dtype, seed)
     draft.rope = RotaryEmbedding.for_config(cfg).to(p.device)
     return draft.eval().requires_grad_(False)

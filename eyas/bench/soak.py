@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eyas.bench.latency import load_models, load_ranks
+from eyas.bench.latency import load_models, parse_acceptance, simulate_acceptance
 from eyas.engine.engine import EngineConfig, LLMEngine
 from eyas.sampling_params import SamplingParams
 from eyas.spec.tree import resolve_tree
@@ -49,7 +49,7 @@ def _request(rng: random.Random, vocab: int, max_len: int, max_prompt: int, max_
     return prompt, params
 
 
-def soak_rank(rank: int, world_size: int, device, args) -> None:
+def soak_rank(rank: int, world_size: int, device, args, accept) -> None:
     """One rank of the soak (every rank runs it; rank 0 drives the traffic and writes the report)."""
     from eyas.dist.tp import TPEngine
     from eyas.loader.resolve import resolve_dtype
@@ -63,13 +63,7 @@ def soak_rank(rank: int, world_size: int, device, args) -> None:
                        num_blocks=args.num_blocks)
     engine = LLMEngine(target, tokenizer, draft, tree, cfg)
     if simulated and tree is not None:
-        dev = next(target.parameters()).device
-        if args.accept_ranks:
-            engine.runner.simulated_accept = load_ranks(args.accept_ranks).to(dev)
-        else:
-            rates = [float(x) for x in args.accept_rates.split(",")]
-            D = engine.tree.max_depth
-            engine.runner.simulated_accept = torch.tensor((rates + [rates[-1]] * D)[:D], device=dev)
+        simulate_acceptance(engine, accept)
     tp = TPEngine(engine, rank, world_size, check=world_size > 1)
     vocab = target.config.vocab_size
     if rank != 0:
@@ -171,21 +165,16 @@ def run(args) -> int:
         raise SystemExit("eyas bench soak: --tensor-parallel must be >= 1")
     try:
         resolve_tree(args.speculation)
+        accept = parse_acceptance(args.accept_ranks, args.accept_rates)
     except ValueError as e:
         raise SystemExit(f"eyas bench soak: {e}") from None
     device = resolve_device(args.device)
     W = args.tensor_parallel
-    args.func = None  # the namespace travels to the ranks by pickle
     if W == 1:
-        soak_rank(0, 1, device, args)
+        soak_rank(0, 1, device, args, accept)
         return 0
-    if device.type == "cuda" and torch.cuda.device_count() < W:
-        raise SystemExit(f"eyas bench soak: --tensor-parallel {W} needs {W} GPUs, this machine has "
-                         f"{torch.cuda.device_count()}")
     from eyas.dist.launch import run_ranks
-    cpu = device.type != "cuda"
-    run_ranks(soak_rank, W, args, backend="gloo" if cpu else None, threads=1 if cpu else None,
-          timeout=args.duration + args.grace)
+    run_ranks(soak_rank, W, args, accept, on_gpu=device.type == "cuda", timeout=args.duration + args.grace)
     report = json.loads((Path(args.out) / "soak.json").read_text())
     return 0 if report.get("passed") else 1
 
@@ -208,7 +197,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from free memory)")
     p.add_argument("--accept-ranks", default=None, help="random-weight shapes: rank paths to replay "
                                                         "(as in bench latency)")
-    p.add_argument("--accept-rates", default="0.8,0.7,0.6", help="random-weight shapes without --accept-ranks")
+    p.add_argument("--accept-rates", default="0.8,0.7,0.6",
+                   help="random-weight shapes without --accept-ranks: per-depth rates, or a tpc.json (as in bench "
+                        "latency)")
     p.add_argument("--burst-rate", type=float, default=100.0, help="requests per second during a burst")
     p.add_argument("--quiet-rate", type=float, default=0.5, help="requests per second between bursts")
     p.add_argument("--seed", type=int, default=0)

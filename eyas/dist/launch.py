@@ -156,10 +156,15 @@ def under_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def run_ranks(fn, world_size: int, *args, backend: str | None = None, timeout: float = 600.0,
-              threads: int | None = None) -> None:
+def run_ranks(fn, world_size: int, *args, on_gpu: bool, timeout: float = 600.0) -> None:
     """Run `fn(rank, world_size, device, *args)` on every rank: in this process when torchrun started it (one rank
-    of its WORLD_SIZE, which must equal `world_size`), else on `world_size` processes of `spawn`."""
+    of its WORLD_SIZE, which must equal `world_size`), else on `world_size` processes of `spawn`. `on_gpu`: one GPU
+    a rank and NCCL (ValueError if there are fewer GPUs than ranks); else gloo on the CPU, one thread a rank (more
+    oversubscribe the cores against gloo's waits)."""
+    if on_gpu and torch.cuda.device_count() < world_size:
+        raise ValueError(f"--tensor-parallel {world_size} needs {world_size} GPUs, this machine has "
+                         f"{torch.cuda.device_count()}")
+    backend, threads = (None, None) if on_gpu else ("gloo", 1)
     if under_torchrun():
         env_world = int(os.environ["WORLD_SIZE"])
         if env_world != world_size:

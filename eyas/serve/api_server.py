@@ -456,16 +456,21 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def build_llm(args):
-    from eyas import LLM
+def _engine_kwargs(args) -> dict:
+    """The engine settings (`EngineConfig` keywords) of `eyas serve`'s options."""
     kwargs = dict(max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                   cuda_graphs="auto" if args.cuda_graphs else False)
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     if args.num_blocks is not None:
         kwargs["num_blocks"] = args.num_blocks
+    return kwargs
+
+
+def build_llm(args):
+    from eyas import LLM
     return LLM(args.model, device=args.device, dtype=args.dtype, draft=resolve_draft_arg(args.model, args.draft),
-               speculation=args.speculation, **kwargs)
+               speculation=args.speculation, **_engine_kwargs(args))
 
 
 def _capture_graphs(engine, max_num_seqs: int) -> None:
@@ -492,13 +497,8 @@ def _tp_serve(rank: int, world_size: int, device, args) -> None:
     from eyas.dist.tp import TPServingEngine, build_tp_engine
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [rank {rank}]: %(message)s")
-    kwargs = dict(max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                  cuda_graphs="auto" if args.cuda_graphs else False)
-    for key in ("max_model_len", "num_blocks"):
-        if getattr(args, key) is not None:
-            kwargs[key] = getattr(args, key)
     tp = build_tp_engine(args.model, resolve_draft_arg(args.model, args.draft), args.speculation, rank, world_size,
-                         device, args.dtype, shard_draft=args.tp_draft == "sharded", **kwargs)
+                         device, args.dtype, shard_draft=args.tp_draft == "sharded", **_engine_kwargs(args))
     _capture_graphs(tp.engine, args.max_num_seqs)
     if rank != 0:
         import signal
@@ -527,14 +527,9 @@ def run_serve(args) -> int:
     if args.tensor_parallel > 1:
         import torch
         from eyas.dist.launch import run_ranks
-        cpu = args.device == "cpu" or not torch.cuda.is_available()
-        if not cpu and torch.cuda.device_count() < args.tensor_parallel:
-            raise ValueError(f"--tensor-parallel {args.tensor_parallel} needs {args.tensor_parallel} GPUs, this "
-                             f"machine has {torch.cuda.device_count()}")
-        args.func = None  # the namespace travels to the ranks by pickle
+        on_gpu = args.device != "cpu" and torch.cuda.is_available()
         try:
-            run_ranks(_tp_serve, args.tensor_parallel, args, backend="gloo" if cpu else None,
-                  threads=1 if cpu else None, timeout=float("inf"))
+            run_ranks(_tp_serve, args.tensor_parallel, args, on_gpu=on_gpu, timeout=float("inf"))
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: rank 0 shut the server down and stopped the others
             log.info("stopped")
         return 0
