@@ -268,60 +268,6 @@ def test_suffix_matches_reference(B, Q, P, H, KVH, D, kind):
     torch.testing.assert_close(o8, o, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("empty_prefix", [False, True])
-def test_suffix_with_prefix_state_is_the_merge(empty_prefix):
-    B, Q, H, KVH, D = 2, 6, 4, 2, 32
-    g = torch.Generator().manual_seed(5)
-    q = torch.randn(B, Q, H, D, generator=g).to(DEV)
-    k = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
-    v = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
-    mask = tree_mask(B, Q, g, empty_rows=1)
-    o0 = torch.randn(B, Q, H, D, generator=g).to(DEV)
-    lse0 = torch.randn(B, Q, H, generator=g).to(DEV) * 3
-    lse0[0, :2] = float("-inf")  # no prefix; row 0 still sees its suffix
-    lse0[0, -1] = float("-inf")  # no prefix and an empty suffix row: sees nothing at all
-    o0[0, :2] = 0
-    o0[0, -1] = 0
-    if empty_prefix:
-        lse0[:] = float("-inf")
-        o0[:] = 0
-    o, lse = tree_suffix_attention(q, k, v, mask, 0.2, o_init=o0, lse_init=lse0)
-    so, slse = attend(q, k, v, mask, 0.2)
-    ro, rlse = merge_attention(o0, lse0, so, slse)
-    both_empty = ~torch.isfinite(lse0) & ~torch.isfinite(slse)
-    assert both_empty.any()
-    assert (o[both_empty] == 0).all() and (lse[both_empty] == float("-inf")).all()
-    torch.testing.assert_close(o[~both_empty], ro[~both_empty], **TOL)
-    finite_close(lse, rlse, **TOL)
-
-
-def test_suffix_reduces_unreduced_splits_itself():
-    """Seeded with the prefix's KV-split partials [B, S, Q, H, D] (some empty: lse = -inf, o arbitrary), the suffix
-    kernel equals the reference: the splits merged one by one (`merge_attention`), then merged with the suffix."""
-    B, S, Q, H, KVH, D = 2, 5, 6, 4, 2, 32
-    g = torch.Generator().manual_seed(8)
-    q = torch.randn(B, Q, H, D, generator=g).to(DEV)
-    k = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
-    v = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
-    mask = tree_mask(B, Q, g, empty_rows=0)
-    o0 = torch.randn(B, S, Q, H, D, generator=g).to(DEV)
-    lse0 = (torch.randn(B, S, Q, H, generator=g) * 3).to(DEV)
-    lse0[:, 1] = float("-inf")  # an empty split (its o is whatever the buffer held)
-    lse0[0, :, 0] = float("-inf")  # row 0 of sequence 0: no prefix at all
-    o, lse = tree_suffix_attention(q, k, v, mask, 0.2, o_init=o0, lse_init=lse0)
-    ro, rlse = torch.zeros_like(o0[:, 0]), torch.full_like(lse0[:, 0], float("-inf"))
-    for s_ in range(S):
-        oi = torch.where(torch.isfinite(lse0[:, s_])[..., None], o0[:, s_], 0)
-        mo, ml = merge_attention(ro, rlse, oi, lse0[:, s_])
-        seen = torch.isfinite(ml)
-        ro = torch.where(seen[..., None], mo, ro)
-        rlse = torch.where(seen, ml, rlse)
-    so, slse = attend(q, k, v, mask, 0.2)
-    ro, rlse = merge_attention(ro, rlse, so, slse)
-    torch.testing.assert_close(o, ro, **TOL)
-    torch.testing.assert_close(lse, rlse, **TOL)
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Merge
 

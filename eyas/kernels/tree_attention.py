@@ -5,8 +5,7 @@
   GQA loads each K/V tile once for all of them), walks its split of the context through the block table and keeps
   an online softmax; `_reduce_splits_kernel` merges the splits by log-sum-exp.
 * `tree_suffix_attention`: the new tokens among themselves (plus any earlier tree tokens) under an explicit
-  visibility mask. Grid (batch x kv-head, query-row tile). It can start from a prefix result (o, lse), which
-  fuses the merge of the two parts into it.
+  visibility mask. Grid (batch x kv-head, query-row tile).
 * `merge_attention_states`: a standalone log-sum-exp merge of two partial results.
 * `split_tree_attention_triton`: one grid whose programs walk the prefix's KV splits and, beside them, the suffix
   (`_split_tree_kernel`, the same two walks as the kernels above), then `_reduce_splits_kernel` merges the S + 1
@@ -52,6 +51,22 @@ def _load_q_rows(Q, K, b, kvh, rows, offs_d, n_rows, G: tl.constexpr, HEAD_D: tl
     if UPCAST:  # the Triton interpreter's bf16 tl.dot is wrong: do its dots in float32 (exact products)
         q = q.to(tl.float32)
     return q
+
+
+@triton.jit
+def _program_rows(Q, K, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh, stride_qd, G: tl.constexpr,
+                  HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    """The prologue of every attention program: grid axis 0 is (sequence b, kv head), axis 1 the tile of query rows.
+    Returns (b, kvh, rows, offs_d, d_ok, q), q the query tile (`_load_q_rows`)."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // num_kv_heads
+    kvh = pid_bh % num_kv_heads
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_D
+    q = _load_q_rows(Q, K, b, kvh, rows, offs_d, n_rows, G, HEAD_D, stride_qb, stride_qq, stride_qh, stride_qd,
+                     UPCAST)
+    return b, kvh, rows, offs_d, d_ok, q
 
 
 @triton.jit
@@ -126,12 +141,17 @@ def _walk_prefix(q, k_head, v_head, bt_row, ctx, split, num_splits, offs_d, d_ok
 
 
 @triton.jit
-def _walk_suffix(q, k_base, v_base, m_base, kv_len, row_ok, offs_d, d_ok, qk_scale, m_i, l_i, acc,
+def _walk_suffix(q, k_base, v_base, m_base, kv_len, row_ok, offs_d, d_ok, qk_scale,
                  stride_kl, stride_kd, stride_vl, stride_vd, stride_ml,
-                 BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Continue an online-softmax state (m in log2 units, l, acc) over the kv_len dense suffix keys of one sequence
-    and kv head, each row seeing the keys its mask row (m_base, [BLOCK_M] pointers) marks nonzero."""
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """Online softmax of the query tile over the kv_len dense suffix keys of one sequence and kv head, each row
+    seeing the keys its mask row (m_base, [BLOCK_M] pointers) marks nonzero. Returns the unnormalised state (m in
+    log2 units, l, acc)."""
     offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(0, kv_len, BLOCK_N):
         pos = n0 + offs_n
         n_ok = pos < kv_len
@@ -165,18 +185,9 @@ def _paged_prefix_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b = pid_bh // num_kv_heads
-    kvh = pid_bh % num_kv_heads
-
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_D
-    q = _load_q_rows(Q, K, b, kvh, rows, offs_d, n_rows, G, HEAD_D, stride_qb, stride_qq, stride_qh, stride_qd,
-                     UPCAST)
-
+    b, kvh, rows, offs_d, d_ok, q = _program_rows(Q, K, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh,
+                                                  stride_qd, G, HEAD_D, BLOCK_M, BLOCK_D, UPCAST)
     m_i, l_i, acc = _walk_prefix(q, K + kvh * stride_kh, V + kvh * stride_vh, BT + b * stride_btb,
                                  tl.load(CL + b).to(tl.int32), pid_s, num_splits, offs_d, d_ok, qk_scale,
                                  stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_btn,
@@ -221,70 +232,33 @@ def _reduce_splits_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Suffix: the step's own tokens under a mask, optionally seeded with the prefix result (fused merge)
+# Suffix: the step's own tokens under a mask
 
 
 @triton.jit
 def _tree_suffix_kernel(
-    Q, K, V, MASK, O, LSE, O0, LSE0,
+    Q, K, V, MASK, O, LSE,
     qk_scale,
     n_rows,  # Q * G
     kv_len,  # L: keys of the suffix (earlier tree tokens + the new ones)
     num_kv_heads,
-    num_init,  # partial results to start from (the prefix's KV splits, unreduced), with HAS_INIT
     stride_qb, stride_qq, stride_qh, stride_qd,
     stride_kb, stride_kl, stride_kh, stride_kd,
     stride_vb, stride_vl, stride_vh, stride_vd,
     stride_mb, stride_mq, stride_ml,
     stride_ob, stride_oq, stride_oh, stride_od,
     stride_lb, stride_lq, stride_lh,
-    stride_o0b, stride_o0s, stride_o0q, stride_o0h, stride_o0d,
-    stride_l0b, stride_l0s, stride_l0q, stride_l0h,
     G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_INIT: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    b = pid_bh // num_kv_heads
-    kvh = pid_bh % num_kv_heads
-
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    b, kvh, rows, offs_d, d_ok, q = _program_rows(Q, K, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh,
+                                                  stride_qd, G, HEAD_D, BLOCK_M, BLOCK_D, UPCAST)
     row_ok = rows < n_rows
     qi = rows // G
-    h = kvh * G + rows % G
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_D
-    q = _load_q_rows(Q, K, b, kvh, rows, offs_d, n_rows, G, HEAD_D, stride_qb, stride_qq, stride_qh, stride_qd,
-                     UPCAST)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if HAS_INIT:
-        # Normalised partial results (o_s, lse_s) over other keys (the prefix's KV splits, not yet reduced): each is
-        # the online-softmax state m = lse_s (log2 units), l = 1, acc = o_s; merging them here is the split
-        # reduction, done in this pass instead of a kernel of its own. Empty ones (lse = -inf) weigh nothing.
-        for si in range(0, num_init):
-            lse0 = tl.load(LSE0 + b * stride_l0b + si * stride_l0s + qi * stride_l0q + h * stride_l0h, mask=row_ok,
-                           other=float("-inf")).to(tl.float32)
-            has0 = lse0 > float("-inf")
-            m0 = tl.where(has0, lse0 * 1.4426950408889634, float("-inf"))
-            m_new = tl.maximum(m_i, m0)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            beta = tl.where(has0, tl.exp2(m0 - m_safe), 0.0)
-            o0 = tl.load(O0 + b * stride_o0b + si * stride_o0s + qi[:, None] * stride_o0q + h[:, None] * stride_o0h
-                         + offs_d[None, :] * stride_o0d, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            o0 = tl.where(has0[:, None], o0.to(tl.float32), 0.0)
-            acc = acc * alpha[:, None] + o0 * beta[:, None]
-            l_i = l_i * alpha + beta
-            m_i = m_new
-
     m_i, l_i, acc = _walk_suffix(q, K + b * stride_kb + kvh * stride_kh, V + b * stride_vb + kvh * stride_vh,
                                  MASK + b * stride_mb + qi * stride_mq, kv_len, row_ok, offs_d, d_ok, qk_scale,
-                                 m_i, l_i, acc, stride_kl, stride_kd, stride_vl, stride_vd, stride_ml,
-                                 BLOCK_N, DOT_PREC, UPCAST)
+                                 stride_kl, stride_kd, stride_vl, stride_vd, stride_ml,
+                                 BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
     _store_rows(O, LSE, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i, G, HEAD_D,
                 stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
 
@@ -314,19 +288,11 @@ def _split_tree_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NS: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b = pid_bh // num_kv_heads
-    kvh = pid_bh % num_kv_heads
-
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    b, kvh, rows, offs_d, d_ok, q = _program_rows(Q, KC, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh,
+                                                  stride_qd, G, HEAD_D, BLOCK_M, BLOCK_D, UPCAST)
     row_ok = rows < n_rows
     qi = rows // G
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_D
-    q = _load_q_rows(Q, KC, b, kvh, rows, offs_d, n_rows, G, HEAD_D, stride_qb, stride_qq, stride_qh, stride_qd,
-                     UPCAST)
 
     if pid_s < num_splits:  # a split of the prefix, as `_paged_prefix_kernel` walks it
         m_i, l_i, acc = _walk_prefix(q, KC + kvh * stride_kch, VC + kvh * stride_vch, BT + b * stride_btb,
@@ -334,13 +300,10 @@ def _split_tree_kernel(
                                      stride_kcb, stride_kcs, stride_kcd, stride_vcb, stride_vcs, stride_vcd,
                                      stride_btn, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
     else:  # the suffix keys under the mask
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         m_i, l_i, acc = _walk_suffix(q, KN + b * stride_knb + kvh * stride_knh, VN + b * stride_vnb + kvh * stride_vnh,
                                      MASK + b * stride_mb + qi * stride_mq, kv_len, row_ok, offs_d, d_ok, qk_scale,
-                                     m_i, l_i, acc, stride_knl, stride_knd, stride_vnl, stride_vnd, stride_ml,
-                                     BLOCK_NS, DOT_PREC, UPCAST)
+                                     stride_knl, stride_knd, stride_vnl, stride_vnd, stride_ml,
+                                     BLOCK_M, BLOCK_NS, BLOCK_D, DOT_PREC, UPCAST)
     _store_rows(O + pid_s * stride_os, LSE + pid_s * stride_ls, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i,
                 G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
 
@@ -536,13 +499,11 @@ def _reduce_splits(o_part, lse_part, out_dtype):
     return o, lse
 
 
-def tree_suffix_attention(q, k_new, v_new, suffix_mask, scale, o_init=None, lse_init=None, out_dtype=torch.float32):
+def tree_suffix_attention(q, k_new, v_new, suffix_mask, scale, out_dtype=torch.float32):
     """Attention of the Q new tokens over the suffix keys under `suffix_mask`.
 
     q [B, Q, H, D]; k_new/v_new [B, L, KVH, D] (L = Q, or P + Q with earlier tree tokens first);
-    suffix_mask [B, Q, L] bool (or integer, nonzero = visible). With `o_init`/`lse_init` (a normalised partial
-    result over other keys, e.g. the prefix, or several: [B, S, Q, H, D] / [B, S, Q, H], e.g. the prefix's KV splits
-    unreduced), the result is merged with them in the same pass.
+    suffix_mask [B, Q, L] bool (or integer, nonzero = visible).
     Returns o [B, Q, H, D] (`out_dtype`, float32 by default) and lse [B, Q, H] float32."""
     B, NQ, H, D = q.shape
     _, L, KVH, Dk = k_new.shape
@@ -564,22 +525,12 @@ def tree_suffix_attention(q, k_new, v_new, suffix_mask, scale, o_init=None, lse_
     lse = torch.empty((B, NQ, H), dtype=torch.float32, device=q.device)
     if B == 0 or NQ == 0:
         return o, lse
-    has_init = o_init is not None
-    if has_init:
-        if lse_init is not None and o_init.dim() == 4 and lse_init.dim() == 3:  # one partial: a split axis of 1
-            o_init, lse_init = o_init.unsqueeze(1), lse_init.unsqueeze(1)
-        if lse_init is None or o_init.dim() != 5 or tuple(o_init.shape[2:]) != (NQ, H, D) or \
-                o_init.shape[0] != B or tuple(lse_init.shape) != tuple(o_init.shape[:4]):
-            raise ValueError("o_init [B, Q, H, D] and lse_init [B, Q, H] (or split partials [B, S, Q, H, D] and "
-                             "[B, S, Q, H]) must be given together")
-    else:
-        o_init, lse_init = o.unsqueeze(1), lse.unsqueeze(1)  # placeholders, never read
     _tree_suffix_kernel[(B * KVH, m_tiles)](
-        q, k_new, v_new, suffix_mask, o, lse, o_init, lse_init,
-        float(scale) * LOG2E, n_rows, L, KVH, o_init.shape[1] if has_init else 0,
+        q, k_new, v_new, suffix_mask, o, lse,
+        float(scale) * LOG2E, n_rows, L, KVH,
         *q.stride(), *k_new.stride(), *v_new.stride(), *suffix_mask.stride(),
-        *o.stride(), *lse.stride(), *o_init.stride(), *lse_init.stride(),
-        G=G, HEAD_D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_INIT=has_init,
+        *o.stride(), *lse.stride(),
+        G=G, HEAD_D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         DOT_PREC=_dot_precision(k_new.dtype), UPCAST=_upcast(k_new.dtype), num_warps=4, num_stages=2,
     )
     return o, lse
