@@ -4,6 +4,8 @@
 # call 1). Comes back in $OUT: tpc.json, and both drafts in a tar of 6 MB parts (`cat ab.tar.part* | tar xf -`).
 #   A_ARGS="--answer-tokens 128" B_ARGS="" STEPS=480 TB=90 bash tools/device/ab_train.sh
 # A_GPU / B_GPU (default 0 and 0) put the variants on GPUs of their own (nvidia-h200-x2: A_GPU=0 B_GPU=1).
+# D: the training data (default: the file call 1 copied to /root/stage; session 10 carried it in call 2 instead:
+# D=$PWD/.stage/regen3/regen_runD_self.jsonl.xz). A_ARGS with --layers 2 grows the draft by a layer (run J).
 # STAGED=1 S=... W=... OUT=... D=... EXTRA="--limit 20 --batch-tokens 2048 --device cpu" makes a CPU dry run.
 set -u
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
