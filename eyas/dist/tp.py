@@ -345,22 +345,15 @@ def build_tp_engine(model: str, draft: str | None, speculation: str | None, rank
     (`draft`: as `eyas.loader.resolve.resolve_draft_arg` returns it) sharded too (`shard_draft`, the default: 2.5-3%
     faster than replicated on the H200 x2, 8B and 70B shapes) or replicated, the speculation given or the draft's
     default for the device. `engine_kwargs` go to `EngineConfig` (cuda_graphs="auto": on a GPU)."""
-    from eyas.engine.engine import EngineConfig, LLMEngine
+    from eyas.engine.llm import build_engine
     from eyas.loader.resolve import draft_dir
-    from eyas.spec.dispatch import default_speculation
     from eyas.spec.tree import resolve_tree
+    tree = resolve_tree(speculation)  # a bad name fails before anything loads
     if draft is not None:
         draft = draft_dir(model, draft)
     target, tok, draft_model = load_sharded(model, rank, world_size, device, dtype, draft=draft,
                                             shard_draft=shard_draft)
-    tree = resolve_tree(speculation)
-    if tree is not None and draft_model is None:
-        raise ValueError(f"speculation {speculation!r} needs a draft model")
-    if draft_model is not None and tree is None:
-        tree = resolve_tree(default_speculation(draft_model, device))
-    if engine_kwargs.get("cuda_graphs") == "auto":
-        engine_kwargs["cuda_graphs"] = torch.device(device).type == "cuda"
-    return TPEngine(LLMEngine(target, tok, draft_model, tree, EngineConfig(**engine_kwargs)), rank, world_size,
+    return TPEngine(build_engine(target, tok, draft_model, tree, speculation, **engine_kwargs), rank, world_size,
                     check=check)
 
 

@@ -14,6 +14,21 @@ from eyas.spec.dispatch import default_speculation
 from eyas.spec.tree import resolve_tree
 
 
+def build_engine(target, tokenizer, draft, tree, speculation: str | None = None, **engine_kwargs) -> LLMEngine:
+    """The `LLMEngine` of a loaded target and draft (what `LLM` and each tensor-parallel rank build). `tree`: the
+    resolved `speculation` (None: the draft's own default for the target's device, else no speculation).
+    `engine_kwargs` go to `EngineConfig`; cuda_graphs="auto": graphs wherever they can run (on a GPU). ValueError:
+    a speculation without a draft."""
+    device = next(target.parameters()).device
+    if tree is not None and draft is None:
+        raise ValueError(f"speculation {speculation!r} needs a draft model (draft=...)")
+    if draft is not None and tree is None:
+        tree = resolve_tree(default_speculation(draft, device))
+    if engine_kwargs.get("cuda_graphs") == "auto":
+        engine_kwargs["cuda_graphs"] = device.type == "cuda"
+    return LLMEngine(target, tokenizer, draft, tree, EngineConfig(**engine_kwargs))
+
+
 @dataclass
 class CompletionOutput:
     prompt_token_ids: list[int]
@@ -34,15 +49,9 @@ class LLM:
     def __init__(self, model: str = "smollm2", device: str = "auto", dtype: str = "auto",
                  draft: str | None = None, speculation: str | None = None, **engine_kwargs):
         self.target, self.tokenizer = load_target(model, device, dtype)
-        tree = resolve_tree(speculation)
+        tree = resolve_tree(speculation)  # a bad name fails before the draft loads
         self.draft = load_draft(draft_dir(model, draft), self.target) if draft is not None else None
-        if tree is not None and self.draft is None:
-            raise ValueError(f"speculation {speculation!r} needs a draft model (draft=...)")
-        if self.draft is not None and tree is None:  # the draft's own default for this device (else chain:3)
-            tree = resolve_tree(default_speculation(self.draft, next(self.target.parameters()).device))
-        if engine_kwargs.get("cuda_graphs") == "auto":  # graphs wherever they can run
-            engine_kwargs["cuda_graphs"] = next(self.target.parameters()).device.type == "cuda"
-        self.engine = LLMEngine(self.target, self.tokenizer, self.draft, tree, EngineConfig(**engine_kwargs))
+        self.engine = build_engine(self.target, self.tokenizer, self.draft, tree, speculation, **engine_kwargs)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[CompletionOutput]:
