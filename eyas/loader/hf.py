@@ -26,8 +26,6 @@ def load_weights(path: Path, allow_bin: bool = False) -> dict[str, torch.Tensor]
     files = _safetensors_files(path)
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        if not f.exists():
-            raise ValueError(f"{f}: listed in the safetensors index but missing")
         try:
             state.update(load_file(str(f)))
         except Exception as e:
@@ -59,10 +57,15 @@ def load_hf(path: str | Path):
 
 
 def _safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index lists (ValueError if one is missing), else all of them."""
     index = path / "model.safetensors.index.json"
-    if index.exists():
-        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    return sorted(path.glob("*.safetensors"))
+    if not index.exists():
+        return sorted(path.glob("*.safetensors"))
+    files = [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    for f in files:
+        if not f.exists():
+            raise ValueError(f"{f}: listed in the safetensors index but missing")
+    return files
 
 
 def load_hf_sharded(path: str | Path, rank: int, world_size: int, device="cpu", dtype=torch.float32, group=None):
@@ -84,8 +87,6 @@ def load_hf_sharded(path: str | Path, rank: int, world_size: int, device="cpu", 
     shapes = {k: tuple(v.shape) for k, v in meta_target(cfg, rank, world_size).state_dict().items()}
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        if not f.exists():
-            raise ValueError(f"{f}: listed in the safetensors index but missing")
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
                 if name not in shapes:
