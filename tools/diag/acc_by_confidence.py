@@ -1,8 +1,10 @@
 """Where does the draft miss? Its depth-1 acceptance (greedy: the target's token is the draft's top-1) binned by
 the target's own probability of that token, on SmolLM2's greedy answers to MT-Bench's first turns (the data of
-`eyas make-tree --eval-data`: a jsonl of input_ids + loss_mask), float32 on the CPU.
-    PYTHONPATH=. python3 tools/diag/acc_by_confidence.py answers.jsonl     (run from the repository root)"""
-import sys
+`eyas make-tree --eval-data`: a jsonl of input_ids + loss_mask, or conversations), float32 on the CPU. A second
+table bins it by the token's index in its answer, where the held-out accuracy of the trainer (whole answers) and
+MT-Bench's TPC (the first 128 tokens) differ.
+    PYTHONPATH=. python3 tools/diag/acc_by_confidence.py answers.jsonl [--limit N]   (from the repository root)"""
+import argparse
 
 import torch
 
@@ -13,8 +15,12 @@ from eyas.train.trainer import draft_inputs, unrolled_streams
 
 target, tok = load_target("smollm2", "cpu", torch.float32)
 draft = load_draft(draft_dir("smollm2", "default"), target).eval()
-exs = load_examples(sys.argv[1:], tok, workers=1)
-pmax, hit = [], []
+ap = argparse.ArgumentParser()
+ap.add_argument("data", nargs="+")
+ap.add_argument("--limit", type=int, default=None, help="read at most N records")
+args = ap.parse_args()
+exs = load_examples(args.data, tok, limit=args.limit, workers=1)
+pmax, hit, index = [], [], []
 with torch.no_grad():
     for batch in length_batches([len(e) for e in exs], 4096):
         ids, amask = collate(exs, batch)
@@ -25,7 +31,16 @@ with torch.no_grad():
         d_arg = target.compute_logits(s1).argmax(-1)
         pmax.append(p[lmask])
         hit.append((d_arg == t_arg)[lmask])
-pmax, hit = torch.cat(pmax), torch.cat(hit).float()
+        # the token's index in its answer: masked positions counted from each answer's start
+        m = lmask.long()
+        starts = m * (1 - torch.nn.functional.pad(m, (1, 0))[:, :-1])  # 1 where an answer begins
+        run_id = starts.cumsum(-1)
+        idx = m.cumsum(-1) - 1
+        for r in range(m.shape[0]):
+            first = torch.zeros(int(run_id[r].max()) + 1, dtype=torch.long)
+            first.scatter_reduce_(0, run_id[r][m[r] == 1], idx[r][m[r] == 1], "amin", include_self=False)
+            index.append((idx[r] - first[run_id[r]])[m[r] == 1])
+pmax, hit, index = torch.cat(pmax), torch.cat(hit).float(), torch.cat(index)
 print(f"positions {len(pmax)}, depth-1 acceptance {hit.mean():.3f}")
 print("| target's p(greedy token) | share of positions | draft accepts | share of all misses |")
 print("| --- | --- | --- | --- |")
@@ -36,3 +51,10 @@ for lo, hi in zip(edges, edges[1:]):
     if m.any():
         print(f"| {lo:.1f}-{min(hi, 1.0):.1f} | {m.float().mean():.3f} | {hit[m].mean():.3f} | "
               f"{(1 - hit[m]).sum() / misses:.3f} |")
+print()
+print("| token's index in its answer | share of positions | draft accepts |")
+print("| --- | --- | --- |")
+for lo, hi in zip([0, 16, 64, 128, 256, 512], [16, 64, 128, 256, 512, 1 << 30]):
+    m = (index >= lo) & (index < hi)
+    if m.any():
+        print(f"| {lo}-{hi - 1 if hi < 1 << 30 else ''} | {m.float().mean():.3f} | {hit[m].mean():.3f} |")
