@@ -14,6 +14,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculation", default=None,
                    help="chain:K | tree:NAME (mc_sim_7b_63, 8, 16, smollm2_25|48d5|64|128) | tree JSON file | "
                         "dispatch:B1=SPEC,B2=SPEC,... (a tree per batch size; SPEC may be 'plain')")
+    p.add_argument("--draft-quant", default=None, choices=["int4", "int4-ffn", "int4-head"],
+                   help="quantize the draft: its FFN and its own copy of the LM head in INT4 (int4), or one of "
+                        "them; the target verifies as before, so the output keeps the target's distribution")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto")
 
@@ -61,11 +64,14 @@ def cmd_generate(args) -> int:
     if args.tensor_parallel > 1:
         import torch
         from eyas.dist.launch import run_ranks
+        if args.draft_quant:
+            raise SystemExit("eyas generate: --draft-quant does not combine with --tensor-parallel yet")
         cpu = args.device == "cpu" or not torch.cuda.is_available()
         run_ranks(_tp_generate, args.tensor_parallel, args, on_gpu=not cpu)
         return 0
     llm = LLM(args.model, device=args.device, dtype=args.dtype, draft=resolve_draft_arg(args.model, args.draft),
-              speculation=args.speculation, cuda_graphs="auto" if args.cuda_graphs else False)
+              speculation=args.speculation, draft_quant=args.draft_quant,
+              cuda_graphs="auto" if args.cuda_graphs else False)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))

@@ -104,6 +104,21 @@ def test_accept_ranks_replays_a_recording_on_any_tree(tmp_path):
         main(["bench", "latency", "--model", "smollm2-shape", "--accept-ranks", str(bad)])
 
 
+def test_bench_latency_times_an_int4_draft(tmp_path):
+    """--draft-quant on a random-weight shape: the draft's FFN and head copy become INT4 (here the head of a reduced
+    draft vocabulary), acceptance stays simulated, and the replay gives the same TPC as the bf16 draft's."""
+    out = tmp_path / "lat"
+    args = ["bench", "latency", "--model", "llama-tiny-shape", "--modes", "chain:3", "--batch-sizes", "1",
+            "--max-tokens", "9", "--context", "4", "--num-prompts", "1", "--accept-rates", "1,1,1", "--device", "cpu",
+            "--dtype", "float32", "--draft-vocab", "64"]
+    assert main(args + ["--draft-quant", "int4", "--out", str(out)]) == 0
+    res = json.loads((out / "latency.json").read_text())
+    assert res["meta"]["draft_quant"] == "int4" and res["meta"]["draft_vocab"] == 64
+    assert res["results"][0]["tpc"] == pytest.approx(4.0)
+    with pytest.raises(SystemExit, match="--draft-quant does not combine with --tensor-parallel"):
+        main(args[:-2] + ["--draft-quant", "int4", "--tensor-parallel", "2", "--out", str(tmp_path / "tp")])
+
+
 def test_bench_latency_tensor_parallel_equals_tp1(tmp_path):
     """`--tensor-parallel 2` (2 gloo ranks on the CPU) on a random shape built sharded: the same decode steps and TPC
     as TP = 1 (simulated acceptance draws from each request's explicit seed, identically on every rank), with the

@@ -109,3 +109,27 @@ def test_smollm2_graphs_equal_eager():
         assert auto.engine.tree.name.startswith("dispatch:")
         assert [o.token_ids for o in auto.generate(prompts, params)] == ref
         assert auto.generate(prompts[1], params)[0].token_ids == ref[1]
+
+
+def test_smollm2_int4_draft_under_graphs_gives_the_targets_output():
+    """An INT4 draft (`draft_quant="int4"`: PyTorch's CUDA int4 kernel inside the captured step) changes the guesses,
+    not the output: graphed speculative decoding equals eager plain decoding on the reference ops."""
+    from eyas.loader.resolve import default_draft_path, smollm2_path
+    try:
+        smollm2_path()
+    except ValueError as e:
+        pytest.skip(str(e))
+    if not default_draft_path("smollm2"):
+        pytest.skip("no shipped draft")
+    prompts = ["The capital of France is", "Write a haiku about GPUs.", "1, 2, 3, 4,"]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    eager = LLM("smollm2", device="cuda", dtype="float32")
+    eager.engine.runner.use_triton = False
+    reference_ops(eager)
+    ref = [o.token_ids for o in eager.generate(prompts, params)]
+    for spec in ("chain:3", "tree:smollm2_48d5"):
+        llm = LLM("smollm2", device="cuda", dtype="float32", draft="default", speculation=spec, draft_quant="int4",
+                  cuda_graphs=True)
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == ref
+        assert sum(o.stats.committed for o in outs) > 1.5 * sum(o.stats.target_calls for o in outs)

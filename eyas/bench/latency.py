@@ -324,6 +324,8 @@ def _parse(args):
         if args.tensor_parallel > 1 and args.draft_vocab:
             raise ValueError("--draft-vocab does not combine with --tensor-parallel (the draft vocabulary slices the "
                              "LM head, which tensor parallelism shards by vocabulary)")
+        if args.tensor_parallel > 1 and args.draft_quant:
+            raise ValueError("--draft-quant does not combine with --tensor-parallel yet")
     except ValueError as e:
         raise SystemExit(f"eyas bench latency: {e}") from None
     return modes, batches, accept
@@ -345,6 +347,11 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
                              "its own draft_vocab.safetensors)")
         from eyas.spec.draft_vocab import attach_draft_vocab
         attach_draft_vocab(draft, target, torch.arange(min(args.draft_vocab, target.config.vocab_size)))
+    if args.draft_quant:
+        if draft is None:
+            raise SystemExit("eyas bench latency: --draft-quant needs a draft")
+        from eyas.spec.draft_quant import quantize_draft
+        quantize_draft(draft, target, args.draft_quant)
     rates = accept if simulated else None
     if draft is None and any(m != "plain" for m in modes):
         if rank == 0:
@@ -364,7 +371,7 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
             "accept_rates": None if isinstance(rates, torch.Tensor) else rates,
             "accept_ranks": args.accept_ranks if simulated and args.accept_ranks else None,
             "context": args.context, "max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
-            "draft_vocab": args.draft_vocab or None, "cuda_graphs": graphs,
+            "draft_vocab": args.draft_vocab or None, "draft_quant": args.draft_quant, "cuda_graphs": graphs,
             "tensor_parallel": world_size, "draft_sharded": args.tp_draft == "sharded" and world_size > 1}
     if simulated:
         from eyas.bench.shapes import linear_weight_bytes
@@ -428,6 +435,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="random-weight shapes: the draft proposes only this many token ids (the cost of a reduced "
                         "draft vocabulary; acceptance stays simulated)")
+    p.add_argument("--draft-quant", default=None, choices=["int4", "int4-ffn", "int4-head"],
+                   help="quantize the draft (eyas.spec.draft_quant): its FFN and/or its own LM head copy in INT4; "
+                        "with random shapes acceptance stays simulated, so this times the saving only")
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="shard the target over N ranks (N GPUs, NCCL; gloo on the CPU), started by this command")
     p.add_argument("--tp-draft", choices=["sharded", "replicated"], default="sharded",

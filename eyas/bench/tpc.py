@@ -95,9 +95,12 @@ def engine_nodes(tree) -> int:
 def bench_tpc(model: str, drafts: list[str], speculations: list[str], prompts_path: str,
               temperatures: list[float], max_tokens: int = 128, limit: int | None = None, device: str = "auto",
               dtype: str = "auto", batch_size: int = 80, seed: int = 0, out: str | None = None,
-              kv_cache_bytes: int | None = None, log=print) -> dict:
+              kv_cache_bytes: int | None = None, log=print, draft_quant: str | None = None) -> dict:
     from eyas.loader.eagle import load_draft
     from eyas.loader.resolve import draft_dir, load_target
+    from eyas.spec.draft_quant import check_quant_mode, quantize_draft
+
+    check_quant_mode(draft_quant)
 
     target, tok = load_target(model, device, dtype)
     if tok is None or not tok.chat_template:
@@ -106,12 +109,14 @@ def bench_tpc(model: str, drafts: list[str], speculations: list[str], prompts_pa
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": r["text"]}])) for r in records]
     results = []
     for dname in drafts:
-        draft = load_draft(draft_dir(model, dname), target)
+        draft = quantize_draft(load_draft(draft_dir(model, dname), target), target, draft_quant)
         for temp in temperatures:  # every speculation at the first temperature first
             for spec in speculations:
                 r = run_one(target, tok, draft, spec, prompts, temp, max_tokens, batch_size, seed, kv_cache_bytes)
                 r["draft"] = dname
                 r["draft_layers"] = draft.config.num_hidden_layers
+                if draft_quant:
+                    r["draft_quant"] = draft_quant
                 results.append(r)
                 log(f"draft={dname} {spec} T={temp:g}: TPC {r['tpc']:.3f}  acceptance by depth "
                     + " ".join(f"{a:.3f}" for a in r["acceptance_by_depth"]) + f"  ({r['wall_seconds']:.1f} s)")
@@ -200,6 +205,8 @@ def add_tpc_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--draft-quant", default=None, choices=["int4", "int4-ffn", "int4-head"],
+                   help="quantize every draft (eyas.spec.draft_quant) and measure what that costs in acceptance")
     p.add_argument("--out", default="bench-out/tpc")
     p.set_defaults(func=run)
     return p
@@ -208,7 +215,7 @@ def add_tpc_parser(bench_subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     report = bench_tpc(args.model, args.draft, args.speculation or ["chain:3"], args.prompts, args.temperature,
                        args.max_tokens, args.limit, args.device, args.dtype, args.batch_size, args.seed, args.out,
-                       args.kv_cache_bytes, log=lambda m: print(m, flush=True))
+                       args.kv_cache_bytes, log=lambda m: print(m, flush=True), draft_quant=args.draft_quant)
     print(markdown_table(report["results"]))
     print(f"written to {args.out}/tpc.json, tpc.md, acceptance.png")
     return 0

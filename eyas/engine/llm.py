@@ -11,6 +11,7 @@ from eyas.loader.eagle import load_draft
 from eyas.loader.resolve import draft_dir, load_target
 from eyas.sampling_params import SamplingParams
 from eyas.spec.dispatch import default_speculation
+from eyas.spec.draft_quant import check_quant_mode, quantize_draft
 from eyas.spec.tree import resolve_tree
 
 
@@ -43,14 +44,19 @@ class CompletionOutput:
 class LLM:
     """model: "smollm2" | HF directory | .gguf file. draft: EAGLE checkpoint directory, "default" (the draft shipped
     for smollm2) or None. speculation: None | "chain:K" | "tree:NAME" | a JSON file of paths | "dispatch:B1=SPEC,..."
-    (a tree per batch size). Engine settings (`EngineConfig`) go as keywords; `cuda_graphs="auto"` turns CUDA graphs
-    on where the model runs on a GPU."""
+    (a tree per batch size). draft_quant: None | "int4" | "int4-ffn" | "int4-head" (`eyas.spec.draft_quant`: the
+    draft's FFN and/or its own LM head copy in INT4). Engine settings (`EngineConfig`) go as keywords;
+    `cuda_graphs="auto"` turns CUDA graphs on where the model runs on a GPU."""
 
     def __init__(self, model: str = "smollm2", device: str = "auto", dtype: str = "auto",
-                 draft: str | None = None, speculation: str | None = None, **engine_kwargs):
+                 draft: str | None = None, speculation: str | None = None, draft_quant: str | None = None,
+                 **engine_kwargs):
+        if check_quant_mode(draft_quant) is not None and draft is None:
+            raise ValueError(f"draft_quant={draft_quant!r} needs a draft (draft=...)")
         self.target, self.tokenizer = load_target(model, device, dtype)
         tree = resolve_tree(speculation)  # a bad name fails before the draft loads
         self.draft = load_draft(draft_dir(model, draft), self.target) if draft is not None else None
+        quantize_draft(self.draft, self.target, draft_quant)  # INT4 draft FFN / head (eyas.spec.draft_quant)
         self.engine = build_engine(self.target, self.tokenizer, self.draft, tree, speculation, **engine_kwargs)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

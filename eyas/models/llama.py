@@ -155,8 +155,9 @@ class MLP(nn.Module):
         act = swiglu_triton(*self.gate_up(x))
         down = self.down_proj
         # a row-parallel down projection (tensor parallelism) all-reduces its output in a forward hook: the module
-        # must run, so that the hook does
-        if down.bias is not None or not residual.is_contiguous() or down._forward_hooks:
+        # must run, so that the hook does; an INT4 one (eyas.layers.linear_int4) has no weight to addmm with
+        if not isinstance(down, nn.Linear) or down.bias is not None or not residual.is_contiguous() or \
+                down._forward_hooks:
             return residual.add_(down(act))
         residual.view(-1, residual.shape[-1]).addmm_(act.reshape(-1, act.shape[-1]), down.weight.t())
         return residual

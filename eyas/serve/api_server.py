@@ -433,6 +433,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="chain:K | tree:NAME (mc_sim_7b_63, 8, 16, smollm2_25|48d5|64|128) | tree JSON file | "
                         "dispatch:B1=SPEC,B2=SPEC,... (a tree per batch size; SPEC may be 'plain') "
                         "(default with a draft: the draft's own choice for the device, else chain:3)")
+    p.add_argument("--draft-quant", default=None, choices=["int4", "int4-ffn", "int4-head"],
+                   help="quantize the draft: its FFN and its own copy of the LM head in INT4 (int4), or one of "
+                        "them; the target verifies as before, so the output keeps the target's distribution")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
     p.add_argument("--host", default="127.0.0.1")
@@ -470,7 +473,7 @@ def _engine_kwargs(args) -> dict:
 def build_llm(args):
     from eyas import LLM
     return LLM(args.model, device=args.device, dtype=args.dtype, draft=resolve_draft_arg(args.model, args.draft),
-               speculation=args.speculation, **_engine_kwargs(args))
+               speculation=args.speculation, draft_quant=getattr(args, "draft_quant", None), **_engine_kwargs(args))
 
 
 def _capture_graphs(engine, max_num_seqs: int) -> None:
@@ -527,6 +530,8 @@ def run_serve(args) -> int:
     if args.tensor_parallel > 1:
         import torch
         from eyas.dist.launch import run_ranks
+        if getattr(args, "draft_quant", None):
+            raise ValueError("--draft-quant does not combine with --tensor-parallel yet")
         on_gpu = args.device != "cpu" and torch.cuda.is_available()
         try:
             run_ranks(_tp_serve, args.tensor_parallel, args, on_gpu=on_gpu, timeout=float("inf"))

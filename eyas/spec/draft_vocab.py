@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eyas.layers.topk import argmax, topk_indices
+from eyas.spec.draft_quant import draft_head_logits
 
 FILE = "draft_vocab.safetensors"
 
@@ -46,6 +47,8 @@ def select_draft_vocab(counts: torch.Tensor, size: int, always=()) -> torch.Tens
 def attach_draft_vocab(draft, target, ids: torch.Tensor | None) -> None:
     """Make `draft` propose only `ids` (None: the whole vocabulary again). Gathers the K rows of the target's LM
     head once; they live on the draft as non-persistent buffers (not part of its checkpoint weights)."""
+    if getattr(draft, "head_int4", None) is not None:
+        raise ValueError("this draft has an INT4 head already: attach the draft vocabulary before quantizing")
     if ids is None:
         draft.vocab_ids = draft.vocab_head = None
         return
@@ -68,9 +71,10 @@ def draft_topk(draft, target, h: torch.Tensor, k: int) -> torch.Tensor:
     vocabulary when one is attached, the whole vocabulary otherwise (`target.compute_logits`)."""
     ids = getattr(draft, "vocab_ids", None)
     # the logits stay in the head's dtype: the float32 upcast of the same values would order them the same
-    if ids is None:
+    logits = draft_head_logits(draft, target, h)  # an INT4 draft head (eyas.spec.draft_quant), if any
+    if logits is None and ids is None:
         logits = target.compute_logits(h, dtype=None)
-    else:
+    elif logits is None:
         H = h.shape[-1]
         logits = (h.reshape(-1, H) @ draft.vocab_head.t()).view(*h.shape[:-1], -1)  # one 2-D matmul
     # k = 1 (every chain level): an argmax; otherwise a top-k (on CUDA each is two Triton launches, `eyas.kernels.

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from eyas.spec.draft_quant import draft_full_logits
+
 MISS = -1  # rank path entry: the target's token was not among the draft's top `max_rank` proposals
 
 
@@ -49,7 +51,7 @@ def rank_paths(target, draft, examples, depth: int, max_rank: int, batch_tokens:
         B, T1 = t_arg.shape
         ranks = torch.full((B, T1, depth), MISS, dtype=torch.long, device=dev)  # [root t, depth d]
         for d, s in enumerate(streams):  # stream d+1 at index p is depth d+1 of the chain rooted at p - d
-            logits = target.compute_logits(s.to(h_next.dtype))
+            logits = draft_full_logits(draft, target, s.to(h_next.dtype))
             own = logits.gather(-1, t_arg[..., None])
             r = (logits > own).sum(-1)  # [B, T-1] rank of the target's token
             r = torch.where((r < max_rank) & lmask, r, torch.full_like(r, MISS))
@@ -205,7 +207,8 @@ class StepCost:
 def make_tree(model: str, draft: str, data: list[str], out: str, nodes: list[int], max_depth: int | list[int] = 8,
               max_rank: int = 10, min_count: int = 3, limit: int | None = None, device: str = "auto",
               dtype: str = "auto", compare: list[str] | None = None, eval_data: list[str] | None = None,
-              refit_rounds: int = 3, step_cost: StepCost | None = None, save_eval_ranks: str | None = None) -> dict:
+              refit_rounds: int = 3, step_cost: StepCost | None = None, save_eval_ranks: str | None = None,
+              draft_quant: str | None = None) -> dict:
     """Fit trees of each size in `nodes` to `draft` on the conversations of `data` (the target's own answers, e.g.
     `eyas make-distill-data` output, kept out of the draft's training); writes `out` (one size: a JSON list of paths,
     which `--speculation` takes; several: OUT_STEM-N.json each) and returns the fit, with the expected TPC of the
@@ -215,15 +218,18 @@ def make_tree(model: str, draft: str, data: list[str], out: str, nodes: list[int
     speculation's TPC is replayed exactly as the engine would measure it in this dtype.
     Several `max_depth` values fit a tree per (size, depth limit). `step_cost`: every tree also gets its predicted
     ms per step and per token (step cost / TPC replayed on `data`), and the one of the least ms per token is written
-    to `out` itself (the others as OUT_STEM-N[dD].json): chosen on the fit data, never on `eval_data`."""
+    to `out` itself (the others as OUT_STEM-N[dD].json): chosen on the fit data, never on `eval_data`.
+    `draft_quant`: fit and replay the draft quantized so (`eyas.spec.draft_quant`), e.g. to record its rank paths."""
     from eyas.loader.eagle import load_draft
+    from eyas.spec.draft_quant import check_quant_mode, quantize_draft
     from eyas.loader.resolve import draft_dir, load_target, resolve_device, resolve_dtype
     from eyas.spec.tree import resolve_tree
     from eyas.train.data import load_examples
 
+    check_quant_mode(draft_quant)
     dev = resolve_device(device)
     target, tok = load_target(model, dev, resolve_dtype(dtype, dev))
-    d = load_draft(draft_dir(model, draft), target).to(dev).eval()
+    d = quantize_draft(load_draft(draft_dir(model, draft), target).to(dev).eval(), target, draft_quant)
     exs = load_examples(data, tok, limit=limit, workers=1)
     if not exs:
         raise ValueError(f"no usable conversations in {data}")
@@ -305,6 +311,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--save-eval-ranks", default=None,
                    help="write the rank paths of --eval-data (safetensors `ranks` [T, depth]): the acceptance profile "
                         "that `eyas bench latency --accept-ranks` replays on random-weight shapes")
+    p.add_argument("--draft-quant", default=None, choices=["int4", "int4-ffn", "int4-head"],
+                   help="the draft quantized (eyas.spec.draft_quant): its rank paths, fits and replays")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.set_defaults(func=run)
@@ -319,7 +327,7 @@ def run(args) -> int:
         raise ValueError("--save-eval-ranks needs --eval-data")
     print(json.dumps(make_tree(args.model, args.draft, args.data, args.out, args.nodes, args.max_depth, args.max_rank,
                                args.min_count, args.limit, args.device, args.dtype, args.compare, args.eval_data,
-                               args.refit_rounds, cost, args.save_eval_ranks), indent=2))
+                               args.refit_rounds, cost, args.save_eval_ranks, args.draft_quant), indent=2))
     return 0
 
 

@@ -1,0 +1,76 @@
+"""INT4 drafts (`--draft-quant int4`): the draft's FFN and its LM head in 4 bits (`eyas.layers.linear_int4`).
+
+The paper quantizes the draft's FFN to INT4. At small batch a draft level is a chain of GEMVs that read weights; in
+an 8B-shaped draft the FFN is 352 MB in bf16 and the LM head it shares with the target 1.05 GB (128k tokens x 4096),
+read once per level. Modes:
+
+* `int4-ffn`: each draft decoder layer's gate/up (fused into one `gate_up_proj` first) and down projections become
+  `Int4Linear`;
+* `int4-head`: the draft scores its candidates with its own INT4 copy of the target's head (of the rows of its draft
+  vocabulary, when it has one); the target keeps its bf16 head for verification and for everything else;
+* `int4`: both.
+
+Exactness is untouched: the target verifies every guess with the same acceptance rule. Only the acceptance rate can
+change, so measure it (`eyas bench tpc --draft-quant int4`) before counting on the bytes saved.
+"""
+from __future__ import annotations
+
+import torch
+
+from eyas.layers.linear_int4 import Int4Linear
+
+QUANT_MODES = ("int4", "int4-ffn", "int4-head")
+
+
+def check_quant_mode(mode: str | None) -> str | None:
+    if mode is not None and mode not in QUANT_MODES:
+        raise ValueError(f"draft quantization must be one of {', '.join(QUANT_MODES)} (or none), got {mode!r}")
+    return mode
+
+
+@torch.no_grad()
+def quantize_draft(draft, target, mode: str | None, group_size: int = 128):
+    """Quantize `draft` (an EagleDraft, loaded; any draft vocabulary already attached) in place as `mode` says;
+    returns it. None: unchanged. ValueError: an unknown mode, a draft quantized already, or shapes INT4 cannot take."""
+    if check_quant_mode(mode) is None:
+        return draft
+    if getattr(draft, "quant", None) is not None:
+        raise ValueError(f"this draft is quantized already ({draft.quant})")
+    p = next(draft.parameters())
+    if mode in ("int4", "int4-ffn"):
+        for layer in draft.layers:
+            mlp = layer.mlp
+            mlp.fuse_projections()  # one gate_up_proj: what the fast path runs; the HF names are gone
+            mlp.gate_up_proj = Int4Linear.from_linear(mlp.gate_up_proj, group_size)
+            mlp.down_proj = Int4Linear.from_linear(mlp.down_proj, group_size)
+    if mode in ("int4", "int4-head"):
+        head = getattr(draft, "vocab_head", None)  # the draft vocabulary's rows, or the whole head
+        if head is None:
+            head = target.lm_head.weight
+            if head.shape[0] != target.config.vocab_size:
+                raise ValueError("an INT4 draft head needs the target's whole LM head on this rank (not "
+                                 "vocabulary-parallel)")
+        draft.head_int4 = Int4Linear(head, None, group_size)
+    for m in draft.modules():
+        if isinstance(m, Int4Linear):
+            m.to(p.device).prepare(p.device, p.dtype)  # packed now, not inside a CUDA graph capture
+    draft.quant = mode
+    return draft
+
+
+def draft_head_logits(draft, target, h: torch.Tensor) -> torch.Tensor | None:
+    """The draft's logits from its INT4 head, over the draft vocabulary if one is attached, else the whole one;
+    None when the draft has no INT4 head (the caller then uses the bf16 head)."""
+    qh = getattr(draft, "head_int4", None)
+    if qh is None:
+        return None
+    return qh(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
+
+
+def draft_full_logits(draft, target, h: torch.Tensor) -> torch.Tensor:
+    """The draft's float32 logits over the whole vocabulary [..., V] (for rank paths, `eyas make-tree`): its INT4
+    head when it has one over the whole vocabulary, the target's head otherwise (a draft vocabulary is not applied
+    here)."""
+    if getattr(draft, "head_int4", None) is not None and getattr(draft, "vocab_ids", None) is None:
+        return draft_head_logits(draft, target, h).float()
+    return target.compute_logits(h)
