@@ -1,6 +1,7 @@
-"""INT4 drafts: the group quantization against its error bound, PyTorch's int4 kernels against the dequantized
-reference (the CPU kernel here, the CUDA one on the GPU), and exactness through the engine: with an INT4 draft the
-output is still the target's own (non-speculative decoding is the oracle)."""
+"""INT4 drafts: the group quantization against its error bound, PyTorch's int4 kernels and eyas's Triton INT4 GEMV
+against the dequantized reference (the CPU kernel and the interpreted Triton one here, the CUDA ones on the GPU), and
+exactness through the engine: with an INT4 draft the output is still the target's own (non-speculative decoding is
+the oracle)."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -157,3 +158,40 @@ def test_int4_linear_gpu_kernel_equals_reference(n, k):
         got = m(x).float()
         ref = x.float() @ m.dequantized().t()
         torch.testing.assert_close(got, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+        from eyas.kernels.gemv_int4 import gemv_int4_triton  # the Triton candidate, compiled for the GPU
+        tri = gemv_int4_triton(x, m.qweight, m.scales_and_zeros, m.group_size).float()
+        torch.testing.assert_close(tri, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+        m.cuda_kernel = "triton"  # Int4Linear's own switch to it
+        torch.testing.assert_close(m(x).float(), tri)
+        m.cuda_kernel = "torch"
+
+
+@pytest.mark.parametrize("m,n,k,g,split", [(1, 40, 256, 64, None), (3, 32, 512, 128, 4), (16, 8, 96, 32, 1),
+                                           (2, 24, 128, 32, 2)])
+def test_gemv_int4_triton_equals_reference_interpreted(m, n, k, g, split):
+    """The Triton INT4 GEMV (eyas/kernels/gemv_int4.py) under TRITON_INTERPRET=1, float32 and bf16 activations."""
+    from eyas.kernels.gemv_int4 import gemv_int4_reference, gemv_int4_triton
+    torch.manual_seed(0)
+    m4 = Int4Linear(torch.randn(n, k), None, g)
+    assert m4.group_size == g
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x = torch.randn(m, k).to(dtype)
+        got = gemv_int4_triton(x, m4.qweight, m4.scales_and_zeros, g, split_k=split)
+        ref = gemv_int4_reference(x, m4.qweight, m4.scales_and_zeros, g)
+        assert got.dtype == dtype and got.shape == (m, n)
+        torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
+    # and the reference is Int4Linear's own (dequantise, then F.linear)
+    m4.use_kernel = False
+    x = torch.randn(m, k)
+    torch.testing.assert_close(gemv_int4_reference(x, m4.qweight, m4.scales_and_zeros, g), m4(x))
+
+
+def test_gemv_int4_triton_refuses_bad_input():
+    from eyas.kernels.gemv_int4 import gemv_int4_triton
+    m4 = Int4Linear(torch.randn(16, 64), None, 32)
+    with pytest.raises(ValueError, match="1 <= M <= 16"):
+        gemv_int4_triton(torch.randn(17, 64), m4.qweight, m4.scales_and_zeros, 32)
+    with pytest.raises(ValueError, match="a power of two dividing K"):
+        gemv_int4_triton(torch.randn(2, 62), m4.qweight, m4.scales_and_zeros, 32)
+    with pytest.raises(ValueError, match="scales_and_zeros must be contiguous"):
+        gemv_int4_triton(torch.randn(2, 64), m4.qweight, m4.scales_and_zeros[:1], 32)

@@ -351,7 +351,7 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
         if draft is None:
             raise SystemExit("eyas bench latency: --draft-quant needs a draft")
         from eyas.spec.draft_quant import quantize_draft
-        quantize_draft(draft, target, args.draft_quant)
+        quantize_draft(draft, target, args.draft_quant, cuda_kernel=args.int4_kernel)
     rates = accept if simulated else None
     if draft is None and any(m != "plain" for m in modes):
         if rank == 0:
@@ -371,7 +371,8 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
             "accept_rates": None if isinstance(rates, torch.Tensor) else rates,
             "accept_ranks": args.accept_ranks if simulated and args.accept_ranks else None,
             "context": args.context, "max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
-            "draft_vocab": args.draft_vocab or None, "draft_quant": args.draft_quant, "cuda_graphs": graphs,
+            "draft_vocab": args.draft_vocab or None, "draft_quant": args.draft_quant,
+            "int4_kernel": args.int4_kernel if args.draft_quant else None, "cuda_graphs": graphs,
             "tensor_parallel": world_size, "draft_sharded": args.tp_draft == "sharded" and world_size > 1}
     if simulated:
         from eyas.bench.shapes import linear_weight_bytes
@@ -438,6 +439,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--draft-quant", default=None, choices=["int4", "int4-ffn", "int4-head"],
                    help="quantize the draft (eyas.spec.draft_quant): its FFN and/or its own LM head copy in INT4; "
                         "with random shapes acceptance stays simulated, so this times the saving only")
+    p.add_argument("--int4-kernel", default="torch", choices=["torch", "triton"],
+                   help="with --draft-quant on CUDA: PyTorch's tinygemm (torch) or eyas's Triton INT4 GEMV")
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="shard the target over N ranks (N GPUs, NCCL; gloo on the CPU), started by this command")
     p.add_argument("--tp-draft", choices=["sharded", "replicated"], default="sharded",

@@ -15,7 +15,11 @@ kernels (`torch.ops.aten._weight_int4pack_mm`, "tinygemm", which gpt-fast and to
 * CUDA: `_weight_int4pack_mm` (bf16 activations: others are cast), weights packed by
   `_convert_weight_to_int4pack`;
 * CPU: `_weight_int4pack_mm_for_cpu`, weights packed by `_convert_weight_to_int4pack_for_cpu`;
-* reference (any device, dtype or shape the kernels refuse, and `use_kernel = False`): dequantize, then `F.linear`.
+* reference (any device, dtype or shape the kernels refuse, more than 16 rows on the CPU, and `use_kernel = False`):
+  dequantize (once, kept), then x @ W^T.
+
+`cuda_kernel = "triton"` runs eyas's own Triton INT4 GEMV (`eyas/kernels/gemv_int4.py`) instead of tinygemm for up
+to 16 rows on CUDA. Which of the two streams INT4 faster on the H200 is for `tools/diag/gemv_int4_bench.py` to say.
 
 The kernels need K (input features) a multiple of 16 * inner_k_tiles (2, 4 or 8) and of the group size (32, 64,
 128 or 256), and N (output features) a multiple of 8 (16 on the CPU); `Int4Linear` picks inner_k_tiles and falls
@@ -25,10 +29,10 @@ kernel's test runs on the GPU).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 GROUP_SIZES = (256, 128, 64, 32)
+CPU_KERNEL_MAX_ROWS = 16
 
 
 def pick_group_size(in_features: int, group_size: int = 128) -> int:
@@ -88,7 +92,9 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", sz)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.use_kernel = True
+        self.cuda_kernel = "torch"  # or "triton": eyas.kernels.gemv_int4 for <= 16 rows (tools/diag/gemv_int4_bench.py)
         self._packed: tuple | None = None  # (device, packed weight, scales_and_zeros in the kernel's dtype)
+        self._dense: torch.Tensor | None = None  # the reference path's dequantised weight, made once
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128) -> "Int4Linear":
@@ -116,9 +122,9 @@ class Int4Linear(nn.Module):
         float16 and float32 ones are cast (a draft's guesses need no more)."""
         if not self._shape_ok(x.device.type):
             return False
-        ok = (torch.bfloat16, torch.float16, torch.float32) if x.device.type == "cuda" else \
-            (torch.float32, torch.bfloat16)
-        return x.dtype in ok
+        if x.device.type == "cpu":  # the CPU kernel is for decoding: at 256 rows it is ~20x slower than the reference
+            return x.dtype in (torch.float32, torch.bfloat16) and x.numel() // x.shape[-1] <= CPU_KERNEL_MAX_ROWS
+        return x.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
     def _pack(self, device: torch.device, dtype: torch.dtype):
         if self._packed is not None and self._packed[0] == (device, dtype):
@@ -145,17 +151,24 @@ class Int4Linear(nn.Module):
         if self.kernel_ok(x2):
             kdt = torch.bfloat16 if x2.device.type == "cuda" else x2.dtype
             packed, sz = self._pack(x2.device, kdt)
-            op = torch.ops.aten._weight_int4pack_mm if x2.device.type == "cuda" else \
-                torch.ops.aten._weight_int4pack_mm_for_cpu
-            y = op(x2.to(kdt).contiguous(), packed, self.group_size, sz).to(x.dtype)
+            if x2.device.type == "cuda" and self.cuda_kernel == "triton" and x2.shape[0] <= 16:
+                from eyas.kernels.gemv_int4 import gemv_int4_triton  # reads the codes as qweight holds them
+                y = gemv_int4_triton(x2.to(kdt).contiguous(), self.qweight, sz, self.group_size).to(x.dtype)
+            else:
+                op = torch.ops.aten._weight_int4pack_mm if x2.device.type == "cuda" else \
+                    torch.ops.aten._weight_int4pack_mm_for_cpu
+                y = op(x2.to(kdt).contiguous(), packed, self.group_size, sz).to(x.dtype)
         else:
-            y = x2 @ self.dequantized().to(device=x2.device, dtype=x2.dtype).t()
+            d = self._dense
+            if d is None or d.device != x2.device or d.dtype != x2.dtype:
+                d = self._dense = self.dequantized().to(device=x2.device, dtype=x2.dtype)
+            y = x2 @ d.t()
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*shape[:-1], self.out_features)
 
     def _apply(self, fn, recurse=True):
-        self._packed = None  # a move or cast: pack again on the next call
+        self._packed = self._dense = None  # a move or cast: pack again on the next call
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:

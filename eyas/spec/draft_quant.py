@@ -29,9 +29,13 @@ def check_quant_mode(mode: str | None) -> str | None:
 
 
 @torch.no_grad()
-def quantize_draft(draft, target, mode: str | None, group_size: int = 128):
+def quantize_draft(draft, target, mode: str | None, group_size: int = 128, cuda_kernel: str = "torch"):
     """Quantize `draft` (an EagleDraft, loaded; any draft vocabulary already attached) in place as `mode` says;
-    returns it. None: unchanged. ValueError: an unknown mode, a draft quantized already, or shapes INT4 cannot take."""
+    returns it. None: unchanged. `cuda_kernel`: "torch" (PyTorch's tinygemm) or "triton" (eyas.kernels.gemv_int4)
+    for the INT4 GEMVs on CUDA. ValueError: an unknown mode or kernel, a draft quantized already, or shapes INT4
+    cannot take."""
+    if cuda_kernel not in ("torch", "triton"):
+        raise ValueError(f"the INT4 CUDA kernel must be 'torch' or 'triton', got {cuda_kernel!r}")
     if check_quant_mode(mode) is None:
         return draft
     if getattr(draft, "quant", None) is not None:
@@ -53,6 +57,7 @@ def quantize_draft(draft, target, mode: str | None, group_size: int = 128):
         draft.head_int4 = Int4Linear(head, None, group_size)
     for m in draft.modules():
         if isinstance(m, Int4Linear):
+            m.cuda_kernel = cuda_kernel
             m.to(p.device).prepare(p.device, p.dtype)  # packed now, not inside a CUDA graph capture
     draft.quant = mode
     return draft
