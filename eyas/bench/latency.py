@@ -436,9 +436,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="random-weight shapes: the draft proposes only this many token ids (the cost of a reduced "
                         "draft vocabulary; acceptance stays simulated)")
-    p.add_argument("--draft-quant", default=None, choices=["int4", "int4-ffn", "int4-head"],
-                   help="quantize the draft (eyas.spec.draft_quant): its FFN and/or its own LM head copy in INT4; "
-                        "with random shapes acceptance stays simulated, so this times the saving only")
+    from eyas.spec.draft_quant import add_draft_quant_arg
+    add_draft_quant_arg(p, "quantize the draft (eyas.spec.draft_quant): its FFN and/or its own LM head copy in "
+                           "INT4; with random shapes acceptance stays simulated, so this times the saving only")
     p.add_argument("--int4-kernel", default="torch", choices=["torch", "triton"],
                    help="with --draft-quant on CUDA: PyTorch's tinygemm (torch) or eyas's Triton INT4 GEMV")
     p.add_argument("--tensor-parallel", type=int, default=1,

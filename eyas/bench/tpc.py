@@ -205,8 +205,8 @@ def add_tpc_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-bytes", type=int, default=None)
-    p.add_argument("--draft-quant", default=None, choices=["int4", "int4-ffn", "int4-head"],
-                   help="quantize every draft (eyas.spec.draft_quant) and measure what that costs in acceptance")
+    from eyas.spec.draft_quant import add_draft_quant_arg
+    add_draft_quant_arg(p, "quantize every draft (eyas.spec.draft_quant) and measure what that costs in acceptance")
     p.add_argument("--out", default="bench-out/tpc")
     p.set_defaults(func=run)
     return p

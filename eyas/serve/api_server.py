@@ -433,9 +433,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="chain:K | tree:NAME (mc_sim_7b_63, 8, 16, smollm2_25|48d5|64|128) | tree JSON file | "
                         "dispatch:B1=SPEC,B2=SPEC,... (a tree per batch size; SPEC may be 'plain') "
                         "(default with a draft: the draft's own choice for the device, else chain:3)")
-    p.add_argument("--draft-quant", default=None, choices=["int4", "int4-ffn", "int4-head"],
-                   help="quantize the draft: its FFN and its own copy of the LM head in INT4 (int4), or one of "
-                        "them; the target verifies as before, so the output keeps the target's distribution")
+    from eyas.spec.draft_quant import add_draft_quant_arg
+    add_draft_quant_arg(p)
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
     p.add_argument("--host", default="127.0.0.1")

@@ -22,6 +22,14 @@ from eyas.layers.linear_int4 import Int4Linear
 QUANT_MODES = ("int4", "int4-ffn", "int4-head")
 
 
+def add_draft_quant_arg(p, help: str | None = None) -> None:
+    """`--draft-quant MODE` on an argparse parser (generate, serve, bench tpc/latency, make-tree)."""
+    p.add_argument("--draft-quant", default=None, choices=QUANT_MODES,
+                   help=help or "quantize the draft: its FFN and its own copy of the LM head in INT4 (int4), or one "
+                                "of them; the target verifies as before, so the output keeps the target's "
+                                "distribution")
+
+
 def check_quant_mode(mode: str | None) -> str | None:
     if mode is not None and mode not in QUANT_MODES:
         raise ValueError(f"draft quantization must be one of {', '.join(QUANT_MODES)} (or none), got {mode!r}")

@@ -311,8 +311,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--save-eval-ranks", default=None,
                    help="write the rank paths of --eval-data (safetensors `ranks` [T, depth]): the acceptance profile "
                         "that `eyas bench latency --accept-ranks` replays on random-weight shapes")
-    p.add_argument("--draft-quant", default=None, choices=["int4", "int4-ffn", "int4-head"],
-                   help="the draft quantized (eyas.spec.draft_quant): its rank paths, fits and replays")
+    from eyas.spec.draft_quant import add_draft_quant_arg
+    add_draft_quant_arg(p, "the draft quantized (eyas.spec.draft_quant): its rank paths, fits and replays")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.set_defaults(func=run)
