@@ -95,3 +95,32 @@ def test_make_prompts_gives_up_when_the_model_never_ends_its_turn(tmp_path, caps
                  "--batch-size", "1", "--device", "cpu", "--no-progress"]) == 0
     info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert info["prompts"] == 0 and info["tried"] == 16 and info["stopped"] == "tried 16 requests"
+
+
+def test_make_prompts_with_openings(tmp_path, capsys):
+    """--openings: request i's user text starts with opening i mod n; the kept prompt is the opening plus what the
+    model wrote after it with the recorded seed."""
+    from eyas import LLM, SamplingParams
+
+    tok = _tok()
+    mdir = _chatty_model(tmp_path, tok)
+    ofile = tmp_path / "openings.txt"
+    ofile.write_text("# kinds of task\nWrite a\n\nSolve for x:\n")
+    out = tmp_path / "p.jsonl"
+    assert main(["--model", str(mdir), "--num", "8", "--out", str(out), "--max-tokens", "6", "--min-chars", "1",
+                 "--batch-size", "2", "--device", "cpu", "--no-progress", "--openings", str(ofile)]) == 0
+    capsys.readouterr()
+    recs = [json.loads(x) for x in open(out)]
+    assert recs and {r["opening"] for r in recs} <= {"Write a", "Solve for x:"}
+    assert all(r["conversations"][0]["content"].startswith(r["opening"]) for r in recs)
+    llm = LLM(str(mdir), device="cpu", dtype="float32")
+    pre = pre_query_text(tok)
+    again = llm.generate([tok.encode(pre + r["opening"]) for r in recs],
+                         [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=6, seed=r["seed"]) for r in recs])
+    for r, o in zip(recs, again):
+        assert o.finish_reason == "stop" and (r["opening"] + o.text).strip() == r["conversations"][0]["content"]
+    (tmp_path / "empty.txt").write_text("# nothing\n\n")
+    for bad, msg in ((tmp_path / "empty.txt", "no openings"), (tmp_path / "missing.txt", "no such file")):
+        with pytest.raises(ValueError, match=msg):
+            main(["--model", str(mdir), "--num", "2", "--out", str(tmp_path / "q.jsonl"), "--device", "cpu",
+                  "--openings", str(bad)])

@@ -7,6 +7,13 @@ training taught it to expect; `eyas make-distill-data` then regenerates the answ
 text on prompts from the target's own instruction distribution (the shipped SmolLM2 draft accepts 0.64 at depth 1 on
 ShareGPT first turns but 0.55 on MT-Bench's: the prompt distribution matters).
 
+`--openings FILE` steers the kinds of request: request i starts with opening i mod n (one line of FILE each, e.g.
+"Write a persuasive", "Imagine you are", "Solve for x:"); the model writes the rest, and the kept prompt is the
+opening plus what it wrote. Without openings the model's own instruction distribution is sampled; the shipped
+draft, trained on such prompts, accepts ~0.09 more at depth 1 on unseen ones than on MT-Bench's first turns
+(docs/benchmarks.md, "Where the draft misses"), so openings of the kinds of task a benchmark asks (writing,
+role-play, reasoning, math, coding, extraction, STEM, humanities) move the data towards them.
+
 Kept: turns the model ended itself (not cut at `max_tokens`), of at least `min_chars` characters, seen once (exact
 duplicates dropped). The output has the ShareGPT layout (`{"id", "conversations": [{"role": "user", ...}]}`) with
 `"generated_by"` and the request's `"seed"` (the same model, sampling settings and seed write the same prompt again).
@@ -46,10 +53,11 @@ def keep_prompt(text: str, finish_reason: str | None, min_chars: int) -> str | N
 def make_prompts(model: str, num: int, out: str, temperature: float = 1.0, top_p: float = 0.95,
                  max_tokens: int = 160, min_chars: int = 16, batch_size: int = 256, seed: int = 0,
                  time_budget: float | None = None, device: str = "auto", dtype: str = "auto",
-                 progress: bool = True) -> dict:
+                 progress: bool = True, openings: list[str] | None = None) -> dict:
     """Write up to `num` distinct self-written user prompts to `out` (.jsonl, .jsonl.gz or .jsonl.xz). Requests go to
     the engine in chunks of 4 x batch_size with one seed each (`seed`-derived), until `num` are kept, 8 x num have
-    been tried, or `time_budget` seconds have passed (what is kept so far is written)."""
+    been tried, or `time_budget` seconds have passed (what is kept so far is written). `openings`: request i's
+    user text starts with openings[i % len(openings)], which the kept prompt includes."""
     from eyas import LLM, SamplingParams
 
     if num < 1 or batch_size < 1 or max_tokens < 1:
@@ -59,7 +67,11 @@ def make_prompts(model: str, num: int, out: str, temperature: float = 1.0, top_p
               max_num_batched_tokens=max(2048, 16 * batch_size))
     if llm.tokenizer is None:
         raise ValueError(f"model {model!r} has no tokenizer")
-    prefix_ids = llm.tokenizer.encode(pre_query_text(llm.tokenizer))
+    if openings is not None and (not openings or any(not o.strip() for o in openings)):
+        raise ValueError("openings must be a non-empty list of non-blank texts")
+    pre = pre_query_text(llm.tokenizer)
+    opens = openings or [""]
+    prefixes = [llm.tokenizer.encode(pre + o) for o in opens]
     seen: set[str] = set()
     tried = generated = 0
     stopped = None
@@ -76,17 +88,20 @@ def make_prompts(model: str, num: int, out: str, temperature: float = 1.0, top_p
                 break
             params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                      seed=(seed * 1_000_003 + tried + j) % (2 ** 63)) for j in range(chunk)]
-            outs = llm.generate([prefix_ids] * chunk, params)
+            which = [(tried + j) % len(opens) for j in range(chunk)]
+            outs = llm.generate([prefixes[w] for w in which], params)
             tried += chunk
-            for sp, o in zip(params, outs):
+            for sp, o, w in zip(params, outs, which):
                 generated += len(o.token_ids)
-                text = keep_prompt(o.text, o.finish_reason, min_chars)
+                text = keep_prompt(opens[w] + o.text, o.finish_reason, min_chars)
                 if text is None or text in seen or len(seen) >= num:
                     continue
                 seen.add(text)
-                f.write(json.dumps({"id": f"self-{seed}-{len(seen) - 1}",
-                                    "conversations": [{"role": "user", "content": text}],
-                                    "generated_by": model, "seed": sp.seed}, ensure_ascii=False) + "\n")
+                rec = {"id": f"self-{seed}-{len(seen) - 1}", "conversations": [{"role": "user", "content": text}],
+                       "generated_by": model, "seed": sp.seed}
+                if openings:
+                    rec["opening"] = opens[w]
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 bar.update(1)
             bar.set_postfix(kept=f"{len(seen) / tried:.0%}", refresh=False)
     bar.close()
@@ -111,6 +126,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=256, help="requests decoded together")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget", type=float, default=None, help="seconds: stop after that (what is kept is written)")
+    p.add_argument("--openings", default=None,
+                   help="a text file of user-turn openings, one per line ('#' lines and blank ones skipped): request "
+                        "i starts with opening i mod n, and the model writes the rest")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -119,8 +137,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    openings = None
+    if args.openings:
+        from pathlib import Path
+        path = Path(args.openings)
+        if not path.is_file():
+            raise ValueError(f"--openings {args.openings!r}: no such file")
+        openings = [ln.rstrip() for ln in path.read_text().splitlines()
+                    if ln.strip() and not ln.lstrip().startswith("#")]
+        if not openings:
+            raise ValueError(f"--openings {args.openings!r}: no openings in it")
     info = make_prompts(args.model, args.num, args.out, args.temperature, args.top_p, args.max_tokens, args.min_chars,
-                        args.batch_size, args.seed, args.time_budget, args.device, args.dtype, args.progress)
+                        args.batch_size, args.seed, args.time_budget, args.device, args.dtype, args.progress,
+                        openings)
     print(json.dumps(info))
     return 0
 
