@@ -37,3 +37,70 @@ def smollm2_tokenizer():
     except ValueError as e:
         pytest.skip(str(e))
     return load_gguf_tokenizer(path)
+
+
+# ---- every interpreted Triton launch, recorded for tests/test_zz_sm90.py ------------------------------------------
+# On a machine without a GPU the Triton kernels run under the interpreter, which accepts kernels that ptxas rejects.
+# The launches the tests make are recorded here (kernel, arguments' types, constexprs, launch options: a few per
+# kernel), and tests/test_zz_sm90.py, collected last, compiles each for sm_90 with the ptxas in the triton wheel.
+TRITON_LAUNCHES: dict = {}  # (kernel name, signature, constexprs) -> (module, name, signature, constexprs, options)
+
+
+def _record_triton_launches():
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return
+    if getattr(InterpretedFunction.run, "_eyas_recording", False):
+        return
+    original = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        try:
+            _note_launch(self, args, kwargs)
+        except Exception:  # recording must never break a test
+            pass
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    run._eyas_recording = True
+    InterpretedFunction.run = run
+
+
+_PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64",
+        torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8", torch.bool: "*i1"}
+
+
+def _note_launch(fn, args, kwargs):
+    import inspect
+    params = list(inspect.signature(fn.fn).parameters.values())
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    bound = dict(zip([p.name for p in params], args))
+    bound.update(kwargs)
+    sig, constexprs = {}, {}
+    for p in params:
+        v = bound.get(p.name, p.default)
+        is_constexpr = "constexpr" in str(p.annotation)
+        if is_constexpr or v is None:
+            sig[p.name] = "constexpr"
+            constexprs[p.name] = v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = _PTR[v.dtype]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            return
+    if any(v is not None and not isinstance(v, (bool, int, float, str)) for v in constexprs.values()):
+        return  # e.g. a dtype as a constexpr: not recorded
+    name = f"{fn.fn.__module__}.{fn.fn.__qualname__}"
+    key = (name, tuple(sig.items()), tuple((k, repr(v)) for k, v in constexprs.items()))
+    same_kernel = sum(1 for k in TRITON_LAUNCHES if k[0] == name)
+    if key not in TRITON_LAUNCHES and same_kernel < 3:  # a few variants per kernel
+        TRITON_LAUNCHES[key] = (fn.fn.__module__, fn.fn.__qualname__, sig, constexprs, options)
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _record_triton_launches()
