@@ -73,9 +73,9 @@ _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
 def _note_launch(fn, args, kwargs):
     import inspect
     params = list(inspect.signature(fn.fn).parameters.values())
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
     bound = dict(zip([p.name for p in params], args))
-    bound.update(kwargs)
+    bound.update({k: v for k, v in kwargs.items() if k not in options})  # `kwargs` itself goes on to the launch
     sig, constexprs = {}, {}
     for p in params:
         v = bound.get(p.name, p.default)
