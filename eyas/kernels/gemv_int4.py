@@ -121,7 +121,5 @@ def gemv_int4_triton(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: t
 def gemv_int4_reference(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor,
                         group_size: int) -> torch.Tensor:
     """Plain PyTorch: the codes unpacked and dequantised in float32, then x @ W^T, cast to x.dtype."""
-    from eyas.layers.linear_int4 import dequantize_int4
-    N = qweight.shape[0]
-    codes = torch.stack([qweight >> 4, qweight & 0xF], dim=-1).reshape(N, -1)
-    return (x.float() @ dequantize_int4(codes, scales_and_zeros, group_size).t()).to(x.dtype)
+    from eyas.layers.linear_int4 import dequantize_int4, unpack_int4
+    return (x.float() @ dequantize_int4(unpack_int4(qweight), scales_and_zeros, group_size).t()).to(x.dtype)

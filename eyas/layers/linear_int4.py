@@ -71,6 +71,17 @@ def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size:
     return w.reshape(N, K)
 
 
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Codes uint8 [N, K] -> two per byte, uint8 [N, K/2]: column 2j in the high nibble (the layout
+    `_convert_weight_to_int4pack` reads on CUDA, and `eyas.kernels.gemv_int4`)."""
+    return (q[:, 0::2] << 4) | q[:, 1::2]
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """`pack_int4`'s inverse: uint8 [N, K/2] -> codes uint8 [N, K]."""
+    return torch.stack([packed >> 4, packed & 0xF], dim=-1).reshape(packed.shape[0], -1)
+
+
 def _inner_k_tiles(K: int) -> int | None:
     for t in (8, 4, 2):
         if K % (16 * t) == 0:
@@ -87,8 +98,7 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.group_size = pick_group_size(self.in_features, group_size)
         q, sz = quantize_int4(weight, self.group_size)
-        # codes two per byte (even column in the high nibble: the layout `_convert_weight_to_int4pack` reads on CUDA)
-        self.register_buffer("qweight", (q[:, 0::2] << 4) | q[:, 1::2])
+        self.register_buffer("qweight", pack_int4(q))
         self.register_buffer("scales_and_zeros", sz)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.use_kernel = True
@@ -102,8 +112,7 @@ class Int4Linear(nn.Module):
 
     def codes(self) -> torch.Tensor:
         """The 4-bit codes, uint8 [N, K]."""
-        p = self.qweight
-        return torch.stack([p >> 4, p & 0xF], dim=-1).reshape(self.out_features, self.in_features)
+        return unpack_int4(self.qweight)
 
     def dequantized(self) -> torch.Tensor:
         return dequantize_int4(self.codes(), self.scales_and_zeros, self.group_size)
@@ -151,8 +160,11 @@ class Int4Linear(nn.Module):
         if self.kernel_ok(x2):
             kdt = torch.bfloat16 if x2.device.type == "cuda" else x2.dtype
             packed, sz = self._pack(x2.device, kdt)
-            if x2.device.type == "cuda" and self.cuda_kernel == "triton" and x2.shape[0] <= 16:
-                from eyas.kernels.gemv_int4 import gemv_int4_triton  # reads the codes as qweight holds them
+            triton_gemv = x2.device.type == "cuda" and self.cuda_kernel == "triton"
+            if triton_gemv:
+                from eyas.kernels.gemv_int4 import MAX_M, gemv_int4_triton
+                triton_gemv = x2.shape[0] <= MAX_M
+            if triton_gemv:  # reads the codes as qweight holds them
                 y = gemv_int4_triton(x2.to(kdt).contiguous(), self.qweight, sz, self.group_size).to(x.dtype)
             else:
                 op = torch.ops.aten._weight_int4pack_mm if x2.device.type == "cuda" else \

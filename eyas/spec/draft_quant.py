@@ -66,18 +66,16 @@ def quantize_draft(draft, target, mode: str | None, group_size: int = 128, cuda_
     for m in draft.modules():
         if isinstance(m, Int4Linear):
             m.cuda_kernel = cuda_kernel
-            m.to(p.device).prepare(p.device, p.dtype)  # packed now, not inside a CUDA graph capture
+            m.prepare(p.device, p.dtype)  # packed now, not inside a CUDA graph capture
     draft.quant = mode
     return draft
 
 
-def draft_head_logits(draft, target, h: torch.Tensor) -> torch.Tensor | None:
-    """The draft's logits from its INT4 head, over the draft vocabulary if one is attached, else the whole one;
-    None when the draft has no INT4 head (the caller then uses the bf16 head)."""
+def draft_head_logits(draft, h: torch.Tensor) -> torch.Tensor | None:
+    """The draft's logits [..., V'] from its INT4 head, over the draft vocabulary if one is attached, else the whole
+    one; None when the draft has no INT4 head (the caller then uses the bf16 head)."""
     qh = getattr(draft, "head_int4", None)
-    if qh is None:
-        return None
-    return qh(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
+    return None if qh is None else qh(h)  # Int4Linear computes any leading shape as one 2-D product
 
 
 def draft_full_logits(draft, target, h: torch.Tensor) -> torch.Tensor:
@@ -85,5 +83,5 @@ def draft_full_logits(draft, target, h: torch.Tensor) -> torch.Tensor:
     head when it has one over the whole vocabulary, the target's head otherwise (a draft vocabulary is not applied
     here)."""
     if getattr(draft, "head_int4", None) is not None and getattr(draft, "vocab_ids", None) is None:
-        return draft_head_logits(draft, target, h).float()
+        return draft_head_logits(draft, h).float()
     return target.compute_logits(h)

@@ -71,7 +71,7 @@ def draft_topk(draft, target, h: torch.Tensor, k: int) -> torch.Tensor:
     vocabulary when one is attached, the whole vocabulary otherwise (`target.compute_logits`)."""
     ids = getattr(draft, "vocab_ids", None)
     # the logits stay in the head's dtype: the float32 upcast of the same values would order them the same
-    logits = draft_head_logits(draft, target, h)  # an INT4 draft head (eyas.spec.draft_quant), if any
+    logits = draft_head_logits(draft, h)  # an INT4 draft head (eyas.spec.draft_quant), if any
     if logits is None and ids is None:
         logits = target.compute_logits(h, dtype=None)
     elif logits is None:
