@@ -1,4 +1,5 @@
-"""Tiny random checkpoints written the way real ones are (transformers' save_pretrained; EAGLE layout)."""
+"""Tiny random checkpoints written the way real ones are (transformers' save_pretrained; EAGLE layout), and
+`compile_for_sm90` (Triton kernels compiled for the H200 without a GPU)."""
 from __future__ import annotations
 
 import dataclasses
@@ -142,3 +143,49 @@ def write_distill_setup(root: Path, vocab: int = 64, prompt: int = 8, seq: int =
         for r in ids.tolist():
             f.write(json.dumps({"input_ids": r, "loss_mask": [0] * prompt + [1] * (seq - prompt)}) + "\n")
     return tdir, data, target
+
+
+_COMPILE_SM90 = r"""
+import importlib, json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+results = []
+for mod, name, sig, constexprs, options in json.load(sys.stdin):
+    kernel = getattr(importlib.import_module(mod), name)
+    try:
+        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": options.get("num_warps", 4),
+                                           "num_stages": options.get("num_stages", 3)})
+    except Exception as e:
+        results.append({"error": f"{mod}.{name} {constexprs}: {type(e).__name__}: {str(e)[-600:]}"})
+        continue
+    usage = None
+    if os.path.exists(cuobjdump):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                                   check=True).stdout
+    results.append({"error": None, "usage": usage})
+print(json.dumps(results))
+"""
+
+
+def compile_for_sm90(variants) -> list[dict]:
+    """Compile Triton kernels for sm_90 (the H200) without a GPU, with the ptxas inside the triton wheel, in a fresh
+    process: after interpreted runs (TRITON_INTERPRET=1) the `tl` module of this one is the interpreter's. `variants`:
+    (module, kernel name, signature, constexprs, options) each. Returns per variant {"error": text or None, "usage":
+    cuobjdump's resource usage (registers, local memory) or None}."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    out = subprocess.run([sys.executable, "-c", _COMPILE_SM90], input=json.dumps([list(v) for v in variants]),
+                         capture_output=True, text=True, env=env, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
