@@ -131,7 +131,7 @@ class Int4Linear(nn.Module):
         float16 and float32 ones are cast (a draft's guesses need no more)."""
         if not self._shape_ok(x.device.type):
             return False
-        if x.device.type == "cpu":  # the CPU kernel is for decoding: at 256 rows it is ~20x slower than the reference
+        if x.device.type == "cpu":  # at 256 rows the CPU kernel is ~50x slower than the reference (docs/kernels.md)
             return x.dtype in (torch.float32, torch.bfloat16) and x.numel() // x.shape[-1] <= CPU_KERNEL_MAX_ROWS
         return x.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
