@@ -113,7 +113,9 @@ def test_bench_latency_times_an_int4_draft(tmp_path):
             "--dtype", "float32", "--draft-vocab", "64"]
     assert main(args + ["--draft-quant", "int4", "--out", str(out)]) == 0
     res = json.loads((out / "latency.json").read_text())
-    assert res["meta"]["draft_quant"] == "int4" and res["meta"]["draft_vocab"] == 64
+    assert res["meta"]["draft_quant"] == "int4" and res["meta"]["draft_vocab"] == 64  # read from the draft itself
+    assert main(args + ["--out", str(tmp_path / "bf16")]) == 0
+    assert json.loads((tmp_path / "bf16" / "latency.json").read_text())["meta"]["draft_quant"] is None
     assert res["results"][0]["tpc"] == pytest.approx(4.0)
     with pytest.raises(SystemExit, match="--draft-quant does not combine with --tensor-parallel"):
         main(args[:-2] + ["--draft-quant", "int4", "--tensor-parallel", "2", "--out", str(tmp_path / "tp")])

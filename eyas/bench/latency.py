@@ -371,7 +371,7 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
             "accept_rates": None if isinstance(rates, torch.Tensor) else rates,
             "accept_ranks": args.accept_ranks if simulated and args.accept_ranks else None,
             "context": args.context, "max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
-            "draft_vocab": args.draft_vocab or None, "draft_quant": args.draft_quant,
+            "draft_vocab": args.draft_vocab or None, "draft_quant": getattr(draft, "quant", None),
             "int4_kernel": args.int4_kernel if args.draft_quant else None, "cuda_graphs": graphs,
             "tensor_parallel": world_size, "draft_sharded": args.tp_draft == "sharded" and world_size > 1}
     if simulated:

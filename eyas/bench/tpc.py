@@ -116,7 +116,7 @@ def bench_tpc(model: str, drafts: list[str], speculations: list[str], prompts_pa
                 r["draft"] = dname
                 r["draft_layers"] = draft.config.num_hidden_layers
                 if draft_quant:
-                    r["draft_quant"] = draft_quant
+                    r["draft_quant"] = draft.quant
                 results.append(r)
                 log(f"draft={dname} {spec} T={temp:g}: TPC {r['tpc']:.3f}  acceptance by depth "
                     + " ".join(f"{a:.3f}" for a in r["acceptance_by_depth"]) + f"  ({r['wall_seconds']:.1f} s)")
