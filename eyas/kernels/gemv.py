@@ -88,8 +88,8 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
     * Split-K: the smallest power of two giving >= 3 programs per SM (3 * num_sms), while each split keeps
       >= 4 k-steps of K, capped at 16. Llama-3.1-8B, bf16, M = 1: qkv 384 tiles x 2, o 256 x 2, gate_up 1792 x 1,
       down 256 x 2, lm_head 8016 x 1; M = 4: qkv 96 x 8, o 64 x 8, gate_up 448 x 1, down 64 x 8, lm_head 2004 x 1.
-    These are guesses from compiling offline for sm_90, to be replaced by the H200 sweep of
-    tools/diag/gemv_bench.py (not yet measured on a GPU).
+    These are guesses from compiling offline for sm_90. The H200 sweep of tools/diag/gemv_bench.py
+    (docs/bench/gemv_s3.json) found configs up to ~7% faster, still slower than cuBLAS, so the models use cuBLAS.
     """
     use_dot = M > 2
     m_pad = 16 if use_dot else triton.next_power_of_2(M)

@@ -72,8 +72,8 @@ def _gemv_int4_kernel(X, QW, SZ, OUT, WS, M, N, K, GROUPS_PER_SPLIT, stride_xm, 
 
 def default_int4_config(M: int, N: int, K: int, group_size: int, num_sms: int = NUM_SMS_H200) -> tuple[int, int]:
     """(BLOCK_N, SPLIT_K): a pure function of the shapes. BLOCK_N keeps the [BLOCK_N, M_PAD, group/2] product at
-    4096 elements; split-K (powers of two, at most 16, >= 2 groups per split) until >= 3 programs per SM. Guesses,
-    to be replaced by the H200 sweep of tools/diag/gemv_int4_bench.py."""
+    4096 elements; split-K (powers of two, at most 16, >= 2 groups per split) until >= 3 programs per SM. Guesses;
+    the H200 sweep of tools/diag/gemv_int4_bench.py found configs at most ~7% faster (bench/int4_gemv_s12.json)."""
     m_pad = triton.next_power_of_2(M)
     block_n = max(1, min(4096 // (m_pad * (group_size // 2)), triton.next_power_of_2(N)))
     n_tiles = triton.cdiv(N, block_n)

@@ -19,7 +19,8 @@ kernels (`torch.ops.aten._weight_int4pack_mm`, "tinygemm", which gpt-fast and to
   dequantize (once, kept), then x @ W^T.
 
 `cuda_kernel = "triton"` runs eyas's own Triton INT4 GEMV (`eyas/kernels/gemv_int4.py`) instead of tinygemm for up
-to 16 rows on CUDA. Which of the two streams INT4 faster on the H200 is for `tools/diag/gemv_int4_bench.py` to say.
+to 16 rows on CUDA. On the H200 tinygemm is 2.6-7x faster on the 8B shapes (`tools/diag/gemv_int4_bench.py`,
+docs/bench/int4_gemv_s12.json), so it stays the default.
 
 The kernels need K (input features) a multiple of 16 * inner_k_tiles (2, 4 or 8) and of the group size (32, 64,
 128 or 256), and N (output features) a multiple of 8 (16 on the CPU); `Int4Linear` picks inner_k_tiles and falls
@@ -102,7 +103,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", sz)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.use_kernel = True
-        self.cuda_kernel = "torch"  # or "triton": eyas.kernels.gemv_int4 for <= 16 rows (tools/diag/gemv_int4_bench.py)
+        self.cuda_kernel = "torch"  # or "triton": eyas.kernels.gemv_int4 for <= 16 rows (slower on the H200)
         self._packed: tuple | None = None  # (device, packed weight, scales_and_zeros in the kernel's dtype)
         self._dense: torch.Tensor | None = None  # the reference path's dequantised weight, made once
 
