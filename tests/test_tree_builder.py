@@ -181,3 +181,35 @@ def test_make_tree_picks_the_least_ms_per_token(pair_and_text, tmp_path, capsys)
     assert res["best"]["tree"] == best
     assert json.loads((tmp_path / "t.json").read_text()) == json.loads(Path(res["trees"][best]["file"]).read_text())
     assert "predicted_ms_per_token" in res["compare"]["chain:3"]
+
+
+@pytest.mark.parametrize("quant", [None, "int4-head"])
+def test_rank_paths_of_a_draft_vocabulary_predict_the_engines_steps_exactly(pair_and_text, tmp_path, quant):
+    """With a draft vocabulary (and its rows in INT4) the rank paths count only the tokens the draft can propose: a
+    target token outside the vocabulary is a miss. Replayed, they still give the engine's steps exactly."""
+    import shutil
+    from collections import Counter
+
+    from eyas.spec.draft_quant import quantize_draft
+    from eyas.spec.draft_vocab import save_draft_vocab
+    tdir, ddir, prompt, out = pair_and_text
+    left_out = [t for t, _ in Counter(out).most_common()[1:3]]  # two tokens the target writes often
+    vdir = tmp_path / "draft_vocab"
+    shutil.copytree(ddir, vdir)
+    save_draft_vocab(vdir, torch.tensor([t for t in range(24) if t not in left_out]))
+    target, _ = load_target(str(tdir), "cpu", "float32")
+    ids = prompt + out
+    ex = Example(np.asarray(ids, dtype=np.int32), np.asarray([False] * len(prompt) + [True] * len(out)))
+    draft = quantize_draft(load_draft(str(vdir), target), target, quant)  # as LLM(draft_quant=) does
+    assert draft.vocab_ids is not None
+    paths = rank_paths(target, draft, [ex], 6, 4)
+    full = rank_paths(target, quantize_draft(load_draft(str(ddir), target), target, quant), [ex], 6, 4)
+    misses = (paths[:, 0] == MISS).sum().item()
+    assert misses >= (full[:, 0] == MISS).sum().item() + 2, (paths[:, 0], full[:, 0])  # the left-out tokens miss
+    for spec in ("chain:3", "tree:16"):
+        tree = [list(p) for p in resolve_tree(spec).paths]
+        for M in (40, 60):
+            res = LLM(str(tdir), device="cpu", dtype="float32", draft=str(vdir), speculation=spec,
+                      draft_quant=quant).generate(prompt, SamplingParams(max_tokens=M, ignore_eos=True))[0]
+            assert res.token_ids == out[:M]
+            assert (res.stats.target_calls, res.stats.committed) == replay(paths, tree, M)

@@ -79,9 +79,17 @@ def draft_head_logits(draft, h: torch.Tensor) -> torch.Tensor | None:
 
 
 def draft_full_logits(draft, target, h: torch.Tensor) -> torch.Tensor:
-    """The draft's float32 logits over the whole vocabulary [..., V] (for rank paths, `eyas make-tree`): its INT4
-    head when it has one over the whole vocabulary, the target's head otherwise (a draft vocabulary is not applied
-    here)."""
-    if getattr(draft, "head_int4", None) is not None and getattr(draft, "vocab_ids", None) is None:
-        return draft_head_logits(draft, h).float()
-    return target.compute_logits(h)
+    """The draft's float32 logits over the whole vocabulary [..., V], as its proposals rank them (for rank paths,
+    `eyas make-tree`): its INT4 head when it has one, the target's head otherwise. With a draft vocabulary the
+    logits come from its rows (INT4 or not, as `draft_topk` scores them) and every token outside it is -inf: the
+    draft never proposes it."""
+    ids = getattr(draft, "vocab_ids", None)
+    sub = draft_head_logits(draft, h)  # over the draft vocabulary if one is attached, else the whole one
+    if ids is None:
+        return target.compute_logits(h) if sub is None else sub.float()
+    if sub is None:
+        H = h.shape[-1]
+        sub = (h.reshape(-1, H) @ draft.vocab_head.t()).view(*h.shape[:-1], -1)  # as draft_topk computes them
+    full = sub.new_full((*h.shape[:-1], target.config.vocab_size), float("-inf"), dtype=torch.float32)
+    full[..., ids] = sub.float()
+    return full

@@ -54,7 +54,8 @@ def rank_paths(target, draft, examples, depth: int, max_rank: int, batch_tokens:
             logits = draft_full_logits(draft, target, s.to(h_next.dtype))
             own = logits.gather(-1, t_arg[..., None])
             r = (logits > own).sum(-1)  # [B, T-1] rank of the target's token
-            r = torch.where((r < max_rank) & lmask, r, torch.full_like(r, MISS))
+            ok = (r < max_rank) & lmask & torch.isfinite(own[..., 0])  # -inf: outside a draft vocabulary
+            r = torch.where(ok, r, torch.full_like(r, MISS))
             ranks[:, : T1 - d, d] = r[:, d:]
         # after the first miss nothing deeper can be accepted
         ranks = torch.where((ranks == MISS).cumsum(-1) > 0, torch.full_like(ranks, MISS), ranks).cpu()
