@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from eyas import LLM, SamplingParams
 from eyas.layers.linear_int4 import Int4Linear, dequantize_int4, pick_group_size, quantize_int4
-from eyas.spec.draft_quant import draft_full_logits, quantize_draft
-from eyas.spec.draft_vocab import attach_draft_vocab, draft_topk
+from eyas.spec.draft_quant import quantize_draft
+from eyas.spec.draft_vocab import attach_draft_vocab, draft_full_logits, draft_topk
 from helpers import write_mirror_pair
 
 

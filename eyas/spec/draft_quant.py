@@ -76,20 +76,3 @@ def draft_head_logits(draft, h: torch.Tensor) -> torch.Tensor | None:
     one; None when the draft has no INT4 head (the caller then uses the bf16 head)."""
     qh = getattr(draft, "head_int4", None)
     return None if qh is None else qh(h)  # Int4Linear computes any leading shape as one 2-D product
-
-
-def draft_full_logits(draft, target, h: torch.Tensor) -> torch.Tensor:
-    """The draft's float32 logits over the whole vocabulary [..., V], as its proposals rank them (for rank paths,
-    `eyas make-tree`): its INT4 head when it has one, the target's head otherwise. With a draft vocabulary the
-    logits come from its rows (INT4 or not, as `draft_topk` scores them) and every token outside it is -inf: the
-    draft never proposes it."""
-    ids = getattr(draft, "vocab_ids", None)
-    sub = draft_head_logits(draft, h)  # over the draft vocabulary if one is attached, else the whole one
-    if ids is None:
-        return target.compute_logits(h) if sub is None else sub.float()
-    if sub is None:
-        H = h.shape[-1]
-        sub = (h.reshape(-1, H) @ draft.vocab_head.t()).view(*h.shape[:-1], -1)  # as draft_topk computes them
-    full = sub.new_full((*h.shape[:-1], target.config.vocab_size), float("-inf"), dtype=torch.float32)
-    full[..., ids] = sub.float()
-    return full

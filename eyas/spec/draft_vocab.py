@@ -66,21 +66,42 @@ def attach_draft_vocab(draft, target, ids: torch.Tensor | None) -> None:
     draft.register_buffer("vocab_head", head.detach()[ids].clone(), persistent=False)
 
 
+def draft_logits(draft, target, h: torch.Tensor) -> torch.Tensor:
+    """The draft's logits [..., K] over the tokens it may propose, from features h [..., H], in the head's dtype: its
+    INT4 head (`eyas.spec.draft_quant`) if it has one, else the draft vocabulary's rows when one is attached, else the
+    target's whole head (K = V)."""
+    logits = draft_head_logits(draft, h)  # over the draft vocabulary if one is attached, else the whole one
+    if logits is not None:
+        return logits
+    if getattr(draft, "vocab_ids", None) is None:
+        return target.compute_logits(h, dtype=None)
+    H = h.shape[-1]
+    return (h.reshape(-1, H) @ draft.vocab_head.t()).view(*h.shape[:-1], -1)  # one 2-D matmul
+
+
 def draft_topk(draft, target, h: torch.Tensor, k: int) -> torch.Tensor:
     """Target token ids [..., k] of the draft's top-k candidates from features h [..., H]: over the draft
-    vocabulary when one is attached, the whole vocabulary otherwise (`target.compute_logits`)."""
+    vocabulary when one is attached, the whole vocabulary otherwise (`draft_logits`)."""
     ids = getattr(draft, "vocab_ids", None)
     # the logits stay in the head's dtype: the float32 upcast of the same values would order them the same
-    logits = draft_head_logits(draft, h)  # an INT4 draft head (eyas.spec.draft_quant), if any
-    if logits is None and ids is None:
-        logits = target.compute_logits(h, dtype=None)
-    elif logits is None:
-        H = h.shape[-1]
-        logits = (h.reshape(-1, H) @ draft.vocab_head.t()).view(*h.shape[:-1], -1)  # one 2-D matmul
+    logits = draft_logits(draft, target, h)
     # k = 1 (every chain level): an argmax; otherwise a top-k (on CUDA each is two Triton launches, `eyas.kernels.
     # chunk_topk`)
     top = argmax(logits)[..., None] if k == 1 else topk_indices(logits, k)
     return top if ids is None else ids[top]
+
+
+def draft_full_logits(draft, target, h: torch.Tensor) -> torch.Tensor:
+    """The draft's float32 logits over the whole vocabulary [..., V], as its proposals rank them (for rank paths,
+    `eyas make-tree`): `draft_logits`, with every token outside a draft vocabulary at -inf (the draft never proposes
+    it)."""
+    logits = draft_logits(draft, target, h).float()
+    ids = getattr(draft, "vocab_ids", None)
+    if ids is None:
+        return logits
+    full = logits.new_full((*h.shape[:-1], target.config.vocab_size), float("-inf"))
+    full[..., ids] = logits
+    return full
 
 
 def save_draft_vocab(draft_dir: str | Path, ids: torch.Tensor, coverage: float | None = None) -> Path:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.spec.draft_quant import draft_full_logits
+from eyas.spec.draft_vocab import draft_full_logits
 
 MISS = -1  # rank path entry: the target's token was not among the draft's top `max_rank` proposals
 
