@@ -29,6 +29,15 @@ from eyas.spec.draft_quant import draft_head_logits
 FILE = "draft_vocab.safetensors"
 
 
+def eos_ids(target, tokenizer) -> set[int]:
+    """The ids every draft vocabulary keeps (`select_draft_vocab`'s `always`): the target's EOS tokens and the
+    tokenizer's."""
+    eos = set(target.config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return eos
+
+
 def select_draft_vocab(counts: torch.Tensor, size: int, always=()) -> torch.Tensor:
     """The `size` most frequent token ids of `counts` [V] (ties: the lower id first), plus every id of `always`
     (e.g. the EOS tokens), sorted. Returns int64 [K] with K = size (or more, when `always` adds ids)."""
@@ -155,9 +164,7 @@ def run(args) -> int:
         raise SystemExit(f"eyas make-draft-vocab: --size must be >= 1, got {args.size}")
     target, tokenizer = load_target(args.model, "cpu", "bfloat16")  # for its tokenizer, vocabulary and EOS ids
     vocab = target.config.vocab_size
-    eos = set(target.config.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
+    eos = eos_ids(target, tokenizer)
     del target
     counts = count_assistant_tokens(args.data, tokenizer, vocab, limit=args.limit)
     total = int(counts.sum())

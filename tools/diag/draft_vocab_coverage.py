@@ -12,7 +12,7 @@ import time
 import torch
 
 from eyas.loader.resolve import load_target
-from eyas.spec.draft_vocab import count_assistant_tokens, select_draft_vocab
+from eyas.spec.draft_vocab import count_assistant_tokens, eos_ids, select_draft_vocab
 
 
 def main():
@@ -27,7 +27,7 @@ def main():
     t0 = time.time()
     target, tok = load_target(args.model, "cpu", "bfloat16")
     V = target.config.vocab_size
-    eos = set(target.config.eos_token_ids)
+    eos = eos_ids(target, tok)  # as `eyas make-draft-vocab` keeps them
     del target
     counts = count_assistant_tokens(args.data, tok, V, limit=args.limit)
     held = torch.zeros(V, dtype=torch.long)
