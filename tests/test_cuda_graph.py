@@ -111,9 +111,11 @@ def test_smollm2_graphs_equal_eager():
         assert auto.generate(prompts[1], params)[0].token_ids == ref[1]
 
 
-def test_smollm2_int4_draft_under_graphs_gives_the_targets_output():
-    """An INT4 draft (`draft_quant="int4"`: PyTorch's CUDA int4 kernel inside the captured step) changes the guesses,
-    not the output: graphed speculative decoding equals eager plain decoding on the reference ops."""
+@pytest.mark.parametrize("quant", ["int4", "fp8"])
+def test_smollm2_quantized_draft_under_graphs_gives_the_targets_output(quant):
+    """A quantized draft (`draft_quant="int4"`: PyTorch's CUDA int4 kernel inside the captured step; "fp8": the
+    Triton GEMV's FP8 path) changes the guesses, not the output: graphed speculative decoding equals eager plain
+    decoding on the reference ops."""
     from eyas.loader.resolve import default_draft_path, smollm2_path
     try:
         smollm2_path()
@@ -128,7 +130,7 @@ def test_smollm2_int4_draft_under_graphs_gives_the_targets_output():
     reference_ops(eager)
     ref = [o.token_ids for o in eager.generate(prompts, params)]
     for spec in ("chain:3", "tree:smollm2_48d5"):
-        llm = LLM("smollm2", device="cuda", dtype="float32", draft="default", speculation=spec, draft_quant="int4",
+        llm = LLM("smollm2", device="cuda", dtype="float32", draft="default", speculation=spec, draft_quant=quant,
                   cuda_graphs=True)
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == ref

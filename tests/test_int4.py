@@ -101,14 +101,14 @@ def test_quantize_draft_modes_and_errors(mirror_pair):
     quantize_draft(draft, target, "int4-ffn")
     for layer in draft.layers:
         assert isinstance(layer.mlp.gate_up_proj, Int4Linear) and isinstance(layer.mlp.down_proj, Int4Linear)
-    assert getattr(draft, "head_int4", None) is None
+    assert getattr(draft, "head_quant", None) is None
     with pytest.raises(ValueError, match="quantized already"):
         quantize_draft(draft, target, "int4-head")
     target, draft = _load(mirror_pair)
     quantize_draft(draft, target, "int4-head")
     assert isinstance(draft.layers[0].mlp.down_proj, torch.nn.Linear)
     # the draft scores with its INT4 copy of the head; the target keeps its own
-    w = draft.head_int4.dequantized()
+    w = draft.head_quant.dequantized()
     torch.testing.assert_close(draft_full_logits(draft, target, h), h @ w.t())
     assert torch.equal(draft_topk(draft, target, h, 3), (h @ w.t()).topk(3, dim=-1).indices)
     assert target.lm_head.weight.dtype == torch.float32
@@ -119,9 +119,9 @@ def test_quantize_draft_modes_and_errors(mirror_pair):
     ids = torch.tensor([1, 4, 5, 8, 11, 13, 20, 23])
     attach_draft_vocab(draft, target, ids)
     quantize_draft(draft, target, "int4")
-    assert draft.head_int4.out_features == 8
+    assert draft.head_quant.out_features == 8
     got = draft_topk(draft, target, h, 2)
-    assert torch.equal(got, ids[(h @ draft.head_int4.dequantized().t()).topk(2, dim=-1).indices])
+    assert torch.equal(got, ids[(h @ draft.head_quant.dequantized().t()).topk(2, dim=-1).indices])
     with pytest.raises(ValueError, match="must be one of"):
         quantize_draft(draft, target, "int3")
     with pytest.raises(ValueError, match="needs a draft"):

@@ -24,6 +24,12 @@ partial sums to a workspace [SPLIT_K, M, N] and `_splitk_reduce_kernel` (grid (M
 partials in a fixed order, adds the bias and casts to the output dtype: deterministic, no atomics. With
 SPLIT_K = 1 the main kernel applies the bias and stores the output itself (one launch).
 
+FP8 weights (`scale` given). The weight may be float8_e4m3fn [N, K] with a float32 scale per row (weight-only FP8:
+w[n, k] ~= q[n, k] * scale[n], `eyas.layers.linear_fp8`): half the bytes of bf16 to stream. Their default config
+(`_fp8_config`) takes the tensor-core path at every M, the codes widened to float16 after the load (x cast to
+float16 to match; both to float32 against float32 x), and each program multiplies its row sums by the row scales
+before it stores them (partial sums of a split included: the scale distributes).
+
 Everything is CUDA-graph capturable: the config is a pure function of (M, N, K, dtype) (`default_config`) or given
 by the caller, no autotuning, no host synchronisation, and the workspace comes from the caching allocator.
 
@@ -41,6 +47,7 @@ import triton.language as tl
 MAX_M = 16
 NUM_SMS_H200 = 132
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8 = torch.float8_e4m3fn
 _REDUCE_BLOCK = 1024
 
 
@@ -74,7 +81,7 @@ class GemvConfig:
 
 
 def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
-                   num_sms: int = NUM_SMS_H200) -> GemvConfig:
+                   num_sms: int = NUM_SMS_H200, weight_dtype: torch.dtype | None = None) -> GemvConfig:
     """Deterministic heuristic (a pure function of its arguments: safe under CUDA graphs).
 
     * M <= 2: elementwise path, BLOCK_K = 256 (a warp reads 512 contiguous bytes of a row in bf16), BLOCK_N =
@@ -85,12 +92,15 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
       with x padded to 16 columns, its tiles streamed by cp.async through num_stages = 4 shared-memory buffers,
       80 KB): the CUDA-core work of the elementwise path grows with M and would approach the bandwidth.
     * float32 halves the tile elements (same bytes); tiny N or K shrink the blocks. 4 warps.
+    * FP8 weights (`weight_dtype` float8_e4m3fn): `_fp8_config`.
     * Split-K: the smallest power of two giving >= 3 programs per SM (3 * num_sms), while each split keeps
       >= 4 k-steps of K, capped at 16. Llama-3.1-8B, bf16, M = 1: qkv 384 tiles x 2, o 256 x 2, gate_up 1792 x 1,
       down 256 x 2, lm_head 8016 x 1; M = 4: qkv 96 x 8, o 64 x 8, gate_up 448 x 1, down 64 x 8, lm_head 2004 x 1.
     These are guesses from compiling offline for sm_90. The H200 sweep of tools/diag/gemv_bench.py
     (docs/bench/gemv_s3.json) found configs up to ~7% faster, still slower than cuBLAS, so the models use cuBLAS.
     """
+    if weight_dtype == FP8:
+        return _fp8_config(N, K, num_sms)
     use_dot = M > 2
     m_pad = 16 if use_dot else triton.next_power_of_2(M)
     tile = (8192 if use_dot else 4096 // m_pad) // (2 if dtype == torch.float32 else 1)
@@ -106,13 +116,32 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
                       use_dot=use_dot)
 
 
+def _fp8_config(N: int, K: int, num_sms: int = NUM_SMS_H200) -> GemvConfig:
+    """FP8 codes at any M <= 16: the tensor-core path (codes widened to float16: one conversion per two codes) in
+    128 x 128 tiles, K split into the smallest power of two of ranges giving >= 3/4 of a program per SM (each
+    range >= 4 k-steps), 8 warps and 3 stages without a split, 4 and 4 with one. From the H200 sweep of
+    tools/diag/gemv_fp8_bench.py (docs/bench/fp8_gemv_s13.json) over an 8B draft level's shapes, where this was the
+    best or near it for all but down_proj (32 x 512 tiles, 2 ranges: 24.9 us). The FP8 GEMV streams codes at only
+    1.6-3.0 TB/s there (cuBLAS streams bf16 at 2.5-4.1), so it saves ~22% of a level's time, not half."""
+    block_n = min(128, max(16, triton.next_power_of_2(N)))
+    block_k = min(128, max(16, triton.next_power_of_2(K)))
+    n_tiles = triton.cdiv(N, block_n)
+    split_k = 1
+    while (n_tiles * split_k < 3 * num_sms // 4 and split_k < 16
+           and triton.cdiv(K, split_k * 2) >= 4 * block_k):
+        split_k *= 2
+    warps, stages = (8, 3) if split_k == 1 else (4, 4)
+    return GemvConfig(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=warps, num_stages=stages,
+                      use_dot=True)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Kernels
 
 
 @triton.jit
-def _gemv_kernel(X, W, BIAS, OUT, WS, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
-                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gemv_kernel(X, W, SCALE, BIAS, OUT, WS, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
+                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
                  DOT_PREC: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -145,11 +174,16 @@ def _gemv_kernel(X, W, BIAS, OUT, WS, M, N, K, K_PER_SPLIT, stride_xm, stride_wn
             if UPCAST:
                 w = w.to(tl.float32)
                 x = x.to(tl.float32)
+            elif HAS_SCALE:  # FP8 codes: one cvt per two codes to float16 (bf16 would take three), x to match
+                w = w.to(tl.float16)
+                x = x.to(tl.float16)
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PREC)      # [BLOCK_N, M_PAD]
         else:
             acc3 += w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]  # [BLOCK_N, M_PAD, BLOCK_K]
     if not USE_DOT:
         acc = tl.sum(acc3, axis=2)                                            # [BLOCK_N, M_PAD]
+    if HAS_SCALE:  # FP8 weights: w = q * scale[n], so each row sum (or a split's part of it) scales as a whole
+        acc *= tl.load(SCALE + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
 
     # acc[n, m] is out[m, n]: store transposed.
     mask = n_ok[:, None] & m_ok[None, :]
@@ -186,7 +220,8 @@ def _interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           scale: torch.Tensor | None = None) -> None:
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"gemv_triton expects x [M, K] and weight [N, K], got x {tuple(x.shape)} and weight "
                          f"{tuple(weight.shape)}")
@@ -196,9 +231,16 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         raise ValueError(f"gemv_triton supports 1 <= M <= {MAX_M} rows of x, got M = {M} (use F.linear)")
     if Kw != K:
         raise ValueError(f"gemv_triton: x has K = {K} but weight [N, K] has K = {Kw}")
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"gemv_triton supports float32/float16/bfloat16 with x and weight of one dtype, got x "
-                         f"{x.dtype} and weight {weight.dtype}")
+    if scale is not None:
+        if weight.dtype != FP8 or x.dtype not in _DTYPES:
+            raise ValueError(f"gemv_triton with a scale takes float8_e4m3fn weights and float32/float16/bfloat16 x, "
+                             f"got weight {weight.dtype} and x {x.dtype}")
+        if scale.shape != (N,) or scale.dtype != torch.float32 or scale.stride(0) != 1 or scale.device != x.device:
+            raise ValueError(f"gemv_triton: scale must be float32 [N] = [{N}], contiguous, on the device of x; got "
+                             f"{scale.dtype} {tuple(scale.shape)}")
+    elif x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"gemv_triton supports float32/float16/bfloat16 with x and weight of one dtype (or FP8 "
+                         f"weights with a scale), got x {x.dtype} and weight {weight.dtype}")
     if x.stride(1) != 1:
         raise ValueError(f"gemv_triton needs x with a contiguous last dimension, got strides {x.stride()}")
     if not weight.is_contiguous():
@@ -213,15 +255,16 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: GemvConfig | dict | None = None) -> torch.Tensor:
+                config: GemvConfig | dict | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16, contiguous last dim), weight [N, K] contiguous (nn.Linear layout), bias [N] or None ->
-    F.linear(x, weight, bias) [M, N] in x.dtype, float32 accumulation. `config` (GemvConfig or a dict of its
-    fields) overrides `default_config(M, N, K, dtype)`."""
-    _check(x, weight, bias)
+    F.linear(x, weight, bias) [M, N] in x.dtype, float32 accumulation. With `scale` (float32 [N]) the weight is
+    float8_e4m3fn codes and the product is F.linear(x, weight * scale[:, None], bias). `config` (GemvConfig or a
+    dict of its fields) overrides `default_config(M, N, K, dtype)`."""
+    _check(x, weight, bias, scale)
     M, K = x.shape
     N = weight.shape[0]
     if config is None:
-        cfg = default_config(M, N, K, x.dtype)
+        cfg = default_config(M, N, K, x.dtype, weight_dtype=weight.dtype)
     elif isinstance(config, dict):
         cfg = GemvConfig(**config)
     else:
@@ -236,14 +279,17 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.SPLIT_K), cfg.BLOCK_K) * cfg.BLOCK_K
     split_k = triton.cdiv(K, k_per_split)
     m_pad = 16 if cfg.use_dot else triton.next_power_of_2(M)
-    upcast = cfg.use_dot and x.dtype != torch.float32 and _interpreting()
+    # float32 tiles: in the interpreter (no bf16 tl.dot there), and for FP8 codes against float32 x (exact products)
+    upcast = cfg.use_dot and ((x.dtype != torch.float32 and _interpreting())
+                              or (scale is not None and x.dtype == torch.float32))
     dot_prec = "ieee" if (x.dtype == torch.float32 or upcast) else "tf32"  # tf32 is ignored for 16-bit inputs
     has_bias = bias is not None
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     grid = (triton.cdiv(N, cfg.BLOCK_N), split_k)
-    _gemv_kernel[grid](x, weight, bias if has_bias else out, out, ws, M, N, K, k_per_split,
-                       x.stride(0), weight.stride(0), out.stride(0),
-                       M_PAD=m_pad, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, HAS_BIAS=has_bias,
+    _gemv_kernel[grid](x, weight, scale if scale is not None else out, bias if has_bias else out, out, ws, M, N, K,
+                       k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+                       M_PAD=m_pad, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, HAS_SCALE=scale is not None,
+                       HAS_BIAS=has_bias,
                        SPLIT=split_k > 1, USE_DOT=cfg.use_dot, UPCAST=upcast, DOT_PREC=dot_prec,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split_k > 1:
@@ -253,9 +299,12 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out
 
 
-def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain-PyTorch reference of `gemv_triton`: float32 products and sums, cast to x.dtype."""
-    out = x.float() @ weight.float().T
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-PyTorch reference of `gemv_triton`: float32 products and sums, cast to x.dtype (FP8 weights: scaled
+    per row first)."""
+    w = weight.float() if scale is None else weight.float() * scale.float()[:, None]
+    out = x.float() @ w.T
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)

@@ -1,4 +1,5 @@
-"""INT4 drafts (`--draft-quant int4`): the draft's FFN and its LM head in 4 bits (`eyas.layers.linear_int4`).
+"""Quantized drafts (`--draft-quant`): the draft's weights in INT4 (`eyas.layers.linear_int4`) or FP8
+(`eyas.layers.linear_fp8`).
 
 The paper quantizes the draft's FFN to INT4. At small batch a draft level is a chain of GEMVs that read weights; in
 an 8B-shaped draft the FFN is 352 MB in bf16 and the LM head it shares with the target 1.05 GB (128k tokens x 4096),
@@ -8,7 +9,10 @@ read once per level. Modes:
   `Int4Linear`;
 * `int4-head`: the draft scores its candidates with its own INT4 copy of the target's head (of the rows of its draft
   vocabulary, when it has one); the target keeps its bf16 head for verification and for everything else;
-* `int4`: both.
+* `int4`: both;
+* `fp8`: every linear layer of the draft (fc and its decoder layers' attention and FFN projections, fused first) and
+  its own copy of the head (of its draft vocabulary's rows, when it has one) as FP8 codes with a scale per output
+  row: half the bytes of bf16, read by `eyas.kernels.gemv`'s FP8 path at up to 16 rows on CUDA.
 
 Exactness is untouched: the target verifies every guess with the same acceptance rule. Only the acceptance rate can
 change, so measure it (`eyas bench tpc --draft-quant int4`) before counting on the bytes saved.
@@ -16,18 +20,20 @@ change, so measure it (`eyas bench tpc --draft-quant int4`) before counting on t
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from eyas.layers.linear_fp8 import Fp8Linear
 from eyas.layers.linear_int4 import Int4Linear
 
-QUANT_MODES = ("int4", "int4-ffn", "int4-head")
+QUANT_MODES = ("int4", "int4-ffn", "int4-head", "fp8")
 
 
 def add_draft_quant_arg(p, help: str | None = None) -> None:
     """`--draft-quant MODE` on an argparse parser (generate, serve, bench tpc/latency, make-tree)."""
     p.add_argument("--draft-quant", default=None, choices=QUANT_MODES,
                    help=help or "quantize the draft: its FFN and its own copy of the LM head in INT4 (int4), or one "
-                                "of them; the target verifies as before, so the output keeps the target's "
-                                "distribution")
+                                "of them, or all its weights in FP8 (fp8); the target verifies as before, so the "
+                                "output keeps the target's distribution")
 
 
 def check_quant_mode(mode: str | None) -> str | None:
@@ -55,24 +61,33 @@ def quantize_draft(draft, target, mode: str | None, group_size: int = 128, cuda_
             mlp.fuse_projections()  # one gate_up_proj: what the fast path runs; the HF names are gone
             mlp.gate_up_proj = Int4Linear.from_linear(mlp.gate_up_proj, group_size)
             mlp.down_proj = Int4Linear.from_linear(mlp.down_proj, group_size)
-    if mode in ("int4", "int4-head"):
+    if mode == "fp8":
+        draft.fc = Fp8Linear.from_linear(draft.fc)
+        for layer in draft.layers:
+            for block in (layer.self_attn, layer.mlp):
+                block.fuse_projections()  # qkv_proj, gate_up_proj: what the fast path runs
+                for name, child in list(block.named_children()):
+                    if isinstance(child, nn.Linear):
+                        setattr(block, name, Fp8Linear.from_linear(child))
+    if mode in ("int4", "int4-head", "fp8"):
         head = getattr(draft, "vocab_head", None)  # the draft vocabulary's rows, or the whole head
         if head is None:
             head = target.lm_head.weight
             if head.shape[0] != target.config.vocab_size:
-                raise ValueError("an INT4 draft head needs the target's whole LM head on this rank (not "
+                raise ValueError("a quantized draft head needs the target's whole LM head on this rank (not "
                                  "vocabulary-parallel)")
-        draft.head_int4 = Int4Linear(head, None, group_size)
+        draft.head_quant = Fp8Linear(head) if mode == "fp8" else Int4Linear(head, None, group_size)
     for m in draft.modules():
         if isinstance(m, Int4Linear):
             m.cuda_kernel = cuda_kernel
-            m.prepare(p.device, p.dtype)  # packed now, not inside a CUDA graph capture
+        if isinstance(m, (Int4Linear, Fp8Linear)):
+            m.prepare(p.device, p.dtype)  # packed (INT4) or dequantised (FP8's reference) now, not inside a capture
     draft.quant = mode
     return draft
 
 
 def draft_head_logits(draft, h: torch.Tensor) -> torch.Tensor | None:
-    """The draft's logits [..., V'] from its INT4 head, over the draft vocabulary if one is attached, else the whole
-    one; None when the draft has no INT4 head (the caller then uses the bf16 head)."""
-    qh = getattr(draft, "head_int4", None)
-    return None if qh is None else qh(h)  # Int4Linear computes any leading shape as one 2-D product
+    """The draft's logits [..., V'] from its quantized head (INT4 or FP8), over the draft vocabulary if one is
+    attached, else the whole one; None when the draft has no quantized head (the caller then uses the bf16 head)."""
+    qh = getattr(draft, "head_quant", None)
+    return None if qh is None else qh(h)  # both layers compute any leading shape as one 2-D product

@@ -56,8 +56,8 @@ def select_draft_vocab(counts: torch.Tensor, size: int, always=()) -> torch.Tens
 def attach_draft_vocab(draft, target, ids: torch.Tensor | None) -> None:
     """Make `draft` propose only `ids` (None: the whole vocabulary again). Gathers the K rows of the target's LM
     head once; they live on the draft as non-persistent buffers (not part of its checkpoint weights)."""
-    if getattr(draft, "head_int4", None) is not None:
-        raise ValueError("this draft has an INT4 head already: attach the draft vocabulary before quantizing")
+    if getattr(draft, "head_quant", None) is not None:
+        raise ValueError("this draft has a quantized head already: attach the draft vocabulary before quantizing")
     if ids is None:
         draft.vocab_ids = draft.vocab_head = None
         return
@@ -77,8 +77,8 @@ def attach_draft_vocab(draft, target, ids: torch.Tensor | None) -> None:
 
 def draft_logits(draft, target, h: torch.Tensor) -> torch.Tensor:
     """The draft's logits [..., K] over the tokens it may propose, from features h [..., H], in the head's dtype: its
-    INT4 head (`eyas.spec.draft_quant`) if it has one, else the draft vocabulary's rows when one is attached, else the
-    target's whole head (K = V)."""
+    quantized head (`eyas.spec.draft_quant`: INT4 or FP8) if it has one, else the draft vocabulary's rows when one
+    is attached, else the target's whole head (K = V)."""
     logits = draft_head_logits(draft, h)  # over the draft vocabulary if one is attached, else the whole one
     if logits is not None:
         return logits

@@ -1,0 +1,165 @@
+"""FP8 drafts: the per-row e4m3 quantization against its error bound, the Triton GEMV's FP8 path against the
+dequantised reference (interpreted here, compiled on the GPU), and exactness through the engine: with an FP8 draft
+the output is still the target's own (non-speculative decoding is the oracle)."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before triton is first imported (as tests/test_gemv.py)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from eyas import LLM, SamplingParams  # noqa: E402
+from eyas.kernels.gemv import GemvConfig, default_config, gemv_reference, gemv_triton  # noqa: E402
+from eyas.layers.linear_fp8 import FP8_MAX, Fp8Linear, dequantize_fp8, quantize_fp8  # noqa: E402
+from eyas.spec.draft_quant import quantize_draft  # noqa: E402
+from eyas.spec.draft_vocab import attach_draft_vocab, draft_full_logits, draft_topk  # noqa: E402
+from helpers import write_mirror_pair  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 24), k=st.integers(1, 80), seed=st.integers(0, 2**16), spread=st.floats(1e-3, 1e3))
+def test_quantize_fp8_error_bound(n, k, seed, spread):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * spread
+    q, scale = quantize_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (n,) and scale.dtype == torch.float32
+    assert (q.float().abs().amax(1) == FP8_MAX).all()  # every row's largest weight is the largest code
+    d = dequantize_fp8(q, scale)
+    # e4m3: 3 mantissa bits, so a normal code is within 2^-4 of its value; below 2^-6 the step is 2^-9 (subnormals)
+    bound = torch.maximum(w.abs() * 2 ** -4, scale[:, None] * 2 ** -10)
+    assert ((d - w).abs() <= bound * (1 + 1e-5)).all()
+    torch.testing.assert_close(d.abs().amax(1), w.abs().amax(1), rtol=1e-6, atol=0)
+
+
+def test_quantize_fp8_zero_rows_and_errors():
+    w = torch.zeros(3, 8)
+    w[1] = torch.arange(8) - 3.5
+    q, scale = quantize_fp8(w)
+    assert scale[0] == 1 and scale[2] == 1 and (q[0].float() == 0).all()
+    torch.testing.assert_close(dequantize_fp8(q, scale)[1], w[1])  # halves and small integers are codes
+    with pytest.raises(ValueError, match="2-D weight"):
+        quantize_fp8(torch.randn(4))
+
+
+# the FP8 path of the GEMV, small configs for the interpreter (as tests/test_gemv.py): both paths, splits
+CONFIGS = {"default": None, "ew": GemvConfig(BLOCK_N=16, BLOCK_K=32), "ew_split3": GemvConfig(8, 64, SPLIT_K=3),
+           "dot_split2": GemvConfig(BLOCK_N=32, BLOCK_K=16, SPLIT_K=2, use_dot=True)}
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("M,N,K,bias", [(1, 37, 100, False), (3, 64, 576, True), (16, 5, 64, False)])
+def test_gemv_fp8_equals_reference(M, N, K, bias, cfg):
+    g = torch.Generator().manual_seed(M * N + K)
+    q, scale = quantize_fp8(torch.randn(N, K, generator=g) / K ** 0.5)
+    b = torch.randn(N, generator=g) if bias else None
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)):
+        x = torch.randn(M, K, generator=g).to(dtype)
+        bd = None if b is None else b.to(dtype).to(DEV)
+        got = gemv_triton(x.to(DEV), q.to(DEV), bd, config=CONFIGS[cfg], scale=scale.to(DEV))
+        ref = gemv_reference(x, q, None if b is None else b.to(dtype), scale=scale)
+        assert got.dtype == dtype and got.shape == (M, N)
+        torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=tol, atol=1e-5)
+    # the reference is F.linear over the dequantised weight
+    x = torch.randn(M, K, generator=g)
+    torch.testing.assert_close(gemv_reference(x, q, b, scale=scale),
+                               torch.nn.functional.linear(x, dequantize_fp8(q, scale), b))
+
+
+def test_gemv_fp8_refuses_bad_input():
+    q, scale = quantize_fp8(torch.randn(8, 32))
+    x = torch.randn(2, 32)
+    with pytest.raises(ValueError, match="float8_e4m3fn weights"):
+        gemv_triton(x, torch.randn(8, 32), scale=scale)
+    with pytest.raises(ValueError, match="scale must be float32"):
+        gemv_triton(x, q, scale=scale[:4])
+    with pytest.raises(ValueError, match="scale must be float32"):
+        gemv_triton(x, q, scale=scale.double())
+    with pytest.raises(ValueError, match="FP8 weights with a scale"):
+        gemv_triton(x, q)  # codes without their scale
+    # FP8 codes go through the tensor cores, in the H200 sweep's best configs of the 8B draft's shapes
+    fp8 = torch.float8_e4m3fn
+    assert default_config(1, 4096, 8192, torch.bfloat16, weight_dtype=fp8) == GemvConfig(128, 128, 4, 4, 4, True)
+    assert default_config(4, 28672, 4096, torch.bfloat16, weight_dtype=fp8) == GemvConfig(128, 128, 1, 8, 3, True)
+
+
+def test_fp8_linear_cpu_is_the_reference():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 40, bias=True)
+    m = Fp8Linear.from_linear(lin)
+    x = torch.randn(2, 5, 96)
+    assert not m.kernel_ok(x.reshape(-1, 96))  # the CPU runs the reference
+    y = m(x)
+    assert y.shape == (2, 5, 40)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, m.dequantized(), lin.bias))
+    # and the FP8 weight is the original within e4m3's rounding
+    assert ((m.dequantized() - lin.weight).abs() <= lin.weight.abs() * 2 ** -4 + m.scale[:, None] * 2 ** -10).all()
+
+
+@pytest.fixture(scope="module")
+def mirror_pair(tmp_path_factory):
+    return write_mirror_pair(tmp_path_factory.mktemp("mirror_fp8"), vocab=24, layers=2)
+
+
+def _load(mirror_pair):
+    from eyas.loader.eagle import load_draft
+    from eyas.loader.resolve import load_target
+    target, _ = load_target(str(mirror_pair[0]), "cpu", "float32")
+    return target, load_draft(str(mirror_pair[1]), target)
+
+
+def test_quantize_draft_fp8(mirror_pair):
+    target, draft = _load(mirror_pair)
+    ids = torch.tensor([1, 4, 5, 8, 11, 13, 20, 23])
+    attach_draft_vocab(draft, target, ids)
+    quantize_draft(draft, target, "fp8")
+    assert draft.quant == "fp8" and isinstance(draft.fc, Fp8Linear)
+    for layer in draft.layers:
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert isinstance(m, Fp8Linear)
+        assert not any(isinstance(c, torch.nn.Linear) for c in layer.modules())
+    # the draft scores with its FP8 copy of its vocabulary's rows and maps back to target ids; the target keeps its
+    # own head
+    assert draft.head_quant.out_features == 8 and target.lm_head.weight.dtype == torch.float32
+    h = torch.randn(2, 3, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    w = draft.head_quant.dequantized()
+    assert torch.equal(draft_topk(draft, target, h, 2), ids[(h @ w.t()).topk(2, dim=-1).indices])
+    full = draft_full_logits(draft, target, h)
+    torch.testing.assert_close(full[..., ids], h @ w.t())
+    assert torch.isinf(full[..., [0, 2, 3]]).all()
+    with pytest.raises(ValueError, match="quantized already"):
+        quantize_draft(draft, target, "fp8")
+
+
+@pytest.mark.parametrize("spec", ["chain:3", "tree:8"])
+def test_engine_stays_exact_with_an_fp8_draft(mirror_pair, spec):
+    target, draft = mirror_pair
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 24, (n,), generator=g).tolist() for n in (1, 9, 16)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(str(target), device="cpu", dtype="float32").generate(prompts, params)]
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec, draft_quant="fp8")
+    assert llm.draft.quant == "fp8"
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ref
+    # the mirror draft is still a good one in FP8: its guesses are accepted
+    assert sum(o.stats.committed for o in outs) / sum(o.stats.target_calls for o in outs) > 1.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k", [(4096, 8192), (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                                 (32768, 4096), (3072, 576)])
+def test_fp8_linear_gpu_kernel_equals_reference(n, k):
+    """The compiled FP8 GEMV on the 8B draft's shapes (fc, qkv, o, gate_up, down, a 32k head) and SmolLM2's."""
+    torch.manual_seed(0)
+    m = Fp8Linear.from_linear(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
+    for rows in (1, 4, 16, 17):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        assert m.kernel_ok(x) == (rows <= 16)
+        got = m(x).float()
+        ref = x.float() @ m.dequantized().t()
+        torch.testing.assert_close(got, ref, rtol=2 ** -7, atol=2e-3 * ref.abs().max().item())
