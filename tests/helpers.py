@@ -98,6 +98,14 @@ def write_mirror_pair(path: Path, vocab=24, layers=2, seed=0) -> tuple[Path, Pat
     return target_dir, save_draft(draft, Path(path) / "draft", dtype=torch.float32)
 
 
+def load_mirror_pair(paths: tuple[Path, Path]):
+    """`write_mirror_pair`'s target and draft as modules (CPU, float32): (target, draft)."""
+    from eyas.loader.eagle import load_draft
+    from eyas.loader.resolve import load_target
+    target, _ = load_target(str(paths[0]), "cpu", "float32")
+    return target, load_draft(str(paths[1]), target)
+
+
 def feature_draft_from(eagle1_dir: Path, target, out: Path, feature_layers=(0,), noise: float = 0.0,
                        seed: int = 0) -> Path:
     """A feature-layer draft with the fc/layers of an EAGLE-1 checkpoint and `fuse` at the identity (plus, with

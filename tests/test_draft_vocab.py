@@ -12,7 +12,7 @@ import torch
 from eyas import LLM, SamplingParams
 from eyas.spec.draft_vocab import (FILE, attach_draft_vocab, draft_topk, load_draft_vocab, save_draft_vocab,
                                    select_draft_vocab)
-from helpers import write_mirror_pair, write_tiny_llama
+from helpers import load_mirror_pair, write_mirror_pair, write_tiny_llama
 
 
 def test_select_draft_vocab():
@@ -34,10 +34,7 @@ def mirror_pair(tmp_path_factory):
 
 
 def test_draft_topk_equals_the_masked_full_vocabulary(mirror_pair):
-    from eyas.loader.eagle import load_draft
-    from eyas.loader.resolve import load_target
-    target, _ = load_target(str(mirror_pair[0]), "cpu", "float32")
-    draft = load_draft(str(mirror_pair[1]), target)
+    target, draft = load_mirror_pair(mirror_pair)
     h = torch.randn(2, 3, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
     full = draft_topk(draft, target, h, 4)
     torch.testing.assert_close(full, target.compute_logits(h).topk(4, dim=-1).indices)

@@ -17,7 +17,7 @@ from eyas.kernels.gemv import GemvConfig, default_config, gemv_reference, gemv_t
 from eyas.layers.linear_fp8 import FP8_MAX, Fp8Linear, dequantize_fp8, quantize_fp8  # noqa: E402
 from eyas.spec.draft_quant import quantize_draft  # noqa: E402
 from eyas.spec.draft_vocab import attach_draft_vocab, draft_full_logits, draft_topk  # noqa: E402
-from helpers import write_mirror_pair  # noqa: E402
+from helpers import load_mirror_pair, write_mirror_pair  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -105,15 +105,8 @@ def mirror_pair(tmp_path_factory):
     return write_mirror_pair(tmp_path_factory.mktemp("mirror_fp8"), vocab=24, layers=2)
 
 
-def _load(mirror_pair):
-    from eyas.loader.eagle import load_draft
-    from eyas.loader.resolve import load_target
-    target, _ = load_target(str(mirror_pair[0]), "cpu", "float32")
-    return target, load_draft(str(mirror_pair[1]), target)
-
-
 def test_quantize_draft_fp8(mirror_pair):
-    target, draft = _load(mirror_pair)
+    target, draft = load_mirror_pair(mirror_pair)
     ids = torch.tensor([1, 4, 5, 8, 11, 13, 20, 23])
     attach_draft_vocab(draft, target, ids)
     quantize_draft(draft, target, "fp8")

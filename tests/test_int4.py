@@ -11,7 +11,7 @@ from eyas import LLM, SamplingParams
 from eyas.layers.linear_int4 import Int4Linear, dequantize_int4, pick_group_size, quantize_int4
 from eyas.spec.draft_quant import quantize_draft
 from eyas.spec.draft_vocab import attach_draft_vocab, draft_full_logits, draft_topk
-from helpers import write_mirror_pair
+from helpers import load_mirror_pair, write_mirror_pair
 
 
 @settings(max_examples=40, deadline=None)
@@ -87,15 +87,8 @@ def mirror_pair(tmp_path_factory):
     return write_mirror_pair(tmp_path_factory.mktemp("mirror_int4"), vocab=24, layers=2)
 
 
-def _load(mirror_pair):
-    from eyas.loader.eagle import load_draft
-    from eyas.loader.resolve import load_target
-    target, _ = load_target(str(mirror_pair[0]), "cpu", "float32")
-    return target, load_draft(str(mirror_pair[1]), target)
-
-
 def test_quantize_draft_modes_and_errors(mirror_pair):
-    target, draft = _load(mirror_pair)
+    target, draft = load_mirror_pair(mirror_pair)
     h = torch.randn(2, 3, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
     assert quantize_draft(draft, target, None) is draft and getattr(draft, "quant", None) is None
     quantize_draft(draft, target, "int4-ffn")
@@ -104,7 +97,7 @@ def test_quantize_draft_modes_and_errors(mirror_pair):
     assert getattr(draft, "head_quant", None) is None
     with pytest.raises(ValueError, match="quantized already"):
         quantize_draft(draft, target, "int4-head")
-    target, draft = _load(mirror_pair)
+    target, draft = load_mirror_pair(mirror_pair)
     quantize_draft(draft, target, "int4-head")
     assert isinstance(draft.layers[0].mlp.down_proj, torch.nn.Linear)
     # the draft scores with its INT4 copy of the head; the target keeps its own
@@ -115,7 +108,7 @@ def test_quantize_draft_modes_and_errors(mirror_pair):
     with pytest.raises(ValueError, match="attach the draft vocabulary before quantizing"):
         attach_draft_vocab(draft, target, torch.arange(8))
     # with a draft vocabulary, the INT4 head holds its rows only and maps back to target ids
-    target, draft = _load(mirror_pair)
+    target, draft = load_mirror_pair(mirror_pair)
     ids = torch.tensor([1, 4, 5, 8, 11, 13, 20, 23])
     attach_draft_vocab(draft, target, ids)
     quantize_draft(draft, target, "int4")
