@@ -1,6 +1,7 @@
 """FP8 drafts: the per-row e4m3 quantization against its error bound, the Triton GEMV's FP8 path against the
-dequantised reference (interpreted here, compiled on the GPU), and exactness through the engine: with an FP8 draft
-the output is still the target's own (non-speculative decoding is the oracle)."""
+dequantised reference (interpreted here, compiled on the GPU), and `quantize_draft(..., "fp8")`. Exactness through
+the engine with an FP8 draft (non-speculative decoding as the oracle) is tests/test_int4.py's
+`test_engine_stays_exact_with_a_quantized_draft`, for both kinds."""
 import os
 
 import torch
@@ -12,7 +13,6 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from eyas import LLM, SamplingParams  # noqa: E402
 from eyas.kernels.gemv import GemvConfig, default_config, gemv_reference, gemv_triton  # noqa: E402
 from eyas.layers.linear_fp8 import FP8_MAX, Fp8Linear, dequantize_fp8, quantize_fp8  # noqa: E402
 from eyas.spec.draft_quant import quantize_draft  # noqa: E402
@@ -126,21 +126,6 @@ def test_quantize_draft_fp8(mirror_pair):
     assert torch.isinf(full[..., [0, 2, 3]]).all()
     with pytest.raises(ValueError, match="quantized already"):
         quantize_draft(draft, target, "fp8")
-
-
-@pytest.mark.parametrize("spec", ["chain:3", "tree:8"])
-def test_engine_stays_exact_with_an_fp8_draft(mirror_pair, spec):
-    target, draft = mirror_pair
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 24, (n,), generator=g).tolist() for n in (1, 9, 16)]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    ref = [o.token_ids for o in LLM(str(target), device="cpu", dtype="float32").generate(prompts, params)]
-    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec, draft_quant="fp8")
-    assert llm.draft.quant == "fp8"
-    outs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outs] == ref
-    # the mirror draft is still a good one in FP8: its guesses are accepted
-    assert sum(o.stats.committed for o in outs) / sum(o.stats.target_calls for o in outs) > 1.5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,7 +1,7 @@
 """INT4 drafts: the group quantization against its error bound, PyTorch's int4 kernels and eyas's Triton INT4 GEMV
 against the dequantized reference (the CPU kernel and the interpreted Triton one here, the CUDA ones on the GPU), and
-exactness through the engine: with an INT4 draft the output is still the target's own (non-speculative decoding is
-the oracle)."""
+exactness through the engine: with an INT4 (or FP8) draft the output is still the target's own (non-speculative
+decoding is the oracle)."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -121,19 +121,20 @@ def test_quantize_draft_modes_and_errors(mirror_pair):
         LLM(str(mirror_pair[0]), device="cpu", dtype="float32", draft_quant="int4")
 
 
+@pytest.mark.parametrize("quant", ["int4", "fp8"])
 @pytest.mark.parametrize("spec", ["chain:3", "tree:8"])
-def test_engine_stays_exact_with_an_int4_draft(mirror_pair, spec):
+def test_engine_stays_exact_with_a_quantized_draft(mirror_pair, spec, quant):
     target, draft = mirror_pair
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 24, (n,), generator=g).tolist() for n in (1, 9, 16)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ref = [o.token_ids for o in LLM(str(target), device="cpu", dtype="float32").generate(prompts, params)]
     full = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec).generate(prompts, params)
-    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec, draft_quant="int4")
-    assert llm.draft.quant == "int4"
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec, draft_quant=quant)
+    assert llm.draft.quant == quant
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in full] == ref
-    # the mirror draft stays a good one in 4 bits: most of its guesses are still accepted
+    # the mirror draft stays a good one in 4 or 8 bits: most of its guesses are still accepted
     tpc = sum(o.stats.committed for o in outs) / sum(o.stats.target_calls for o in outs)
     tpc_full = sum(o.stats.committed for o in full) / sum(o.stats.target_calls for o in full)
     assert tpc > 1.5 and tpc > 0.8 * tpc_full
