@@ -1,8 +1,8 @@
 """How much of a held-out text would a draft vocabulary of K tokens cover? Counts the assistant tokens of training data
 once (`eyas.spec.draft_vocab.count_assistant_tokens`), picks the K most frequent for several K
 (`select_draft_vocab`, as `eyas make-draft-vocab` does), and reports each vocabulary's coverage of the data itself
-and of held-out answers: a jsonl of {"input_ids", "loss_mask"} (the `--eval-data` of `eyas make-tree`, e.g.
-SmolLM2's greedy MT-Bench answers). A token outside the vocabulary is one the draft can never propose.
+and of held-out answers: a jsonl of {"input_ids", "loss_mask"} or of conversations (the `--eval-data` of `eyas
+make-tree`, e.g. SmolLM2's greedy MT-Bench answers). A token outside the vocabulary is one the draft can never propose.
     PYTHONPATH=. python3 tools/diag/draft_vocab_coverage.py --data a.jsonl.xz b.jsonl.xz --eval mt.jsonl \
         --sizes 16384 24576 32768 [--out coverage.json]        (from the repository root; CPU)"""
 import argparse
@@ -13,13 +13,14 @@ import torch
 
 from eyas.loader.resolve import load_target
 from eyas.spec.draft_vocab import count_assistant_tokens, eos_ids, select_draft_vocab
+from eyas.train.data import load_examples
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--data", nargs="+", required=True)
-    ap.add_argument("--eval", required=True, help="jsonl of {input_ids, loss_mask}")
+    ap.add_argument("--eval", required=True, help="jsonl of {input_ids, loss_mask} or of conversations")
     ap.add_argument("--sizes", nargs="+", type=int, default=[16384, 24576, 32768])
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--out")
@@ -31,11 +32,8 @@ def main():
     del target
     counts = count_assistant_tokens(args.data, tok, V, limit=args.limit)
     held = torch.zeros(V, dtype=torch.long)
-    for line in open(args.eval):
-        if line.strip():
-            r = json.loads(line)
-            x = torch.tensor(r["input_ids"])
-            held += torch.bincount(x[torch.tensor(r["loss_mask"], dtype=torch.bool)], minlength=V)
+    for ex in load_examples([args.eval], tok, workers=1):  # input_ids + loss_mask, or conversations (rendered)
+        held += torch.bincount(torch.from_numpy(ex.ids[ex.mask].astype("int64")), minlength=V)
     rows = []
     for k in args.sizes:
         ids = select_draft_vocab(counts, k, always=eos)
