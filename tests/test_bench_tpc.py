@@ -97,7 +97,7 @@ def test_shipped_smollm2_draft_speculates_on_the_cpu():
     assert path is not None and (path / "model.safetensors").exists()
     info = json.loads((path / "training.json").read_text())
     config = json.loads((path / "config.json").read_text())
-    assert set(info["loss_weights"]) == {"w_ce", "w_l1"} and info["layers"] == config["num_hidden_layers"] == 1
+    assert {"w_ce", "w_l1"} <= set(info["loss_weights"]) and info["layers"] == config["num_hidden_layers"] == 1
     assert info["feature_layers"] == config["eyas_feature_layers"]  # the record describes the weights shipped
     try:
         llm = LLM("smollm2", device="cpu", dtype="float32", draft="default", speculation="chain:3")

@@ -46,6 +46,18 @@ def test_loss_matches_hand_computed_values():
     out = distill_loss(dh, th, dl, tl, mask.float(), w_ce=0.5, w_l1=2.0)
     assert out.loss.item() == pytest.approx(0.5 * ce + 2.0 * l1, rel=1e-6)
 
+    # sharpened soft labels (ce_temperature 0.5): p = softmax(tl / 0.5), the L1 term unchanged
+    ce_0 = -(1 / 6 * ln(0.25) + 2 / 3 * ln(0.25) + 1 / 6 * ln(0.5))  # p = (1, 4, 1) / 6
+    ce_2 = -(9 / 11 * ln(0.5) + 1 / 11 * ln(1 / 3) + 1 / 11 * ln(1 / 6))  # p = (9, 1, 1) / 11
+    out = distill_loss(dh, th, dl, tl, mask, ce_temperature=0.5)
+    assert out.ce.item() == pytest.approx((ce_0 + ce_2) / 2, rel=1e-6)
+    assert out.l1.item() == pytest.approx(l1, rel=1e-6)
+    # ... and towards 0 the target's argmax as a hard label: -log q[argmax]
+    out = distill_loss(dh, th, dl, tl, mask, ce_temperature=1e-3)
+    assert out.ce.item() == pytest.approx((-ln(0.25) - ln(0.5)) / 2, rel=1e-5)
+    with pytest.raises(ValueError, match="ce_temperature must be > 0"):
+        distill_loss(dh, th, dl, tl, mask, ce_temperature=0.0)
+
     # batched [B, T, ...] layout gives the same numbers; gradients flow to the draft side only
     dh2 = dh[None].clone().requires_grad_(True)
     out = distill_loss(dh2, th[None], dl[None], tl[None], mask[None])
@@ -259,7 +271,8 @@ def test_short_training_lowers_heldout_loss_and_beats_chance(tiny_setup, tmp_pat
     # the output is an EAGLE checkpoint the engine loads; training.json records the run
     out = tmp_path / "a"
     info = json.loads((out / "training.json").read_text())
-    assert info["loss_weights"] == {"w_ce": 0.1, "w_l1": 1.0} and info["steps"] == summary["steps"]
+    assert info["loss_weights"] == {"w_ce": 0.1, "w_l1": 1.0, "ce_temperature": 1.0}
+    assert info["steps"] == summary["steps"]
     assert info["final_metrics"]["acc_by_depth"] == after["acc_by_depth"]
     assert load_file(str(out / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
     llm = LLM(str(tdir), device="cpu", dtype="float32", draft=str(out), speculation="chain:3")

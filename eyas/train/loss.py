@@ -5,6 +5,10 @@
 Both terms are averaged over the masked positions: SmoothL1 (beta 1) is first averaged over the hidden dimension,
 the cross-entropy is summed over the vocabulary (soft labels from the target), exactly as SafeAILab/EAGLE computes
 them. Defaults w_ce = 0.1, w_l1 = 1.0 as in the paper.
+
+`ce_temperature` < 1 sharpens the soft labels: CE against softmax(target logits / ce_temperature), towards the
+target's argmax as a hard label as it goes to 0. Greedy (T=0) acceptance needs only the draft's top-1 to agree with
+the target's; 1 (the default) is the paper's loss.
 """
 from __future__ import annotations
 
@@ -25,8 +29,10 @@ class LossOut:
 
 def distill_loss(draft_hidden: torch.Tensor, target_hidden: torch.Tensor, draft_logits: torch.Tensor,
                  target_logits: torch.Tensor, mask: torch.Tensor | None = None, w_ce: float = 0.1,
-                 w_l1: float = 1.0) -> LossOut:
+                 w_l1: float = 1.0, ce_temperature: float = 1.0) -> LossOut:
     """hidden [..., H], logits [..., V], mask [...] (bool or 0/1; None = all positions). Computed in float32."""
+    if not ce_temperature > 0:
+        raise ValueError(f"ce_temperature must be > 0, got {ce_temperature}")
     if mask is None:
         mask = torch.ones(draft_hidden.shape[:-1], device=draft_hidden.device)
     m = mask.to(torch.float32)
@@ -34,7 +40,7 @@ def distill_loss(draft_hidden: torch.Tensor, target_hidden: torch.Tensor, draft_
     denom = count.clamp(min=1.0)
     l1 = F.smooth_l1_loss(draft_hidden.float(), target_hidden.float(), reduction="none", beta=1.0).mean(-1)
     l1 = (l1 * m).sum() / denom
-    p = target_logits.float().softmax(-1)
+    p = (target_logits.float() / ce_temperature).softmax(-1)
     logq = draft_logits.float().log_softmax(-1)
     ce = -(p * logq).sum(-1)
     ce = (ce * m).sum() / denom
