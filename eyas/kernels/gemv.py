@@ -25,10 +25,11 @@ partials in a fixed order, adds the bias and casts to the output dtype: determin
 SPLIT_K = 1 the main kernel applies the bias and stores the output itself (one launch).
 
 FP8 weights (`scale` given). The weight may be float8_e4m3fn [N, K] with a float32 scale per row (weight-only FP8:
-w[n, k] ~= q[n, k] * scale[n], `eyas.layers.linear_fp8`): half the bytes of bf16 to stream. Their default config
-(`_fp8_config`) takes the tensor-core path at every M, the codes widened to float16 after the load (x cast to
-float16 to match; both to float32 against float32 x), and each program multiplies its row sums by the row scales
-before it stores them (partial sums of a split included: the scale distributes).
+w[n, k] ~= q[n, k] * scale[n], `eyas.layers.linear_fp8`): half the bytes of bf16 to stream. At one or two rows the
+default config takes the elementwise path with float16 products and running sums (`GemvConfig.half_acc`); from
+three rows the tensor-core path (`_fp8_config`), the codes widened to float16 after the load (x cast to float16 to
+match; both to float32 against float32 x). Each program multiplies its row sums by the row scales before it stores
+them (partial sums of a split included: the scale distributes).
 
 Everything is CUDA-graph capturable: the config is a pure function of (M, N, K, dtype) (`default_config`) or given
 by the caller, no autotuning, no host synchronisation, and the workspace comes from the caching allocator.
@@ -57,6 +58,10 @@ class GemvConfig:
 
     BLOCK_N x BLOCK_K is the weight tile a program loads per k-step (keep it <= 8192 elements at 4-8 warps);
     SPLIT_K the number of K ranges (1 = no split, no workspace, one launch); use_dot selects the tensor-core path.
+    half_acc (FP8 codes on the elementwise path only): products and each lane's running sum in float16, the codes
+    pre-scaled by 2^-8 (|q| / 256 <= 1.75, so a lane's few products stay far below float16's 65504 for any sane x),
+    widened to float32 once after the loop: one conversion per two codes instead of three. An experiment (session
+    13): less exact than the float32 path (float16 rounding of each product and sum).
     """
     BLOCK_N: int = 32
     BLOCK_K: int = 256
@@ -64,6 +69,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 4
     use_dot: bool = False
+    half_acc: bool = False
 
     def __post_init__(self):
         for name in ("BLOCK_N", "BLOCK_K"):
@@ -78,6 +84,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.num_stages must be >= 1, got {self.num_stages}")
         if self.use_dot and (self.BLOCK_N < 16 or self.BLOCK_K < 16):
             raise ValueError("GemvConfig with use_dot needs BLOCK_N >= 16 and BLOCK_K >= 16 (tl.dot minimum)")
+        if self.half_acc and self.use_dot:
+            raise ValueError("GemvConfig.half_acc is for the elementwise path (use_dot=False)")
 
 
 def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
@@ -92,7 +100,8 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
       with x padded to 16 columns, its tiles streamed by cp.async through num_stages = 4 shared-memory buffers,
       80 KB): the CUDA-core work of the elementwise path grows with M and would approach the bandwidth.
     * float32 halves the tile elements (same bytes); tiny N or K shrink the blocks. 4 warps.
-    * FP8 weights (`weight_dtype` float8_e4m3fn): `_fp8_config`.
+    * FP8 weights (`weight_dtype` float8_e4m3fn): at M <= 2 the elementwise path with float16 sums (`half_acc`,
+      8 x 1024 tiles, no split); above, `_fp8_config`.
     * Split-K: the smallest power of two giving >= 3 programs per SM (3 * num_sms), while each split keeps
       >= 4 k-steps of K, capped at 16. Llama-3.1-8B, bf16, M = 1: qkv 384 tiles x 2, o 256 x 2, gate_up 1792 x 1,
       down 256 x 2, lm_head 8016 x 1; M = 4: qkv 96 x 8, o 64 x 8, gate_up 448 x 1, down 64 x 8, lm_head 2004 x 1.
@@ -100,6 +109,11 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
     (docs/bench/gemv_s3.json) found configs up to ~7% faster, still slower than cuBLAS, so the models use cuBLAS.
     """
     if weight_dtype == FP8:
+        if M <= 2:  # float16 products and sums on the CUDA cores (half_acc): the H200 sweep's best at one row
+            # on every 8B draft shape (docs/bench/fp8_gemv_half_s13.json: a level 141 us, against 160 on the tensor
+            # cores and 212 for cuBLAS over bf16)
+            return GemvConfig(BLOCK_N=8, BLOCK_K=min(1024, max(16, triton.next_power_of_2(K))), SPLIT_K=1,
+                              num_warps=4, num_stages=4, half_acc=True)
         return _fp8_config(N, K, num_sms)
     use_dot = M > 2
     m_pad = 16 if use_dot else triton.next_power_of_2(M)
@@ -117,7 +131,7 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
 
 
 def _fp8_config(N: int, K: int, num_sms: int = NUM_SMS_H200) -> GemvConfig:
-    """FP8 codes at any M <= 16: the tensor-core path (codes widened to float16: one conversion per two codes) in
+    """FP8 codes at 3 <= M <= 16: the tensor-core path (codes widened to float16: one conversion per two codes) in
     128 x 128 tiles, K split into the smallest power of two of ranges giving >= 3/4 of a program per SM (each
     range >= 4 k-steps), 8 warps and 3 stages without a split, 4 and 4 with one. From the H200 sweep of
     tools/diag/gemv_fp8_bench.py (docs/bench/fp8_gemv_s13.json) over an 8B draft level's shapes, where this was the
@@ -143,7 +157,7 @@ def _fp8_config(N: int, K: int, num_sms: int = NUM_SMS_H200) -> GemvConfig:
 def _gemv_kernel(X, W, SCALE, BIAS, OUT, WS, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
+                 DOT_PREC: tl.constexpr, HALF_ACC: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)      # weight rows = output columns of this program
@@ -162,6 +176,8 @@ def _gemv_kernel(X, W, SCALE, BIAS, OUT, WS, M, N, K, K_PER_SPLIT, stride_xm, st
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    elif HALF_ACC:
+        acc3 = tl.zeros((BLOCK_N, M_PAD, BLOCK_K), dtype=tl.float16)
     else:
         # Elementwise: keep the products of each (n, m, k-lane) apart and reduce over k once after the loop, so
         # the loop body is pure FMAs (a per-step tl.sum costs cross-thread shuffles for every row).
@@ -178,9 +194,13 @@ def _gemv_kernel(X, W, SCALE, BIAS, OUT, WS, M, N, K, K_PER_SPLIT, stride_xm, st
                 w = w.to(tl.float16)
                 x = x.to(tl.float16)
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PREC)      # [BLOCK_N, M_PAD]
+        elif HALF_ACC:  # FP8 codes: float16 pairs all along (see GemvConfig.half_acc)
+            acc3 += (w.to(tl.float16) * 0.00390625)[:, None, :] * x.to(tl.float16)[None, :, :]
         else:
             acc3 += w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]  # [BLOCK_N, M_PAD, BLOCK_K]
-    if not USE_DOT:
+    if HALF_ACC:
+        acc = tl.sum(acc3.to(tl.float32), axis=2) * 256.0
+    elif not USE_DOT:
         acc = tl.sum(acc3, axis=2)                                            # [BLOCK_N, M_PAD]
     if HAS_SCALE:  # FP8 weights: w = q * scale[n], so each row sum (or a split's part of it) scales as a whole
         acc *= tl.load(SCALE + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -291,7 +311,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                        M_PAD=m_pad, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, HAS_SCALE=scale is not None,
                        HAS_BIAS=has_bias,
                        SPLIT=split_k > 1, USE_DOT=cfg.use_dot, UPCAST=upcast, DOT_PREC=dot_prec,
-                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                       HALF_ACC=cfg.half_acc and scale is not None, num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages)
     if split_k > 1:
         _splitk_reduce_kernel[(M, triton.cdiv(N, _REDUCE_BLOCK))](
             ws, bias if has_bias else out, out, M, N, split_k, out.stride(0),

@@ -1,6 +1,7 @@
 """Does an FP8 draft pay on the H200? cuBLAS over bf16 weights (F.linear) against eyas's Triton GEMV over FP8 codes
 with a scale per row (`eyas.kernels.gemv`, `scale=`: what `Fp8Linear` runs at up to 16 rows), its default config and
-a small sweep, on one 8B-shaped draft level's linears.
+a small sweep (with, at M <= 2, the float16-sum variant `GemvConfig.half_acc`), on one 8B-shaped draft level's
+linears.
 
     PYTHONPATH=. python3 tools/diag/gemv_fp8_bench.py --out /tmp/fp8.json      # from the repo root, on a GPU
 
@@ -33,6 +34,9 @@ SHAPES = {"fc": (4096, 8192), "qkv": (6144, 4096), "o": (4096, 4096), "gate_up":
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), all on the tensor-core path (FP8 codes widened to float16)
 SWEEP = [(bn, bk, sk, w, st) for bn, bk in ((64, 128), (32, 256), (64, 256), (128, 128), (16, 512), (32, 512))
          for sk in (1, 2, 4) for w, st in ((4, 4), (8, 3))]
+# the elementwise path with float16 products and sums (GemvConfig.half_acc), at M <= 2
+SWEEP_HALF = [(bn, bk, sk, w, 4) for bn, bk in ((8, 1024), (16, 512), (16, 1024), (32, 512), (4, 2048))
+              for sk in (1, 2, 4) for w in (4, 8)]
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,7 +64,9 @@ def main():
             row["cublas_bf16_us"] = time_cycle(lambda i: F.linear(x, ws[i]), copies)
             d = default_config(M, N, K, dt, weight_dtype=torch.float8_e4m3fn)
             configs = [d] + ([] if args.no_sweep else
-                             [GemvConfig(*c[:3], num_warps=c[3], num_stages=c[4], use_dot=True) for c in SWEEP])
+                             [GemvConfig(*c[:3], num_warps=c[3], num_stages=c[4], use_dot=True) for c in SWEEP]
+                             + [GemvConfig(*c[:3], num_warps=c[3], num_stages=c[4], half_acc=True)
+                                for c in (SWEEP_HALF if M <= 2 else [])])
             best = None
             for c in dict.fromkeys(configs):
                 def fn(i, c=c):
@@ -71,11 +77,13 @@ def main():
                 except Exception as e:  # a config that does not compile or is wrong: reported, skipped
                     print(f"    {c}: {type(e).__name__}: {str(e)[:120]}")
                     continue
-                cfg = [c.BLOCK_N, c.BLOCK_K, c.SPLIT_K, c.num_warps, c.num_stages, c.use_dot]
+                cfg = [c.BLOCK_N, c.BLOCK_K, c.SPLIT_K, c.num_warps, c.num_stages, c.use_dot, c.half_acc]
                 if c == d:
                     row["fp8_default_us"], row["fp8_default_config"] = us, cfg
                 if best is None or us < best[0]:
                     best = (us, cfg)
+                if c.half_acc and ("fp8_half_best_us" not in row or us < row["fp8_half_best_us"]):
+                    row["fp8_half_best_us"], row["fp8_half_best_config"] = us, cfg
             if best:
                 row["fp8_best_us"], row["fp8_best_config"] = best
             for k in ("cublas_bf16_us", "fp8_default_us", "fp8_best_us"):
@@ -83,15 +91,19 @@ def main():
                     nbytes = N * K * 2 if k.startswith("cublas") else fp8_bytes
                     row[k.replace("_us", "_tb_s")] = nbytes / (row[k] * 1e-6) / 1e12
             rows.append(row)
-            print("  M=%d: cuBLAS bf16 %.1f us (%.2f TB/s) | fp8 default %s us | best %s us (%s TB/s) %s" % (
-                M, row["cublas_bf16_us"], row["cublas_bf16_tb_s"], f"{row.get('fp8_default_us', float('nan')):.1f}",
-                f"{row.get('fp8_best_us', float('nan')):.1f}", f"{row.get('fp8_best_tb_s', float('nan')):.2f}",
-                row.get("fp8_best_config")), flush=True)
+            print("  M=%d: cuBLAS bf16 %.1f us (%.2f TB/s) | fp8 default %s us | best %s us (%s TB/s) %s | float16 "
+                  "sums %s us" % (
+                      M, row["cublas_bf16_us"], row["cublas_bf16_tb_s"],
+                      f"{row.get('fp8_default_us', float('nan')):.1f}", f"{row.get('fp8_best_us', float('nan')):.1f}",
+                      f"{row.get('fp8_best_tb_s', float('nan')):.2f}", row.get("fp8_best_config"),
+                      f"{row.get('fp8_half_best_us', float('nan')):.1f}"), flush=True)
         del ws, qs
         torch.cuda.empty_cache()
-    total = {k: sum(r[k] for r in rows if r["M"] == 1 and k in r) for k in ("cublas_bf16_us", "fp8_best_us")}
-    print(f"\none draft level at M=1 (the shapes above): cuBLAS bf16 {total['cublas_bf16_us']:.1f} us, "
-          f"FP8 best {total['fp8_best_us']:.1f} us")
+    total = {k: sum(r[k] for r in rows if r["M"] == 1 and k in r)
+             for k in ("cublas_bf16_us", "fp8_default_us", "fp8_best_us", "fp8_half_best_us")}
+    print(f"\none draft level at M=1 (the shapes above): cuBLAS bf16 {total['cublas_bf16_us']:.1f} us, FP8 default "
+          f"{total['fp8_default_us']:.1f} us, best {total['fp8_best_us']:.1f} us, best with float16 sums "
+          f"{total['fp8_half_best_us']:.1f} us")
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
