@@ -36,10 +36,18 @@ LAYER_SHAPES = ("qkv", "o", "gate_up", "down")
 NUM_LAYERS = 32
 
 
-def n_copies(name: str, nbytes: int) -> int:
-    if name == "lm_head":
+def n_copies(nbytes: int) -> int:
+    """Distinct copies of a weight of `nbytes` bf16 bytes that L2 cannot hold together: 4 above 400 MB (the 8B LM
+    head, 1.05 GB), else >= 8 and > 420 MB in all."""
+    if nbytes > 400e6:
         return 4
     return max(8, math.ceil(420e6 / nbytes))
+
+
+def weight_copies(N: int, K: int, dev, dtype=torch.bfloat16) -> list[torch.Tensor]:
+    """`n_copies` random weights [N, K] (std 0.02, seed 0) for `time_cycle` to cycle through."""
+    torch.manual_seed(0)
+    return [torch.randn(N, K, device=dev, dtype=dtype) * 0.02 for _ in range(n_copies(N * K * 2))]
 
 
 def time_cycle(fn, copies: int, min_calls: int = 64, graph: bool = True) -> float:
@@ -131,9 +139,8 @@ def main():
     for name in shapes:
         N, K = SHAPES[name]
         wbytes = N * K * 2
-        C = n_copies(name, wbytes)
-        torch.manual_seed(0)
-        ws = [torch.randn(N, K, device=dev, dtype=dtype) * 0.02 for _ in range(C)]
+        ws = weight_copies(N, K, dev, dtype)
+        C = len(ws)
         print(f"\n{name} N={N} K={K}: {C} copies x {wbytes / 1e6:.0f} MB = {C * wbytes / 1e9:.2f} GB")
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=dtype)

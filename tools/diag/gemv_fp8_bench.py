@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemv_bench import time_cycle  # noqa: E402
+from gemv_bench import time_cycle, weight_copies  # noqa: E402
 
 from eyas.kernels.gemv import GemvConfig, default_config, gemv_reference, gemv_triton  # noqa: E402
 from eyas.layers.linear_fp8 import quantize_fp8  # noqa: E402
@@ -50,9 +49,8 @@ def main():
     rows = []
     for name in args.shapes.split(","):
         N, K = SHAPES[name]
-        copies = max(8, math.ceil(420e6 / (N * K * 2)))
-        torch.manual_seed(0)
-        ws = [torch.randn(N, K, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
+        ws = weight_copies(N, K, dev, dt)
+        copies = len(ws)
         qs = [quantize_fp8(w) for w in ws]
         fp8_bytes = N * K + 4 * N
         print(f"\n{name} N={N} K={K}: {copies} copies; bf16 {N * K * 2 / 1e6:.0f} MB, fp8 {fp8_bytes / 1e6:.0f} MB",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemv_bench import time_cycle  # noqa: E402
+from gemv_bench import time_cycle, weight_copies  # noqa: E402
 
 from eyas.kernels.gemv_int4 import default_int4_config, gemv_int4_reference, gemv_int4_triton  # noqa: E402
 from eyas.layers.linear_int4 import Int4Linear  # noqa: E402
@@ -45,9 +44,8 @@ def main():
     rows = []
     for name in args.shapes.split(","):
         N, K = SHAPES[name]
-        copies = 4 if N * K * 2 > 400e6 else max(8, math.ceil(420e6 / (N * K * 2)))
-        torch.manual_seed(0)
-        ws = [torch.randn(N, K, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
+        ws = weight_copies(N, K, dev, dt)
+        copies = len(ws)
         qs = [Int4Linear(w, None, args.group_size) for w in ws]
         for q in qs:
             q.prepare(dev, dt)
