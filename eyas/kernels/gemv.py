@@ -26,10 +26,10 @@ SPLIT_K = 1 the main kernel applies the bias and stores the output itself (one l
 
 FP8 weights (`scale` given). The weight may be float8_e4m3fn [N, K] with a float32 scale per row (weight-only FP8:
 w[n, k] ~= q[n, k] * scale[n], `eyas.layers.linear_fp8`): half the bytes of bf16 to stream. At one or two rows the
-default config takes the elementwise path with float16 products and running sums (`GemvConfig.half_acc`); from
-three rows the tensor-core path (`_fp8_config`), the codes widened to float16 after the load (x cast to float16 to
-match; both to float32 against float32 x). Each program multiplies its row sums by the row scales before it stores
-them (partial sums of a split included: the scale distributes).
+default config (`_fp8_config`) takes the elementwise path with float16 products and running sums
+(`GemvConfig.half_acc`); from three rows the tensor-core path, the codes widened to float16 after the load (x cast
+to float16 to match; both to float32 against float32 x). Each program multiplies its row sums by the row scales
+before it stores them (partial sums of a split included: the scale distributes).
 
 Everything is CUDA-graph capturable: the config is a pure function of (M, N, K, dtype) (`default_config`) or given
 by the caller, no autotuning, no host synchronisation, and the workspace comes from the caching allocator.
@@ -100,8 +100,7 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
       with x padded to 16 columns, its tiles streamed by cp.async through num_stages = 4 shared-memory buffers,
       80 KB): the CUDA-core work of the elementwise path grows with M and would approach the bandwidth.
     * float32 halves the tile elements (same bytes); tiny N or K shrink the blocks. 4 warps.
-    * FP8 weights (`weight_dtype` float8_e4m3fn): at M <= 2 the elementwise path with float16 sums (`half_acc`,
-      8 x 1024 tiles, no split); above, `_fp8_config`.
+    * FP8 weights (`weight_dtype` float8_e4m3fn): `_fp8_config`.
     * Split-K: the smallest power of two giving >= 3 programs per SM (3 * num_sms), while each split keeps
       >= 4 k-steps of K, capped at 16. Llama-3.1-8B, bf16, M = 1: qkv 384 tiles x 2, o 256 x 2, gate_up 1792 x 1,
       down 256 x 2, lm_head 8016 x 1; M = 4: qkv 96 x 8, o 64 x 8, gate_up 448 x 1, down 64 x 8, lm_head 2004 x 1.
@@ -109,12 +108,7 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
     (docs/bench/gemv_s3.json) found configs up to ~7% faster, still slower than cuBLAS, so the models use cuBLAS.
     """
     if weight_dtype == FP8:
-        if M <= 2:  # float16 products and sums on the CUDA cores (half_acc): the H200 sweep's best at one row
-            # on every 8B draft shape (docs/bench/fp8_gemv_half_s13.json: a level 141 us, against 160 on the tensor
-            # cores and 212 for cuBLAS over bf16)
-            return GemvConfig(BLOCK_N=8, BLOCK_K=min(1024, max(16, triton.next_power_of_2(K))), SPLIT_K=1,
-                              num_warps=4, num_stages=4, half_acc=True)
-        return _fp8_config(N, K, num_sms)
+        return _fp8_config(M, N, K, num_sms)
     use_dot = M > 2
     m_pad = 16 if use_dot else triton.next_power_of_2(M)
     tile = (8192 if use_dot else 4096 // m_pad) // (2 if dtype == torch.float32 else 1)
@@ -130,13 +124,20 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
                       use_dot=use_dot)
 
 
-def _fp8_config(N: int, K: int, num_sms: int = NUM_SMS_H200) -> GemvConfig:
-    """FP8 codes at 3 <= M <= 16: the tensor-core path (codes widened to float16: one conversion per two codes) in
-    128 x 128 tiles, K split into the smallest power of two of ranges giving >= 3/4 of a program per SM (each
-    range >= 4 k-steps), 8 warps and 3 stages without a split, 4 and 4 with one. From the H200 sweep of
-    tools/diag/gemv_fp8_bench.py (docs/bench/fp8_gemv_s13.json) over an 8B draft level's shapes, where this was the
-    best or near it for all but down_proj (32 x 512 tiles, 2 ranges: 24.9 us). The FP8 GEMV streams codes at only
-    1.6-3.0 TB/s there (cuBLAS streams bf16 at 2.5-4.1), so it saves ~22% of a level's time, not half."""
+def _fp8_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_H200) -> GemvConfig:
+    """FP8 codes, from the H200 sweeps of tools/diag/gemv_fp8_bench.py over an 8B draft level's shapes:
+
+    * M <= 2: the elementwise path with float16 products and sums (`half_acc`), 8 x 1024 tiles, no split: the best
+      at one row on every shape (docs/bench/fp8_gemv_half_s13.json: a level 141 us, against 163 on the tensor
+      cores and 212 for cuBLAS over bf16).
+    * 3 <= M <= 16: the tensor-core path (codes widened to float16: one conversion per two codes) in 128 x 128
+      tiles, K split into the smallest power of two of ranges giving >= 3/4 of a program per SM (each range >= 4
+      k-steps), 8 warps and 3 stages without a split, 4 and 4 with one: the best or near it for all but down_proj
+      (32 x 512 tiles, 2 ranges: 24.9 us; docs/bench/fp8_gemv_s13.json).
+    The codes stream at only 1.6-3.0 TB/s (cuBLAS streams bf16 at 2.5-4.1), so a level costs ~22-33% less, not half."""
+    if M <= 2:
+        return GemvConfig(BLOCK_N=8, BLOCK_K=min(1024, max(16, triton.next_power_of_2(K))), SPLIT_K=1,
+                          num_warps=4, num_stages=4, half_acc=True)
     block_n = min(128, max(16, triton.next_power_of_2(N)))
     block_k = min(128, max(16, triton.next_power_of_2(K)))
     n_tiles = triton.cdiv(N, block_n)
