@@ -1,4 +1,4 @@
-"""Triton kernels (split tree attention, paged KV writes, fused norm/RoPE/SwiGLU). See docs/kernels.md.
+"""Triton kernels (split tree attention, paged KV writes, fused norm/RoPE/SwiGLU, decode GEMVs). See docs/kernels.md.
 
 Nothing here imports Triton until a kernel is first asked for (PEP 562 module `__getattr__`), so that
 `import eyas.kernels` works without Triton and `TRITON_INTERPRET=1` may still be set after it.
@@ -28,6 +28,10 @@ _EXPORTS = {
     "draft_pairs_triton": "draft_pairs",
     "draft_pairs_reference": "draft_pairs",
     "swiglu_reference": "swiglu",
+    "decode_linear": "decode_linear",
+    "decode_linear_reference": "decode_linear",
+    "decode_qkv_rope": "decode_linear",
+    "decode_qkv_rope_reference": "decode_linear",
 }
 
 __all__ = sorted(_EXPORTS)

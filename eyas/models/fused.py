@@ -45,9 +45,14 @@ def use_fused_ops(model: nn.Module, on: bool = True) -> nn.Module:
     return model
 
 
-def enable_fast_path(model: nn.Module) -> nn.Module:
-    """`fuse_projections` + `use_fused_ops(model, True)`: what the runner does on CUDA."""
-    return use_fused_ops(fuse_projections(model), True)
+def enable_fast_path(model: nn.Module, one_row: bool = True) -> nn.Module:
+    """`fuse_projections` + `use_fused_ops(model, True)`: what the runner does on CUDA. `one_row`: a target
+    (LlamaForCausalLM) also takes `eyas.models.one_row` for batch-1 plain decode steps where it can."""
+    use_fused_ops(fuse_projections(model), True)
+    if hasattr(model, "one_row"):
+        from eyas.models.one_row import one_row_ready
+        model.one_row = one_row and one_row_ready(model)
+    return model
 
 
 def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -209,6 +209,16 @@ def takes_fused_path(model: nn.Module, device: torch.device) -> bool:
             and not torch.is_autocast_enabled(device.type))
 
 
+def with_features(hidden: torch.Tensor, taps: dict, feature_layers, num_layers: int):
+    """What a target forward returns: `hidden`, or (hidden, cat(taps in `feature_layers` order, then hidden))."""
+    if feature_layers is None:
+        return hidden
+    missing = [i for i in feature_layers if i not in taps]
+    if missing:
+        raise ValueError(f"feature layers {missing} are outside the target's {num_layers} layers")
+    return hidden, torch.cat([taps[i] for i in feature_layers] + [hidden], dim=-1)
+
+
 def _concat_linears(*parts: nn.Linear) -> nn.Linear:
     """One nn.Linear whose output is the concatenation of `parts`' outputs (same input)."""
     w = torch.cat([p.weight.detach() for p in parts])
@@ -242,6 +252,8 @@ class LlamaForCausalLM(nn.Module):
         # the fused Triton kernels instead of the eager reference (`eyas.models.fused.use_fused_ops`); they run only
         # with autograd off (`takes_fused_path`), so training always takes the reference path
         self.fused_ops = False
+        # batch-1 plain decode steps on eyas.kernels.decode_linear (`eyas.models.one_row`; set by enable_fast_path)
+        self.one_row = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None,
                 cache: KVCache | None = None, feature_layers: tuple[int, ...] | None = None):
@@ -259,6 +271,9 @@ class LlamaForCausalLM(nn.Module):
         eps = self.config.rms_norm_eps
         taps: dict[int, torch.Tensor] = {}  # layer -> rms(r_i)
         if takes_fused_path(self, x.device):
+            from eyas.models.one_row import forward_one_row, takes_one_row
+            if takes_one_row(self, x, meta):  # batch-1 plain decoding: eyas.models.one_row
+                return forward_one_row(self, x, positions, meta, cache, feature_layers)
             from eyas.kernels import add_rms_norm_triton
             res = None
             for i, layer in enumerate(self.model.layers):
@@ -272,12 +287,7 @@ class LlamaForCausalLM(nn.Module):
                 if i in want:
                     taps[i] = rms_normalize(x, eps)
             hidden = self.model.norm(x)
-        if feature_layers is None:
-            return hidden
-        missing = [i for i in feature_layers if i not in taps]
-        if missing:
-            raise ValueError(f"feature layers {missing} are outside the target's {len(self.model.layers)} layers")
-        return hidden, torch.cat([taps[i] for i in feature_layers] + [hidden], dim=-1)
+        return with_features(hidden, taps, feature_layers, len(self.model.layers))
 
     def _unit_weight(self, x: torch.Tensor) -> torch.Tensor:
         """Ones [H] in x's dtype and device, made once (an RMSNorm weight that makes the norm `rms_normalize`: the
@@ -292,7 +302,11 @@ class LlamaForCausalLM(nn.Module):
         # as one 2-D matmul: a strided 3-D input sends F.linear to a batched matmul that re-reads the whole head
         # per row (measured on the H200: 7.8 ms instead of ~0.3 ms for a 128k vocabulary)
         H = hidden.shape[-1]
-        logits = self.lm_head(hidden.reshape(-1, H))
+        if self.one_row and hidden.numel() == H and takes_fused_path(self, hidden.device):
+            from eyas.models.one_row import logits_one_row
+            logits = logits_one_row(self, hidden)
+        else:
+            logits = self.lm_head(hidden.reshape(-1, H))
         return (logits if dtype is None else logits.to(dtype)).view(*hidden.shape[:-1], -1)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

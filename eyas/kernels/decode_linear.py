@@ -1,0 +1,331 @@
+"""Decode linears with their neighbours fused in, launched with programmatic dependent launch (issue #5, point 1).
+
+At batch 1 a decode step is a chain of GEMVs, each bound by streaming its weight, with small kernels between them
+(norms, SwiGLU, RoPE and the K/V store, split-K reductions) and a ~1 us gap at every kernel boundary
+(docs/benchmarks.md, "Point 1, where the 8B plain step goes": 401 kernels a step; 3.99 ms of GEMMs and their
+reductions, 0.58 ms of small kernels, 0.43 ms of gaps). These kernels fold the small kernels into the GEMV around
+them, and use Hopper's programmatic dependent launch (PDL) to overlap each kernel's start with the end of the one
+before:
+
+* a program owns BLOCK_N whole weight rows and loads all of them (BLOCK_N x K) into registers *first*: the
+  weights do not depend on any earlier kernel, so with PDL these loads can be issued before the previous kernel
+  has finished (`griddepcontrol.launch_dependents` lets the next grid's programs onto the SMs);
+* only then `griddepcontrol.wait` (returns once every earlier grid has finished and its writes are visible), and
+  the program reads its rows of x, one at a time against the register tile;
+* `decode_linear`: prologue `norm_weight` (x replaced by RMSNorm(x); each program recomputes a row's mean square:
+  x is a few KB, read from L2); epilogue `residual` (out = residual + x @ W^T, the residual stream's add) or
+  `swiglu` (the weight is a fused [gate; up] projection [2I, K], a program takes gate rows j and up rows I + j
+  together and stores silu(gate) * up [I] instead of the 2I outputs);
+* `decode_qkv_rope`: a decoder layer's attention input in one launch: RMSNorm, the fused q/k/v projection with
+  each program holding the two halves (d, d + D/2) of a head's dimension, RoPE on q and k, and k and v stored
+  into the paged cache (or any row store) at each token's slot.
+
+Every rounding follows the unfused path it replaces (`decode_linear_reference`, `decode_qkv_rope_reference`): the
+GEMV result is rounded to the model dtype before the residual add, SwiGLU or RoPE, the norm is
+`eyas.layers.norm.rms_norm`'s order of operations. Only the GEMV's float32 sum runs in another order than cuBLAS's.
+
+Rows: up to MAX_ROWS (8), but each program re-reads every row of x, so the L2 traffic grows with M / BLOCK_N: at 4
+rows the 8B verify pass of `chain:3` ran at half the speed of cuBLAS plus the fused kernels (session 14). The model
+uses these kernels for one row only (`eyas.models.one_row`). Measured on the H200 (docs/bench/one_row_s14.json):
+a synthetic 8B forward's linears with their small kernels take 3.81-3.84 ms here against 4.25-4.44 for cuBLAS and the
+fused kernels; PDL itself pays little (0.01-0.05 ms a step).
+
+Without PDL (`pdl=False`, and always under TRITON_INTERPRET) the same kernel runs as an ordinary launch.
+Tests: tests/test_decode_linear.py; bench: tools/diag/decode_chain_bench.py; docs/kernels.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from eyas.layers.norm import rms_norm
+
+
+TRIGGERS = ("start", "wait", "end")
+
+
+@dataclass(frozen=True)
+class DecodeLinearConfig:
+    """BLOCK_N weight rows per program (for `swiglu`: BLOCK_N / 2 gate rows and their up rows), num_warps;
+    `trigger` (with PDL): where a program lets the next kernel's programs launch: "start" (after its weight
+    loads are issued), "wait" (after the wait on the previous kernel) or "end" (before its store)."""
+    BLOCK_N: int = 4
+    num_warps: int = 8
+    trigger: str = "end"
+
+    def __post_init__(self):
+        if self.BLOCK_N < 1 or self.BLOCK_N & (self.BLOCK_N - 1):
+            raise ValueError(f"DecodeLinearConfig.BLOCK_N must be a power of two, got {self.BLOCK_N}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"DecodeLinearConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
+        if self.trigger not in TRIGGERS:
+            raise ValueError(f"DecodeLinearConfig.trigger must be one of {TRIGGERS}, got {self.trigger!r}")
+
+
+def default_decode_config(N: int, K: int, swiglu: bool = False) -> DecodeLinearConfig:
+    """From the H200 sweep of tools/diag/decode_chain_bench.py over the 8B shapes (docs/bench/one_row_s14.json):
+    4 rows x K = 4096 at 8 warps (SwiGLU: 2 gate/up pairs), 2 rows x K = 14336 at 8 warps, PDL trigger "end".
+    A program holds BLOCK_N x next_pow2(K) weights in registers, <= 128 a thread: more spill (offline sm_90
+    compiles). Smaller K: up to 16 rows, the same 16k-weight tiles."""
+    kp = triton.next_power_of_2(K)
+    block_n = max(2 if swiglu else 1, min(16, 16384 // kp) if kp <= 4096 else 32768 // kp)
+    elems = block_n * kp
+    return DecodeLinearConfig(BLOCK_N=block_n, num_warps=8 if elems >= 16384 else max(1, elems // 2048),
+                              trigger="end")
+
+
+@triton.jit
+def _decode_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r, stride_o, COS, SIN, POS, DST, KC,
+                          VC, stride_cos, Q_ROWS, QK_ROWS, KV_ROW,
+                          KP: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, NORM: tl.constexpr,
+                          ADD_RES: tl.constexpr, PAIR: tl.constexpr, HD: tl.constexpr, USE_GDC: tl.constexpr,
+                          TRIGGER: tl.constexpr):
+    """M <= M_PAD rows of x against one weight tile held in registers. PAIR 0: BLOCK_N weight rows n of N.
+    PAIR 1 (SwiGLU): BLOCK_N / 2 pairs (gate row j, up row N + j) of N pairs. PAIR 2 (RoPE): pairs (row f, row
+    f + HD), f = (j // HD) * 2 HD + j % HD, the two halves of a head's dimension d = j % HD, N pairs; rows below
+    Q_ROWS are q (rotated, to OUT), then k (rotated) and v (as they are) to the row stores KC / VC at row DST[m]
+    (skipped when negative; KV_ROW elements a row), at position POS[m]."""
+    pid = tl.program_id(0)
+    offs_k = tl.arange(0, KP)
+    k_ok = offs_k < K
+    offs_m = tl.arange(0, M_PAD)
+    if PAIR > 0:
+        P: tl.constexpr = BLOCK_N // 2
+        j = pid * P + tl.arange(0, P)
+        j_ok = j < N
+        jj = tl.where(j_ok, j, 0)
+        if PAIR == 1:
+            first = jj
+            rows = (jj[:, None] + N * tl.arange(0, 2)[None, :]).to(tl.int64)                     # [P, 2]
+        else:
+            first = (jj // HD) * (2 * HD) + jj % HD
+            rows = (first[:, None] + HD * tl.arange(0, 2)[None, :]).to(tl.int64)
+        w = tl.load(W + rows[:, :, None] * K + offs_k[None, None, :], mask=k_ok[None, None, :], other=0.0)
+        acc = tl.zeros((P, M_PAD, 2), dtype=tl.float32)
+    else:
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        rows = tl.where(n_ok, n, 0).to(tl.int64)  # the tail program re-reads row 0 (never stored): no predicates
+        w = tl.load(W + rows[:, None] * K + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+        acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    if USE_GDC:
+        if TRIGGER == 0:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+        if TRIGGER == 1:
+            tl.extra.cuda.gdc_launch_dependents()
+    if NORM:
+        g = tl.load(NORM_W + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    wf = w.to(tl.float32)
+    # one x row at a time against the register tile; the results gather in acc (no store inside the loop, so the
+    # rows' loads need not wait for one another)
+    for m in tl.static_range(M_PAD):
+        lim = tl.minimum(K, (M - m) * K)                      # K for a row of x, <= 0 for a padding row
+        x = tl.load(X + m * stride_x + offs_k, mask=offs_k < lim, other=0.0)
+        if NORM:
+            xf = x.to(tl.float32)
+            var = tl.sum(xf * xf, axis=0) / K
+            y = (xf * tl.math.rsqrt(var + eps)).to(X.dtype.element_ty)
+            x = (g * y.to(tl.float32)).to(X.dtype.element_ty)
+        xf = x.to(tl.float32)
+        if PAIR > 0:
+            part = tl.sum(wf * xf[None, None, :], axis=2)                                     # [P, 2]
+            acc = tl.where((offs_m == m)[None, :, None], part[:, None, :], acc)
+        else:
+            part = tl.sum(wf * xf[None, :], axis=1)                                           # [BLOCK_N]
+            acc = tl.where((offs_m == m)[None, :], part[:, None], acc)
+    m_ok = offs_m < M
+    if USE_GDC and TRIGGER == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PAIR > 0:
+        a, b = tl.split(acc.to(OUT.dtype.element_ty).to(tl.float32))     # [P, M_PAD] each, rounded as GEMM outputs
+        ok = j_ok[:, None] & m_ok[None, :]
+        if PAIR == 1:
+            s = (a / (1.0 + tl.exp(-a))).to(OUT.dtype.element_ty)              # F.silu in the model dtype
+            tl.store(OUT + offs_m[None, :] * stride_o + j[:, None], (s.to(tl.float32) * b).to(OUT.dtype.element_ty),
+                     mask=ok)
+        else:
+            pos = tl.load(POS + offs_m, mask=m_ok, other=0).to(tl.int64)[None, :]              # [1, M_PAD]
+            d = (jj % HD)[:, None]
+            c1 = tl.load(COS + pos * stride_cos + d)
+            s1 = tl.load(SIN + pos * stride_cos + d)
+            c2 = tl.load(COS + pos * stride_cos + d + HD)
+            s2 = tl.load(SIN + pos * stride_cos + d + HD)
+            f = first[:, None]
+            rot = f < QK_ROWS                                                      # q and k rows: RoPE
+            a2 = tl.where(rot, a * c1 - b * s1, a).to(OUT.dtype.element_ty)        # x * cos + rotate_half(x) * sin
+            b2 = tl.where(rot, b * c2 + a * s2, b).to(OUT.dtype.element_ty)
+            is_q = ok & (f < Q_ROWS)
+            q_at = OUT + offs_m[None, :] * stride_o + f
+            tl.store(q_at, a2, mask=is_q)
+            tl.store(q_at + HD, b2, mask=is_q)
+            dst = tl.load(DST + offs_m, mask=m_ok, other=-1).to(tl.int64)[None, :]            # [1, M_PAD]
+            is_k = ok & rot & (f >= Q_ROWS) & (dst >= 0)
+            is_v = ok & (f >= QK_ROWS) & (dst >= 0)
+            kr = dst * KV_ROW + tl.where(is_k, f - Q_ROWS, 0)
+            vr = dst * KV_ROW + tl.where(is_v, f - QK_ROWS, 0)
+            tl.store(KC + kr, a2.to(KC.dtype.element_ty), mask=is_k)
+            tl.store(KC + kr + HD, b2.to(KC.dtype.element_ty), mask=is_k)
+            tl.store(VC + vr, a2.to(VC.dtype.element_ty), mask=is_v)
+            tl.store(VC + vr + HD, b2.to(VC.dtype.element_ty), mask=is_v)
+    else:
+        ok = n_ok[:, None] & m_ok[None, :]
+        y = acc.to(OUT.dtype.element_ty)
+        if ADD_RES:
+            r = tl.load(RES + offs_m[None, :] * stride_r + n[:, None], mask=ok, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(OUT.dtype.element_ty)
+        tl.store(OUT + offs_m[None, :] * stride_o + n[:, None], y, mask=ok)
+
+
+def _interpreting() -> bool:
+    return bool(triton.knobs.runtime.interpret)
+
+
+MAX_ROWS = 8
+
+
+def _rows(x: torch.Tensor, what: str) -> tuple[torch.Tensor, int, int]:
+    """x [..., K] -> (a [M, K] view with a contiguous last dimension, M, K); 1 <= M <= MAX_ROWS."""
+    K = x.shape[-1]
+    M = x.numel() // K if K else 0
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"{what} takes 1 to {MAX_ROWS} rows, got x {tuple(x.shape)}")
+    x2 = x.reshape(M, K)
+    return (x2 if x2.stride(-1) == 1 else x2.contiguous()), M, K
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two tensors intersect."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + (sum((n - 1) * st for n, st in zip(a.shape, a.stride())) + 1) * a.element_size()
+    b1 = b0 + (sum((n - 1) * st for n, st in zip(b.shape, b.stride())) + 1) * b.element_size()
+    return a0 < b1 and b0 < a1
+
+
+def _launch(x2, M, K, weight, cfg, pdl, n_progs, out2, *, norm_weight=None, eps=1e-5, res2=None, pair=0, hd=1,
+            rope=None):
+    use_gdc = pdl and not _interpreting()
+    kwargs = {"launch_pdl": True} if use_gdc else {}
+    cos, sin, pos, dst, kc, vc, stride_cos, q_rows, qk_rows, kv_row = rope or (out2,) * 6 + (0,) * 4
+    _decode_linear_kernel[(n_progs,)](
+        x2, weight, norm_weight if norm_weight is not None else x2, res2 if res2 is not None else out2, out2, M,
+        weight.shape[0] // 2 if pair else weight.shape[0], K, eps, x2.stride(0),
+        res2.stride(0) if res2 is not None else 0, out2.stride(0), cos, sin, pos, dst, kc, vc, stride_cos, q_rows,
+        qk_rows, kv_row, KP=triton.next_power_of_2(K), BLOCK_N=cfg.BLOCK_N, M_PAD=triton.next_power_of_2(M),
+        NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair, HD=hd, USE_GDC=use_gdc,
+        TRIGGER=TRIGGERS.index(cfg.trigger), num_warps=cfg.num_warps, enable_fp_fusion=False, **kwargs)
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+                  eps: float = 1e-5, residual: torch.Tensor | None = None, swiglu: bool = False,
+                  out: torch.Tensor | None = None, pdl: bool = False,
+                  config: DecodeLinearConfig | None = None) -> torch.Tensor:
+    """x [..., K] (1 to MAX_ROWS rows), weight [N, K] contiguous, no bias -> [..., N] (or N / 2 with `swiglu`) in
+    x.dtype, row by row:
+
+        h = rms_norm(x, norm_weight, eps) if norm_weight is given else x
+        y = F.linear(h, weight)                              (rounded to x.dtype)
+        y = silu(y[:N/2]) * y[N/2:]  if swiglu               (weight = a fused [gate; up] projection)
+        y = residual + y             if residual is given    (residual [..., N]; `out` may be the residual itself)
+
+    `pdl`: launch with programmatic dependent launch (CUDA, sm_90+; ignored under TRITON_INTERPRET)."""
+    x2, M, K = _rows(x, "decode_linear")
+    if weight.dim() != 2 or weight.shape[1] != K or not weight.is_contiguous():
+        raise ValueError(f"decode_linear needs a contiguous weight [N, {K}], got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(f"decode_linear: weight {weight.dtype} on {weight.device}, x {x.dtype} on {x.device}")
+    N = weight.shape[0]
+    if swiglu and (N % 2 or residual is not None):
+        raise ValueError("decode_linear(swiglu=True) needs an even [gate; up] weight and no residual")
+    n_out = N // 2 if swiglu else N
+    if norm_weight is not None and norm_weight.shape != (K,):
+        raise ValueError(f"norm_weight {tuple(norm_weight.shape)} does not fit rows of {K}")
+    res2 = None
+    if residual is not None:
+        if residual.numel() != M * N or residual.dtype != x.dtype or residual.stride(-1) != 1:
+            raise ValueError(f"residual must be {M} x {N} {x.dtype} values, got {tuple(residual.shape)}")
+        res2 = residual.view(M, N)
+    if out is None:
+        out = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
+    elif out.numel() != M * n_out or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be {M} x {n_out} contiguous {x.dtype} values, got {tuple(out.shape)}")
+    elif _overlap(out, x2):
+        raise ValueError("decode_linear: out overlaps x (every program reads all of x while others write out)")
+    cfg = config or default_decode_config(n_out, K, swiglu)
+    if swiglu and cfg.BLOCK_N < 2:
+        raise ValueError("decode_linear(swiglu=True) needs BLOCK_N >= 2")
+    rows_per_prog = cfg.BLOCK_N // 2 if swiglu else cfg.BLOCK_N
+    _launch(x2, M, K, weight, cfg, pdl, triton.cdiv(n_out, rows_per_prog), out.view(M, n_out),
+            norm_weight=norm_weight, eps=eps, res2=res2, pair=1 if swiglu else 0)
+    return out
+
+
+def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    positions: torch.Tensor, dst_rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_dst: torch.Tensor, v_dst: torch.Tensor, n_heads: int, *, pdl: bool = False,
+                    config: DecodeLinearConfig | None = None) -> torch.Tensor:
+    """A decoder layer's attention input for 1 to MAX_ROWS tokens x [..., K], in one launch: the fused q/k/v
+    projection of RMSNorm(x) (`weight` [(n_heads + 2 KVH) D, K], q rows, then k, then v), RoPE on q and k at
+    `positions` (one integer per token), and k (rotated) and v stored into the row stores k_dst / v_dst
+    [rows, KVH, D] at `dst_rows` (one per token; skipped when negative). Returns the rotated q [M, n_heads * D].
+    Same values as `decode_linear(x, weight, norm_weight=...)` followed by `eyas.kernels.rope_store_triton`
+    (`decode_qkv_rope_reference`)."""
+    x2, M, K = _rows(x, "decode_qkv_rope")
+    if k_dst.dim() != 3 or v_dst.shape != k_dst.shape or not k_dst.is_contiguous() or not v_dst.is_contiguous():
+        raise ValueError(f"k_dst/v_dst must be contiguous row stores [rows, KVH, D], got {tuple(k_dst.shape)} and "
+                         f"{tuple(v_dst.shape)}")
+    KVH, D = k_dst.shape[1:]
+    if D % 2 or weight.dim() != 2 or weight.shape != ((n_heads + 2 * KVH) * D, K) or not weight.is_contiguous():
+        raise ValueError(f"weight {tuple(weight.shape)} is not a contiguous q/k/v projection of {n_heads} + 2 x "
+                         f"{KVH} heads of {D} over {K}")
+    if weight.dtype != x.dtype or norm_weight.shape != (K,):
+        raise ValueError("decode_qkv_rope: weight must have x's dtype and norm_weight K elements")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or cos.stride(-1) != 1 or sin.stride(-1) != 1 \
+            or sin.stride(0) != cos.stride(0):
+        raise ValueError(f"cos/sin tables {tuple(cos.shape)}/{tuple(sin.shape)} must be [max_positions, {D}], "
+                         "contiguous rows, alike")
+    if positions.numel() != M or dst_rows.numel() != M:
+        raise ValueError(f"decode_qkv_rope takes a position and a destination row per token ({M}), got "
+                         f"{positions.numel()} and {dst_rows.numel()}")
+    q = torch.empty((M, n_heads * D), dtype=x.dtype, device=x.device)
+    n_pairs = weight.shape[0] // 2
+    cfg = config or default_decode_config(n_pairs, K, swiglu=True)
+    if cfg.BLOCK_N < 2:
+        raise ValueError("decode_qkv_rope needs BLOCK_N >= 2")
+    pos, dst = positions.reshape(M), dst_rows.reshape(M)
+    _launch(x2, M, K, weight, cfg, pdl, triton.cdiv(n_pairs, cfg.BLOCK_N // 2), q, norm_weight=norm_weight,
+            eps=eps, pair=2, hd=D // 2, rope=(cos, sin, pos if pos.stride(0) == 1 else pos.contiguous(),
+                                              dst if dst.stride(0) == 1 else dst.contiguous(), k_dst, v_dst,
+                                              cos.stride(0), n_heads * D, (n_heads + KVH) * D, KVH * D))
+    return q
+
+
+def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+                            eps: float = 1e-5, residual: torch.Tensor | None = None,
+                            swiglu: bool = False) -> torch.Tensor:
+    """Plain-PyTorch reference of `decode_linear`: the unfused modules' operations (float32 GEMV)."""
+    h = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
+    y = (h.float() @ weight.float().T).to(x.dtype)
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    if residual is not None:
+        y = residual.view(y.shape) + y
+    return y
+
+
+def decode_qkv_rope_reference(x, weight, norm_weight, eps, positions, dst_rows, cos, sin, k_dst, v_dst,
+                              n_heads: int) -> torch.Tensor:
+    """Plain-PyTorch reference of `decode_qkv_rope`: the normed projection, then `rope_store_reference`."""
+    from eyas.kernels.fused_rope import rope_store_reference
+    KVH, D = k_dst.shape[1:]
+    M = x.numel() // x.shape[-1]
+    qkv = decode_linear_reference(x.reshape(M, -1), weight, norm_weight=norm_weight, eps=eps).view(1, M, -1)
+    q, k, v = qkv.split([n_heads * D, KVH * D, KVH * D], dim=-1)
+    q = rope_store_reference(positions.reshape(1, M), q.view(1, M, n_heads, D), k.view(1, M, KVH, D),
+                             v.view(1, M, KVH, D), cos, sin, k_dst, v_dst, rows=dst_rows.reshape(1, M))
+    return q.reshape(M, -1)

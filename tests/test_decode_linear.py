@@ -1,0 +1,316 @@
+"""The decode linears (eyas.kernels.decode_linear) against their plain-PyTorch reference, and the one-row decode
+step (eyas.models.one_row) against the fused path it replaces.
+
+Without CUDA the kernel runs under the Triton interpreter (CPU), without PDL. On a GPU machine the `gpu` tests run
+the compiled kernel with PDL on the 8B and SmolLM2 shapes, and a tiny model's greedy decoding with the one-row path
+against the fused path:
+
+    .venv/bin/python -m pytest -q tests/test_decode_linear.py
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before Triton is first imported
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+import pytest  # noqa: E402
+
+from eyas import LLM, SamplingParams  # noqa: E402
+from eyas.kernels.decode_linear import (DecodeLinearConfig, decode_linear, decode_linear_reference,  # noqa: E402
+                                        decode_qkv_rope, decode_qkv_rope_reference, default_decode_config)
+from eyas.layers.rotary import RotaryEmbedding  # noqa: E402
+from eyas.models.fused import enable_fast_path  # noqa: E402
+from helpers import write_random_draft, write_tiny_llama  # noqa: E402
+
+DEV = "cpu" if INTERPRET else "cuda"
+gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
+                         reason="needs CUDA and compiled (not interpreted) Triton kernels")
+
+
+def _inputs(N, K, dtype, device, seed=0, M=1):
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+    return rnd(M, K, scale=2), rnd(N, K, scale=K ** -0.5), rnd(K, scale=0.2) + 1, rnd(M, N)
+
+
+def _check(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    else:  # a few bf16 steps: the interpreter rounds by truncation, the float32 sums run in another order, and SwiGLU multiplies two rounded values
+        torch.testing.assert_close(out.float(), ref.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,K,block_n", [(24, 64, 4), (13, 48, 4), (10, 100, 2), (6, 40, 16)])
+@pytest.mark.parametrize("kind", ["plain", "norm", "residual", "norm+swiglu", "norm+residual"])
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_decode_linear_matches_reference(dtype, N, K, block_n, kind, M):
+    """Every prologue/epilogue, 1 to 8 rows, K not a power of two, N not a multiple of the rows per program (the
+    tail program)."""
+    if "swiglu" in kind:
+        N *= 2  # N gate rows and N up rows: N not a multiple of the pairs per program
+    x, w, g, r = _inputs(N, K, dtype, DEV, seed=N * K + M, M=M)
+    kw = {}
+    if "norm" in kind:
+        kw["norm_weight"] = g
+    if "residual" in kind:
+        kw["residual"] = r
+    if "swiglu" in kind:
+        kw["swiglu"] = True
+    cfg = DecodeLinearConfig(BLOCK_N=block_n, num_warps=2)
+    _check(decode_linear(x, w, config=cfg, **kw), decode_linear_reference(x, w, **kw), dtype)
+
+
+def test_residual_in_place_and_shapes():
+    x, w, _, r = _inputs(24, 64, torch.float32, DEV, M=2)
+    ref = decode_linear_reference(x, w, residual=r)
+    out = decode_linear(x, w, residual=r, out=r)            # the residual stream updated in place
+    assert out.data_ptr() == r.data_ptr() and torch.allclose(r, ref, atol=1e-5)
+    assert decode_linear(x[0], w).shape == (24,)            # a [K] row gives [N]
+    assert decode_linear(x.view(2, 1, 64), w, swiglu=True).shape == (2, 1, 12)
+
+
+def test_reference_is_the_modules():
+    """The reference computes what the eager modules compute: RMSNorm, a linear, SwiGLU, the residual add."""
+    from eyas.layers.norm import RMSNorm
+    x, w, g, r = _inputs(24, 64, torch.float32, "cpu")
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.data = g
+    lin = torch.nn.Linear(64, 24, bias=False)
+    lin.weight.data = w
+    h = lin(norm(x))
+    torch.testing.assert_close(decode_linear_reference(x, w, norm_weight=g), h)
+    torch.testing.assert_close(decode_linear_reference(x, w, residual=r), r + lin(x))
+    gate, up = h.chunk(2, dim=-1)
+    torch.testing.assert_close(decode_linear_reference(x, w, norm_weight=g, swiglu=True),
+                               torch.nn.functional.silu(gate) * up)
+
+
+def test_errors():
+    x, w, g, r = _inputs(24, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        decode_linear(torch.zeros(9, 64), w)
+    with pytest.raises(ValueError, match="contiguous weight"):
+        decode_linear(x, w.t().contiguous().t())
+    with pytest.raises(ValueError, match="weight"):
+        decode_linear(x, w[:, :32].contiguous())
+    with pytest.raises(ValueError, match="swiglu"):
+        decode_linear(x, w[:23].contiguous(), swiglu=True)
+    with pytest.raises(ValueError, match="norm_weight"):
+        decode_linear(x, w, norm_weight=g[:10])
+    with pytest.raises(ValueError, match="residual"):
+        decode_linear(x, w, residual=r[:, :5])
+    with pytest.raises(ValueError, match="overlaps x"):  # a residual may be updated in place, x may not
+        decode_linear(x, torch.zeros(64, 64), residual=x.clone(), out=x)
+    with pytest.raises(ValueError, match="power of two"):
+        DecodeLinearConfig(BLOCK_N=3)
+    with pytest.raises(ValueError, match="trigger"):
+        DecodeLinearConfig(trigger="never")
+
+
+def test_default_configs_fit_registers():
+    """<= 128 weights a thread (more spill on sm_90), and the 8B shapes get the swept configs."""
+    for N, K, sw in [(6144, 4096, False), (4096, 14336, False), (14336, 4096, True), (960, 576, False),
+                     (576, 1536, False), (49152, 576, False), (7, 33, True)]:
+        c = default_decode_config(N, K, sw)
+        kp = 1 << (K - 1).bit_length()
+        assert c.BLOCK_N * kp <= 128 * 32 * c.num_warps and (c.BLOCK_N >= 2 or not sw)
+    assert default_decode_config(6144, 4096) == DecodeLinearConfig(4, 8, "end")
+    assert default_decode_config(4096, 14336) == DecodeLinearConfig(2, 8, "end")
+
+
+def _qkv_case(NQ, KVH, D, K, dtype, device, dst, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    M = len(dst)
+    rope = RotaryEmbedding(D, 64, 500000.0, {"factor": 8.0, "original_max_position_embeddings": 32}).to(device)
+    w = (torch.randn((NQ + 2 * KVH) * D, K, generator=g, device=device) * K ** -0.5).to(dtype)
+    x = (torch.randn(M, K, generator=g, device=device) * 2).to(dtype)
+    nw = (torch.randn(K, generator=g, device=device) * 0.2 + 1).to(dtype)
+    stores = [torch.randn(8, KVH, D, generator=g, device=device).to(dtype) for _ in range(2)]
+    pos = torch.tensor([41, 7, 63, 0, 12, 30, 5, 44][:M], device=device)
+    return (x, w, nw, 1e-5, pos, torch.tensor(dst, device=device), rope.cos, rope.sin), stores
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("NQ,KVH,D,K,block_n", [(4, 2, 16, 48, 4), (3, 1, 8, 40, 2), (6, 2, 8, 33, 8)])
+@pytest.mark.parametrize("dst", [[3], [-1], [5, 2, 7], [2, -1, 6, 3, 7, -1, 4, 5]])
+def test_decode_qkv_rope_matches_reference(dtype, NQ, KVH, D, K, block_n, dst):
+    """RoPE on q and k at each token's position, k and v into the row stores at each token's row (none for a
+    negative one), q returned: as the projection followed by rope_store, for pair counts that leave a tail
+    program."""
+    args, (kd, vd) = _qkv_case(NQ, KVH, D, K, dtype, DEV, dst, seed=NQ * K + len(dst))
+    kd_ref, vd_ref = kd.clone(), vd.clone()
+    keep_k, keep_v = kd.clone(), vd.clone()
+    q = decode_qkv_rope(*args, kd, vd, NQ, config=DecodeLinearConfig(BLOCK_N=block_n, num_warps=2))
+    q_ref = decode_qkv_rope_reference(*args, kd_ref, vd_ref, NQ)
+    _check(q, q_ref, dtype)
+    # the reference writes a negative row's K/V to the scratch row 0; the kernel leaves rows 0 and 1 alone
+    for got, ref, keep in ((kd, kd_ref, keep_k), (vd, vd_ref, keep_v)):
+        _check(got[2:], ref[2:], dtype)
+        assert torch.equal(got[:2], keep[:2])
+        for row in range(2, 8):
+            assert torch.equal(got[row], keep[row]) == (row not in dst)
+
+
+def test_decode_qkv_rope_errors():
+    args, (kd, vd) = _qkv_case(4, 2, 16, 48, torch.float32, "cpu", [3])
+    x, w = args[:2]
+    with pytest.raises(ValueError, match="q/k/v projection"):
+        decode_qkv_rope(x, w[:-16].contiguous(), *args[2:], kd, vd, 4)
+    with pytest.raises(ValueError, match="q/k/v projection"):
+        decode_qkv_rope(*args, kd, vd, 5)
+    with pytest.raises(ValueError, match="row stores"):
+        decode_qkv_rope(*args, kd[:, :1], vd, 4)
+    with pytest.raises(ValueError, match="a position and a destination row per token"):
+        decode_qkv_rope(torch.zeros(2, 48), *args[1:], kd, vd, 4)
+    with pytest.raises(ValueError, match="cos/sin"):
+        decode_qkv_rope(*args[:6], args[6][:, :8], args[7], kd, vd, 4)
+
+
+# ---- the one-row decode step ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("one_row")
+    target = write_tiny_llama(root / "t", vocab=37, hidden=48, heads=4, kv_heads=2, layers=3)
+    draft = write_random_draft(root / "d", target, layers=1, scale=0.3)
+    return target, draft
+
+
+def _llm(paths, one_row, draft=None, spec=None, dtype="float32"):
+    llm = LLM(str(paths[0]), device=DEV, dtype=dtype, draft=str(draft) if draft else None, speculation=spec)
+    for m in (llm.target, llm.draft):
+        if m is not None:
+            enable_fast_path(m, one_row=one_row)
+    llm.engine.runner.use_triton = True  # Triton attention and KV writes too (interpreted on the CPU)
+    return llm
+
+
+def _run_recording(paths, one_row, prompts, n, draft=None, spec=None):
+    """Greedy decoding; returns (tokens, the logits of every target call, how many one-row steps ran)."""
+    from eyas.models import one_row as mod
+    llm = _llm(paths, one_row, draft, spec)
+    logits, calls = [], []
+    head, step = llm.target.compute_logits, mod.forward_one_row
+
+    def record(*a, **k):
+        out = head(*a, **k)
+        logits.append(out.float().reshape(-1, out.shape[-1]).clone())
+        return out
+
+    def counting(*a, **k):
+        calls.append(1)
+        return step(*a, **k)
+    llm.target.compute_logits = record
+    mod.forward_one_row = counting
+    try:
+        out = llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+    finally:
+        mod.forward_one_row = step
+    return [o.token_ids for o in out], logits, len(calls)
+
+
+def _same(a, b):
+    assert a[0] == b[0]
+    assert len(a[1]) == len(b[1])
+    for x, y in zip(a[1], b[1]):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+
+
+def test_batch1_plain_decoding_takes_one_row_and_equals_the_fused_path(tiny):
+    """Every decode step after the prefill's token takes the path, with the fused path's tokens and logits."""
+    ref = _run_recording(tiny, False, [[1, 2, 3, 4]], 8)
+    got = _run_recording(tiny, True, [[1, 2, 3, 4]], 8)
+    assert ref[2] == 0 and got[2] == 7
+    _same(got, ref)
+
+
+def test_one_row_taps_feature_layers():
+    """A plain decode step that asks for feature layers (an EAGLE-3 draft's, at a bare-root step): the features
+    equal the fused path's."""
+    from eyas.config import ModelConfig
+    from eyas.models.llama import LlamaForCausalLM
+    from eyas.models.one_row import forward_one_row
+    cfg = ModelConfig(vocab_size=37, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=12)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(DEV)
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    enable_fast_path(model)
+    from eyas.cache.kv_cache import KVCache
+    from eyas.layers.attention import AttentionMetadata
+    cache = KVCache.allocate(cfg, 3, 4, 16, torch.float32, torch.device(DEV))
+    for t in (cache.k, cache.v):
+        t.normal_()
+    meta = AttentionMetadata(block_tables=torch.tensor([[2, 0]]), context_lens=torch.tensor([20]), max_context_len=20,
+                             block_size=16, suffix_mask=None, slot_mapping=torch.tensor([[3]]), use_triton=True,
+                             prefix_includes_new=True)
+    ids, pos = torch.tensor([[5]]), torch.tensor([[19]])
+    with torch.no_grad():
+        h1, f1 = forward_one_row(model, model.embed(ids), pos, meta, cache, feature_layers=(2, 0))
+        model.one_row = False
+        h0, f0 = model(ids, pos, meta, cache, feature_layers=(2, 0))
+    torch.testing.assert_close(h1, h0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(f1, f0, atol=1e-5, rtol=1e-5)
+    assert f1.shape == (1, 1, 3 * 48)
+
+
+def test_other_steps_keep_the_fused_path(tiny):
+    """Batched plain decoding (3 rows a step) and chain:3 verify passes (4 rows) do not take the path, and give the
+    same tokens with it switched on; a hooked projection (tensor parallelism) makes a model not ready."""
+    from eyas.models.one_row import one_row_ready
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10], [11]]
+    got = _run_recording(tiny, True, prompts, 5)
+    assert got[2] == 0 and got[0] == _run_recording(tiny, False, prompts, 5)[0]
+    got = _run_recording(tiny, True, [[1, 2, 3, 4]], 6, tiny[1], "chain:3")
+    assert got[2] == 0 and got[0] == _run_recording(tiny, False, [[1, 2, 3, 4]], 6, tiny[1], "chain:3")[0]
+    llm = _llm(tiny, True)
+    assert llm.target.one_row and one_row_ready(llm.target)
+    llm.target.model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: None)  # as tensor parallelism does
+    assert not one_row_ready(llm.target)
+
+
+# ---- GPU ------------------------------------------------------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("N,K,kind", [(6144, 4096, "norm"), (4096, 4096, "residual"), (28672, 4096, "norm+swiglu"),
+                                      (4096, 14336, "residual"), (960, 576, "norm"), (3072, 576, "norm+swiglu"),
+                                      (576, 1536, "residual"), (49152, 576, "plain")])
+@pytest.mark.parametrize("pdl,M", [(False, 1), (True, 1), (True, 4)])
+def test_gpu_bf16_shapes(N, K, kind, pdl, M):
+    x, w, g, r = _inputs(N, K, torch.bfloat16, "cuda", seed=N, M=M)
+    kw = {"norm_weight": g} if "norm" in kind else {}
+    if "residual" in kind:
+        kw["residual"] = r
+    if "swiglu" in kind:
+        kw["swiglu"] = True
+    _check(decode_linear(x, w, pdl=pdl, **kw), decode_linear_reference(x, w, **kw), torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("NQ,KVH,D,K", [(32, 8, 128, 4096), (9, 3, 64, 576)])
+def test_gpu_bf16_qkv_rope(NQ, KVH, D, K):
+    args, (kd, vd) = _qkv_case(NQ, KVH, D, K, torch.bfloat16, "cuda", [5, 2, -1, 7])
+    kd_ref, vd_ref = kd.clone(), vd.clone()
+    for pdl in (False, True):
+        _check(decode_qkv_rope(*args, kd, vd, NQ, pdl=pdl), decode_qkv_rope_reference(*args, kd_ref, vd_ref, NQ),
+               torch.bfloat16)
+        _check(kd[2:], kd_ref[2:], torch.bfloat16)  # the reference writes the negative row's K/V to row 0
+        _check(vd[2:], vd_ref[2:], torch.bfloat16)
+
+
+@gpu
+def test_gpu_one_row_under_graphs_equals_fused_path(tiny):
+    """bf16 on the GPU, CUDA graphs: the one-row path (with PDL on sm_90) gives the fused path's greedy tokens."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+
+    def run(one_row):
+        llm = LLM(str(tiny[0]), device="cuda", dtype="bfloat16", cuda_graphs=True)
+        enable_fast_path(llm.target, one_row=one_row)
+        return [o.token_ids for o in llm.generate([[1, 2, 3, 4]], params)]
+    assert run(True) == run(False)
