@@ -261,6 +261,22 @@ def test_one_row_taps_feature_layers():
     assert f1.shape == (1, 1, 3 * 48)
 
 
+def test_engine_config_switches_it(tiny):
+    """EngineConfig(one_row=False) (`eyas bench latency --no-one-row`) keeps every step on the fused path."""
+    from eyas.bench.latency import add_parser
+    from eyas.engine.runner import ModelRunner
+    from eyas.loader.resolve import load_target
+    t, _ = load_target(str(tiny[0]), "cpu", torch.float32)
+    ModelRunner(t, None, None, 8, 16, use_triton=True, one_row=False)
+    assert t.fused_ops and not t.one_row
+    ModelRunner(t, None, None, 8, 16, use_triton=True)
+    assert t.one_row
+    import argparse
+    sub = argparse.ArgumentParser().add_subparsers()
+    p = add_parser(sub)
+    assert p.parse_args([]).one_row and not p.parse_args(["--no-one-row"]).one_row
+
+
 def test_other_steps_keep_the_fused_path(tiny):
     """Batched plain decoding (3 rows a step) and chain:3 verify passes (4 rows) do not take the path, and give the
     same tokens with it switched on; a hooked projection (tensor parallelism) makes a model not ready."""

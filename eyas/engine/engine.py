@@ -30,6 +30,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's context length
     cuda_graphs: bool = False  # replay whole decode steps from CUDA graphs (device="cuda")
+    # batch-1 plain decode steps on the one-row kernels where the target allows (eyas.models.one_row; with Triton)
+    one_row: bool = True
 
 
 @dataclass
@@ -54,7 +56,8 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         num_blocks = cfg.num_blocks or self._blocks_from_memory(target, draft)
         self.runner = ModelRunner(target, draft, tree, num_blocks, cfg.block_size, cuda_graphs=cfg.cuda_graphs,
-                                  max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs)
+                                  max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                                  one_row=cfg.one_row)
         self.tree = self.runner.tree
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
