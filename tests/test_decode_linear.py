@@ -104,6 +104,8 @@ def test_errors():
         decode_linear(x, w[:23].contiguous(), swiglu=True)
     with pytest.raises(ValueError, match="norm_weight"):
         decode_linear(x, w, norm_weight=g[:10])
+    with pytest.raises(ValueError, match="norm_weight"):  # the model's norms are in its dtype
+        decode_linear(x, w, norm_weight=g.double())
     with pytest.raises(ValueError, match="residual"):
         decode_linear(x, w, residual=r[:, :5])
     with pytest.raises(ValueError, match="overlaps x"):  # a residual may be updated in place, x may not

@@ -242,12 +242,13 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.T
     if swiglu and (N % 2 or residual is not None):
         raise ValueError("decode_linear(swiglu=True) needs an even [gate; up] weight and no residual")
     n_out = N // 2 if swiglu else N
-    if norm_weight is not None and norm_weight.shape != (K,):
-        raise ValueError(f"norm_weight {tuple(norm_weight.shape)} does not fit rows of {K}")
+    if norm_weight is not None and (norm_weight.shape != (K,) or norm_weight.dtype != x.dtype):
+        raise ValueError(f"norm_weight must be {K} values of {x.dtype}, got {tuple(norm_weight.shape)} "
+                         f"{norm_weight.dtype}")
     res2 = None
     if residual is not None:
-        if residual.numel() != M * N or residual.dtype != x.dtype or residual.stride(-1) != 1:
-            raise ValueError(f"residual must be {M} x {N} {x.dtype} values, got {tuple(residual.shape)}")
+        if residual.numel() != M * N or residual.dtype != x.dtype or not residual.is_contiguous():
+            raise ValueError(f"residual must be {M} x {N} contiguous {x.dtype} values, got {tuple(residual.shape)}")
         res2 = residual.view(M, N)
     if out is None:
         out = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
@@ -282,8 +283,8 @@ def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Te
     if D % 2 or weight.dim() != 2 or weight.shape != ((n_heads + 2 * KVH) * D, K) or not weight.is_contiguous():
         raise ValueError(f"weight {tuple(weight.shape)} is not a contiguous q/k/v projection of {n_heads} + 2 x "
                          f"{KVH} heads of {D} over {K}")
-    if weight.dtype != x.dtype or norm_weight.shape != (K,):
-        raise ValueError("decode_qkv_rope: weight must have x's dtype and norm_weight K elements")
+    if weight.dtype != x.dtype or norm_weight.shape != (K,) or norm_weight.dtype != x.dtype:
+        raise ValueError("decode_qkv_rope: weight must have x's dtype, and norm_weight K elements of it")
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or cos.stride(-1) != 1 or sin.stride(-1) != 1 \
             or sin.stride(0) != cos.stride(0):
         raise ValueError(f"cos/sin tables {tuple(cos.shape)}/{tuple(sin.shape)} must be [max_positions, {D}], "
