@@ -42,7 +42,8 @@ def _check(out, ref, dtype):
     assert out.shape == ref.shape and out.dtype == ref.dtype
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    else:  # a few bf16 steps: the interpreter rounds by truncation, the float32 sums run in another order, and SwiGLU multiplies two rounded values
+    else:  # a few bf16 steps: the interpreter rounds by truncation, the float32 sums run in another order, and
+        # SwiGLU multiplies two rounded values
         torch.testing.assert_close(out.float(), ref.float(), atol=5e-2, rtol=5e-2)
 
 

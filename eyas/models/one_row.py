@@ -12,8 +12,8 @@ decoder layer is five launches (four kernels and the prefix attention's split re
 `r` is the residual stream itself (the fused path's hidden + residual, summed at each add with the same rounding),
 and the final norm gives the hidden state the draft and the head read. With PDL on sm_90 the GEMVs overlap their
 starts with the kernel before. `LlamaForCausalLM.compute_logits` takes `decode_linear` for one row too. On the
-H200 this took the 8B shape's plain step from 4.76-5.04 to 4.31-4.48 ms (same-call pairs) and SmolLM2's from 1.19 to 0.75 ms
-(docs/benchmarks.md, "Session 14").
+H200 this took the 8B shape's plain step from 4.76-5.04 to 4.31-4.48 ms (same-call pairs) and SmolLM2's from 1.19
+to 0.75 ms (docs/benchmarks.md, "Session 14").
 
 One row only: `decode_linear` takes up to 8, but every program re-reads all of x, so at 4 rows the 8B verify pass
 of `chain:3` ran at half the speed of cuBLAS and the fused kernels (session 14); steps of more tokens keep the fused
