@@ -42,6 +42,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from eyas.kernels.gemv import _interpreting
 from eyas.layers.norm import rms_norm
 
 
@@ -179,10 +180,6 @@ def _decode_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride
             r = tl.load(RES + offs_m[None, :] * stride_r + n[:, None], mask=ok, other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(OUT.dtype.element_ty)
         tl.store(OUT + offs_m[None, :] * stride_o + n[:, None], y, mask=ok)
-
-
-def _interpreting() -> bool:
-    return bool(triton.knobs.runtime.interpret)
 
 
 MAX_ROWS = 8
