@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,7 +32,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from eyas.kernels.decode_linear import DecodeLinearConfig, decode_linear, decode_linear_reference
+from eyas.kernels.decode_linear import (DecodeLinearConfig, decode_linear, decode_linear_reference,
+                                        default_decode_config)
 from eyas.kernels.fused_norm import add_rms_norm_triton
 from eyas.kernels.swiglu import swiglu_triton
 
@@ -39,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from l2_prefetch_bench import time_graph  # noqa: E402
 
 H, QKV, I, VOCAB, LAYERS = 4096, 6144, 14336, 128256, 32
+KINDS = {"qkv": (QKV, H, False), "o": (H, H, False), "gu": (I, H, True), "down": (H, I, False),
+         "head": (VOCAB, H, False)}  # kind -> (N, K, swiglu), the arguments of default_decode_config
 
 
 @triton.jit
@@ -192,9 +196,7 @@ def main():
     chain_row("cublas + small kernels", lambda: fwd_cublas_ops(x, ws, head, fnorm, attn))
     chain_row("decode_linear", lambda: fwd_fused(x, ws, head, fnorm, attn, bufs, False, cfgs))
     for t in triggers:
-        tc = {k: DecodeLinearConfig(c.BLOCK_N, c.num_warps, t) for k, c in cfgs.items()}
-        for k in ("qkv", "o", "gu", "down", "head"):
-            tc.setdefault(k, DecodeLinearConfig(*_default_for(k)[:2], t))
+        tc = {k: replace(cfgs.get(k) or default_decode_config(*shape), trigger=t) for k, shape in KINDS.items()}
         chain_row(f"decode_linear + PDL@{t}", lambda tc=tc: fwd_fused(x, ws, head, fnorm, attn, bufs, True, tc))
 
     if args.per_kind:
@@ -244,14 +246,6 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-
-
-def _default_for(kind):
-    from eyas.kernels.decode_linear import default_decode_config
-    N, K, sw = {"qkv": (QKV, H, False), "o": (H, H, False), "gu": (I, H, True), "down": (H, I, False),
-                "head": (VOCAB, H, False)}[kind]
-    c = default_decode_config(N, K, sw)
-    return c.BLOCK_N, c.num_warps
 
 
 if __name__ == "__main__":
