@@ -28,7 +28,7 @@ Rows: up to MAX_ROWS (8), but each program re-reads every row of x, so the L2 tr
 rows the 8B verify pass of `chain:3` ran at half the speed of cuBLAS plus the fused kernels (session 14). The model
 uses these kernels for one row only (`eyas.models.one_row`). Measured on the H200 (docs/bench/one_row_s14.json):
 a synthetic 8B forward's linears with their small kernels take 3.81-3.84 ms here against 4.25-4.44 for cuBLAS and the
-fused kernels; PDL itself pays little (0.01-0.05 ms a step).
+fused kernels; PDL itself pays little (0.01-0.04 ms a step).
 
 Without PDL (`pdl=False`, and always under TRITON_INTERPRET) the same kernel runs as an ordinary launch.
 Tests: tests/test_decode_linear.py; bench: tools/diag/decode_chain_bench.py; docs/kernels.md.
