@@ -18,8 +18,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 import pytest  # noqa: E402
 
 from eyas import LLM, SamplingParams  # noqa: E402
-from eyas.kernels.decode_linear import (DecodeLinearConfig, decode_linear, decode_linear_reference,  # noqa: E402
-                                        decode_qkv_rope, decode_qkv_rope_reference, default_decode_config)
+from eyas.kernels.decode_linear import (DecodeLinearConfig, TileConfig, decode_linear,  # noqa: E402
+                                        decode_linear_reference, decode_qkv_rope, decode_qkv_rope_reference,
+                                        default_decode_config, default_tile_config)
 from eyas.layers.rotary import RotaryEmbedding  # noqa: E402
 from eyas.models.fused import enable_fast_path  # noqa: E402
 from helpers import write_random_draft, write_tiny_llama  # noqa: E402
@@ -68,6 +69,41 @@ def test_decode_linear_matches_reference(dtype, N, K, block_n, kind, M):
     _check(decode_linear(x, w, config=cfg, **kw), decode_linear_reference(x, w, **kw), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,K,block_n,block_k", [(40, 100, 16, 32), (24, 64, 32, 16), (13, 48, 16, 64)])
+@pytest.mark.parametrize("kind", ["plain", "norm", "residual", "norm+swiglu"])
+@pytest.mark.parametrize("M", [2, 5, 17, 49])
+def test_tile_linear_matches_reference(dtype, N, K, block_n, block_k, kind, M):
+    """The tile kernel (2 to 64 rows, x padded to 16, 32 or 64): every prologue/epilogue, several K tiles with a
+    ragged last one, N not a multiple of the rows per program."""
+    if "swiglu" in kind:
+        N *= 2
+    x, w, g, r = _inputs(N, K, dtype, DEV, seed=N * K + M, M=M)
+    kw = {"norm_weight": g} if "norm" in kind else {}
+    if "residual" in kind:
+        kw["residual"] = r
+    if "swiglu" in kind:
+        kw["swiglu"] = True
+    cfg = TileConfig(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=2, num_stages=2)
+    _check(decode_linear(x, w, config=cfg, **kw), decode_linear_reference(x, w, **kw), dtype)
+
+
+def test_default_kernel_by_rows():
+    """One or two rows take the register kernel, more the tile kernel: all give the reference (default configs)."""
+    x, w, g, r = _inputs(40, 64, torch.float32, DEV, M=6)
+    for m in (1, 2, 6):
+        _check(decode_linear(x[:m], w, norm_weight=g), decode_linear_reference(x[:m], w, norm_weight=g),
+               torch.float32)
+    assert default_tile_config(4, 6144, 4096) == TileConfig(16, 256, 4, 4)
+    # a small weight: small register tiles (SmolLM2's sweeps); a large one: the 8B rule
+    assert default_decode_config(960, 576, M=2) == DecodeLinearConfig(4, 4, "end")
+    assert default_decode_config(1536, 576, True, M=2) == DecodeLinearConfig(8, 4, "end")
+    assert default_decode_config(576, 1536, M=2) == DecodeLinearConfig(2, 4, "end")
+    assert default_decode_config(6144, 4096, M=2) == default_decode_config(6144, 4096)
+    assert default_decode_config(960, 576) == DecodeLinearConfig(4, 4, "end")
+    assert default_tile_config(49, 1536, 576, pairs=True) == TileConfig(32, 64, 4, 3)
+
+
 def test_residual_in_place_and_shapes():
     x, w, _, r = _inputs(24, 64, torch.float32, DEV, M=2)
     ref = decode_linear_reference(x, w, residual=r)
@@ -95,8 +131,12 @@ def test_reference_is_the_modules():
 
 def test_errors():
     x, w, g, r = _inputs(24, 64, torch.float32, "cpu")
-    with pytest.raises(ValueError, match="1 to 8 rows"):
-        decode_linear(torch.zeros(9, 64), w)
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        decode_linear(torch.zeros(65, 64), w)
+    with pytest.raises(ValueError, match="1 to 8 rows"):  # the register kernel re-reads x: meant for one row
+        decode_linear(torch.zeros(9, 64), w, config=DecodeLinearConfig())
+    with pytest.raises(TypeError, match="TileConfig"):
+        decode_linear(x, w, config={"BLOCK_N": 4})
     with pytest.raises(ValueError, match="contiguous weight"):
         decode_linear(x, w.t().contiguous().t())
     with pytest.raises(ValueError, match="weight"):
@@ -115,6 +155,8 @@ def test_errors():
         DecodeLinearConfig(BLOCK_N=3)
     with pytest.raises(ValueError, match="trigger"):
         DecodeLinearConfig(trigger="never")
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        TileConfig(BLOCK_N=8)
 
 
 def test_default_configs_fit_registers():
@@ -128,16 +170,18 @@ def test_default_configs_fit_registers():
     assert default_decode_config(4096, 14336) == DecodeLinearConfig(2, 8, "end")
 
 
-def _qkv_case(NQ, KVH, D, K, dtype, device, dst, seed=0):
+def _qkv_case(NQ, KVH, D, K, dtype, device, dst, seed=0, M=None):
     g = torch.Generator(device=device).manual_seed(seed)
-    M = len(dst)
+    M = M or len(dst)
     rope = RotaryEmbedding(D, 64, 500000.0, {"factor": 8.0, "original_max_position_embeddings": 32}).to(device)
     w = (torch.randn((NQ + 2 * KVH) * D, K, generator=g, device=device) * K ** -0.5).to(dtype)
     x = (torch.randn(M, K, generator=g, device=device) * 2).to(dtype)
     nw = (torch.randn(K, generator=g, device=device) * 0.2 + 1).to(dtype)
     stores = [torch.randn(8, KVH, D, generator=g, device=device).to(dtype) for _ in range(2)]
-    pos = torch.tensor([41, 7, 63, 0, 12, 30, 5, 44][:M], device=device)
-    return (x, w, nw, 1e-5, pos, torch.tensor(dst, device=device), rope.cos, rope.sin), stores
+    pos = (torch.tensor([41, 7, 63, 0, 12, 30, 5, 44], device=device) * (1 + torch.arange(M, device=device)[:, None])
+           % 64).T.reshape(-1)[:M]
+    dst = torch.tensor(dst, device=device) if dst is not None else None
+    return (x, w, nw, 1e-5, pos, dst, rope.cos, rope.sin), stores
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -174,6 +218,42 @@ def test_decode_qkv_rope_errors():
         decode_qkv_rope(torch.zeros(2, 48), *args[1:], kd, vd, 4)
     with pytest.raises(ValueError, match="cos/sin"):
         decode_qkv_rope(*args[:6], args[6][:, :8], args[7], kd, vd, 4)
+    stash_args = (*args[:5], None, *args[6:])
+    with pytest.raises(ValueError, match="without dst_rows"):  # computed rows: the tile kernel's only
+        decode_qkv_rope(*stash_args, kd, vd, 4, seq_rows=8)
+    args2, (kd, vd) = _qkv_case(4, 2, 16, 48, torch.float32, "cpu", None, M=4)
+    with pytest.raises(ValueError, match="without dst_rows"):  # 2 sequences of 2 tokens at rows 3..4 of 4 each
+        decode_qkv_rope(*args2[:5], None, *args2[6:], kd, vd, 4, seq_rows=4, row_offset=3, seq_q=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("NQ,KVH,D,K", [(4, 2, 16, 48), (3, 1, 32, 40)])
+@pytest.mark.parametrize("M,where", [(3, [5, -1, 2]), (6, (2, 4, 1)), (20, (1, 24, 3)), (40, (4, 12, 2))])
+def test_tile_qkv_rope_matches_reference(dtype, NQ, KVH, D, K, M, where):
+    """The tile kernel's RoPE and K/V store: to given rows (negative ones skipped), or to a stash's rows
+    (seq_q tokens a sequence at row_offset of seq_rows rows each), the rows around them untouched."""
+    dst = where if isinstance(where, list) else None
+    args, _ = _qkv_case(NQ, KVH, D, K, dtype, DEV, dst, seed=M * K, M=M)
+    kw = {}
+    if dst is None:
+        seq_q, seq_rows, row_offset = M // where[0], where[1], where[2]
+        kw = dict(seq_q=seq_q, seq_rows=seq_rows, row_offset=row_offset)
+        written = {b * seq_rows + row_offset + i for b in range(where[0]) for i in range(seq_q)}
+        n_rows = where[0] * seq_rows
+    else:
+        written, n_rows = {d for d in dst if d >= 0}, 8
+    g = torch.Generator(device=DEV).manual_seed(1)
+    kd, vd = (torch.randn(n_rows, KVH, D, generator=g, device=DEV).to(dtype) for _ in range(2))
+    kd_ref, vd_ref, keep_k, keep_v = kd.clone(), vd.clone(), kd.clone(), vd.clone()
+    cfg = TileConfig(BLOCK_N=32, BLOCK_K=32, num_warps=2, num_stages=2)
+    q = decode_qkv_rope(*args, kd, vd, NQ, config=cfg, **kw)
+    _check(q, decode_qkv_rope_reference(*args, kd_ref, vd_ref, NQ, **kw), dtype)
+    for got, ref, keep in ((kd, kd_ref, keep_k), (vd, vd_ref, keep_v)):
+        for row in range(n_rows):
+            if row in written:
+                _check(got[row], ref[row], dtype)
+            elif row:  # the reference writes a negative row's K/V to row 0
+                assert torch.equal(got[row], keep[row])
 
 
 # ---- the one-row decode step ---------------------------------------------------------------------------------
@@ -185,19 +265,21 @@ def tiny(tmp_path_factory):
     return target, draft
 
 
-def _llm(paths, one_row, draft=None, spec=None, dtype="float32"):
+def _llm(paths, one_row, draft=None, spec=None, dtype="float32", few_rows=False):
     llm = LLM(str(paths[0]), device=DEV, dtype=dtype, draft=str(draft) if draft else None, speculation=spec)
     for m in (llm.target, llm.draft):
         if m is not None:
-            enable_fast_path(m, one_row=one_row)
+            enable_fast_path(m, one_row=one_row, few_rows=bool(few_rows))
+    if few_rows and few_rows is not True:  # a number: the most rows the path takes (FEW_ROWS_MAX by default)
+        llm.target.few_rows_max = few_rows
     llm.engine.runner.use_triton = True  # Triton attention and KV writes too (interpreted on the CPU)
     return llm
 
 
-def _run_recording(paths, one_row, prompts, n, draft=None, spec=None):
-    """Greedy decoding; returns (tokens, the logits of every target call, how many one-row steps ran)."""
+def _run_recording(paths, one_row, prompts, n, draft=None, spec=None, few_rows=False):
+    """Greedy decoding; returns (tokens, the logits of every target call, how many steps took the row path)."""
     from eyas.models import one_row as mod
-    llm = _llm(paths, one_row, draft, spec)
+    llm = _llm(paths, one_row, draft, spec, few_rows=few_rows)
     logits, calls = [], []
     head, step = llm.target.compute_logits, mod.forward_one_row
 
@@ -265,24 +347,59 @@ def test_one_row_taps_feature_layers():
 
 
 def test_engine_config_switches_it(tiny):
-    """EngineConfig(one_row=False) (`eyas bench latency --no-one-row`) keeps every step on the fused path."""
+    """EngineConfig(one_row=False, few_rows=False) (`eyas bench latency --no-one-row --no-few-rows`) keeps every
+    step on the fused path."""
     from eyas.bench.latency import add_parser
     from eyas.engine.runner import ModelRunner
     from eyas.loader.resolve import load_target
     t, _ = load_target(str(tiny[0]), "cpu", torch.float32)
-    ModelRunner(t, None, None, 8, 16, use_triton=True, one_row=False)
-    assert t.fused_ops and not t.one_row
+    ModelRunner(t, None, None, 8, 16, use_triton=True, one_row=False, few_rows=False)
+    assert t.fused_ops and not t.one_row and not t.few_rows
+    ModelRunner(t, None, None, 8, 16, use_triton=True, few_rows=False)
+    assert t.one_row and not t.few_rows
     ModelRunner(t, None, None, 8, 16, use_triton=True)
-    assert t.one_row
+    assert t.one_row and t.few_rows
     import argparse
     sub = argparse.ArgumentParser().add_subparsers()
     p = add_parser(sub)
     assert p.parse_args([]).one_row and not p.parse_args(["--no-one-row"]).one_row
+    assert p.parse_args([]).few_rows and not p.parse_args(["--no-few-rows"]).few_rows
+
+
+@pytest.mark.parametrize("prompts,spec", [([[1, 2, 3], [5, 6, 7, 8, 9, 10], [11]], None),
+                                          ([[1, 2, 3, 4]], "chain:3"), ([[1, 2, 3, 4], [9, 8]], "tree:8"),
+                                          ([[3, 1, 4, 1, 5]], "tree:smollm2_48d5")])
+def test_few_rows_equal_the_fused_path(tiny, prompts, spec):
+    """Batched plain decoding (3 rows a step) and verify passes (chain:3: 4 rows; tree:8 at batch 2: 18 rows; the
+    default tree: 49 rows) on the tile kernels, the most rows the path takes raised to the kernel's 64: the fused
+    path's tokens and the logits of every target call."""
+    n = 4 if spec and spec.startswith("tree") else 6  # (the trees' verify passes are slow in the interpreter)
+    ref = _run_recording(tiny, False, prompts, n, tiny[1] if spec else None, spec)
+    got = _run_recording(tiny, True, prompts, n, tiny[1] if spec else None, spec, few_rows=64)
+    assert ref[2] == 0 and got[2] >= 3
+    _same(got, ref)
+
+
+def test_few_rows_limits(tiny):
+    """The path takes 2 to FEW_ROWS_MAX tokens, and only models where it pays (hidden <= FEW_ROWS_MAX_HIDDEN)."""
+    from eyas.layers.attention import AttentionMetadata
+    from eyas.models.one_row import FEW_ROWS_MAX, takes_few_rows
+    llm = _llm(tiny, True, few_rows=True)
+    t = llm.target
+    meta = AttentionMetadata(block_tables=None, context_lens=None, suffix_mask=None, max_context_len=0, block_size=16,
+                             use_triton=True, prefix_includes_new=True)
+    for rows, want in ((1, False), (2, True), (FEW_ROWS_MAX, True), (FEW_ROWS_MAX + 1, False)):
+        assert takes_few_rows(t, torch.zeros(rows, 1, 48), meta) == want
+    big = _llm(tiny, True, few_rows=True).target
+    big.config.hidden_size = 4096  # as if it were the 8B shape: measured slower there, so not switched on
+    enable_fast_path(big)
+    assert big.one_row and not big.few_rows
 
 
 def test_other_steps_keep_the_fused_path(tiny):
-    """Batched plain decoding (3 rows a step) and chain:3 verify passes (4 rows) do not take the path, and give the
-    same tokens with it switched on; a hooked projection (tensor parallelism) makes a model not ready."""
+    """Without `few_rows`, batched plain decoding (3 rows a step) and chain:3 verify passes (4 rows) do not take the
+    path, and give the same tokens with it switched on; a hooked projection (tensor parallelism) makes a model not
+    ready."""
     from eyas.models.one_row import one_row_ready
     prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10], [11]]
     got = _run_recording(tiny, True, prompts, 5)
@@ -300,8 +417,9 @@ def test_other_steps_keep_the_fused_path(tiny):
 @pytest.mark.parametrize("N,K,kind", [(6144, 4096, "norm"), (4096, 4096, "residual"), (28672, 4096, "norm+swiglu"),
                                       (4096, 14336, "residual"), (960, 576, "norm"), (3072, 576, "norm+swiglu"),
                                       (576, 1536, "residual"), (49152, 576, "plain")])
-@pytest.mark.parametrize("pdl,M", [(False, 1), (True, 1), (True, 4)])
+@pytest.mark.parametrize("pdl,M", [(False, 1), (True, 1), (True, 4), (False, 4), (True, 16), (True, 49)])
 def test_gpu_bf16_shapes(N, K, kind, pdl, M):
+    """One row: the register kernel; 4 to 49: the tile kernel (default configs)."""
     x, w, g, r = _inputs(N, K, torch.bfloat16, "cuda", seed=N, M=M)
     kw = {"norm_weight": g} if "norm" in kind else {}
     if "residual" in kind:
@@ -324,6 +442,21 @@ def test_gpu_bf16_qkv_rope(NQ, KVH, D, K):
 
 
 @gpu
+@pytest.mark.parametrize("NQ,KVH,D,K", [(32, 8, 128, 4096), (9, 3, 64, 576)])
+@pytest.mark.parametrize("M", [4, 49])
+def test_gpu_bf16_qkv_rope_stash(NQ, KVH, D, K, M):
+    """The tile kernel's RoPE + store into a stash (a verify pass's rows 1 .. M of M + 3)."""
+    args, _ = _qkv_case(NQ, KVH, D, K, torch.bfloat16, "cuda", None, M=M)
+    kd = torch.zeros(M + 3, KVH, D, device="cuda", dtype=torch.bfloat16)
+    vd, kd_ref, vd_ref = kd.clone(), kd.clone(), kd.clone()
+    kw = dict(seq_q=M, seq_rows=M + 3, row_offset=1)
+    _check(decode_qkv_rope(*args, kd, vd, NQ, pdl=True, **kw),
+           decode_qkv_rope_reference(*args, kd_ref, vd_ref, NQ, **kw), torch.bfloat16)
+    _check(kd, kd_ref, torch.bfloat16)
+    _check(vd, vd_ref, torch.bfloat16)
+
+
+@gpu
 def test_gpu_one_row_under_graphs_equals_fused_path(tiny):
     """bf16 on the GPU, CUDA graphs: the one-row path (with PDL on sm_90) gives the fused path's greedy tokens."""
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -332,4 +465,21 @@ def test_gpu_one_row_under_graphs_equals_fused_path(tiny):
         llm = LLM(str(tiny[0]), device="cuda", dtype="bfloat16", cuda_graphs=True)
         enable_fast_path(llm.target, one_row=one_row)
         return [o.token_ids for o in llm.generate([[1, 2, 3, 4]], params)]
+    assert run(True) == run(False)
+
+
+@gpu
+@pytest.mark.parametrize("spec,prompts", [("chain:3", [[1, 2, 3, 4], [7, 3]]), ("tree:smollm2_48d5", [[1, 2, 3, 4]])])
+def test_gpu_few_rows_under_graphs_equals_fused_path(tiny, spec, prompts):
+    """bf16 on the GPU, CUDA graphs, speculative decoding: verify passes on the tile kernels (chain:3 at batch 2: 8
+    rows; the default tree at batch 1: 49, the most rows raised to the kernel's 64) give the fused path's greedy
+    tokens."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+
+    def run(few_rows):
+        llm = LLM(str(tiny[0]), device="cuda", dtype="bfloat16", cuda_graphs=True, draft=str(tiny[1]),
+                  speculation=spec)
+        enable_fast_path(llm.target, few_rows=few_rows)
+        llm.target.few_rows_max = 64
+        return [o.token_ids for o in llm.generate(prompts, params)]
     assert run(True) == run(False)

@@ -32,6 +32,9 @@ class EngineConfig:
     cuda_graphs: bool = False  # replay whole decode steps from CUDA graphs (device="cuda")
     # batch-1 plain decode steps on the one-row kernels where the target allows (eyas.models.one_row; with Triton)
     one_row: bool = True
+    # verify passes and plain steps of 2 to 16 tokens on the same path's tile kernels, for small models where they
+    # pay (eyas.models.one_row.few_rows_pay)
+    few_rows: bool = True
 
 
 @dataclass
@@ -57,7 +60,7 @@ class LLMEngine:
         num_blocks = cfg.num_blocks or self._blocks_from_memory(target, draft)
         self.runner = ModelRunner(target, draft, tree, num_blocks, cfg.block_size, cuda_graphs=cfg.cuda_graphs,
                                   max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                                  one_row=cfg.one_row)
+                                  one_row=cfg.one_row, few_rows=cfg.few_rows)
         self.tree = self.runner.tree
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,

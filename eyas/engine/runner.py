@@ -103,7 +103,8 @@ def all_greedy(seqs: list[Sequence]) -> bool:
 class ModelRunner:
     def __init__(self, target: LlamaForCausalLM, draft: EagleDraft | None, tree: Tree | None, num_blocks: int,
                  block_size: int, use_triton: bool | None = None, cuda_graphs: bool = False,
-                 max_model_len: int = 0, max_num_seqs: int = 256, one_row: bool = True):
+                 max_model_len: int = 0, max_num_seqs: int = 256, one_row: bool = True,
+                 few_rows: bool = True):
         p = next(target.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.target, self.draft = target, draft
@@ -114,7 +115,8 @@ class ModelRunner:
             from eyas.models.fused import enable_fast_path
             for m in (target, draft):
                 if m is not None:
-                    enable_fast_path(m, one_row=one_row)  # `one_row`: the target's batch-1 plain decode steps
+                    # `one_row` / `few_rows`: the target's steps of one token / of 2 to 16 (eyas.models.one_row)
+                    enable_fast_path(m, one_row=one_row, few_rows=few_rows)
         cfg = target.config
         self.cache = KVCache.allocate(cfg, cfg.num_hidden_layers, num_blocks, block_size, self.dtype, self.device)
         self.draft_cache = None

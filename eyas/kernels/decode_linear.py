@@ -24,11 +24,16 @@ Every rounding follows the unfused path it replaces (`decode_linear_reference`, 
 GEMV result is rounded to the model dtype before the residual add, SwiGLU or RoPE, the norm is
 `eyas.layers.norm.rms_norm`'s order of operations. Only the GEMV's float32 sum runs in another order than cuBLAS's.
 
-Rows: up to MAX_ROWS (8), but each program re-reads every row of x, so the L2 traffic grows with M / BLOCK_N: at 4
-rows the 8B verify pass of `chain:3` ran at half the speed of cuBLAS plus the fused kernels (session 14). The model
-uses these kernels for one row only (`eyas.models.one_row`). Measured on the H200 (docs/bench/one_row_s14.json):
-a synthetic 8B forward's linears with their small kernels take 3.81-3.84 ms here against 4.25-4.44 for cuBLAS and the
-fused kernels; PDL itself pays little (0.01-0.04 ms a step).
+Rows: the register kernel takes up to REGISTER_ROWS (8), but each program re-reads every row of x, so the L2
+traffic grows with M / BLOCK_N: at 4 rows the 8B verify pass of `chain:3` ran at half the speed of cuBLAS plus the
+fused kernels (session 14). `_tile_linear_kernel` takes 2 to MAX_ROWS (64) rows the tensor-core way (weight tiles
+streamed through `tl.dot` against x padded to 16-64 rows, as gemv's USE_DOT path), with the same prologue and
+epilogues (`_store_rows`, `_store_pairs`). By default one or two rows take the register kernel, more the tile
+kernel. Measured on the H200 (docs/bench/one_row_s14.json, few_rows_s15.json): a synthetic 8B forward's linears with
+their small kernels take 3.81-3.84 ms at one row here against 4.25-4.44 for cuBLAS and the fused kernels, and PDL
+itself pays little (0.01-0.04 ms a step); at 4 rows the tile kernel loses to cuBLAS on the 8B shapes (4.68 ms at its
+best configs against 4.13), and wins on SmolLM2's shapes at 4 and 8 rows (0.63-0.66 against 0.71-0.73), where a step
+is bound by launches, not bytes (`eyas.models.one_row.few_rows_pay`).
 
 Without PDL (`pdl=False`, and always under TRITON_INTERPRET) the same kernel runs as an ordinary launch.
 Tests: tests/test_decode_linear.py; bench: tools/diag/decode_chain_bench.py; docs/kernels.md.
@@ -67,12 +72,24 @@ class DecodeLinearConfig:
             raise ValueError(f"DecodeLinearConfig.trigger must be one of {TRIGGERS}, got {self.trigger!r}")
 
 
-def default_decode_config(N: int, K: int, swiglu: bool = False) -> DecodeLinearConfig:
+SMALL_WEIGHT = 1 << 22  # elements (8 MB in bf16): SmolLM2's linears are 0.3-1.8M, the 8B shape's 17-59M
+
+
+def default_decode_config(N: int, K: int, swiglu: bool = False, M: int = 1) -> DecodeLinearConfig:
     """From the H200 sweep of tools/diag/decode_chain_bench.py over the 8B shapes (docs/bench/one_row_s14.json):
     4 rows x K = 4096 at 8 warps (SwiGLU: 2 gate/up pairs), 2 rows x K = 14336 at 8 warps, PDL trigger "end".
     A program holds BLOCK_N x next_pow2(K) weights in registers, <= 128 a thread: more spill (offline sm_90
-    compiles). Smaller K: up to 16 rows, the same 16k-weight tiles."""
+    compiles). Smaller K: up to 16 rows, the same 16k-weight tiles.
+    A small weight (< SMALL_WEIGHT elements): 4k-weight tiles at 4 warps (8k for SwiGLU's pairs), from session
+    15's sweeps of SmolLM2's shapes (tools/diag/tile_chain_bench.py, docs/bench/few_rows_s15.json): with the best
+    per kind of such configs (2-8k weights at 4 warps, which this rule picks or neighbours) a synthetic SmolLM2
+    forward of 2 rows took 0.41 ms, against 0.66 on the tile kernel and 0.72 on cuBLAS, and of one row 0.36 against
+    0.40 with the 8B rule's 16k tiles: more, smaller programs for a step bound by latency, not bytes."""
     kp = triton.next_power_of_2(K)
+    if N * (2 if swiglu else 1) * K < SMALL_WEIGHT:
+        per = 2 if swiglu else 1  # rows a pair (or a row) takes
+        block_n = max(per, min(4096 * per // kp, per * triton.next_power_of_2(N)))
+        return DecodeLinearConfig(BLOCK_N=block_n, num_warps=4, trigger="end")
     block_n = max(2 if swiglu else 1, min(16, 16384 // kp) if kp <= 4096 else 32768 // kp)
     elems = block_n * kp
     return DecodeLinearConfig(BLOCK_N=block_n, num_warps=8 if elems >= 16384 else max(1, elems // 2048),
@@ -143,46 +160,194 @@ def _decode_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride
     if USE_GDC and TRIGGER == 2:
         tl.extra.cuda.gdc_launch_dependents()
     if PAIR > 0:
-        a, b = tl.split(acc.to(OUT.dtype.element_ty).to(tl.float32))     # [P, M_PAD] each, rounded as GEMM outputs
-        ok = j_ok[:, None] & m_ok[None, :]
-        if PAIR == 1:
-            s = (a / (1.0 + tl.exp(-a))).to(OUT.dtype.element_ty)              # F.silu in the model dtype
-            tl.store(OUT + offs_m[None, :] * stride_o + j[:, None], (s.to(tl.float32) * b).to(OUT.dtype.element_ty),
-                     mask=ok)
-        else:
-            pos = tl.load(POS + offs_m, mask=m_ok, other=0).to(tl.int64)[None, :]              # [1, M_PAD]
-            d = (jj % HD)[:, None]
-            c1 = tl.load(COS + pos * stride_cos + d)
-            s1 = tl.load(SIN + pos * stride_cos + d)
-            c2 = tl.load(COS + pos * stride_cos + d + HD)
-            s2 = tl.load(SIN + pos * stride_cos + d + HD)
-            f = first[:, None]
-            rot = f < QK_ROWS                                                      # q and k rows: RoPE
-            a2 = tl.where(rot, a * c1 - b * s1, a).to(OUT.dtype.element_ty)        # x * cos + rotate_half(x) * sin
-            b2 = tl.where(rot, b * c2 + a * s2, b).to(OUT.dtype.element_ty)
-            is_q = ok & (f < Q_ROWS)
-            q_at = OUT + offs_m[None, :] * stride_o + f
-            tl.store(q_at, a2, mask=is_q)
-            tl.store(q_at + HD, b2, mask=is_q)
-            dst = tl.load(DST + offs_m, mask=m_ok, other=-1).to(tl.int64)[None, :]            # [1, M_PAD]
-            is_k = ok & rot & (f >= Q_ROWS) & (dst >= 0)
-            is_v = ok & (f >= QK_ROWS) & (dst >= 0)
-            kr = dst * KV_ROW + tl.where(is_k, f - Q_ROWS, 0)
-            vr = dst * KV_ROW + tl.where(is_v, f - QK_ROWS, 0)
-            tl.store(KC + kr, a2.to(KC.dtype.element_ty), mask=is_k)
-            tl.store(KC + kr + HD, b2.to(KC.dtype.element_ty), mask=is_k)
-            tl.store(VC + vr, a2.to(VC.dtype.element_ty), mask=is_v)
-            tl.store(VC + vr + HD, b2.to(VC.dtype.element_ty), mask=is_v)
+        a, b = tl.split(acc)                                                           # [P, M_PAD] each
+        _store_pairs(a, b, j, j_ok, jj, first, offs_m, m_ok, OUT, stride_o, COS, SIN, POS, DST, KC, VC, stride_cos,
+                     Q_ROWS, QK_ROWS, KV_ROW, 1, 0, 0, PAIR, HD, True)
     else:
-        ok = n_ok[:, None] & m_ok[None, :]
-        y = acc.to(OUT.dtype.element_ty)
-        if ADD_RES:
-            r = tl.load(RES + offs_m[None, :] * stride_r + n[:, None], mask=ok, other=0.0)
-            y = (y.to(tl.float32) + r.to(tl.float32)).to(OUT.dtype.element_ty)
-        tl.store(OUT + offs_m[None, :] * stride_o + n[:, None], y, mask=ok)
+        _store_rows(acc, n, n_ok, offs_m, m_ok, RES, OUT, stride_r, stride_o, ADD_RES)
 
 
-MAX_ROWS = 8
+@triton.jit
+def _store_rows(acc, n, n_ok, offs_m, m_ok, RES, OUT, stride_r, stride_o, ADD_RES: tl.constexpr):
+    """The epilogue of plain rows: acc [rows, M_PAD] float32 (weight row n, x row m) rounded to the output dtype,
+    plus the residual when ADD_RES, stored to OUT[m, n]."""
+    ok = n_ok[:, None] & m_ok[None, :]
+    y = acc.to(OUT.dtype.element_ty)
+    if ADD_RES:
+        r = tl.load(RES + offs_m[None, :] * stride_r + n[:, None], mask=ok, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(OUT.dtype.element_ty)
+    tl.store(OUT + offs_m[None, :] * stride_o + n[:, None], y, mask=ok)
+
+
+@triton.jit
+def _store_pairs(acc_a, acc_b, j, j_ok, jj, first, offs_m, m_ok, OUT, stride_o, COS, SIN, POS, DST, KC, VC,
+                 stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, PAIR: tl.constexpr, HD: tl.constexpr,
+                 HAS_DST: tl.constexpr):
+    """The epilogue of row pairs: acc_a, acc_b [P, M_PAD] float32, the first and second row of pair j (x row m),
+    each rounded to the output dtype as a GEMM output. PAIR 1: silu(a) * b to OUT[m, j]. PAIR 2: RoPE (q and k
+    rows), q to OUT, k and v to the row stores KC / VC at row DST[m] (HAS_DST; skipped when negative), or at
+    (m // SEQ_Q) * SEQ_ROWS + ROW_OFF + m % SEQ_Q (a stash)."""
+    a = acc_a.to(OUT.dtype.element_ty).to(tl.float32)
+    b = acc_b.to(OUT.dtype.element_ty).to(tl.float32)
+    ok = j_ok[:, None] & m_ok[None, :]
+    if PAIR == 1:
+        s = (a / (1.0 + tl.exp(-a))).to(OUT.dtype.element_ty)              # F.silu in the model dtype
+        tl.store(OUT + offs_m[None, :] * stride_o + j[:, None], (s.to(tl.float32) * b).to(OUT.dtype.element_ty),
+                 mask=ok)
+    else:
+        pos = tl.load(POS + offs_m, mask=m_ok, other=0).to(tl.int64)[None, :]              # [1, M_PAD]
+        d = (jj % HD)[:, None]
+        c1 = tl.load(COS + pos * stride_cos + d)
+        s1 = tl.load(SIN + pos * stride_cos + d)
+        c2 = tl.load(COS + pos * stride_cos + d + HD)
+        s2 = tl.load(SIN + pos * stride_cos + d + HD)
+        f = first[:, None]
+        rot = f < QK_ROWS                                                      # q and k rows: RoPE
+        a2 = tl.where(rot, a * c1 - b * s1, a).to(OUT.dtype.element_ty)        # x * cos + rotate_half(x) * sin
+        b2 = tl.where(rot, b * c2 + a * s2, b).to(OUT.dtype.element_ty)
+        is_q = ok & (f < Q_ROWS)
+        q_at = OUT + offs_m[None, :] * stride_o + f
+        tl.store(q_at, a2, mask=is_q)
+        tl.store(q_at + HD, b2, mask=is_q)
+        if HAS_DST:
+            dst = tl.load(DST + offs_m, mask=m_ok, other=-1).to(tl.int64)[None, :]            # [1, M_PAD]
+        else:
+            dst = ((offs_m // SEQ_Q) * SEQ_ROWS + ROW_OFF + offs_m % SEQ_Q).to(tl.int64)[None, :]
+        is_k = ok & rot & (f >= Q_ROWS) & (dst >= 0)
+        is_v = ok & (f >= QK_ROWS) & (dst >= 0)
+        kr = dst * KV_ROW + tl.where(is_k, f - Q_ROWS, 0)
+        vr = dst * KV_ROW + tl.where(is_v, f - QK_ROWS, 0)
+        tl.store(KC + kr, a2.to(KC.dtype.element_ty), mask=is_k)
+        tl.store(KC + kr + HD, b2.to(KC.dtype.element_ty), mask=is_k)
+        tl.store(VC + vr, a2.to(VC.dtype.element_ty), mask=is_v)
+        tl.store(VC + vr + HD, b2.to(VC.dtype.element_ty), mask=is_v)
+
+
+@triton.jit
+def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r, stride_o, COS, SIN, POS, DST, KC,
+                        VC, stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, KP: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, NORM: tl.constexpr,
+                        ADD_RES: tl.constexpr, PAIR: tl.constexpr, HD: tl.constexpr, HAS_DST: tl.constexpr,
+                        USE_GDC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Several rows of x (M <= M_PAD, M_PAD >= 16) against BLOCK_N weight rows streamed in [rows, BLOCK_K] tiles
+    through the tensor cores (acc[rows, M_PAD] += w @ x^T, as gemv's USE_DOT path): each program reads its weight
+    rows once and all of x once (from L2), whatever M. Rows and pairs (PAIR, HD, the stores) as
+    `_decode_linear_kernel`. NORM: a first pass over x gives each row's mean square (unrolled over KP =
+    next_pow2(K), so that its loads can be in flight together; as a loop the 8B forward of 4 rows took 7.19 ms,
+    unrolled 6.46), the second applies the norm tile by tile with rms_norm's roundings."""
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, M_PAD)
+    m_ok = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + tl.where(m_ok, offs_m, 0)[:, None] * stride_x + offs_k[None, :]   # padding rows re-read row 0
+    if PAIR > 0:
+        P: tl.constexpr = BLOCK_N // 2
+        j = pid * P + tl.arange(0, P)
+        j_ok = j < N
+        jj = tl.where(j_ok, j, 0)
+        if PAIR == 1:
+            first = jj
+            second = jj + N
+        else:
+            first = (jj // HD) * (2 * HD) + jj % HD
+            second = first + HD
+        wa_ptrs = W + first.to(tl.int64)[:, None] * K + offs_k[None, :]
+        wb_ptrs = W + second.to(tl.int64)[:, None] * K + offs_k[None, :]
+        acc_a = tl.zeros((P, M_PAD), dtype=tl.float32)
+        acc_b = tl.zeros((P, M_PAD), dtype=tl.float32)
+    else:
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        wa_ptrs = W + tl.where(n_ok, n, 0).to(tl.int64)[:, None] * K + offs_k[None, :]
+        acc_a = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    if NORM:
+        ss = tl.zeros((M_PAD,), dtype=tl.float32)
+        for k0 in tl.static_range(0, KP, BLOCK_K):
+            xs = tl.load(x_ptrs + k0, mask=(offs_k < K - k0)[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(xs * xs, axis=1)
+        rstd = tl.math.rsqrt(ss / K + eps)[:, None]
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (offs_k < K - k0)[None, :]
+        x = tl.load(x_ptrs + k0, mask=k_ok, other=0.0)
+        if NORM:
+            g = tl.load(NORM_W + k0 + offs_k, mask=offs_k < K - k0, other=0.0).to(tl.float32)
+            y = (x.to(tl.float32) * rstd).to(X.dtype.element_ty)
+            x = (g[None, :] * y.to(tl.float32)).to(X.dtype.element_ty)
+        if UPCAST:  # the Triton interpreter's bf16 tl.dot is wrong: do its dots in float32 (exact products)
+            x = x.to(tl.float32)
+        wa = tl.load(wa_ptrs + k0, mask=k_ok, other=0.0)
+        if UPCAST:
+            wa = wa.to(tl.float32)
+        acc_a = tl.dot(wa, tl.trans(x), acc_a, input_precision=DOT_PREC)
+        if PAIR > 0:
+            wb = tl.load(wb_ptrs + k0, mask=k_ok, other=0.0)
+            if UPCAST:
+                wb = wb.to(tl.float32)
+            acc_b = tl.dot(wb, tl.trans(x), acc_b, input_precision=DOT_PREC)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PAIR > 0:
+        _store_pairs(acc_a, acc_b, j, j_ok, jj, first, offs_m, m_ok, OUT, stride_o, COS, SIN, POS, DST, KC, VC,
+                     stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, PAIR, HD, HAS_DST)
+    else:
+        _store_rows(acc_a, n, n_ok, offs_m, m_ok, RES, OUT, stride_r, stride_o, ADD_RES)
+
+MAX_ROWS = 64        # the tile kernel's limit (x padded to a power of two >= 16 rows)
+REGISTER_ROWS = 8    # the register kernel's limit (it re-reads x per program: meant for one row)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """The tile kernel (`_tile_linear_kernel`, 2 to MAX_ROWS rows): BLOCK_N weight rows per program (for pairs,
+    BLOCK_N / 2 of each half; tl.dot wants >= 16 a half), streamed in BLOCK_K-wide tiles through num_stages
+    shared-memory buffers."""
+    BLOCK_N: int = 32
+    BLOCK_K: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self):
+        for name in ("BLOCK_N", "BLOCK_K"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"TileConfig.{name} must be a power of two >= 16, got {v}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"TileConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"TileConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+def default_tile_config(M: int, N: int, K: int, pairs: bool = False) -> TileConfig:
+    """16 weight rows per accumulator (32 for pairs: 16 of each half), so that even N = 4096 gives 256 programs;
+    tiles 256 wide at 16 padded rows, 128 at 32, 64 at 64 (the x tile and its pointers live in registers: sm_90
+    offline compiles spill from 64 x 128 at 4 warps), 4 stages (3 at 64 rows), 4 warps. A first guess;
+    tools/diag/tile_chain_bench.py sweeps it."""
+    m_pad = max(16, triton.next_power_of_2(M))
+    block_k = min(4096 // m_pad, max(16, triton.next_power_of_2(K)))
+    return TileConfig(BLOCK_N=32 if pairs else 16, BLOCK_K=block_k, num_warps=4, num_stages=4 if m_pad <= 32 else 3)
+
+
+def default_config(M: int, N: int, K: int, pairs: bool = False) -> DecodeLinearConfig | TileConfig:
+    """The default for M rows, N outputs (pairs for SwiGLU / RoPE) over K: the register kernel for one or two rows
+    (at two rows it reads x twice per program, still cheaper than the tile kernel's pipeline on SmolLM2's shapes),
+    the tile kernel for more."""
+    return default_decode_config(N, K, pairs, M) if M <= 2 else default_tile_config(M, N, K, pairs)
+
+
+def _config(cfg, M: int, n_out: int, K: int, pairs: bool):
+    """The given config (checked), or `default_config`."""
+    if cfg is None:
+        cfg = default_config(M, n_out, K, pairs)
+    if isinstance(cfg, DecodeLinearConfig):
+        if M > REGISTER_ROWS:
+            raise ValueError(f"the register kernel (DecodeLinearConfig) takes 1 to {REGISTER_ROWS} rows, got {M}")
+        if pairs and cfg.BLOCK_N < 2:
+            raise ValueError("decode_linear(swiglu=True) and decode_qkv_rope need BLOCK_N >= 2")
+    elif not isinstance(cfg, TileConfig):
+        raise TypeError(f"config must be a DecodeLinearConfig or a TileConfig, got {type(cfg).__name__}")
+    return cfg
 
 
 def _rows(x: torch.Tensor, what: str) -> tuple[torch.Tensor, int, int]:
@@ -203,24 +368,39 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def _launch(x2, M, K, weight, cfg, pdl, n_progs, out2, *, norm_weight=None, eps=1e-5, res2=None, pair=0, hd=1,
-            rope=None):
+def _launch(x2, M, K, weight, cfg, pdl, n_out, out2, *, norm_weight=None, eps=1e-5, res2=None, pair=0, hd=1,
+            rope=None, stash=None):
+    """`n_out` outputs (pairs for `pair`); `rope` the RoPE/store arguments; `stash` (seq_q, seq_rows, row_offset)
+    the computed destination rows when rope's destination tensor is None (tile kernel only)."""
     use_gdc = pdl and not _interpreting()
     kwargs = {"launch_pdl": True} if use_gdc else {}
     cos, sin, pos, dst, kc, vc, stride_cos, q_rows, qk_rows, kv_row = rope or (out2,) * 6 + (0,) * 4
-    _decode_linear_kernel[(n_progs,)](
-        x2, weight, norm_weight if norm_weight is not None else x2, res2 if res2 is not None else out2, out2, M,
-        weight.shape[0] // 2 if pair else weight.shape[0], K, eps, x2.stride(0),
-        res2.stride(0) if res2 is not None else 0, out2.stride(0), cos, sin, pos, dst, kc, vc, stride_cos, q_rows,
-        qk_rows, kv_row, KP=triton.next_power_of_2(K), BLOCK_N=cfg.BLOCK_N, M_PAD=triton.next_power_of_2(M),
-        NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair, HD=hd, USE_GDC=use_gdc,
-        TRIGGER=TRIGGERS.index(cfg.trigger), num_warps=cfg.num_warps, enable_fp_fusion=False, **kwargs)
+    N = weight.shape[0] // 2 if pair else weight.shape[0]
+    common = (x2, weight, norm_weight if norm_weight is not None else x2, res2 if res2 is not None else out2, out2, M,
+              N, K, eps, x2.stride(0), res2.stride(0) if res2 is not None else 0, out2.stride(0), cos, sin, pos,
+              dst if dst is not None else pos, kc, vc, stride_cos, q_rows, qk_rows, kv_row)
+    per_prog = cfg.BLOCK_N // 2 if pair else cfg.BLOCK_N
+    grid = (triton.cdiv(n_out, per_prog),)
+    if isinstance(cfg, DecodeLinearConfig):
+        _decode_linear_kernel[grid](
+            *common, KP=triton.next_power_of_2(K), BLOCK_N=cfg.BLOCK_N, M_PAD=triton.next_power_of_2(M),
+            NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair, HD=hd, USE_GDC=use_gdc,
+            TRIGGER=TRIGGERS.index(cfg.trigger), num_warps=cfg.num_warps, enable_fp_fusion=False, **kwargs)
+        return
+    upcast = x2.dtype != torch.float32 and _interpreting()
+    seq_q, seq_rows, row_offset = stash or (1, 0, 0)
+    _tile_linear_kernel[grid](
+        *common, seq_q, seq_rows, row_offset, KP=triton.next_power_of_2(K), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        M_PAD=max(16, triton.next_power_of_2(M)), NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair,
+        HD=hd, HAS_DST=dst is not None, USE_GDC=use_gdc, UPCAST=upcast,
+        DOT_PREC="ieee" if (x2.dtype == torch.float32 or upcast) else "tf32", num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, enable_fp_fusion=False, **kwargs)
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                   eps: float = 1e-5, residual: torch.Tensor | None = None, swiglu: bool = False,
                   out: torch.Tensor | None = None, pdl: bool = False,
-                  config: DecodeLinearConfig | None = None) -> torch.Tensor:
+                  config: DecodeLinearConfig | TileConfig | None = None) -> torch.Tensor:
     """x [..., K] (1 to MAX_ROWS rows), weight [N, K] contiguous, no bias -> [..., N] (or N / 2 with `swiglu`) in
     x.dtype, row by row:
 
@@ -229,7 +409,9 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.T
         y = silu(y[:N/2]) * y[N/2:]  if swiglu               (weight = a fused [gate; up] projection)
         y = residual + y             if residual is given    (residual [..., N]; `out` may be the residual itself)
 
-    `pdl`: launch with programmatic dependent launch (CUDA, sm_90+; ignored under TRITON_INTERPRET)."""
+    `pdl`: launch with programmatic dependent launch (CUDA, sm_90+; ignored under TRITON_INTERPRET). `config`:
+    the register kernel (DecodeLinearConfig; the default for one row) or the tile kernel (TileConfig; the default
+    for more)."""
     x2, M, K = _rows(x, "decode_linear")
     if weight.dim() != 2 or weight.shape[1] != K or not weight.is_contiguous():
         raise ValueError(f"decode_linear needs a contiguous weight [N, {K}], got {tuple(weight.shape)}")
@@ -253,23 +435,24 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.T
         raise ValueError(f"out must be {M} x {n_out} contiguous {x.dtype} values, got {tuple(out.shape)}")
     elif _overlap(out, x2):
         raise ValueError("decode_linear: out overlaps x (every program reads all of x while others write out)")
-    cfg = config or default_decode_config(n_out, K, swiglu)
-    if swiglu and cfg.BLOCK_N < 2:
-        raise ValueError("decode_linear(swiglu=True) needs BLOCK_N >= 2")
-    rows_per_prog = cfg.BLOCK_N // 2 if swiglu else cfg.BLOCK_N
-    _launch(x2, M, K, weight, cfg, pdl, triton.cdiv(n_out, rows_per_prog), out.view(M, n_out),
-            norm_weight=norm_weight, eps=eps, res2=res2, pair=1 if swiglu else 0)
+    cfg = _config(config, M, n_out, K, swiglu)
+    _launch(x2, M, K, weight, cfg, pdl, n_out, out.view(M, n_out), norm_weight=norm_weight, eps=eps, res2=res2,
+            pair=1 if swiglu else 0)
     return out
 
 
 def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                    positions: torch.Tensor, dst_rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    k_dst: torch.Tensor, v_dst: torch.Tensor, n_heads: int, *, pdl: bool = False,
-                    config: DecodeLinearConfig | None = None) -> torch.Tensor:
+                    positions: torch.Tensor, dst_rows: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                    k_dst: torch.Tensor, v_dst: torch.Tensor, n_heads: int, *, seq_rows: int = 0,
+                    row_offset: int = 0, seq_q: int = 1, pdl: bool = False,
+                    config: DecodeLinearConfig | TileConfig | None = None) -> torch.Tensor:
     """A decoder layer's attention input for 1 to MAX_ROWS tokens x [..., K], in one launch: the fused q/k/v
     projection of RMSNorm(x) (`weight` [(n_heads + 2 KVH) D, K], q rows, then k, then v), RoPE on q and k at
     `positions` (one integer per token), and k (rotated) and v stored into the row stores k_dst / v_dst
-    [rows, KVH, D] at `dst_rows` (one per token; skipped when negative). Returns the rotated q [M, n_heads * D].
+    [rows, KVH, D] at `dst_rows` (one per token; skipped when negative), or, with `dst_rows` None, token m (of
+    M = B x seq_q) at row (m // seq_q) * seq_rows + row_offset + m % seq_q (a step's stash, as
+    `rope_store_triton`'s seq_rows/row_offset; the tile kernel only, so 2 or more rows). Returns the rotated q
+    [M, n_heads * D].
     Same values as `decode_linear(x, weight, norm_weight=...)` followed by `eyas.kernels.rope_store_triton`
     (`decode_qkv_rope_reference`)."""
     x2, M, K = _rows(x, "decode_qkv_rope")
@@ -286,19 +469,23 @@ def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Te
             or sin.stride(0) != cos.stride(0):
         raise ValueError(f"cos/sin tables {tuple(cos.shape)}/{tuple(sin.shape)} must be [max_positions, {D}], "
                          "contiguous rows, alike")
-    if positions.numel() != M or dst_rows.numel() != M:
+    if positions.numel() != M or (dst_rows is not None and dst_rows.numel() != M):
         raise ValueError(f"decode_qkv_rope takes a position and a destination row per token ({M}), got "
                          f"{positions.numel()} and {dst_rows.numel()}")
-    q = torch.empty((M, n_heads * D), dtype=x.dtype, device=x.device)
     n_pairs = weight.shape[0] // 2
-    cfg = config or default_decode_config(n_pairs, K, swiglu=True)
-    if cfg.BLOCK_N < 2:
-        raise ValueError("decode_qkv_rope needs BLOCK_N >= 2")
-    pos, dst = positions.reshape(M), dst_rows.reshape(M)
-    _launch(x2, M, K, weight, cfg, pdl, triton.cdiv(n_pairs, cfg.BLOCK_N // 2), q, norm_weight=norm_weight,
-            eps=eps, pair=2, hd=D // 2, rope=(cos, sin, pos if pos.stride(0) == 1 else pos.contiguous(),
-                                              dst if dst.stride(0) == 1 else dst.contiguous(), k_dst, v_dst,
-                                              cos.stride(0), n_heads * D, (n_heads + KVH) * D, KVH * D))
+    cfg = _config(config, M, n_pairs, K, True)
+    if dst_rows is None and (not isinstance(cfg, TileConfig) or seq_q < 1 or M % seq_q or seq_rows < 0
+                             or row_offset < 0 or row_offset + seq_q > seq_rows or M // seq_q * seq_rows > len(k_dst)):
+        raise ValueError(f"decode_qkv_rope without dst_rows needs the tile kernel and {M} tokens in sequences of "
+                         f"seq_q = {seq_q} whose rows row_offset = {row_offset} .. + seq_q fit seq_rows = {seq_rows} "
+                         f"rows each of the {len(k_dst)}")
+    q = torch.empty((M, n_heads * D), dtype=x.dtype, device=x.device)
+    pos = positions.reshape(M)
+    dst = dst_rows.reshape(M) if dst_rows is not None else None
+    _launch(x2, M, K, weight, cfg, pdl, n_pairs, q, norm_weight=norm_weight, eps=eps, pair=2, hd=D // 2,
+            rope=(cos, sin, pos if pos.stride(0) == 1 else pos.contiguous(),
+                  dst if dst is None or dst.stride(0) == 1 else dst.contiguous(), k_dst, v_dst, cos.stride(0),
+                  n_heads * D, (n_heads + KVH) * D, KVH * D), stash=(seq_q, seq_rows, row_offset))
     return q
 
 
@@ -317,13 +504,16 @@ def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_weigh
 
 
 def decode_qkv_rope_reference(x, weight, norm_weight, eps, positions, dst_rows, cos, sin, k_dst, v_dst,
-                              n_heads: int) -> torch.Tensor:
+                              n_heads: int, *, seq_rows: int = 0, row_offset: int = 0, seq_q: int = 1) -> torch.Tensor:
     """Plain-PyTorch reference of `decode_qkv_rope`: the normed projection, then `rope_store_reference`."""
     from eyas.kernels.fused_rope import rope_store_reference
     KVH, D = k_dst.shape[1:]
     M = x.numel() // x.shape[-1]
-    qkv = decode_linear_reference(x.reshape(M, -1), weight, norm_weight=norm_weight, eps=eps).view(1, M, -1)
+    B, Q = (1, M) if dst_rows is not None else (M // seq_q, seq_q)
+    qkv = decode_linear_reference(x.reshape(M, -1), weight, norm_weight=norm_weight, eps=eps).view(B, Q, -1)
     q, k, v = qkv.split([n_heads * D, KVH * D, KVH * D], dim=-1)
-    q = rope_store_reference(positions.reshape(1, M), q.view(1, M, n_heads, D), k.view(1, M, KVH, D),
-                             v.view(1, M, KVH, D), cos, sin, k_dst, v_dst, rows=dst_rows.reshape(1, M))
+    where = dict(rows=dst_rows.reshape(B, Q)) if dst_rows is not None else dict(seq_rows=seq_rows,
+                                                                               row_offset=row_offset)
+    q = rope_store_reference(positions.reshape(B, Q), q.view(B, Q, n_heads, D), k.view(B, Q, KVH, D),
+                             v.view(B, Q, KVH, D), cos, sin, k_dst, v_dst, **where)
     return q.reshape(M, -1)

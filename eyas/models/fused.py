@@ -45,13 +45,17 @@ def use_fused_ops(model: nn.Module, on: bool = True) -> nn.Module:
     return model
 
 
-def enable_fast_path(model: nn.Module, one_row: bool = True) -> nn.Module:
+def enable_fast_path(model: nn.Module, one_row: bool = True, few_rows: bool = True) -> nn.Module:
     """`fuse_projections` + `use_fused_ops(model, True)`: what the runner does on CUDA. `one_row`: a target
-    (LlamaForCausalLM) also takes `eyas.models.one_row` for batch-1 plain decode steps where it can."""
+    (LlamaForCausalLM) also takes `eyas.models.one_row` for batch-1 plain decode steps where it can; `few_rows`:
+    for verify passes and plain steps of 2 to 16 tokens (its tile kernels), where they pay (small models:
+    `few_rows_pay`)."""
     use_fused_ops(fuse_projections(model), True)
     if hasattr(model, "one_row"):
-        from eyas.models.one_row import one_row_ready
-        model.one_row = one_row and one_row_ready(model)
+        from eyas.models.one_row import few_rows_pay, one_row_ready
+        ready = one_row_ready(model)
+        model.one_row = one_row and ready
+        model.few_rows = few_rows and ready and few_rows_pay(model)
     return model
 
 

@@ -254,6 +254,8 @@ class LlamaForCausalLM(nn.Module):
         self.fused_ops = False
         # batch-1 plain decode steps on eyas.kernels.decode_linear (`eyas.models.one_row`; set by enable_fast_path)
         self.one_row = False
+        # verify passes and plain steps of 2 to 16 tokens on its tile kernels (`eyas.models.one_row`; small models)
+        self.few_rows = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None,
                 cache: KVCache | None = None, feature_layers: tuple[int, ...] | None = None):
@@ -271,8 +273,8 @@ class LlamaForCausalLM(nn.Module):
         eps = self.config.rms_norm_eps
         taps: dict[int, torch.Tensor] = {}  # layer -> rms(r_i)
         if takes_fused_path(self, x.device):
-            from eyas.models.one_row import forward_one_row, takes_one_row
-            if takes_one_row(self, x, meta):  # batch-1 plain decoding: eyas.models.one_row
+            from eyas.models.one_row import forward_one_row, takes_few_rows, takes_one_row
+            if takes_one_row(self, x, meta) or takes_few_rows(self, x, meta):  # eyas.models.one_row
                 return forward_one_row(self, x, positions, meta, cache, feature_layers)
             from eyas.kernels import add_rms_norm_triton
             res = None

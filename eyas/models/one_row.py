@@ -1,4 +1,5 @@
-"""The one-row decode step: batch-1 plain decoding on `eyas.kernels.decode_linear` (issue #5, point 1).
+"""The one-row decode step: batch-1 plain decoding on `eyas.kernels.decode_linear` (issue #5, point 1), and
+its few-rows sibling for steps of 2 to 16 tokens of small models.
 
 A batch-1 plain decode step is a chain of weight-streaming GEMVs with small kernels between them. On this path each
 decoder layer is five launches (four kernels and the prefix attention's split reduction) instead of ~12:
@@ -15,10 +16,17 @@ starts with the kernel before. `LlamaForCausalLM.compute_logits` takes `decode_l
 H200 this took the 8B shape's plain step from 4.76-5.04 to 4.31-4.48 ms (same-call pairs) and SmolLM2's from 1.19
 to 0.75 ms (docs/benchmarks.md, "Session 14").
 
-One row only: `decode_linear` takes up to 8, but every program re-reads all of x, so at 4 rows the 8B verify pass
-of `chain:3` ran at half the speed of cuBLAS and the fused kernels (session 14); steps of more tokens keep the fused
-path. Taken only where it computes what the fused path computes: one token (B * Q == 1), a plain decoding step
-(`meta.prefix_includes_new`, Triton attention), and a model whose projections are fused, bias-free nn.Linear
+Steps of 2 to 16 tokens (`takes_few_rows`: batched plain decoding, and verify passes, whose K/V go to the step's
+stash and whose attention is the split tree attention) take the same five launches a layer on `decode_linear`'s
+tile kernel (two rows: its register kernel), for models where that pays: hidden size <= 1024 (`few_rows_pay`).
+Session 15 measured (docs/bench/few_rows_s15.json) SmolLM2's `chain:3` at 0.509-0.528 ms/token against
+0.565-0.603 without, and its plain decoding at batch 2 at 0.77-0.87 against 1.12-1.20; at the 8B shapes cuBLAS
+streams the weights faster than the tiles (4.68 ms against 4.13 for a synthetic 4-row forward), and at 49 rows
+(SmolLM2's default tree) the tiles lose too (0.82-0.93 against 0.75). `enable_fast_path(few_rows=True)` sets
+`model.few_rows`; `model.few_rows_max` (FEW_ROWS_MAX) bounds the rows.
+
+Taken only where it computes what the fused path computes: a plain decoding step (`meta.prefix_includes_new`) or
+tree tokens (`meta.stash`), Triton attention, and a model whose projections are fused, bias-free nn.Linear
 layers without hooks (no tensor parallelism, no quantized layers): `one_row_ready`. Feature layers (EAGLE-3 drafts)
 are tapped from `r` as the fused path taps them. `enable_fast_path` switches it on (`model.one_row = True`). The
 reference is the fused path itself (which the tests hold to the eager modules): tests/test_decode_linear.py holds
@@ -31,7 +39,7 @@ import functools
 import torch
 from torch import nn
 
-from eyas.layers.attention import AttentionMetadata, prefix_only_attention
+from eyas.layers.attention import AttentionMetadata, prefix_only_attention, split_tree_attention
 from eyas.layers.norm import RMSNorm
 
 
@@ -73,19 +81,47 @@ def use_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and _pdl(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# Where the tile kernels pay (H200, session 15, tools/diag/tile_chain_bench.py: synthetic forwards of linears and the
+# small kernels): SmolLM2's shapes (hidden 576) at 4 rows, 0.63-0.65 ms against 0.72 for cuBLAS plus the small
+# kernels; not at 49 rows (0.82 at the best configs against 0.74), and never at the 8B shapes (hidden 4096: 4.68 ms
+# at the best configs against 4.13 at 4 rows; cuBLAS streams these weights faster than the Triton tiles). A small
+# model's step is bound by its launches, a large one's by its weight bytes. Between 576 and 4096 it is unmeasured.
+FEW_ROWS_MAX_HIDDEN = 1024
+FEW_ROWS_MAX = 16
+
+
+def few_rows_pay(model: nn.Module) -> bool:
+    """Whether the measured boundary says the tile kernels beat cuBLAS for this model (hidden <= 1024)."""
+    return model.config.hidden_size <= FEW_ROWS_MAX_HIDDEN
+
+
+def takes_few_rows(model: nn.Module, x: torch.Tensor, meta: AttentionMetadata | None) -> bool:
+    """`x` the embedded tokens [B, Q, H]: 2 to `model.few_rows_max` (FEW_ROWS_MAX) tokens of a plain decoding step
+    or of tree tokens (a verify pass, whose K/V go to the stash), with `model.few_rows` set."""
+    return (getattr(model, "few_rows", False) and meta is not None and meta.use_triton
+            and (meta.prefix_includes_new or meta.stash is not None)
+            and 2 <= x.shape[0] * x.shape[1] <= getattr(model, "few_rows_max", FEW_ROWS_MAX)
+            and x.dtype == model.model.norm.weight.dtype)
+
+
 def forward_one_row(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache,
                     feature_layers: tuple[int, ...] | None = None):
-    """x: the embedded token [1, 1, H] (a fresh tensor: it becomes the residual stream and is written in place).
-    Returns what `LlamaForCausalLM.forward` returns: the final hidden state [1, 1, H], with the features when
-    `feature_layers` is given."""
+    """x: the embedded tokens [B, Q, H] (a fresh tensor: it becomes the residual stream and is written in place);
+    one token (the register kernels), or 2 to MAX_ROWS (`takes_few_rows`: the tile kernels; for tree tokens the
+    K/V go to the stash and the attention is the split tree attention). Returns what `LlamaForCausalLM.forward`
+    returns: the final hidden state [B, Q, H], with the features when `feature_layers` is given."""
     from eyas.kernels import add_rms_norm_triton
     from eyas.kernels.decode_linear import decode_linear, decode_qkv_rope
     from eyas.models.llama import _rows as _row_store, with_features
-    H = x.shape[-1]
+    B, Q, H = x.shape
+    M = B * Q
     pdl = use_pdl(x.device)
-    r = x.reshape(1, H)
+    r = x.reshape(M, H)
     if not r.is_contiguous():
         r = r.contiguous()
+    pos = positions.expand(B, Q).reshape(M)
+    stash = None if meta.prefix_includes_new else meta.stash
+    end = meta.stash_at + Q
     want = set(feature_layers) if feature_layers is not None else ()
     taps = {}
     rope = model.rope
@@ -94,17 +130,26 @@ def forward_one_row(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, 
         attn, mlp = layer.self_attn, layer.mlp
         n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
         k_cache, v_cache = cache.k[attn.layer_idx], cache.v[attn.layer_idx]
-        q = decode_qkv_rope(r, attn.qkv_proj.weight, n1.weight, n1.eps, positions, meta.slot_mapping, rope.cos,
-                            rope.sin, _row_store(k_cache), _row_store(v_cache), attn.n_heads, pdl=pdl)
-        o = prefix_only_attention(q.view(1, 1, attn.n_heads, attn.head_dim), k_cache, v_cache, meta, attn.scale,
-                                  out_dtype=x.dtype)
-        decode_linear(o.reshape(1, -1), attn.o_proj.weight, residual=r, out=r, pdl=pdl)
+        if stash is None:  # plain decoding: K/V to the cache, then the prefix pass
+            q = decode_qkv_rope(r, attn.qkv_proj.weight, n1.weight, n1.eps, pos, meta.slot_mapping, rope.cos,
+                                rope.sin, _row_store(k_cache), _row_store(v_cache), attn.n_heads, pdl=pdl)
+            o = prefix_only_attention(q.view(B, Q, attn.n_heads, attn.head_dim), k_cache, v_cache, meta, attn.scale,
+                                      out_dtype=x.dtype)
+        else:  # tree tokens: K/V to the stash, the suffix over its rows, merged with the prefix
+            sk, sv = stash.k[attn.layer_idx], stash.v[attn.layer_idx]
+            q = decode_qkv_rope(r, attn.qkv_proj.weight, n1.weight, n1.eps, pos, None, rope.cos, rope.sin,
+                                _row_store(sk), _row_store(sv), attn.n_heads, seq_rows=sk.shape[1],
+                                row_offset=meta.stash_at, seq_q=Q, pdl=pdl)
+            o = split_tree_attention(q.view(B, Q, attn.n_heads, attn.head_dim), sk[:, meta.suffix_from: end],
+                                     sv[:, meta.suffix_from: end], k_cache, v_cache, meta, attn.scale,
+                                     out_dtype=x.dtype)
+        decode_linear(o.reshape(M, -1), attn.o_proj.weight, residual=r, out=r, pdl=pdl)
         act = decode_linear(r, mlp.gate_up_proj.weight, norm_weight=n2.weight, eps=n2.eps, swiglu=True, pdl=pdl)
         decode_linear(act, mlp.down_proj.weight, residual=r, out=r, pdl=pdl)
         if i in want:  # rms(r_i), as the fused path taps it (a unit-weight norm)
-            taps[i] = add_rms_norm_triton(r, None, model._unit_weight(r), eps)[0].view(1, 1, H)
+            taps[i] = add_rms_norm_triton(r, None, model._unit_weight(r), eps)[0].view(B, Q, H)
     norm = model.model.norm
-    hidden = add_rms_norm_triton(r, None, norm.weight, norm.eps)[0].view(1, 1, H)
+    hidden = add_rms_norm_triton(r, None, norm.weight, norm.eps)[0].view(B, Q, H)
     return with_features(hidden, taps, feature_layers, len(model.model.layers))
 
 
