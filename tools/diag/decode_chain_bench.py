@@ -108,6 +108,22 @@ def fwd_fused(x, ws, head, fnorm, attn, bufs, pdl, cfgs):
     return decode_linear(r, head, norm_weight=fnorm, out=logits, pdl=pdl, config=cfgs.get("head"))
 
 
+def layer_errors(L, r, a_in, pdl):
+    """max |decode_linear - reference| for each kind of one layer's weights `L`, on inputs r [.., H] and a_in
+    [.., I] (the rows of x: one, or several)."""
+    checks = {
+        "qkv+norm": (decode_linear(r, L["qkv"], norm_weight=L["n1"], pdl=pdl),
+                     decode_linear_reference(r, L["qkv"], norm_weight=L["n1"])),
+        "o+res": (decode_linear(r, L["o"], residual=r.clone(), pdl=pdl),
+                  decode_linear_reference(r, L["o"], residual=r)),
+        "gu+norm+swiglu": (decode_linear(r, L["gu"], norm_weight=L["n2"], swiglu=True, pdl=pdl),
+                           decode_linear_reference(r, L["gu"], norm_weight=L["n2"], swiglu=True)),
+        "down+res": (decode_linear(a_in, L["down"], residual=r.clone(), pdl=pdl),
+                     decode_linear_reference(a_in, L["down"], residual=r)),
+    }
+    return {k: (a.float() - b.float()).abs().max().item() for k, (a, b) in checks.items()}
+
+
 def time_fn(fn, reps):
     """ms per call of `fn`, captured in a CUDA graph after two warm-up calls (which compile the kernels)."""
     s = torch.cuda.Stream()
@@ -166,20 +182,8 @@ def main():
               "rows": [], "per_kind": []}
 
     # correctness of one layer's kinds against the reference, on the GPU
-    L = ws[0]
-    r = torch.randn(H, device=dev, dtype=torch.bfloat16)
-    a_in = torch.randn(I, device=dev, dtype=torch.bfloat16)
-    checks = {
-        "qkv+norm": (decode_linear(r, L["qkv"], norm_weight=L["n1"], pdl=True),
-                     decode_linear_reference(r, L["qkv"], norm_weight=L["n1"])),
-        "o+res": (decode_linear(r, L["o"], residual=r.clone(), pdl=True),
-                  decode_linear_reference(r, L["o"], residual=r)),
-        "gu+norm+swiglu": (decode_linear(r, L["gu"], norm_weight=L["n2"], swiglu=True, pdl=True),
-                           decode_linear_reference(r, L["gu"], norm_weight=L["n2"], swiglu=True)),
-        "down+res": (decode_linear(a_in, L["down"], residual=r.clone(), pdl=True),
-                     decode_linear_reference(a_in, L["down"], residual=r)),
-    }
-    result["max_abs_err"] = {k: (a.float() - b.float()).abs().max().item() for k, (a, b) in checks.items()}
+    result["max_abs_err"] = layer_errors(ws[0], torch.randn(H, device=dev, dtype=torch.bfloat16),
+                                         torch.randn(I, device=dev, dtype=torch.bfloat16), True)
     print("max |decode_linear - reference|:", result["max_abs_err"], flush=True)
 
     def chain_row(name, fn):
