@@ -281,7 +281,7 @@ def _run_recording(paths, one_row, prompts, n, draft=None, spec=None, few_rows=F
     from eyas.models import one_row as mod
     llm = _llm(paths, one_row, draft, spec, few_rows=few_rows)
     logits, calls = [], []
-    head, step = llm.target.compute_logits, mod.forward_one_row
+    head, step = llm.target.compute_logits, mod.forward_rows
 
     def record(*a, **k):
         out = head(*a, **k)
@@ -292,11 +292,11 @@ def _run_recording(paths, one_row, prompts, n, draft=None, spec=None, few_rows=F
         calls.append(1)
         return step(*a, **k)
     llm.target.compute_logits = record
-    mod.forward_one_row = counting
+    mod.forward_rows = counting
     try:
         out = llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
     finally:
-        mod.forward_one_row = step
+        mod.forward_rows = step
     return [o.token_ids for o in out], logits, len(calls)
 
 
@@ -320,7 +320,7 @@ def test_one_row_taps_feature_layers():
     equal the fused path's."""
     from eyas.config import ModelConfig
     from eyas.models.llama import LlamaForCausalLM
-    from eyas.models.one_row import forward_one_row
+    from eyas.models.one_row import forward_rows
     cfg = ModelConfig(vocab_size=37, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=12)
     torch.manual_seed(0)
@@ -338,7 +338,7 @@ def test_one_row_taps_feature_layers():
                              prefix_includes_new=True)
     ids, pos = torch.tensor([[5]]), torch.tensor([[19]])
     with torch.no_grad():
-        h1, f1 = forward_one_row(model, model.embed(ids), pos, meta, cache, feature_layers=(2, 0))
+        h1, f1 = forward_rows(model, model.embed(ids), pos, meta, cache, feature_layers=(2, 0))
         model.one_row = False
         h0, f0 = model(ids, pos, meta, cache, feature_layers=(2, 0))
     torch.testing.assert_close(h1, h0, atol=1e-5, rtol=1e-5)

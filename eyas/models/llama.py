@@ -273,9 +273,9 @@ class LlamaForCausalLM(nn.Module):
         eps = self.config.rms_norm_eps
         taps: dict[int, torch.Tensor] = {}  # layer -> rms(r_i)
         if takes_fused_path(self, x.device):
-            from eyas.models.one_row import forward_one_row, takes_few_rows, takes_one_row
+            from eyas.models.one_row import forward_rows, takes_few_rows, takes_one_row
             if takes_one_row(self, x, meta) or takes_few_rows(self, x, meta):  # eyas.models.one_row
-                return forward_one_row(self, x, positions, meta, cache, feature_layers)
+                return forward_rows(self, x, positions, meta, cache, feature_layers)
             from eyas.kernels import add_rms_norm_triton
             res = None
             for i, layer in enumerate(self.model.layers):

@@ -104,7 +104,7 @@ def takes_few_rows(model: nn.Module, x: torch.Tensor, meta: AttentionMetadata | 
             and x.dtype == model.model.norm.weight.dtype)
 
 
-def forward_one_row(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache,
+def forward_rows(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache,
                     feature_layers: tuple[int, ...] | None = None):
     """x: the embedded tokens [B, Q, H] (a fresh tensor: it becomes the residual stream and is written in place);
     one token (the register kernels), or 2 to MAX_ROWS (`takes_few_rows`: the tile kernels; for tree tokens the
