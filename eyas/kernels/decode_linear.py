@@ -47,7 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from eyas.kernels.gemv import _interpreting
+from eyas.kernels.interpret import interpreting
 from eyas.layers.norm import rms_norm
 
 
@@ -372,7 +372,7 @@ def _launch(x2, M, K, weight, cfg, pdl, n_out, out2, *, norm_weight=None, eps=1e
             rope=None, stash=None):
     """`n_out` outputs (pairs for `pair`); `rope` the RoPE/store arguments; `stash` (seq_q, seq_rows, row_offset)
     the computed destination rows when rope's destination tensor is None (tile kernel only)."""
-    use_gdc = pdl and not _interpreting()
+    use_gdc = pdl and not interpreting()
     kwargs = {"launch_pdl": True} if use_gdc else {}
     cos, sin, pos, dst, kc, vc, stride_cos, q_rows, qk_rows, kv_row = rope or (out2,) * 6 + (0,) * 4
     N = weight.shape[0] // 2 if pair else weight.shape[0]
@@ -387,7 +387,7 @@ def _launch(x2, M, K, weight, cfg, pdl, n_out, out2, *, norm_weight=None, eps=1e
             NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair, HD=hd, USE_GDC=use_gdc,
             TRIGGER=TRIGGERS.index(cfg.trigger), num_warps=cfg.num_warps, enable_fp_fusion=False, **kwargs)
         return
-    upcast = x2.dtype != torch.float32 and _interpreting()
+    upcast = x2.dtype != torch.float32 and interpreting()
     seq_q, seq_rows, row_offset = stash or (1, 0, 0)
     _tile_linear_kernel[grid](
         *common, seq_q, seq_rows, row_offset, KP=triton.next_power_of_2(K), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,

@@ -45,6 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
+from eyas.kernels.interpret import interpreting
+
 MAX_M = 16
 NUM_SMS_H200 = 132
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -237,10 +239,6 @@ def _splitk_reduce_kernel(WS, BIAS, OUT, M, N, SPLIT_K, stride_om, HAS_BIAS: tl.
 # Host wrappers
 
 
-def _interpreting() -> bool:
-    return bool(triton.knobs.runtime.interpret)
-
-
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            scale: torch.Tensor | None = None) -> None:
     if x.dim() != 2 or weight.dim() != 2:
@@ -301,7 +299,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     split_k = triton.cdiv(K, k_per_split)
     m_pad = 16 if cfg.use_dot else triton.next_power_of_2(M)
     # float32 tiles: in the interpreter (no bf16 tl.dot there), and for FP8 codes against float32 x (exact products)
-    upcast = cfg.use_dot and ((x.dtype != torch.float32 and _interpreting())
+    upcast = cfg.use_dot and ((x.dtype != torch.float32 and interpreting())
                               or (scale is not None and x.dtype == torch.float32))
     dot_prec = "ieee" if (x.dtype == torch.float32 or upcast) else "tf32"  # tf32 is ignored for 16-bit inputs
     has_bias = bias is not None

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from eyas.kernels.interpret import interpreting
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -366,16 +368,12 @@ def _tiles(n_rows: int, head_dim: int, dtype: torch.dtype, kv_len: int | None = 
 
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 caches get exact fp32 products (no TF32) so that they match the reference; 16-bit types ignore this.
-    return "ieee" if dtype == torch.float32 or _interpreting() else "tf32"
-
-
-def _interpreting() -> bool:
-    return bool(triton.knobs.runtime.interpret)
+    return "ieee" if dtype == torch.float32 or interpreting() else "tf32"
 
 
 def _upcast(dtype: torch.dtype) -> bool:
     """Under TRITON_INTERPRET the interpreter computes bf16 tl.dot wrongly (numpy has no bf16); upcast there."""
-    return dtype == torch.bfloat16 and _interpreting()
+    return dtype == torch.bfloat16 and interpreting()
 
 
 def _check_dtype(t: torch.Tensor, name: str):
