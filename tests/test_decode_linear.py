@@ -218,9 +218,6 @@ def test_decode_qkv_rope_errors():
         decode_qkv_rope(torch.zeros(2, 48), *args[1:], kd, vd, 4)
     with pytest.raises(ValueError, match="cos/sin"):
         decode_qkv_rope(*args[:6], args[6][:, :8], args[7], kd, vd, 4)
-    stash_args = (*args[:5], None, *args[6:])
-    with pytest.raises(ValueError, match="without dst_rows"):  # computed rows: the tile kernel's only
-        decode_qkv_rope(*stash_args, kd, vd, 4, seq_rows=8)
     args2, (kd, vd) = _qkv_case(4, 2, 16, 48, torch.float32, "cpu", None, M=4)
     with pytest.raises(ValueError, match="without dst_rows"):  # 2 sequences of 2 tokens at rows 3..4 of 4 each
         decode_qkv_rope(*args2[:5], None, *args2[6:], kd, vd, 4, seq_rows=4, row_offset=3, seq_q=2)
@@ -228,10 +225,14 @@ def test_decode_qkv_rope_errors():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("NQ,KVH,D,K", [(4, 2, 16, 48), (3, 1, 32, 40)])
-@pytest.mark.parametrize("M,where", [(3, [5, -1, 2]), (6, (2, 4, 1)), (20, (1, 24, 3)), (40, (4, 12, 2))])
-def test_tile_qkv_rope_matches_reference(dtype, NQ, KVH, D, K, M, where):
-    """The tile kernel's RoPE and K/V store: to given rows (negative ones skipped), or to a stash's rows
-    (seq_q tokens a sequence at row_offset of seq_rows rows each), the rows around them untouched."""
+@pytest.mark.parametrize("M,where,kernel", [(3, [5, -1, 2], "tile"), (6, (2, 4, 1), "tile"), (20, (1, 24, 3), "tile"),
+                                            (40, (4, 12, 2), "tile"), (2, (1, 5, 3), "register"),
+                                            (6, (3, 4, 2), "register"), (1, (1, 3, 2), "register")])
+@pytest.mark.parametrize("norm", [True, False])
+def test_stash_qkv_rope_matches_reference(dtype, NQ, KVH, D, K, M, where, kernel, norm):
+    """RoPE and the K/V store of both kernels: to given rows (negative ones skipped), or to a stash's rows (seq_q
+    tokens a sequence at row_offset of seq_rows rows each), the rows around them untouched; with the input norm or
+    without (an EAGLE draft's first layer)."""
     dst = where if isinstance(where, list) else None
     args, _ = _qkv_case(NQ, KVH, D, K, dtype, DEV, dst, seed=M * K, M=M)
     kw = {}
@@ -245,7 +246,10 @@ def test_tile_qkv_rope_matches_reference(dtype, NQ, KVH, D, K, M, where):
     g = torch.Generator(device=DEV).manual_seed(1)
     kd, vd = (torch.randn(n_rows, KVH, D, generator=g, device=DEV).to(dtype) for _ in range(2))
     kd_ref, vd_ref, keep_k, keep_v = kd.clone(), vd.clone(), kd.clone(), vd.clone()
-    cfg = TileConfig(BLOCK_N=32, BLOCK_K=32, num_warps=2, num_stages=2)
+    cfg = (TileConfig(BLOCK_N=32, BLOCK_K=32, num_warps=2, num_stages=2) if kernel == "tile"
+           else DecodeLinearConfig(BLOCK_N=4, num_warps=2))
+    if not norm:
+        args = (args[0], args[1], None, *args[3:])
     q = decode_qkv_rope(*args, kd, vd, NQ, config=cfg, **kw)
     _check(q, decode_qkv_rope_reference(*args, kd_ref, vd_ref, NQ, **kw), dtype)
     for got, ref, keep in ((kd, kd_ref, keep_k), (vd, vd_ref, keep_v)):
@@ -367,10 +371,12 @@ def test_engine_config_switches_it(tiny):
 
 
 @pytest.mark.parametrize("prompts,spec", [([[1, 2, 3], [5, 6, 7, 8, 9, 10], [11]], None),
-                                          ([[1, 2, 3, 4]], "chain:3"), ([[1, 2, 3, 4], [9, 8]], "tree:8"),
+                                          ([[1, 2, 3, 4]], "chain:3"), ([[6, 2, 7]], "chain:1"),
+                                          ([[1, 2, 3, 4], [9, 8]], "tree:8"),
                                           ([[3, 1, 4, 1, 5]], "tree:smollm2_48d5")])
 def test_few_rows_equal_the_fused_path(tiny, prompts, spec):
-    """Batched plain decoding (3 rows a step) and verify passes (chain:3: 4 rows; tree:8 at batch 2: 18 rows; the
+    """Batched plain decoding (3 rows a step) and verify passes (chain:3: 4 rows; chain:1: 2, on the register
+    kernel; tree:8 at batch 2: 18 rows; the
     default tree: 49 rows) on the tile kernels, the most rows the path takes raised to the kernel's 64: the fused
     path's tokens and the logits of every target call."""
     n = 4 if spec and spec.startswith("tree") else 6  # (the trees' verify passes are slow in the interpreter)

@@ -98,15 +98,16 @@ def default_decode_config(N: int, K: int, swiglu: bool = False, M: int = 1) -> D
 
 @triton.jit
 def _decode_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r, stride_o, COS, SIN, POS, DST, KC,
-                          VC, stride_cos, Q_ROWS, QK_ROWS, KV_ROW,
+                          VC, stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF,
                           KP: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, NORM: tl.constexpr,
-                          ADD_RES: tl.constexpr, PAIR: tl.constexpr, HD: tl.constexpr, USE_GDC: tl.constexpr,
-                          TRIGGER: tl.constexpr):
+                          ADD_RES: tl.constexpr, PAIR: tl.constexpr, HD: tl.constexpr, HAS_DST: tl.constexpr,
+                          USE_GDC: tl.constexpr, TRIGGER: tl.constexpr):
     """M <= M_PAD rows of x against one weight tile held in registers. PAIR 0: BLOCK_N weight rows n of N.
     PAIR 1 (SwiGLU): BLOCK_N / 2 pairs (gate row j, up row N + j) of N pairs. PAIR 2 (RoPE): pairs (row f, row
     f + HD), f = (j // HD) * 2 HD + j % HD, the two halves of a head's dimension d = j % HD, N pairs; rows below
     Q_ROWS are q (rotated, to OUT), then k (rotated) and v (as they are) to the row stores KC / VC at row DST[m]
-    (skipped when negative; KV_ROW elements a row), at position POS[m]."""
+    (HAS_DST; skipped when negative) or at a stash's row (`_store_pairs`), KV_ROW elements a row, at position
+    POS[m]."""
     pid = tl.program_id(0)
     offs_k = tl.arange(0, KP)
     k_ok = offs_k < K
@@ -162,7 +163,7 @@ def _decode_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride
     if PAIR > 0:
         a, b = tl.split(acc)                                                           # [P, M_PAD] each
         _store_pairs(a, b, j, j_ok, jj, first, offs_m, m_ok, OUT, stride_o, COS, SIN, POS, DST, KC, VC, stride_cos,
-                     Q_ROWS, QK_ROWS, KV_ROW, 1, 0, 0, PAIR, HD, True)
+                     Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, PAIR, HD, HAS_DST)
     else:
         _store_rows(acc, n, n_ok, offs_m, m_ok, RES, OUT, stride_r, stride_o, ADD_RES)
 
@@ -371,7 +372,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _launch(x2, M, K, weight, cfg, pdl, n_out, out2, *, norm_weight=None, eps=1e-5, res2=None, pair=0, hd=1,
             rope=None, stash=None):
     """`n_out` outputs (pairs for `pair`); `rope` the RoPE/store arguments; `stash` (seq_q, seq_rows, row_offset)
-    the computed destination rows when rope's destination tensor is None (tile kernel only)."""
+    the computed destination rows when rope's destination tensor is None."""
     use_gdc = pdl and not interpreting()
     kwargs = {"launch_pdl": True} if use_gdc else {}
     cos, sin, pos, dst, kc, vc, stride_cos, q_rows, qk_rows, kv_row = rope or (out2,) * 6 + (0,) * 4
@@ -381,14 +382,15 @@ def _launch(x2, M, K, weight, cfg, pdl, n_out, out2, *, norm_weight=None, eps=1e
               dst if dst is not None else pos, kc, vc, stride_cos, q_rows, qk_rows, kv_row)
     per_prog = cfg.BLOCK_N // 2 if pair else cfg.BLOCK_N
     grid = (triton.cdiv(n_out, per_prog),)
+    seq_q, seq_rows, row_offset = stash or (1, 0, 0)
     if isinstance(cfg, DecodeLinearConfig):
         _decode_linear_kernel[grid](
-            *common, KP=triton.next_power_of_2(K), BLOCK_N=cfg.BLOCK_N, M_PAD=triton.next_power_of_2(M),
-            NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair, HD=hd, USE_GDC=use_gdc,
-            TRIGGER=TRIGGERS.index(cfg.trigger), num_warps=cfg.num_warps, enable_fp_fusion=False, **kwargs)
+            *common, seq_q, seq_rows, row_offset, KP=triton.next_power_of_2(K), BLOCK_N=cfg.BLOCK_N,
+            M_PAD=triton.next_power_of_2(M), NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair, HD=hd,
+            HAS_DST=dst is not None, USE_GDC=use_gdc, TRIGGER=TRIGGERS.index(cfg.trigger), num_warps=cfg.num_warps,
+            enable_fp_fusion=False, **kwargs)
         return
     upcast = x2.dtype != torch.float32 and interpreting()
-    seq_q, seq_rows, row_offset = stash or (1, 0, 0)
     _tile_linear_kernel[grid](
         *common, seq_q, seq_rows, row_offset, KP=triton.next_power_of_2(K), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         M_PAD=max(16, triton.next_power_of_2(M)), NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair,
@@ -441,18 +443,18 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.T
     return out
 
 
-def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
                     positions: torch.Tensor, dst_rows: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                     k_dst: torch.Tensor, v_dst: torch.Tensor, n_heads: int, *, seq_rows: int = 0,
                     row_offset: int = 0, seq_q: int = 1, pdl: bool = False,
                     config: DecodeLinearConfig | TileConfig | None = None) -> torch.Tensor:
     """A decoder layer's attention input for 1 to MAX_ROWS tokens x [..., K], in one launch: the fused q/k/v
-    projection of RMSNorm(x) (`weight` [(n_heads + 2 KVH) D, K], q rows, then k, then v), RoPE on q and k at
+    projection of RMSNorm(x) (x itself with `norm_weight` None: an EAGLE draft's first layer) (`weight`
+    [(n_heads + 2 KVH) D, K], q rows, then k, then v), RoPE on q and k at
     `positions` (one integer per token), and k (rotated) and v stored into the row stores k_dst / v_dst
     [rows, KVH, D] at `dst_rows` (one per token; skipped when negative), or, with `dst_rows` None, token m (of
     M = B x seq_q) at row (m // seq_q) * seq_rows + row_offset + m % seq_q (a step's stash, as
-    `rope_store_triton`'s seq_rows/row_offset; the tile kernel only, so 2 or more rows). Returns the rotated q
-    [M, n_heads * D].
+    `rope_store_triton`'s seq_rows/row_offset). Returns the rotated q [M, n_heads * D].
     Same values as `decode_linear(x, weight, norm_weight=...)` followed by `eyas.kernels.rope_store_triton`
     (`decode_qkv_rope_reference`)."""
     x2, M, K = _rows(x, "decode_qkv_rope")
@@ -463,7 +465,8 @@ def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Te
     if D % 2 or weight.dim() != 2 or weight.shape != ((n_heads + 2 * KVH) * D, K) or not weight.is_contiguous():
         raise ValueError(f"weight {tuple(weight.shape)} is not a contiguous q/k/v projection of {n_heads} + 2 x "
                          f"{KVH} heads of {D} over {K}")
-    if weight.dtype != x.dtype or norm_weight.shape != (K,) or norm_weight.dtype != x.dtype:
+    if weight.dtype != x.dtype or (norm_weight is not None and (norm_weight.shape != (K,)
+                                                                or norm_weight.dtype != x.dtype)):
         raise ValueError("decode_qkv_rope: weight must have x's dtype, and norm_weight K elements of it")
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or cos.stride(-1) != 1 or sin.stride(-1) != 1 \
             or sin.stride(0) != cos.stride(0):
@@ -474,11 +477,11 @@ def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Te
                          f"{positions.numel()} and {dst_rows.numel()}")
     n_pairs = weight.shape[0] // 2
     cfg = _config(config, M, n_pairs, K, True)
-    if dst_rows is None and (not isinstance(cfg, TileConfig) or seq_q < 1 or M % seq_q or seq_rows < 0
-                             or row_offset < 0 or row_offset + seq_q > seq_rows or M // seq_q * seq_rows > len(k_dst)):
-        raise ValueError(f"decode_qkv_rope without dst_rows needs the tile kernel and {M} tokens in sequences of "
-                         f"seq_q = {seq_q} whose rows row_offset = {row_offset} .. + seq_q fit seq_rows = {seq_rows} "
-                         f"rows each of the {len(k_dst)}")
+    if dst_rows is None and (seq_q < 1 or M % seq_q or seq_rows < 0 or row_offset < 0
+                             or row_offset + seq_q > seq_rows or M // seq_q * seq_rows > len(k_dst)):
+        raise ValueError(f"decode_qkv_rope without dst_rows needs {M} tokens in sequences of seq_q = {seq_q} whose "
+                         f"rows row_offset = {row_offset} .. + seq_q fit seq_rows = {seq_rows} rows each of the "
+                         f"{len(k_dst)}")
     q = torch.empty((M, n_heads * D), dtype=x.dtype, device=x.device)
     pos = positions.reshape(M)
     dst = dst_rows.reshape(M) if dst_rows is not None else None
