@@ -350,6 +350,64 @@ def test_one_row_taps_feature_layers():
     assert f1.shape == (1, 1, 3 * 48)
 
 
+@pytest.mark.parametrize("B,Q,layers,out", [(1, 1, 1, "view"), (1, 3, 1, None), (2, 3, 2, "view"), (2, 1, 1, None)])
+def test_draft_levels_on_rows_equal_the_fused_path(B, Q, layers, out):
+    """An EAGLE draft's tree level (K/V to the stash, the suffix over its rows) on `forward_draft_rows`: the fused
+    path's output, stash rows and nothing else written; one and two layers (the first without input norm), into a
+    view of a larger buffer (strided at batch 2) or a new tensor."""
+    from eyas.cache.kv_cache import KVCache
+    from eyas.config import ModelConfig
+    from eyas.layers.attention import AttentionMetadata, Stash
+    from eyas.models import one_row as mod
+    from eyas.models.eagle import EagleDraft
+    cfg = ModelConfig(vocab_size=37, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=12)
+    torch.manual_seed(B * 10 + Q + layers)
+    draft = EagleDraft(cfg).to(DEV)
+    for p in draft.parameters():
+        p.data.normal_(0, 0.15)
+    enable_fast_path(draft)
+    assert draft.few_rows
+    cache = KVCache.allocate(cfg, layers, 6, 16, torch.float32, torch.device(DEV))
+    for t in (cache.k, cache.v):
+        t.normal_()
+    R = 1 + 2 * Q  # rows 1 .. Q an earlier level, Q + 1 .. 2Q this one
+    stash = Stash.like(cache, B, R)
+    for t in (stash.k, stash.v):
+        t.normal_()
+    mask = torch.rand(B, Q, 2 * Q, generator=torch.Generator().manual_seed(1)) < 0.6
+    mask[:, :, Q:] = torch.eye(Q, dtype=torch.bool)  # each token sees itself and some of the earlier level
+    meta = AttentionMetadata(block_tables=torch.tensor([[2, 0], [4, 5]])[:B], context_lens=torch.tensor([20, 17])[:B],
+                             max_context_len=20, block_size=16, suffix_mask=mask.to(DEV), use_triton=True,
+                             stash=stash, stash_at=Q + 1, suffix_from=1)
+    pairs = torch.randn(B, Q, 96, device=DEV)
+    pos = torch.tensor([[19], [16]])[:B].expand(B, Q).contiguous().to(DEV)
+    results = []
+    for rows in (True, False):
+        draft.few_rows = rows
+        s = Stash(stash.k.clone(), stash.v.clone())
+        m = AttentionMetadata(**{**meta.__dict__, "stash": s})
+        buf = torch.full((B, R, 48), 7.0, device=DEV) if out else None
+        dst = buf[:, Q + 1:] if out else None
+        calls = []
+        step = mod.forward_draft_rows
+        mod.forward_draft_rows = lambda *a, **k: calls.append(1) or step(*a, **k)
+        try:
+            with torch.no_grad():
+                y = draft.forward_pairs(pairs, pos, m, cache, out=dst)
+        finally:
+            mod.forward_draft_rows = step
+        assert len(calls) == (1 if rows else 0)
+        results.append((y.clone(), s, buf))
+    (y1, s1, b1), (y0, s0, b0) = results
+    # float32: only the order of the sums differs (the fused path's are cuBLAS's or torch's)
+    torch.testing.assert_close(y1, y0, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s1.k, s0.k, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s1.v, s0.v, atol=1e-4, rtol=1e-4)
+    if out:
+        assert torch.equal(b1[:, :Q + 1], b0[:, :Q + 1]) and (b1[:, :Q + 1] == 7.0).all()
+
+
 def test_engine_config_switches_it(tiny):
     """EngineConfig(one_row=False, few_rows=False) (`eyas bench latency --no-one-row --no-few-rows`) keeps every
     step on the fused path."""
@@ -362,7 +420,9 @@ def test_engine_config_switches_it(tiny):
     ModelRunner(t, None, None, 8, 16, use_triton=True, few_rows=False)
     assert t.one_row and not t.few_rows
     ModelRunner(t, None, None, 8, 16, use_triton=True)
-    assert t.one_row and t.few_rows
+    assert t.one_row and not t.few_rows  # a model on the CPU (the interpreter): few rows only where a test asks
+    enable_fast_path(t)
+    assert t.few_rows
     import argparse
     sub = argparse.ArgumentParser().add_subparsers()
     p = add_parser(sub)

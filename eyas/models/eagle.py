@@ -32,6 +32,9 @@ class EagleDraft(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, input_norm=i > 0) for i in range(cfg.num_hidden_layers))
         self.rope = RotaryEmbedding.for_config(cfg)
         self.fused_ops = False  # as LlamaForCausalLM.fused_ops: the Triton kernels, with autograd off only
+        # tree levels of 1-16 tokens on eyas.kernels.decode_linear (`eyas.models.one_row.forward_draft_rows`; set by
+        # enable_fast_path for small models)
+        self.few_rows = False
         fl = cfg.feature_layers
         self.feature_layers: tuple[int, ...] | None = tuple(int(i) for i in fl) if fl is not None else None
         if self.feature_layers is not None:
@@ -73,6 +76,10 @@ class EagleDraft(nn.Module):
                       out: torch.Tensor | None = None) -> torch.Tensor:
         """`forward` from the concatenated pairs [B, Q, 2H] = cat(embed(token t+1), feature t), as
         `eyas.kernels.draft_pairs` builds them in one launch during decoding."""
+        if self.few_rows and takes_fused_path(self, pairs.device):
+            from eyas.models.one_row import forward_draft_rows, takes_draft_rows
+            if takes_draft_rows(self, pairs, meta):  # a tree level: eyas.models.one_row
+                return forward_draft_rows(self, pairs, positions, meta, cache, out)
         x = self.fc(pairs)
         if takes_fused_path(self, x.device):
             res = None

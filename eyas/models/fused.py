@@ -49,13 +49,15 @@ def enable_fast_path(model: nn.Module, one_row: bool = True, few_rows: bool = Tr
     """`fuse_projections` + `use_fused_ops(model, True)`: what the runner does on CUDA. `one_row`: a target
     (LlamaForCausalLM) also takes `eyas.models.one_row` for batch-1 plain decode steps where it can; `few_rows`:
     for verify passes and plain steps of 2 to 16 tokens (its tile kernels), where they pay (small models:
-    `few_rows_pay`)."""
+    `few_rows_pay`); for an EagleDraft, `few_rows` puts its tree levels of 1 to 16 tokens on the same kernels."""
     use_fused_ops(fuse_projections(model), True)
+    from eyas.models.one_row import draft_rows_ready, few_rows_pay, one_row_ready
     if hasattr(model, "one_row"):
-        from eyas.models.one_row import few_rows_pay, one_row_ready
         ready = one_row_ready(model)
         model.one_row = one_row and ready
         model.few_rows = few_rows and ready and few_rows_pay(model)
+    elif hasattr(model, "few_rows"):  # an EAGLE draft: its tree levels
+        model.few_rows = few_rows and draft_rows_ready(model) and few_rows_pay(model)
     return model
 
 

@@ -23,7 +23,9 @@ Session 15 measured (docs/bench/few_rows_s15.json) SmolLM2's `chain:3` at 0.509-
 0.565-0.603 without, and its plain decoding at batch 2 at 0.77-0.87 against 1.12-1.20; at the 8B shapes cuBLAS
 streams the weights faster than the tiles (4.68 ms against 4.13 for a synthetic 4-row forward), and at 49 rows
 (SmolLM2's default tree) the tiles lose too (0.82-0.93 against 0.75). `enable_fast_path(few_rows=True)` sets
-`model.few_rows`; `model.few_rows_max` (FEW_ROWS_MAX) bounds the rows.
+`model.few_rows`; `model.few_rows_max` (FEW_ROWS_MAX) bounds the rows. An EAGLE draft's tree levels of 1 to 16
+tokens take the same kernels (`forward_draft_rows`; written after session 15's measurements, held to the fused
+path by the tests).
 
 Taken only where it computes what the fused path computes: a plain decoding step (`meta.prefix_includes_new`) or
 tree tokens (`meta.stash`), Triton attention, and a model whose projections are fused, bias-free nn.Linear
@@ -151,6 +153,72 @@ def forward_rows(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, met
     norm = model.model.norm
     hidden = add_rms_norm_triton(r, None, norm.weight, norm.eps)[0].view(B, Q, H)
     return with_features(hidden, taps, feature_layers, len(model.model.layers))
+
+
+def draft_rows_ready(draft: nn.Module) -> bool:
+    """Whether an EagleDraft has what `forward_draft_rows` needs: fc and every layer's fused projections plain
+    nn.Linear layers without bias or hooks (not quantized, not sharded), RMSNorms, no input norm only on layer 0."""
+    if not _plain(draft.fc):
+        return False
+    for i, layer in enumerate(draft.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if not (hasattr(attn, "qkv_proj") and hasattr(mlp, "gate_up_proj")):
+            return False
+        if not all(_plain(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            return False
+        n1 = layer.input_layernorm
+        if not (isinstance(n1, RMSNorm) or (i == 0 and isinstance(n1, nn.Identity))):
+            return False
+        if not isinstance(layer.post_attention_layernorm, RMSNorm):
+            return False
+        if layer._forward_hooks or attn._forward_hooks or mlp._forward_hooks:
+            return False
+    return True
+
+
+def takes_draft_rows(draft: nn.Module, pairs: torch.Tensor, meta: AttentionMetadata | None) -> bool:
+    """`pairs` [B, Q, 2H]: 1 to `few_rows_max` tokens of a tree level (their K/V go to the stash), with
+    `draft.few_rows` set. The catch-up (K/V to the draft cache after attending among themselves) keeps the fused
+    path."""
+    return (getattr(draft, "few_rows", False) and meta is not None and meta.use_triton and meta.stash is not None
+            and 1 <= pairs.shape[0] * pairs.shape[1] <= getattr(draft, "few_rows_max", FEW_ROWS_MAX)
+            and pairs.dtype == draft.fc.weight.dtype)
+
+
+def forward_draft_rows(draft: nn.Module, pairs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       cache, out: torch.Tensor | None = None) -> torch.Tensor:
+    """An EAGLE draft's tree level on the same kernels: `EagleDraft.forward_pairs` for pairs [B, Q, 2H] (`out`: as
+    there, written and returned). fc is one launch, then each layer the five of `forward_rows` (the first layer
+    without the input norm), the last layer's down projection adding the residual straight into `out`."""
+    from eyas.kernels.decode_linear import decode_linear, decode_qkv_rope
+    from eyas.models.llama import _rows as _row_store
+    B, Q, H2 = pairs.shape
+    M, H = B * Q, H2 // 2
+    pdl = use_pdl(pairs.device)
+    r = decode_linear(pairs.reshape(M, H2), draft.fc.weight, pdl=pdl)       # the residual stream
+    pos = positions.expand(B, Q).reshape(M)
+    stash, end = meta.stash, meta.stash_at + Q
+    direct = out is not None and out.is_contiguous() and out.shape == (B, Q, H) and out.dtype == r.dtype
+    rope, last = draft.rope, len(draft.layers) - 1
+    for i, layer in enumerate(draft.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        k_cache, v_cache = cache.k[attn.layer_idx], cache.v[attn.layer_idx]
+        sk, sv = stash.k[attn.layer_idx], stash.v[attn.layer_idx]
+        norm = n1.weight if isinstance(n1, RMSNorm) else None
+        q = decode_qkv_rope(r, attn.qkv_proj.weight, norm, getattr(n1, "eps", 0.0), pos, None, rope.cos, rope.sin,
+                            _row_store(sk), _row_store(sv), attn.n_heads, seq_rows=sk.shape[1],
+                            row_offset=meta.stash_at, seq_q=Q, pdl=pdl)
+        o = split_tree_attention(q.view(B, Q, attn.n_heads, attn.head_dim), sk[:, meta.suffix_from: end],
+                                 sv[:, meta.suffix_from: end], k_cache, v_cache, meta, attn.scale, out_dtype=r.dtype)
+        decode_linear(o.reshape(M, -1), attn.o_proj.weight, residual=r, out=r, pdl=pdl)
+        act = decode_linear(r, mlp.gate_up_proj.weight, norm_weight=n2.weight, eps=n2.eps, swiglu=True, pdl=pdl)
+        into = out.view(M, H) if i == last and direct else r
+        decode_linear(act, mlp.down_proj.weight, residual=r, out=into, pdl=pdl)
+    if direct:
+        return out
+    y = r.view(B, Q, H)
+    return y if out is None else out.copy_(y)
 
 
 def logits_one_row(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
