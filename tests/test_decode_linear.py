@@ -460,6 +460,11 @@ def test_few_rows_limits(tiny):
     big.config.hidden_size = 4096  # as if it were the 8B shape: measured slower there, so not switched on
     enable_fast_path(big)
     assert big.one_row and not big.few_rows
+    from eyas.models.one_row import draft_rows_ready
+    d = _llm(tiny, True, tiny[1], "chain:3", few_rows=True).draft
+    assert d.few_rows and draft_rows_ready(d)
+    d.fc.register_forward_hook(lambda *a: None)  # as tensor parallelism's hooks: not ready
+    assert not draft_rows_ready(d)
 
 
 def test_other_steps_keep_the_fused_path(tiny):

@@ -50,21 +50,25 @@ def _plain(linear) -> bool:
             and not linear._forward_hooks and not linear._forward_pre_hooks)
 
 
+def _layer_ready(layer: nn.Module, input_norm: bool) -> bool:
+    """A decoder layer with fused, plain projections, RMSNorms (no input norm where `input_norm` is False: an EAGLE
+    draft's first layer), and no hooks."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if not (hasattr(attn, "qkv_proj") and hasattr(mlp, "gate_up_proj")):
+        return False
+    if not all(_plain(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        return False
+    n1 = layer.input_layernorm
+    if not (isinstance(n1, RMSNorm) if input_norm else isinstance(n1, nn.Identity)):
+        return False
+    if not isinstance(layer.post_attention_layernorm, RMSNorm):
+        return False
+    return not (layer._forward_hooks or attn._forward_hooks or mlp._forward_hooks)
+
+
 def one_row_ready(model: nn.Module) -> bool:
     """Whether every layer of `model` (a LlamaForCausalLM), and its head, have what the one-row path needs."""
-    if not _plain(model.lm_head):
-        return False
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if not (hasattr(attn, "qkv_proj") and hasattr(mlp, "gate_up_proj")):
-            return False
-        if not all(_plain(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-            return False
-        if not (isinstance(layer.input_layernorm, RMSNorm) and isinstance(layer.post_attention_layernorm, RMSNorm)):
-            return False
-        if layer._forward_hooks or attn._forward_hooks or mlp._forward_hooks:
-            return False
-    return True
+    return _plain(model.lm_head) and all(_layer_ready(layer, True) for layer in model.model.layers)
 
 
 def takes_one_row(model: nn.Module, x: torch.Tensor, meta: AttentionMetadata | None) -> bool:
@@ -107,10 +111,10 @@ def takes_few_rows(model: nn.Module, x: torch.Tensor, meta: AttentionMetadata | 
 
 
 def forward_rows(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache,
-                    feature_layers: tuple[int, ...] | None = None):
+                 feature_layers: tuple[int, ...] | None = None):
     """x: the embedded tokens [B, Q, H] (a fresh tensor: it becomes the residual stream and is written in place);
-    one token (the register kernels), or 2 to MAX_ROWS (`takes_few_rows`: the tile kernels; for tree tokens the
-    K/V go to the stash and the attention is the split tree attention). Returns what `LlamaForCausalLM.forward`
+    one token (`takes_one_row`), or 2 to `few_rows_max` (`takes_few_rows`; for tree tokens the K/V go to the stash
+    and the attention is the split tree attention). Returns what `LlamaForCausalLM.forward`
     returns: the final hidden state [B, Q, H], with the features when `feature_layers` is given."""
     from eyas.kernels import add_rms_norm_triton
     from eyas.kernels.decode_linear import decode_linear, decode_qkv_rope
@@ -158,22 +162,8 @@ def forward_rows(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, met
 def draft_rows_ready(draft: nn.Module) -> bool:
     """Whether an EagleDraft has what `forward_draft_rows` needs: fc and every layer's fused projections plain
     nn.Linear layers without bias or hooks (not quantized, not sharded), RMSNorms, no input norm only on layer 0."""
-    if not _plain(draft.fc):
-        return False
-    for i, layer in enumerate(draft.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        if not (hasattr(attn, "qkv_proj") and hasattr(mlp, "gate_up_proj")):
-            return False
-        if not all(_plain(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-            return False
-        n1 = layer.input_layernorm
-        if not (isinstance(n1, RMSNorm) or (i == 0 and isinstance(n1, nn.Identity))):
-            return False
-        if not isinstance(layer.post_attention_layernorm, RMSNorm):
-            return False
-        if layer._forward_hooks or attn._forward_hooks or mlp._forward_hooks:
-            return False
-    return True
+    return _plain(draft.fc) and all(_layer_ready(layer, isinstance(layer.input_layernorm, RMSNorm) or i > 0)
+                                    for i, layer in enumerate(draft.layers))
 
 
 def takes_draft_rows(draft: nn.Module, pairs: torch.Tensor, meta: AttentionMetadata | None) -> bool:
