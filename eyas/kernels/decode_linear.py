@@ -97,6 +97,23 @@ def default_decode_config(N: int, K: int, swiglu: bool = False, M: int = 1) -> D
 
 
 @triton.jit
+def _pair_rows(pid, N, P: tl.constexpr, PAIR: tl.constexpr, HD: tl.constexpr):
+    """Program `pid`'s P pairs of weight rows: j (the pair, an output column), j_ok (j < N), jj (j, or 0 past N: the
+    tail program re-reads pair 0, never stored) and the pair's rows first / second. PAIR 1 (SwiGLU): gate row j and
+    up row N + j. PAIR 2 (RoPE): the two halves (f, f + HD) of a head's dimension, f = (j // HD) * 2 HD + j % HD."""
+    j = pid * P + tl.arange(0, P)
+    j_ok = j < N
+    jj = tl.where(j_ok, j, 0)
+    if PAIR == 1:
+        first = jj
+        second = jj + N
+    else:
+        first = (jj // HD) * (2 * HD) + jj % HD
+        second = first + HD
+    return j, j_ok, jj, first, second
+
+
+@triton.jit
 def _decode_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r, stride_o, COS, SIN, POS, DST, KC,
                           VC, stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF,
                           KP: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, NORM: tl.constexpr,
@@ -114,15 +131,8 @@ def _decode_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride
     offs_m = tl.arange(0, M_PAD)
     if PAIR > 0:
         P: tl.constexpr = BLOCK_N // 2
-        j = pid * P + tl.arange(0, P)
-        j_ok = j < N
-        jj = tl.where(j_ok, j, 0)
-        if PAIR == 1:
-            first = jj
-            rows = (jj[:, None] + N * tl.arange(0, 2)[None, :]).to(tl.int64)                     # [P, 2]
-        else:
-            first = (jj // HD) * (2 * HD) + jj % HD
-            rows = (first[:, None] + HD * tl.arange(0, 2)[None, :]).to(tl.int64)
+        j, j_ok, jj, first, second = _pair_rows(pid, N, P, PAIR, HD)
+        rows = tl.join(first, second).to(tl.int64)                                             # [P, 2]
         w = tl.load(W + rows[:, :, None] * K + offs_k[None, None, :], mask=k_ok[None, None, :], other=0.0)
         acc = tl.zeros((P, M_PAD, 2), dtype=tl.float32)
     else:
@@ -243,15 +253,7 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
     x_ptrs = X + tl.where(m_ok, offs_m, 0)[:, None] * stride_x + offs_k[None, :]   # padding rows re-read row 0
     if PAIR > 0:
         P: tl.constexpr = BLOCK_N // 2
-        j = pid * P + tl.arange(0, P)
-        j_ok = j < N
-        jj = tl.where(j_ok, j, 0)
-        if PAIR == 1:
-            first = jj
-            second = jj + N
-        else:
-            first = (jj // HD) * (2 * HD) + jj % HD
-            second = first + HD
+        j, j_ok, jj, first, second = _pair_rows(pid, N, P, PAIR, HD)
         wa_ptrs = W + first.to(tl.int64)[:, None] * K + offs_k[None, :]
         wb_ptrs = W + second.to(tl.int64)[:, None] * K + offs_k[None, :]
         acc_a = tl.zeros((P, M_PAD), dtype=tl.float32)
@@ -294,6 +296,7 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
                      stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, PAIR, HD, HAS_DST)
     else:
         _store_rows(acc_a, n, n_ok, offs_m, m_ok, RES, OUT, stride_r, stride_o, ADD_RES)
+
 
 MAX_ROWS = 64        # the tile kernel's limit (x padded to a power of two >= 16 rows)
 REGISTER_ROWS = 8    # the register kernel's limit (it re-reads x per program: meant for one row)
