@@ -110,6 +110,37 @@ def takes_few_rows(model: nn.Module, x: torch.Tensor, meta: AttentionMetadata | 
             and x.dtype == model.model.norm.weight.dtype)
 
 
+def _layer_rows(layer: nn.Module, r: torch.Tensor, B: int, Q: int, pos: torch.Tensor, meta: AttentionMetadata, cache,
+                rope, pdl: bool, out: torch.Tensor | None = None) -> None:
+    """One decoder layer in five launches over the residual stream r [B * Q, H], updated in place (or, with `out`,
+    its final value written there instead: the down projection adds r into `out`). The input norm is skipped where
+    the layer has none (an EAGLE draft's first). Plain decoding (`meta.prefix_includes_new`): K/V to the cache at
+    the slots, then the prefix pass; tree tokens: K/V to the stash, the suffix over its rows merged with the
+    prefix."""
+    from eyas.kernels.decode_linear import decode_linear, decode_qkv_rope
+    from eyas.models.llama import _rows as _row_store
+    attn, mlp = layer.self_attn, layer.mlp
+    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    norm, eps = (n1.weight, n1.eps) if isinstance(n1, RMSNorm) else (None, 0.0)
+    k_cache, v_cache = cache.k[attn.layer_idx], cache.v[attn.layer_idx]
+    if meta.prefix_includes_new:
+        q = decode_qkv_rope(r, attn.qkv_proj.weight, norm, eps, pos, meta.slot_mapping, rope.cos, rope.sin,
+                            _row_store(k_cache), _row_store(v_cache), attn.n_heads, pdl=pdl)
+        o = prefix_only_attention(q.view(B, Q, attn.n_heads, attn.head_dim), k_cache, v_cache, meta, attn.scale,
+                                  out_dtype=r.dtype)
+    else:
+        sk, sv = meta.stash.k[attn.layer_idx], meta.stash.v[attn.layer_idx]
+        end = meta.stash_at + Q
+        q = decode_qkv_rope(r, attn.qkv_proj.weight, norm, eps, pos, None, rope.cos, rope.sin, _row_store(sk),
+                            _row_store(sv), attn.n_heads, seq_rows=sk.shape[1], row_offset=meta.stash_at, seq_q=Q,
+                            pdl=pdl)
+        o = split_tree_attention(q.view(B, Q, attn.n_heads, attn.head_dim), sk[:, meta.suffix_from: end],
+                                 sv[:, meta.suffix_from: end], k_cache, v_cache, meta, attn.scale, out_dtype=r.dtype)
+    decode_linear(o.reshape(B * Q, -1), attn.o_proj.weight, residual=r, out=r, pdl=pdl)
+    act = decode_linear(r, mlp.gate_up_proj.weight, norm_weight=n2.weight, eps=n2.eps, swiglu=True, pdl=pdl)
+    decode_linear(act, mlp.down_proj.weight, residual=r, out=r if out is None else out, pdl=pdl)
+
+
 def forward_rows(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache,
                  feature_layers: tuple[int, ...] | None = None):
     """x: the embedded tokens [B, Q, H] (a fresh tensor: it becomes the residual stream and is written in place);
@@ -117,8 +148,7 @@ def forward_rows(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, met
     and the attention is the split tree attention). Returns what `LlamaForCausalLM.forward`
     returns: the final hidden state [B, Q, H], with the features when `feature_layers` is given."""
     from eyas.kernels import add_rms_norm_triton
-    from eyas.kernels.decode_linear import decode_linear, decode_qkv_rope
-    from eyas.models.llama import _rows as _row_store, with_features
+    from eyas.models.llama import with_features
     B, Q, H = x.shape
     M = B * Q
     pdl = use_pdl(x.device)
@@ -126,32 +156,11 @@ def forward_rows(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, met
     if not r.is_contiguous():
         r = r.contiguous()
     pos = positions.expand(B, Q).reshape(M)
-    stash = None if meta.prefix_includes_new else meta.stash
-    end = meta.stash_at + Q
     want = set(feature_layers) if feature_layers is not None else ()
     taps = {}
-    rope = model.rope
     eps = model.config.rms_norm_eps
     for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
-        k_cache, v_cache = cache.k[attn.layer_idx], cache.v[attn.layer_idx]
-        if stash is None:  # plain decoding: K/V to the cache, then the prefix pass
-            q = decode_qkv_rope(r, attn.qkv_proj.weight, n1.weight, n1.eps, pos, meta.slot_mapping, rope.cos,
-                                rope.sin, _row_store(k_cache), _row_store(v_cache), attn.n_heads, pdl=pdl)
-            o = prefix_only_attention(q.view(B, Q, attn.n_heads, attn.head_dim), k_cache, v_cache, meta, attn.scale,
-                                      out_dtype=x.dtype)
-        else:  # tree tokens: K/V to the stash, the suffix over its rows, merged with the prefix
-            sk, sv = stash.k[attn.layer_idx], stash.v[attn.layer_idx]
-            q = decode_qkv_rope(r, attn.qkv_proj.weight, n1.weight, n1.eps, pos, None, rope.cos, rope.sin,
-                                _row_store(sk), _row_store(sv), attn.n_heads, seq_rows=sk.shape[1],
-                                row_offset=meta.stash_at, seq_q=Q, pdl=pdl)
-            o = split_tree_attention(q.view(B, Q, attn.n_heads, attn.head_dim), sk[:, meta.suffix_from: end],
-                                     sv[:, meta.suffix_from: end], k_cache, v_cache, meta, attn.scale,
-                                     out_dtype=x.dtype)
-        decode_linear(o.reshape(M, -1), attn.o_proj.weight, residual=r, out=r, pdl=pdl)
-        act = decode_linear(r, mlp.gate_up_proj.weight, norm_weight=n2.weight, eps=n2.eps, swiglu=True, pdl=pdl)
-        decode_linear(act, mlp.down_proj.weight, residual=r, out=r, pdl=pdl)
+        _layer_rows(layer, r, B, Q, pos, meta, cache, model.rope, pdl)
         if i in want:  # rms(r_i), as the fused path taps it (a unit-weight norm)
             taps[i] = add_rms_norm_triton(r, None, model._unit_weight(r), eps)[0].view(B, Q, H)
     norm = model.model.norm
@@ -180,31 +189,17 @@ def forward_draft_rows(draft: nn.Module, pairs: torch.Tensor, positions: torch.T
     """An EAGLE draft's tree level on the same kernels: `EagleDraft.forward_pairs` for pairs [B, Q, 2H] (`out`: as
     there, written and returned). fc is one launch, then each layer the five of `forward_rows` (the first layer
     without the input norm), the last layer's down projection adding the residual straight into `out`."""
-    from eyas.kernels.decode_linear import decode_linear, decode_qkv_rope
-    from eyas.models.llama import _rows as _row_store
+    from eyas.kernels.decode_linear import decode_linear
     B, Q, H2 = pairs.shape
     M, H = B * Q, H2 // 2
     pdl = use_pdl(pairs.device)
     r = decode_linear(pairs.reshape(M, H2), draft.fc.weight, pdl=pdl)       # the residual stream
     pos = positions.expand(B, Q).reshape(M)
-    stash, end = meta.stash, meta.stash_at + Q
     direct = out is not None and out.is_contiguous() and out.shape == (B, Q, H) and out.dtype == r.dtype
-    rope, last = draft.rope, len(draft.layers) - 1
+    last = len(draft.layers) - 1
     for i, layer in enumerate(draft.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
-        k_cache, v_cache = cache.k[attn.layer_idx], cache.v[attn.layer_idx]
-        sk, sv = stash.k[attn.layer_idx], stash.v[attn.layer_idx]
-        norm = n1.weight if isinstance(n1, RMSNorm) else None
-        q = decode_qkv_rope(r, attn.qkv_proj.weight, norm, getattr(n1, "eps", 0.0), pos, None, rope.cos, rope.sin,
-                            _row_store(sk), _row_store(sv), attn.n_heads, seq_rows=sk.shape[1],
-                            row_offset=meta.stash_at, seq_q=Q, pdl=pdl)
-        o = split_tree_attention(q.view(B, Q, attn.n_heads, attn.head_dim), sk[:, meta.suffix_from: end],
-                                 sv[:, meta.suffix_from: end], k_cache, v_cache, meta, attn.scale, out_dtype=r.dtype)
-        decode_linear(o.reshape(M, -1), attn.o_proj.weight, residual=r, out=r, pdl=pdl)
-        act = decode_linear(r, mlp.gate_up_proj.weight, norm_weight=n2.weight, eps=n2.eps, swiglu=True, pdl=pdl)
-        into = out.view(M, H) if i == last and direct else r
-        decode_linear(act, mlp.down_proj.weight, residual=r, out=into, pdl=pdl)
+        _layer_rows(layer, r, B, Q, pos, meta, cache, draft.rope, pdl,
+                    out=out.view(M, H) if i == last and direct else None)
     if direct:
         return out
     y = r.view(B, Q, H)
