@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from eyas.kernels.decode_linear import DecodeLinearConfig, TileConfig, decode_linear, default_config
+from eyas.kernels.decode_linear import REGISTER_ROWS, DecodeLinearConfig, TileConfig, decode_linear, default_config
 from eyas.kernels.fused_norm import add_rms_norm_triton
 from eyas.kernels.swiglu import swiglu_triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_chain_bench import layer_errors, time_fn  # noqa: E402
+from decode_chain_bench import fits, layer_errors, time_fn  # noqa: E402
 
 SHAPES = {"8b": dict(H=4096, QKV=6144, I=14336, V=128256, L=32),
           "smollm2": dict(H=576, QKV=960, I=1536, V=49152, L=30)}
@@ -95,10 +95,10 @@ def cfg_name(c):
 
 
 def usable(cfg, M, K, swiglu):
-    """Tile configs need >= 16 of each half for pairs; register configs <= 8 rows, <= 128 weights a thread."""
+    """Tile configs need >= 16 of each half for pairs; register configs <= REGISTER_ROWS rows and what
+    decode_chain_bench's `fits` allows (<= 128 weights a thread, a pair for SwiGLU)."""
     if isinstance(cfg, DecodeLinearConfig):
-        return (M <= 8 and cfg.BLOCK_N * triton.next_power_of_2(K) <= 128 * 32 * cfg.num_warps
-                and (cfg.BLOCK_N >= 2 or not swiglu))
+        return M <= REGISTER_ROWS and fits(cfg, K, swiglu)
     return cfg.BLOCK_N >= 32 or not swiglu
 
 
