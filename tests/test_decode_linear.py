@@ -534,7 +534,8 @@ def test_gpu_one_row_under_graphs_equals_fused_path(tiny):
 
     def run(one_row):
         llm = LLM(str(tiny[0]), device="cuda", dtype="bfloat16", cuda_graphs=True)
-        enable_fast_path(llm.target, one_row=one_row)
+        # fold=False: the fused path with the kernels' order of roundings (folded, its bf16 tokens may part ways)
+        enable_fast_path(llm.target, one_row=one_row, fold=False)
         return [o.token_ids for o in llm.generate([[1, 2, 3, 4]], params)]
     assert run(True) == run(False)
 
@@ -544,13 +545,15 @@ def test_gpu_one_row_under_graphs_equals_fused_path(tiny):
 def test_gpu_few_rows_under_graphs_equals_fused_path(tiny, spec, prompts):
     """bf16 on the GPU, CUDA graphs, speculative decoding: verify passes on the tile kernels (chain:3 at batch 2: 8
     rows; the default tree at batch 1: 49, the most rows raised to the kernel's 64) give the fused path's greedy
-    tokens."""
+    tokens. The fused path runs unfolded (`fold=False`): with the norms folded into the projections
+    (`fold_norms`) its roundings differ from the tile kernels', and in bf16 a random model's tokens part ways
+    after ~10 (held instead by tests/test_fused_ops.py against float32)."""
     params = SamplingParams(max_tokens=16, ignore_eos=True)
 
     def run(few_rows):
         llm = LLM(str(tiny[0]), device="cuda", dtype="bfloat16", cuda_graphs=True, draft=str(tiny[1]),
                   speculation=spec)
-        enable_fast_path(llm.target, few_rows=few_rows)
+        enable_fast_path(llm.target, few_rows=few_rows, fold=False)
         llm.target.few_rows_max = 64
         return [o.token_ids for o in llm.generate(prompts, params)]
     assert run(True) == run(False)

@@ -35,6 +35,9 @@ class EngineConfig:
     # verify passes and plain steps of 2 to 16 tokens on the same path's tile kernels, for small models where they
     # pay (eyas.models.one_row.few_rows_pay)
     few_rows: bool = True
+    # the target's RMSNorm weights folded into its projections, two launches a layer fewer on the steps that do not
+    # take the one-row kernels (eyas.models.fused.fold_norms)
+    fold_norms: bool = True
 
 
 @dataclass
@@ -60,7 +63,7 @@ class LLMEngine:
         num_blocks = cfg.num_blocks or self._blocks_from_memory(target, draft)
         self.runner = ModelRunner(target, draft, tree, num_blocks, cfg.block_size, cuda_graphs=cfg.cuda_graphs,
                                   max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                                  one_row=cfg.one_row, few_rows=cfg.few_rows)
+                                  one_row=cfg.one_row, few_rows=cfg.few_rows, fold_norms=cfg.fold_norms)
         self.tree = self.runner.tree
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,

@@ -104,7 +104,7 @@ class ModelRunner:
     def __init__(self, target: LlamaForCausalLM, draft: EagleDraft | None, tree: Tree | None, num_blocks: int,
                  block_size: int, use_triton: bool | None = None, cuda_graphs: bool = False,
                  max_model_len: int = 0, max_num_seqs: int = 256, one_row: bool = True,
-                 few_rows: bool = True):
+                 few_rows: bool = True, fold_norms: bool = True):
         p = next(target.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.target, self.draft = target, draft
@@ -119,7 +119,9 @@ class ModelRunner:
                     # (eyas.models.one_row); few rows on a GPU only: under the CPU's Triton interpreter their GEMVs
                     # made test_spec's greedy chain:4 test take 116 s, against < 8.4 s on torch's matmuls (tests
                     # switch them on themselves)
-                    enable_fast_path(m, one_row=one_row, few_rows=few_rows and self.device.type == "cuda")
+                    # `fold_norms`: the target's norm weights folded into its projections (eyas.models.fused)
+                    enable_fast_path(m, one_row=one_row, few_rows=few_rows and self.device.type == "cuda",
+                                     fold=fold_norms)
         cfg = target.config
         self.cache = KVCache.allocate(cfg, cfg.num_hidden_layers, num_blocks, block_size, self.dtype, self.device)
         self.draft_cache = None

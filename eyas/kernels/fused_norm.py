@@ -21,6 +21,15 @@ from eyas.layers.norm import rms_norm
 
 
 @triton.jit
+def row_rstd(X, n_cols, eps, BLOCK: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) of the row of n_cols at X, in float32: an RMSNorm's scale (for kernels that apply a
+    norm whose weight is folded into the projection before them: `fused_rope`, `swiglu`)."""
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
+    return tl.math.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+
+
+@triton.jit
 def _add_rms_norm_kernel(X, R, W, OUT, RES_OUT, n_cols, stride_x, stride_r, stride_o, stride_ro, eps,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

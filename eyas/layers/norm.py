@@ -2,11 +2,15 @@ import torch
 from torch import nn
 
 
+def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(mean(x^2) + eps) over the last dim, in float32 ([...]: the last dim reduced)."""
+    return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+
+
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the last dim, in float32, cast back to x's dtype (no weight: also what EAGLE-3
     style feature layers apply to the target's residual streams)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (x.float() * rms_scale(x, eps)[..., None]).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -14,14 +14,22 @@ their work. Two independent transforms cut it:
   Triton runs (CUDA, or `TRITON_INTERPRET=1`), and is taken only with autograd off (`torch.no_grad` /
   `inference_mode`): a forward with gradients enabled always runs the eager reference, so training is unaffected.
 
-The `ModelRunner` applies both (`enable_fast_path`) to the target and the draft when it uses Triton (on CUDA).
+* `fold_norms(model)` (a target, after `fuse_projections`): each decoder layer's RMSNorm weights g are folded into
+  the projection that reads the norm, W -> W diag(g) (qkv after the input norm, gate_up after the post-attention
+  norm), and the norms keep a unit weight: the same model, every path included (the eager reference, the one-row
+  kernels). The fused forward then runs `DecoderLayer.forward_folded`: one residual stream that the o and down
+  GEMMs add into (cuBLAS's beta = 1), and the norms' 1/rms applied inside the RoPE + K/V store and SwiGLU
+  launches: 8 launches a layer instead of 10 on the steps that do not take the one-row kernels (verify passes,
+  batched decoding).
+
+The `ModelRunner` applies them (`enable_fast_path`) to the target and the draft when it uses Triton (on CUDA).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from eyas.models.llama import MLP, Attention
+from eyas.models.llama import MLP, Attention, LlamaForCausalLM, adds_in_place
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:
@@ -45,12 +53,49 @@ def use_fused_ops(model: nn.Module, on: bool = True) -> nn.Module:
     return model
 
 
-def enable_fast_path(model: nn.Module, one_row: bool = True, few_rows: bool = True) -> nn.Module:
-    """`fuse_projections` + `use_fused_ops(model, True)`: what the runner does on CUDA. `one_row`: a target
-    (LlamaForCausalLM) also takes `eyas.models.one_row` for batch-1 plain decode steps where it can; `few_rows`:
-    for verify passes and plain steps of 2 to 16 tokens (its tile kernels), where they pay (small models:
-    `few_rows_pay`); for an EagleDraft, `few_rows` puts its tree levels of 1 to 16 tokens on the same kernels."""
+def can_fold_norms(model: nn.Module) -> bool:
+    """Whether `fold_norms` applies: a LlamaForCausalLM with fused, plain (bias-free) projections whose o and down
+    projections can add into the residual stream in their GEMMs (`adds_in_place`: no tensor-parallel hooks)."""
+    if not isinstance(model, LlamaForCausalLM):
+        return False
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        lins = (getattr(attn, "qkv_proj", None), getattr(mlp, "gate_up_proj", None), attn.o_proj, mlp.down_proj)
+        if not all(isinstance(m, nn.Linear) and adds_in_place(m) for m in lins):
+            return False
+    return True
+
+
+@torch.no_grad()
+def fold_norms(model: nn.Module) -> nn.Module:
+    """Fold every decoder layer's RMSNorm weights into the projection after it, in place, and switch the fused
+    forward to `DecoderLayer.forward_folded` (module docstring); returns `model`. Idempotent; a model that
+    `can_fold_norms` refuses is left as it is. The products g * W are rounded once to the weights' dtype, so outputs
+    move by that rounding, not more. Folding a folded model changes nothing (its norm weights are ones)."""
+    if not can_fold_norms(model):
+        return model
+    for layer in model.model.layers:
+        for norm, lin in ((layer.input_layernorm, layer.self_attn.qkv_proj),
+                          (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+            w = lin.weight
+            w.copy_((w.float() * norm.weight.float()[None, :]).to(w.dtype))
+            norm.weight.fill_(1.0)
+    model.norms_folded = True
+    return model
+
+
+def enable_fast_path(model: nn.Module, one_row: bool = True, few_rows: bool = True,
+                     fold: bool = True) -> nn.Module:
+    """`fuse_projections` + `use_fused_ops(model, True)` (+ `fold_norms` for a target, with `fold`): what the runner
+    does on CUDA. `one_row`: a target (LlamaForCausalLM) also takes `eyas.models.one_row` for batch-1 plain decode
+    steps where it can; `few_rows`: for verify passes and plain steps of 2 to 16 tokens (its tile kernels), where
+    they pay (small models: `few_rows_pay`); for an EagleDraft, `few_rows` puts its tree levels of 1 to 16 tokens on
+    the same kernels."""
     use_fused_ops(fuse_projections(model), True)
+    if fold:
+        fold_norms(model)
+    elif getattr(model, "norms_folded", False):  # folded earlier: its weights stay folded, and forward_fused with
+        model.norms_folded = False  # the unit norm weights computes the same model
     from eyas.models.one_row import draft_rows_ready, few_rows_pay, one_row_ready
     if hasattr(model, "one_row"):
         ready = one_row_ready(model)

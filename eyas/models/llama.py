@@ -64,15 +64,21 @@ class Attention(nn.Module):
             q, k = rope(positions, q, k)
         return q, k, v
 
-    def rope_store(self, x, positions, rope: RotaryEmbedding, k_dst, v_dst, fused: bool, **where):
+    def rope_store(self, x, positions, rope: RotaryEmbedding, k_dst, v_dst, fused: bool, norm=None, **where):
         """`qkv`, then RoPE, with k (rotated) and v stored at once into the row stores k_dst/v_dst [R, KVH, D]
         (`fused`: one launch of `eyas.kernels.rope_store_triton`; otherwise RoPE and `store_rows`). `where`:
-        rows=[B, Q] (cache slots), or seq_rows and row_offset (the stash). Returns the rotated q."""
+        rows=[B, Q] (cache slots), or seq_rows and row_offset (the stash). `norm` (fused only): x is the raw
+        residual and `norm` its RMSNorm of unit weight, applied by the same launch (see `attend`). Returns the
+        rotated q."""
         q, k, v = self.qkv(x)
         positions = positions.expand(q.shape[:2])
         if fused:
             from eyas.kernels import rope_store_triton
+            if norm is not None:
+                where = dict(where, norm_x=x, eps=norm.eps)
             return rope_store_triton(positions, q, k, v, rope.cos, rope.sin, k_dst, v_dst, **where)
+        if norm is not None:
+            raise ValueError("a folded input norm is applied by the fused kernels only")
         q, k = rope(positions, q, k)
         store_rows(k_dst, v_dst, k, v, **where)
         return q
@@ -81,19 +87,33 @@ class Attention(nn.Module):
                 fused: bool = False):
         """`fused`: RoPE (and the K/V store it feeds) by the Triton kernels (`DecoderLayer.forward_fused`); the
         reference otherwise. The attention kernels (`meta.use_triton`) return the model's dtype directly."""
+        return self.o_proj(self.attend(x, positions, rope, meta, cache, fused))
+
+    def attend(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata | None, cache: KVCache | None,
+               fused: bool = False, norm: RMSNorm | None = None):
+        """`forward` before the output projection: [B, Q, heads * D] in x's dtype.
+
+        `norm` (a model whose norm weights are folded into its projections, `eyas.models.fused.fold_norms`; fused
+        only): x is the raw residual stream and `norm` this layer's input RMSNorm, of unit weight. Decode and verify
+        steps apply it inside the RoPE + K/V store launch (q, k and v times the row's 1/rms); the other branches
+        normalise x first (one launch)."""
         B, Q, _ = x.shape
+        if norm is not None and not (meta is not None and (meta.prefix_includes_new or meta.stash is not None)):
+            from eyas.kernels import add_rms_norm_triton
+            x, norm = add_rms_norm_triton(x, None, norm.weight, norm.eps)[0], None
         if meta is None:  # dense causal attention over the block itself (training, oracles): no cache involved
             q, k, v = self.project(x, positions, rope, fused)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, enable_gqa=True, scale=self.scale)
-            return self.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
+            return o.transpose(1, 2).reshape(B, Q, -1)
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
         if meta.prefix_includes_new:  # plain decoding: the token's K/V go to the cache, then one prefix pass
-            q = self.rope_store(x, positions, rope, _rows(k_cache), _rows(v_cache), fused, rows=meta.slot_mapping)
+            q = self.rope_store(x, positions, rope, _rows(k_cache), _rows(v_cache), fused, norm,
+                                rows=meta.slot_mapping)
             o = prefix_only_attention(q, k_cache, v_cache, meta, self.scale, out_dtype=x.dtype)
         elif meta.stash is not None:  # tree tokens: K/V to the stash (never the cache), suffix over stash rows
             sk, sv = meta.stash.k[self.layer_idx], meta.stash.v[self.layer_idx]  # [B, R, KVH, D]
-            q = self.rope_store(x, positions, rope, _rows(sk), _rows(sv), fused, seq_rows=sk.shape[1],
+            q = self.rope_store(x, positions, rope, _rows(sk), _rows(sv), fused, norm, seq_rows=sk.shape[1],
                                 row_offset=meta.stash_at)
             end = meta.stash_at + Q
             o = split_tree_attention(q, sk[:, meta.suffix_from: end], sv[:, meta.suffix_from: end], k_cache,
@@ -103,7 +123,7 @@ class Attention(nn.Module):
             o = split_tree_attention(q, k, v, k_cache, v_cache, meta, self.scale, out_dtype=x.dtype)
             if meta.slot_mapping is not None:
                 self._write_kv(k_cache, v_cache, k, v, meta)
-        return self.o_proj(o.to(x.dtype).reshape(B, Q, -1))
+        return o.to(x.dtype).reshape(B, Q, -1)
 
     @staticmethod
     def _write_kv(k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
@@ -148,19 +168,27 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
     def add_into(self, x, residual):
-        """residual + forward(x, fused=True), accumulated into `residual` in place: the down projection is one
-        GEMM with cuBLAS's beta = 1 (no separate add). For the fast path's last residual add of an EAGLE draft,
-        which has no final norm; `residual` must be a fresh tensor nothing else reads."""
+        """residual + forward(x, fused=True), accumulated into `residual` in place (`add_linear_`). For the fast
+        path's last residual add of an EAGLE draft, which has no final norm; `residual` must be a fresh tensor
+        nothing else reads."""
         from eyas.kernels import swiglu_triton
-        act = swiglu_triton(*self.gate_up(x))
-        down = self.down_proj
-        # a row-parallel down projection (tensor parallelism) all-reduces its output in a forward hook: the module
-        # must run, so that the hook does; an INT4 one (eyas.layers.linear_int4) has no weight to addmm with
-        if not isinstance(down, nn.Linear) or down.bias is not None or not residual.is_contiguous() or \
-                down._forward_hooks:
-            return residual.add_(down(act))
-        residual.view(-1, residual.shape[-1]).addmm_(act.reshape(-1, act.shape[-1]), down.weight.t())
-        return residual
+        return add_linear_(residual, swiglu_triton(*self.gate_up(x)), self.down_proj)
+
+
+def adds_in_place(linear: nn.Module) -> bool:
+    """Whether `add_linear_` adds `linear`'s output into the residual inside the GEMM (cuBLAS's beta = 1): a plain
+    nn.Linear without bias or forward hooks. A row-parallel projection (tensor parallelism) all-reduces its output
+    in a forward hook, so the module must run; an INT4 one (eyas.layers.linear_int4) has no weight to addmm with."""
+    return isinstance(linear, nn.Linear) and linear.bias is None and not linear._forward_hooks
+
+
+def add_linear_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """residual += linear(x), in place; one GEMM with cuBLAS's beta = 1 where it can (`adds_in_place` and a
+    contiguous residual), else the module's output and an add. Returns residual."""
+    if not adds_in_place(linear) or not residual.is_contiguous():
+        return residual.add_(linear(x))
+    residual.view(-1, residual.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), linear.weight.t())
+    return residual
 
 
 class DecoderLayer(nn.Module):
@@ -200,6 +228,20 @@ class DecoderLayer(nn.Module):
         h, residual = add_rms_norm_triton(a, residual, post.weight, post.eps, res_out=out if direct else None)
         y = self.mlp.add_into(h, residual)
         return y if direct else out.copy_(y)
+
+    def forward_folded(self, residual, positions, rope, meta, cache):
+        """The layer on the fused kernels for a model whose norm weights are folded into its projections
+        (`eyas.models.fused.fold_norms`): one residual stream, updated in place and returned. The o and down
+        projections add into it inside their GEMMs (`add_linear_`), and the norms have no kernels of their own:
+        the RoPE + K/V store launch applies the input norm's 1/rms to q, k and v (decode and verify steps;
+        `Attention.attend`), the SwiGLU launch the post-attention norm's to gate and up. Two launches a layer
+        fewer than `forward_fused`. `residual` must be a contiguous tensor that nothing else reads."""
+        from eyas.kernels import swiglu_triton
+        attn = self.self_attn
+        add_linear_(residual, attn.attend(residual, positions, rope, meta, cache, True, self.input_layernorm),
+                    attn.o_proj)
+        act = swiglu_triton(*self.mlp.gate_up(residual), norm_x=residual, eps=self.post_attention_layernorm.eps)
+        return add_linear_(residual, act, self.mlp.down_proj)
 
 
 def takes_fused_path(model: nn.Module, device: torch.device) -> bool:
@@ -256,6 +298,9 @@ class LlamaForCausalLM(nn.Module):
         self.one_row = False
         # verify passes and plain steps of 2 to 16 tokens on its tile kernels (`eyas.models.one_row`; small models)
         self.few_rows = False
+        # the decoder layers' norm weights are folded into their projections (`eyas.models.fused.fold_norms`): the
+        # fused forward runs `DecoderLayer.forward_folded`
+        self.norms_folded = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None,
                 cache: KVCache | None = None, feature_layers: tuple[int, ...] | None = None):
@@ -279,7 +324,10 @@ class LlamaForCausalLM(nn.Module):
             from eyas.kernels import add_rms_norm_triton
             res = None
             for i, layer in enumerate(self.model.layers):
-                x, res = layer.forward_fused(x, res, positions, self.rope, meta, cache)
+                if self.norms_folded:  # x is the residual stream (the embedding's output, a fresh tensor at first)
+                    x = layer.forward_folded(x, positions, self.rope, meta, cache)
+                else:
+                    x, res = layer.forward_fused(x, res, positions, self.rope, meta, cache)
                 if i in want:  # r_i = x + res; with a unit weight the fused norm is rms(r_i) in one launch
                     taps[i] = add_rms_norm_triton(x, res, self._unit_weight(x), eps)[0]
             hidden = add_rms_norm_triton(x, res, self.model.norm.weight, self.model.norm.eps)[0]
