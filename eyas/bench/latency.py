@@ -162,14 +162,14 @@ def split_modes(text: str) -> list[str]:
 
 def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
              graphs: bool, block_size: int = 16, profile: bool = False, num_prompts: int = 1,
-             verbose: bool = True, one_row: bool = True, few_rows: bool = True) -> dict:
+             verbose: bool = True, one_row: bool = True, few_rows: bool = True, fold_norms: bool = True) -> dict:
     tree = None if mode == "plain" else resolve_tree(mode)
     longest = max(len(p) for p in prompts)
     cfg = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, longest), cuda_graphs=graphs,
                        block_size=block_size, max_model_len=min(target.config.max_position_embeddings,
                                                                 longest + max_tokens + 64),
                        num_blocks=batch * (-(-(longest + max_tokens + 64) // block_size)) + 8, one_row=one_row,
-                       few_rows=few_rows)
+                       few_rows=few_rows, fold_norms=fold_norms)
     engine = LLMEngine(target, tokenizer, draft if tree is not None else None, tree, cfg)
     if simulated_rates is not None and tree is not None:
         simulate_acceptance(engine, simulated_rates)
@@ -366,7 +366,7 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
         for b in tqdm(batches, desc=mode, disable=rank != 0):
             rows.append(run_mode(target, tokenizer, draft, mode, b, prompts, args.max_tokens, rates, graphs,
                                  profile=args.profile, num_prompts=args.num_prompts, verbose=rank == 0,
-                                 one_row=args.one_row, few_rows=args.few_rows))
+                                 one_row=args.one_row, few_rows=args.few_rows, fold_norms=args.fold_norms))
     meta = {"model": args.model, "draft": args.draft, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
             "dtype": str(dtype), "date": str(date.today()), "simulated": simulated,
@@ -376,6 +376,7 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
             "draft_vocab": args.draft_vocab or None, "draft_quant": getattr(draft, "quant", None),
             "int4_kernel": args.int4_kernel if args.draft_quant else None, "cuda_graphs": graphs,
             "one_row": args.one_row and device.type == "cuda", "few_rows": args.few_rows and device.type == "cuda",
+            "fold_norms": bool(getattr(target, "norms_folded", False)),  # as the runners left it (not under TP)
             "tensor_parallel": world_size, "draft_sharded": args.tp_draft == "sharded" and world_size > 1}
     if simulated:
         from eyas.bench.shapes import linear_weight_bytes
@@ -460,6 +461,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--no-few-rows", dest="few_rows", action="store_false",
                    help="keep verify passes and plain steps of 2-16 tokens on the fused path (cuBLAS), without the "
                         "tile kernels (eyas.models.one_row; taken for small models only): to compare the two")
+    p.add_argument("--no-fold-norms", dest="fold_norms", action="store_false",
+                   help="keep the target's RMSNorm kernels (eyas.models.fused.fold_norms folds their weights into "
+                        "the projections and applies them inside other launches): to compare the two")
     p.add_argument("--profile", action="store_true", help="print the top GPU kernels of 3 decode steps per run")
     p.add_argument("--out", default="bench-out/latency")
     p.set_defaults(func=run)
