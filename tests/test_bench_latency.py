@@ -71,9 +71,42 @@ def test_bench_latency_writes_json_markdown_and_plot(tmp_path):
     assert (out / "latency.png").stat().st_size > 1000
 
 
+def test_bench_latency_repeat_interleaves_the_modes(tmp_path, monkeypatch):
+    """--repeat 3: per batch size each mode's engine is built once and the modes' timed runs alternate (plain,
+    chain, plain, chain, ...); each row is the run of median TTIT, with all three runs' TTIT and ms/step in the JSON
+    and the table, and the same tokens, steps and TPC as a single run."""
+    import eyas.bench.latency as lat
+    target, draft = write_mirror_pair(tmp_path / "pair", vocab=24, layers=2)
+    args = ["bench", "latency", "--model", str(target), "--draft", str(draft), "--modes", "plain,chain:4",
+            "--batch-sizes", "1,2", "--max-tokens", "10", "--context", "5", "--num-prompts", "2", "--device", "cpu"]
+    order, built = [], []
+    time_row, build_engine = lat.time_row, lat.build_engine
+    monkeypatch.setattr(lat, "time_row", lambda engine, mode, batch, *a, **k: (
+        order.append((mode, batch)), time_row(engine, mode, batch, *a, **k))[1])
+    monkeypatch.setattr(lat, "build_engine", lambda *a, **k: (built.append(a[3:5]), build_engine(*a, **k))[1])
+    assert main(args + ["--repeat", "3", "--out", str(tmp_path / "r3")]) == 0
+    assert built == [("plain", 1), ("chain:4", 1), ("plain", 2), ("chain:4", 2)]
+    assert order == [("plain", 1), ("chain:4", 1)] * 3 + [("plain", 2), ("chain:4", 2)] * 3
+    res = json.loads((tmp_path / "r3" / "latency.json").read_text())
+    assert res["meta"]["repeat"] == 3
+    assert [(r["mode"], r["batch"]) for r in res["results"]] == [("plain", 1), ("plain", 2), ("chain:4", 1),
+                                                                  ("chain:4", 2)]
+    for r in res["results"]:
+        assert len(r["repeats_ttit_ms"]) == 3 and len(r["repeats_ms_per_step"]) == 3
+        assert r["ttit_ms"] == sorted(r["repeats_ttit_ms"])[1]
+    monkeypatch.undo()
+    assert main(args + ["--out", str(tmp_path / "r1")]) == 0
+    one = json.loads((tmp_path / "r1" / "latency.json").read_text())["results"]
+    for a, b in zip(res["results"], one):
+        assert (a["mode"], a["batch"], a["decode_steps"], a["tpc"]) == (b["mode"], b["batch"], b["decode_steps"],
+                                                                        b["tpc"])
+        assert "repeats_ttit_ms" not in b
+    assert "TTIT of the runs" in (tmp_path / "r3" / "latency.md").read_text()
+
+
 @pytest.mark.parametrize("bad", [["--modes", "tree:nope"], ["--modes", "dispatch:4=chain:3,2=plain"],
                                  ["--batch-sizes", "0"], ["--batch-sizes", "x"], ["--accept-rates", "high"],
-                                 ["--num-prompts", "0"], ["--draft-vocab", "-1"]])
+                                 ["--num-prompts", "0"], ["--draft-vocab", "-1"], ["--repeat", "0"]])
 def test_bench_latency_refuses_bad_input(bad, tmp_path):
     with pytest.raises(SystemExit, match="eyas bench latency"):
         main(["bench", "latency", "--model", "no-such-model", "--out", str(tmp_path)] + bad)

@@ -160,9 +160,11 @@ def split_modes(text: str) -> list[str]:
     return modes
 
 
-def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
-             graphs: bool, block_size: int = 16, profile: bool = False, num_prompts: int = 1,
-             verbose: bool = True, one_row: bool = True, few_rows: bool = True, fold_norms: bool = True) -> dict:
+def build_engine(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
+                 graphs: bool, block_size: int = 16, one_row: bool = True, few_rows: bool = True,
+                 fold_norms: bool = True) -> LLMEngine:
+    """An engine for one (mode, batch) row, warmed up: kernels compiled and, with `graphs`, the graphs of every batch
+    bucket it will pass through captured."""
     tree = None if mode == "plain" else resolve_tree(mode)
     longest = max(len(p) for p in prompts)
     cfg = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, longest), cuda_graphs=graphs,
@@ -173,22 +175,34 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
     engine = LLMEngine(target, tokenizer, draft if tree is not None else None, tree, cfg)
     if simulated_rates is not None and tree is not None:
         simulate_acceptance(engine, simulated_rates)
-    # explicit seeds: simulated acceptance draws from (seed, position), so the rows are reproducible, and under
-    # tensor parallelism every rank draws the same acceptance (a per-rank random seed would make the ranks diverge)
-    def params(i, n=max_tokens):
-        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, seed=i)
     # warm-up: captures the graph of this batch size and compiles the kernels
     for i, p in enumerate(prompts[:batch]):
-        engine.add_request(p, params(i, 4))
+        engine.add_request(p, _params(i, 4))
     while engine.has_unfinished():
         engine.step()
     if engine.runner.graphs is not None:
         # every bucket the batch shrinks through as sequences finish (simulated acceptance finishes them at
         # different steps): captured here, not inside the timed decode
         engine.runner.graphs.capture_all(batch, greedy=(True,))
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    # waves of `batch` requests until `num_prompts` prompts ran (one wave when the batch is larger): at batch 1 a
-    # single prompt would make the row the acceptance of that one prompt
+    return engine
+
+
+def _params(i: int, n: int) -> SamplingParams:
+    # explicit seeds: simulated acceptance draws from (seed, position), so the rows are reproducible, and under
+    # tensor parallelism every rank draws the same acceptance (a per-rank random seed would make the ranks diverge)
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, seed=i)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_row(engine: LLMEngine, mode: str, batch: int, prompts, max_tokens: int, num_prompts: int = 1,
+             simulated: bool = False) -> dict:
+    """One measured row on a warmed-up engine (`build_engine`): waves of `batch` requests until `num_prompts` prompts
+    ran (one wave when the batch is larger; at batch 1 a single prompt would make the row the acceptance of that one
+    prompt). `simulated`: the row's model has random weights (acceptance simulated)."""
     waves = max(1, -(-num_prompts // batch))
     order = spread(len(prompts), waves * batch)  # spread over the prompt list (its categories), not its head
     ttft = decode_s = total_s = per_seq_tokens = 0.0
@@ -196,10 +210,10 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
     tpots: list[float] = []
     for w in range(waves):
         wave = [prompts[order[w * batch + i]] for i in range(batch)]
-        sync()
+        _sync()
         steps0 = engine.step_counts["decode"]
         t0 = time.perf_counter()
-        seqs = [engine.add_request(p, params(w * batch + i)) for i, p in enumerate(wave)]
+        seqs = [engine.add_request(p, _params(w * batch + i, max_tokens)) for i, p in enumerate(wave)]
         first = None
         # each request's own finish time (the host knows it once the step that finished it returns), for its time
         # per output token (TPOT): a request that finishes early is not charged the steps its batch-mates still
@@ -214,10 +228,10 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
                     if done[i] is None and s.status == Status.FINISHED:
                         done[i] = now
             if first is None and all(s.num_output > 0 for s in seqs):
-                sync()
+                _sync()
                 first = time.perf_counter()
                 n_first = [s.num_output for s in seqs]
-        sync()
+        _sync()
         t1 = time.perf_counter()
         first = first or t1
         steps += engine.step_counts["decode"] - steps0
@@ -231,33 +245,57 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
         per_seq_tokens += (n_tok - len(seqs)) / len(seqs)
         tpots += [(d - first) * 1000 / (s.num_output - n0) for s, n0, d in zip(seqs, n_first, done)
                   if d is not None and s.num_output > n0]
-    if profile:  # where the GPU time of a few decode steps goes, by kernel
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-        for i, p in enumerate(prompts[:batch]):
-            engine.add_request(p, params(i, 12))
-        while any(s.in_prefill or s.status.value == "waiting" for s in engine.scheduler.running) or \
-                engine.scheduler.waiting:
-            engine.step()
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                engine.step()
-            sync()
-        if verbose:
-            print(f"--- profile: {mode}, batch {batch}, 3 decode steps ---")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
-            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            busy = sum(e.device_time for e in kernels) / 1000
-            print(f"GPU kernels per step: {len(kernels) / 3:.0f}, busy {busy / 3:.3f} ms per step")
-        while engine.has_unfinished():
-            engine.step()
     return {
         "mode": mode, "batch": batch, "prompts": waves * batch, "ttft_ms": ttft * 1000 / waves,
         "ttit_ms": decode_s * 1000 / max(per_seq_tokens, 1e-9),
         "tpot_ms": sum(tpots) / len(tpots) if tpots else None,
         "tpc": decode_tokens / calls if calls else 1.0, "tokens_per_s": tokens / total_s,
         "decode_steps": steps, "ms_per_decode_step": decode_s * 1000 / max(steps, 1),
-        "new_tokens": max_tokens, "simulated_acceptance": simulated_rates is not None,
+        "new_tokens": max_tokens, "simulated_acceptance": simulated,
     }
+
+
+def profile_steps(engine: LLMEngine, mode: str, batch: int, prompts, verbose: bool = True) -> None:
+    """Print where the GPU time of 3 decode steps goes, by kernel (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    for i, p in enumerate(prompts[:batch]):
+        engine.add_request(p, _params(i, 12))
+    while any(s.in_prefill or s.status.value == "waiting" for s in engine.scheduler.running) or \
+            engine.scheduler.waiting:
+        engine.step()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            engine.step()
+        _sync()
+    if verbose:
+        print(f"--- profile: {mode}, batch {batch}, 3 decode steps ---")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.device_time for e in kernels) / 1000
+        print(f"GPU kernels per step: {len(kernels) / 3:.0f}, busy {busy / 3:.3f} ms per step")
+    while engine.has_unfinished():
+        engine.step()
+
+
+def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
+             graphs: bool, block_size: int = 16, profile: bool = False, num_prompts: int = 1,
+             verbose: bool = True, one_row: bool = True, few_rows: bool = True, fold_norms: bool = True) -> dict:
+    """One (mode, batch) row: `build_engine`, `time_row`, and with `profile` `profile_steps`."""
+    engine = build_engine(target, tokenizer, draft, mode, batch, prompts, max_tokens, simulated_rates, graphs,
+                          block_size, one_row, few_rows, fold_norms)
+    row = time_row(engine, mode, batch, prompts, max_tokens, num_prompts, simulated_rates is not None)
+    if profile:
+        profile_steps(engine, mode, batch, prompts, verbose)
+    return row
+
+
+def median_row(runs: list[dict]) -> dict:
+    """The row of the median TTIT among repeated runs of one (mode, batch), with every run's TTIT and ms/step
+    (`repeats_ttit_ms`, `repeats_ms_per_step`, in run order)."""
+    row = dict(sorted(runs, key=lambda r: r["ttit_ms"])[(len(runs) - 1) // 2])
+    row["repeats_ttit_ms"] = [r["ttit_ms"] for r in runs]
+    row["repeats_ms_per_step"] = [r["ms_per_decode_step"] for r in runs]
+    return row
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
@@ -272,14 +310,17 @@ def markdown(rows: list[dict], meta: dict) -> str:
     if floor:
         out.append(f"weight-read floor {floor:.3f} ms per step: {meta['linear_weight_bytes'] / 1e9:.2f} GB of linear "
                    f"weights per GPU at the measured copy bandwidth {meta['copy_bytes_per_s'] / 1e12:.2f} TB/s")
+    runs = any("repeats_ttit_ms" in r for r in rows)  # --repeat: each row is the run of median TTIT
     out += ["", "| mode | batch | TTFT ms | ms/token (TTIT) | TPOT ms | TPC | tokens/s | decode steps | ms/step |"
-            + (" TTIT / floor |" if floor else ""),
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if floor else "")]
+            + (" TTIT / floor |" if floor else "") + (" TTIT of the runs |" if runs else ""),
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if floor else "")
+            + (" --- |" if runs else "")]
     for r in rows:
         tpot = f"{r['tpot_ms']:.3f}" if r.get("tpot_ms") is not None else ""
+        reps = ", ".join(f"{t:.3f}" for t in r.get("repeats_ttit_ms", []))
         out.append(f"| {r['mode']} | {r['batch']} | {r['ttft_ms']:.1f} | {r['ttit_ms']:.3f} | {tpot} | "
                    f"{r['tpc']:.2f} | {r['tokens_per_s']:.0f} | {r['decode_steps']} | {r['ms_per_decode_step']:.3f} |"
-                   + (f" {r['ttit_ms'] / floor:.2f} |" if floor else ""))
+                   + (f" {r['ttit_ms'] / floor:.2f} |" if floor else "") + (f" {reps} |" if runs else ""))
     return "\n".join(out) + "\n"
 
 
@@ -318,6 +359,8 @@ def _parse(args):
         accept = parse_acceptance(args.accept_ranks, args.accept_rates)
         if args.num_prompts < 1:
             raise ValueError("--num-prompts must be >= 1")
+        if args.repeat < 1:
+            raise ValueError("--repeat must be >= 1")
         if args.draft_vocab < 0:
             raise ValueError("--draft-vocab must be >= 1 (or 0: the whole vocabulary)")
         if args.tensor_parallel < 1:
@@ -362,11 +405,28 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
                            args.prompts)
     graphs = args.cuda_graphs and device.type == "cuda"
     rows = []
-    for mode in modes:
-        for b in tqdm(batches, desc=mode, disable=rank != 0):
-            rows.append(run_mode(target, tokenizer, draft, mode, b, prompts, args.max_tokens, rates, graphs,
-                                 profile=args.profile, num_prompts=args.num_prompts, verbose=rank == 0,
-                                 one_row=args.one_row, few_rows=args.few_rows, fold_norms=args.fold_norms))
+    paths = dict(one_row=args.one_row, few_rows=args.few_rows, fold_norms=args.fold_norms)
+    if args.repeat == 1:
+        for mode in modes:
+            for b in tqdm(batches, desc=mode, disable=rank != 0):
+                rows.append(run_mode(target, tokenizer, draft, mode, b, prompts, args.max_tokens, rates, graphs,
+                                     profile=args.profile, num_prompts=args.num_prompts, verbose=rank == 0, **paths))
+    else:  # per batch size, every mode's engine built once, then the modes' runs interleaved `repeat` times
+        by_mode: dict[str, list[dict]] = {}
+        for b in batches:
+            engines = {m: build_engine(target, tokenizer, draft, m, b, prompts, args.max_tokens, rates, graphs,
+                                       **paths) for m in modes}
+            runs: dict[str, list[dict]] = {m: [] for m in modes}
+            for _ in tqdm(range(args.repeat), desc=f"batch {b}, {len(modes)} modes", disable=rank != 0):
+                for m in modes:
+                    runs[m].append(time_row(engines[m], m, b, prompts, args.max_tokens, args.num_prompts,
+                                            rates is not None))
+            for m in modes:
+                by_mode.setdefault(m, []).append(median_row(runs[m]))
+                if args.profile:
+                    profile_steps(engines[m], m, b, prompts, rank == 0)
+            del engines
+        rows = [r for m in modes for r in by_mode[m]]
     meta = {"model": args.model, "draft": args.draft, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
             "dtype": str(dtype), "date": str(date.today()), "simulated": simulated,
@@ -377,7 +437,8 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
             "int4_kernel": args.int4_kernel if args.draft_quant else None, "cuda_graphs": graphs,
             "one_row": args.one_row and device.type == "cuda", "few_rows": args.few_rows and device.type == "cuda",
             "fold_norms": bool(getattr(target, "norms_folded", False)),  # as the runners left it (not under TP)
-            "tensor_parallel": world_size, "draft_sharded": args.tp_draft == "sharded" and world_size > 1}
+            "tensor_parallel": world_size, "draft_sharded": args.tp_draft == "sharded" and world_size > 1,
+            "repeat": args.repeat}
     if simulated:
         from eyas.bench.shapes import linear_weight_bytes
         meta["linear_weight_bytes"] = linear_weight_bytes(target)  # of one rank's shard under TP
@@ -428,6 +489,11 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=8,
                    help="prompts per row: batches smaller than this run in waves until it is reached")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="time every row this many times, the modes' runs interleaved on engines built once per batch "
+                        "size, and report the run of median TTIT (all runs' TTIT in the JSON and the table): rows "
+                        "of one process move by several percent run to run on a GPU, and interleaving spreads that "
+                        "over the modes compared")
     p.add_argument("--context", type=int, default=1024, help="prompt length for random-weight models")
     p.add_argument("--prompts", default=None, help="MT-Bench question.jsonl (first turns) for real models")
     p.add_argument("--accept-rates", default="0.8",
