@@ -1,7 +1,7 @@
 """The inference fast path of a loaded model: fused projections and fused Triton kernels (issue #5).
 
 The eager modules launch ~50 small kernels per decoder layer; on a GPU a decode step is bound by their count, not
-their work. Two independent transforms cut it:
+their work. Three transforms cut it (the third for targets, after the first):
 
 * `fuse_projections(model)`: in every decoder layer, q/k/v become one `qkv_proj` and gate/up one `gate_up_proj`
   (weights and biases concatenated, the originals freed): 5 GEMMs -> 2. It changes the parameters, so it is for
