@@ -6,7 +6,8 @@
 #   step both ways (did the folded norms save their 64 launches, or did cuBLAS's beta-add GEMMs take them back?).
 # STAGE=2 (carry .stage/b, after stage 1): SmolLM2 over the MT-Bench first turns (point 2a): plain, chain:3 and the
 #   default tree; then the tree with `--no-few-rows` (its 49-row verify is on cuBLAS either way, so this isolates
-#   the draft's tree levels on the tile kernels, which session 16 could not settle).
+#   the draft's tree levels on the tile kernels, which session 16 could not settle); then the tree with an FP8 draft
+#   (`--draft-quant fp8`: its 57 MB head, read at every level, halved; -0.5% TPC in session 13's CPU replay).
 # Env: NP (prompts, 80), MAXT (tokens, 128), REPEAT (3); L8B_MODEL (llama-3.1-8b-shape) and STAGED=1 for a dry run
 # on the CPU (`STAGED=1 STAGE=2 NP=1 MAXT=4 REPEAT=2 OUT=/tmp/o bash tools/device/repeat_rows.sh`).
 set -u
@@ -32,5 +33,6 @@ else
     --batch-sizes 1 --num-prompts $NP --repeat $REPEAT"
   $LAT --modes plain,chain:3,tree:smollm2_48d5 --out $R/sm 2>&1 | grep "^| [pct]"
   $LAT --modes tree:smollm2_48d5 --no-few-rows --out $R/sm_nofew 2>&1 | grep "^| [pct]" | sed "s/^/no-few-rows /"
+  $LAT --modes tree:smollm2_48d5 --draft-quant fp8 --out $R/sm_fp8 2>&1 | grep "^| [pct]" | sed "s/^/fp8-draft /"
   (cd $W && tar czf $OUT/repeat_2.tar.gz repeat2)
 fi
