@@ -310,6 +310,9 @@ def test_fold_norms_refuses_hooked_projections_and_is_idempotent():
     assert not can_fold_norms(hooked) and not fold_norms(hooked).norms_folded
     assert all(torch.equal(v, before[k]) for k, v in hooked.state_dict().items())
     assert not can_fold_norms(randomize(LlamaForCausalLM(tiny_config())))  # q/k/v not fused yet
+    pre = fuse_projections(randomize(LlamaForCausalLM(tiny_config())))
+    pre.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda m, a: a)  # a pre-hook must run too
+    assert not can_fold_norms(pre)
     model = randomize(LlamaForCausalLM(tiny_config()).to(DEV))
     with torch.no_grad():
         ref = model(ids.to(DEV), pos.to(DEV))

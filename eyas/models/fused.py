@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eyas.models.llama import MLP, Attention, LlamaForCausalLM, adds_in_place
+from eyas.models.llama import MLP, Attention, LlamaForCausalLM
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:
@@ -54,16 +54,11 @@ def use_fused_ops(model: nn.Module, on: bool = True) -> nn.Module:
 
 
 def can_fold_norms(model: nn.Module) -> bool:
-    """Whether `fold_norms` applies: a LlamaForCausalLM with fused, plain (bias-free) projections whose o and down
-    projections can add into the residual stream in their GEMMs (`adds_in_place`: no tensor-parallel hooks)."""
-    if not isinstance(model, LlamaForCausalLM):
-        return False
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        lins = (getattr(attn, "qkv_proj", None), getattr(mlp, "gate_up_proj", None), attn.o_proj, mlp.down_proj)
-        if not all(isinstance(m, nn.Linear) and adds_in_place(m) for m in lins):
-            return False
-    return True
+    """Whether `fold_norms` applies: a LlamaForCausalLM whose layers have what the one-row kernels need as well
+    (`eyas.models.one_row.layer_ready`: fused, plain projections, RMSNorms, no hooks), so that the o and down
+    projections can add into the residual stream in their GEMMs (no tensor-parallel hooks)."""
+    from eyas.models.one_row import layer_ready
+    return isinstance(model, LlamaForCausalLM) and all(layer_ready(layer, True) for layer in model.model.layers)
 
 
 @torch.no_grad()

@@ -175,17 +175,19 @@ class MLP(nn.Module):
         return add_linear_(residual, swiglu_triton(*self.gate_up(x)), self.down_proj)
 
 
-def adds_in_place(linear: nn.Module) -> bool:
-    """Whether `add_linear_` adds `linear`'s output into the residual inside the GEMM (cuBLAS's beta = 1): a plain
-    nn.Linear without bias or forward hooks. A row-parallel projection (tensor parallelism) all-reduces its output
-    in a forward hook, so the module must run; an INT4 one (eyas.layers.linear_int4) has no weight to addmm with."""
-    return isinstance(linear, nn.Linear) and linear.bias is None and not linear._forward_hooks
+def plain_linear(linear: nn.Module) -> bool:
+    """A plain nn.Linear without bias or forward (pre-)hooks: one whose output code may compute from its weight
+    alone, without running the module (`add_linear_`'s in-GEMM add, the one-row kernels, `fold_norms`). A
+    row-parallel projection (tensor parallelism) all-reduces its output in a forward hook, so the module must run;
+    an INT4 or FP8 one (eyas.layers.linear_int4, linear_fp8) has no weight of that shape."""
+    return (type(linear) is nn.Linear and linear.bias is None and not linear._forward_hooks
+            and not linear._forward_pre_hooks)
 
 
 def add_linear_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
-    """residual += linear(x), in place; one GEMM with cuBLAS's beta = 1 where it can (`adds_in_place` and a
+    """residual += linear(x), in place; one GEMM with cuBLAS's beta = 1 where it can (`plain_linear` and a
     contiguous residual), else the module's output and an add. Returns residual."""
-    if not adds_in_place(linear) or not residual.is_contiguous():
+    if not plain_linear(linear) or not residual.is_contiguous():
         return residual.add_(linear(x))
     residual.view(-1, residual.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), linear.weight.t())
     return residual

@@ -43,14 +43,14 @@ from torch import nn
 
 from eyas.layers.attention import AttentionMetadata, prefix_only_attention, split_tree_attention
 from eyas.layers.norm import RMSNorm
+from eyas.models.llama import plain_linear
 
 
 def _plain(linear) -> bool:
-    return (type(linear) is nn.Linear and linear.bias is None and linear.weight.is_contiguous()
-            and not linear._forward_hooks and not linear._forward_pre_hooks)
+    return plain_linear(linear) and linear.weight.is_contiguous()
 
 
-def _layer_ready(layer: nn.Module, input_norm: bool) -> bool:
+def layer_ready(layer: nn.Module, input_norm: bool) -> bool:
     """A decoder layer with fused, plain projections, RMSNorms (no input norm where `input_norm` is False: an EAGLE
     draft's first layer), and no hooks."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -68,7 +68,7 @@ def _layer_ready(layer: nn.Module, input_norm: bool) -> bool:
 
 def one_row_ready(model: nn.Module) -> bool:
     """Whether every layer of `model` (a LlamaForCausalLM), and its head, have what the one-row path needs."""
-    return _plain(model.lm_head) and all(_layer_ready(layer, True) for layer in model.model.layers)
+    return _plain(model.lm_head) and all(layer_ready(layer, True) for layer in model.model.layers)
 
 
 def takes_one_row(model: nn.Module, x: torch.Tensor, meta: AttentionMetadata | None) -> bool:
@@ -171,7 +171,7 @@ def forward_rows(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, met
 def draft_rows_ready(draft: nn.Module) -> bool:
     """Whether an EagleDraft has what `forward_draft_rows` needs: fc and every layer's fused projections plain
     nn.Linear layers without bias or hooks (not quantized, not sharded), RMSNorms, no input norm only on layer 0."""
-    return _plain(draft.fc) and all(_layer_ready(layer, isinstance(layer.input_layernorm, RMSNorm) or i > 0)
+    return _plain(draft.fc) and all(layer_ready(layer, isinstance(layer.input_layernorm, RMSNorm) or i > 0)
                                     for i, layer in enumerate(draft.layers))
 
 
