@@ -206,3 +206,20 @@ def test_soak_under_tensor_parallel_loses_nothing(tmp_path):
 def test_soak_refuses_bad_input(bad, tmp_path):
     with pytest.raises(SystemExit, match="eyas bench soak"):
         main(["bench", "soak", "--model", "llama-tiny-shape", "--out", str(tmp_path)] + bad)
+
+
+def test_kernel_timeline_is_in_start_order_with_gaps(tmp_path):
+    from types import SimpleNamespace as NS
+
+    from eyas.bench.latency import write_kernel_timeline
+
+    def ev(name, start, end):
+        return NS(name=name, time_range=NS(start=start, end=end))
+
+    # out of order, one overlapping its predecessor (gap 0, not negative)
+    path = tmp_path / "sub" / "k.tsv"
+    write_kernel_timeline([ev("c", 130.0, 140.0), ev("a", 100.0, 110.0), ev("b", 108.0, 120.0)], str(path))
+    lines = path.read_text().splitlines()
+    assert lines[0].split("\t") == ["start_us", "gap_us", "dur_us", "name"]
+    assert [ln.split("\t") for ln in lines[1:]] == [["0.0", "0.0", "10.0", "a"], ["8.0", "0.0", "12.0", "b"],
+                                                     ["30.0", "10.0", "10.0", "c"]]

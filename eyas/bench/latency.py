@@ -255,8 +255,11 @@ def time_row(engine: LLMEngine, mode: str, batch: int, prompts, max_tokens: int,
     }
 
 
-def profile_steps(engine: LLMEngine, mode: str, batch: int, prompts, verbose: bool = True) -> None:
-    """Print where the GPU time of 3 decode steps goes, by kernel (torch.profiler)."""
+def profile_steps(engine: LLMEngine, mode: str, batch: int, prompts, verbose: bool = True,
+                  kernels_out: str | None = None) -> None:
+    """Print where the GPU time of 3 decode steps goes, by kernel (torch.profiler). `kernels_out`: also write every
+    kernel of those steps in launch order (start and gap before it in us, duration in us, name), a TSV, to read a
+    step's sequence (which launch belongs to the draft, which to the verify pass) where the table only sums."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     for i, p in enumerate(prompts[:batch]):
         engine.add_request(p, _params(i, 12))
@@ -273,19 +276,37 @@ def profile_steps(engine: LLMEngine, mode: str, batch: int, prompts, verbose: bo
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy = sum(e.device_time for e in kernels) / 1000
         print(f"GPU kernels per step: {len(kernels) / 3:.0f}, busy {busy / 3:.3f} ms per step")
+        if kernels_out:
+            write_kernel_timeline(kernels, kernels_out)
+            print(f"kernels in launch order: {kernels_out}")
     while engine.has_unfinished():
         engine.step()
 
 
+def write_kernel_timeline(kernels, path: str) -> None:
+    """Profiler kernel events -> TSV rows `start_us  gap_us  dur_us  name` in start order (start from the first)."""
+    ev = sorted(kernels, key=lambda e: e.time_range.start)
+    t0 = ev[0].time_range.start if ev else 0
+    end = t0
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        f.write("start_us\tgap_us\tdur_us\tname\n")
+        for e in ev:
+            start, stop = e.time_range.start, e.time_range.end
+            f.write(f"{start - t0:.1f}\t{max(0.0, start - end):.1f}\t{stop - start:.1f}\t{e.name[:120]}\n")
+            end = max(end, stop)
+
+
 def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
              graphs: bool, block_size: int = 16, profile: bool = False, num_prompts: int = 1,
-             verbose: bool = True, one_row: bool = True, few_rows: bool = True, fold_norms: bool = True) -> dict:
+             verbose: bool = True, one_row: bool = True, few_rows: bool = True, fold_norms: bool = True,
+             kernels_out: str | None = None) -> dict:
     """One (mode, batch) row: `build_engine`, `time_row`, and with `profile` `profile_steps`."""
     engine = build_engine(target, tokenizer, draft, mode, batch, prompts, max_tokens, simulated_rates, graphs,
                           block_size, one_row, few_rows, fold_norms)
     row = time_row(engine, mode, batch, prompts, max_tokens, num_prompts, simulated_rates is not None)
     if profile:
-        profile_steps(engine, mode, batch, prompts, verbose)
+        profile_steps(engine, mode, batch, prompts, verbose, kernels_out)
     return row
 
 
@@ -406,11 +427,17 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
     graphs = args.cuda_graphs and device.type == "cuda"
     rows = []
     paths = dict(one_row=args.one_row, few_rows=args.few_rows, fold_norms=args.fold_norms)
+
+    def timeline(mode: str, b: int) -> str | None:  # --profile's kernel list, beside the outputs
+        if not (args.profile and args.out and rank == 0):
+            return None
+        return str(Path(args.out) / f"kernels_{re.sub(r'[^A-Za-z0-9]+', '_', mode)}_b{b}.tsv")
     if args.repeat == 1:
         for mode in modes:
             for b in tqdm(batches, desc=mode, disable=rank != 0):
                 rows.append(run_mode(target, tokenizer, draft, mode, b, prompts, args.max_tokens, rates, graphs,
-                                     profile=args.profile, num_prompts=args.num_prompts, verbose=rank == 0, **paths))
+                                     profile=args.profile, num_prompts=args.num_prompts, verbose=rank == 0,
+                                     kernels_out=timeline(mode, b), **paths))
     else:  # per batch size, every mode's engine built once, then the modes' runs interleaved `repeat` times
         by_mode: dict[str, list[dict]] = {}
         for b in batches:
@@ -424,7 +451,7 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
             for m in modes:
                 by_mode.setdefault(m, []).append(median_row(runs[m]))
                 if args.profile:
-                    profile_steps(engines[m], m, b, prompts, rank == 0)
+                    profile_steps(engines[m], m, b, prompts, rank == 0, timeline(m, b))
             del engines
         rows = [r for m in modes for r in by_mode[m]]
     meta = {"model": args.model, "draft": args.draft, "device": str(device),
@@ -530,7 +557,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--no-fold-norms", dest="fold_norms", action="store_false",
                    help="keep the target's RMSNorm kernels (eyas.models.fused.fold_norms folds their weights into "
                         "the projections and applies them inside other launches): to compare the two")
-    p.add_argument("--profile", action="store_true", help="print the top GPU kernels of 3 decode steps per run")
+    p.add_argument("--profile", action="store_true", help="print the top GPU kernels of 3 decode steps per run; with --out, also "
+                   "write those steps' kernels in launch order to OUT/kernels_<mode>_b<batch>.tsv")
     p.add_argument("--out", default="bench-out/latency")
     p.set_defaults(func=run)
     return p
