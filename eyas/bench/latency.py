@@ -564,8 +564,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--no-fold-norms", dest="fold_norms", action="store_false",
                    help="keep the target's RMSNorm kernels (eyas.models.fused.fold_norms folds their weights into "
                         "the projections and applies them inside other launches): to compare the two")
-    p.add_argument("--profile", action="store_true", help="print the top GPU kernels of 3 decode steps per run; with --out, also "
-                   "write those steps' kernels in launch order to OUT/kernels_<mode>_b<batch>.tsv")
+    p.add_argument("--profile", action="store_true",
+                   help="print the top GPU kernels of 3 decode steps per run; also write those steps' kernels in "
+                        "launch order to OUT/kernels_<mode>_b<batch>.tsv")
     p.add_argument("--out", default="bench-out/latency")
     p.set_defaults(func=run)
     return p
