@@ -38,7 +38,7 @@ def flat_slots(tables: np.ndarray, positions: np.ndarray, block_size: int, out=N
     B, W = tables.shape
     col = np.minimum(positions // block_size, W - 1)
     col += (np.arange(B) * W)[:, None]  # flat index into tables (cheaper on the host than take_along_axis)
-    blk = np.take(tables, col)
+    blk = tables.take(col)
     return np.add(blk * block_size, positions % block_size, out=out)
 
 
@@ -314,21 +314,22 @@ class ModelRunner:
         if cat_tokens is not None:
             a["catchup_tokens"].reshape(-1)[:] = cat_tokens
         tables = a["block_tables"]
-        np.take(bt, sl, axis=0, out=tables)
+        bt.take(sl, axis=0, out=tables)  # the ndarray methods: no numpy dispatch wrapper on this per-step path
         # the K/V slots of positions n .. n+P-1 (what a step may commit; padding rows: the scratch block's)
         nc = a["num_cached"]
-        flat_slots(tables, nc[:, None] + np.arange(P), self.block_size, out=a["commit_slots"])
+        ar = np.arange(P)
+        flat_slots(tables, nc[:, None] + ar, self.block_size, out=a["commit_slots"])
         if cat_tokens is not None:  # the catch-up pairs at positions d .. n-1: the draft's slots, positions, count
             lens = a["catchup_lens"]
             np.subtract(nc, a["num_draft_cached"], out=lens)
-            pos = a["num_draft_cached"][:, None] + np.arange(P)
-            valid = np.arange(P) < lens[:, None]
+            pos = a["num_draft_cached"][:, None] + ar
+            valid = ar < lens[:, None]
             a["catchup_slots"][:] = np.where(valid, flat_slots(tables, pos, self.block_size), -1)
             a["catchup_positions"][:] = np.where(valid, pos, 0)
-        np.take(self.slot_temperature, sl, out=a["temperature"])
-        np.take(self.slot_top_p, sl, out=a["top_p"])
-        np.take(self.slot_top_k, sl, out=a["top_k"])
-        np.take(self.slot_seed, sl, out=a["seeds"])
+        self.slot_temperature.take(sl, out=a["temperature"])
+        self.slot_top_p.take(sl, out=a["top_p"])
+        self.slot_top_k.take(sl, out=a["top_k"])
+        self.slot_seed.take(sl, out=a["seeds"])
         pk.send()
         pk.inputs.max_context_len = max(ncs)
         return pk.inputs
