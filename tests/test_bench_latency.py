@@ -66,6 +66,9 @@ def test_bench_latency_writes_json_markdown_and_plot(tmp_path):
     # the dispatcher runs chain:4 alone and plain steps at batch 2
     assert rows[("dispatch:1=chain:4,2=plain", 1)]["tpc"] > 1.5
     assert rows[("dispatch:1=chain:4,2=plain", 2)]["tpc"] == 1.0
+    for b in (1, 2):  # one run each: plain's TTIT over the row's
+        assert rows[("chain:4", b)]["speedup_vs_plain"] == pytest.approx(rows[("plain", b)]["ttit_ms"]
+                                                                         / rows[("chain:4", b)]["ttit_ms"])
     md = (out / "latency.md").read_text()
     assert "| chain:4 | 2 |" in md and "TPOT ms" in md
     assert (out / "latency.png").stat().st_size > 1000
@@ -94,6 +97,13 @@ def test_bench_latency_repeat_interleaves_the_modes(tmp_path, monkeypatch):
     for r in res["results"]:
         assert len(r["repeats_ttit_ms"]) == 3 and len(r["repeats_ms_per_step"]) == 3
         assert r["ttit_ms"] == sorted(r["repeats_ttit_ms"])[1]
+    rows = {(r["mode"], r["batch"]): r for r in res["results"]}
+    for b in (1, 2):  # against plain: the median over the rounds of the two runs' ratio
+        plain, chain = rows[("plain", b)], rows[("chain:4", b)]
+        assert plain["speedup_vs_plain_runs"] == [1.0] * 3
+        ratios = [p / c for p, c in zip(plain["repeats_ttit_ms"], chain["repeats_ttit_ms"])]
+        assert chain["speedup_vs_plain_runs"] == pytest.approx(ratios)
+        assert chain["speedup_vs_plain"] == pytest.approx(sorted(ratios)[1])
     monkeypatch.undo()
     assert main(args + ["--out", str(tmp_path / "r1")]) == 0
     one = json.loads((tmp_path / "r1" / "latency.json").read_text())["results"]
@@ -101,7 +111,29 @@ def test_bench_latency_repeat_interleaves_the_modes(tmp_path, monkeypatch):
         assert (a["mode"], a["batch"], a["decode_steps"], a["tpc"]) == (b["mode"], b["batch"], b["decode_steps"],
                                                                         b["tpc"])
         assert "repeats_ttit_ms" not in b
-    assert "TTIT of the runs" in (tmp_path / "r3" / "latency.md").read_text()
+    md = (tmp_path / "r3" / "latency.md").read_text()
+    assert "TTIT of the runs" in md and "vs plain (median of the rounds)" in md
+
+
+def test_speedup_over_plain_is_the_median_of_the_rounds_ratios():
+    """With repeats, a round's plain and speculative runs ran back to back: the speed-up is the median of the
+    per-round ratios (here 2.0), not the ratio of the two medians (1.0 / 0.6); one run each: the plain ratio;
+    a batch size without a plain row gets none."""
+    from eyas.bench.latency import add_speedups, markdown
+    rows = [dict(mode="plain", batch=1, ttit_ms=1.0, repeats_ttit_ms=[1.0, 2.0, 1.0]),
+            dict(mode="tree:8", batch=1, ttit_ms=0.6, repeats_ttit_ms=[0.5, 0.8, 0.6]),
+            dict(mode="plain", batch=4, ttit_ms=2.0), dict(mode="chain:3", batch=4, ttit_ms=0.8),
+            dict(mode="chain:3", batch=8, ttit_ms=0.9)]
+    add_speedups(rows)
+    assert rows[1]["speedup_vs_plain_runs"] == pytest.approx([2.0, 2.5, 1.0 / 0.6])
+    assert rows[1]["speedup_vs_plain"] == pytest.approx(2.0)
+    assert rows[3]["speedup_vs_plain"] == pytest.approx(2.5) and "speedup_vs_plain_runs" not in rows[3]
+    assert "speedup_vs_plain" not in rows[4]
+    for r in rows:
+        r.update(ttft_ms=1.0, tpot_ms=None, tpc=1.0, tokens_per_s=1.0, decode_steps=1,
+                 ms_per_decode_step=r["ttit_ms"])
+    md = markdown(rows, dict(model="m", device_name="cpu", dtype="float32", date="d"))
+    assert "| tree:8 | 1 |" in md and " 2.00x |" in md and " 2.50x |" in md
 
 
 @pytest.mark.parametrize("bad", [["--modes", "tree:nope"], ["--modes", "dispatch:4=chain:3,2=plain"],

@@ -326,6 +326,25 @@ def median_row(runs: list[dict]) -> dict:
     return row
 
 
+def add_speedups(rows: list[dict]) -> None:
+    """Each row's speed-up over plain decoding at its batch size (`speedup_vs_plain`: plain's TTIT / the row's), when
+    a plain row exists. With --repeat, the median over the rounds of the ratio of the two runs of that round
+    (`speedup_vs_plain_runs`, in run order): a round's modes ran back to back, so a slow stretch of the machine
+    lands on both and cancels, which a ratio of the two medians does not do."""
+    from statistics import median
+    plain = {r["batch"]: r for r in rows if r["mode"] == "plain"}
+    for r in rows:
+        p = plain.get(r["batch"])
+        if p is None:
+            continue
+        a, b = p.get("repeats_ttit_ms"), r.get("repeats_ttit_ms")
+        if a and b and len(a) == len(b):
+            r["speedup_vs_plain_runs"] = [x / y for x, y in zip(a, b)]
+            r["speedup_vs_plain"] = median(r["speedup_vs_plain_runs"])
+        else:
+            r["speedup_vs_plain"] = p["ttit_ms"] / r["ttit_ms"]
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     sim = " (simulated acceptance)" if meta.get("simulated") else ""
     tp = f", tensor parallel {meta['tensor_parallel']}" if meta.get("tensor_parallel", 1) > 1 else ""
@@ -339,16 +358,20 @@ def markdown(rows: list[dict], meta: dict) -> str:
         out.append(f"weight-read floor {floor:.3f} ms per step: {meta['linear_weight_bytes'] / 1e9:.2f} GB of linear "
                    f"weights per GPU at the measured copy bandwidth {meta['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     runs = any("repeats_ttit_ms" in r for r in rows)  # --repeat: each row is the run of median TTIT
+    vs = any("speedup_vs_plain" in r for r in rows)
+    vs_head = " vs plain (median of the rounds) |" if runs else " vs plain |"
     out += ["", "| mode | batch | TTFT ms | ms/token (TTIT) | TPOT ms | TPC | tokens/s | decode steps | ms/step |"
-            + (" TTIT / floor |" if floor else "") + (" TTIT of the runs |" if runs else ""),
+            + (" TTIT / floor |" if floor else "") + (vs_head if vs else "") + (" TTIT of the runs |" if runs else ""),
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if floor else "")
-            + (" --- |" if runs else "")]
+            + (" --- |" if vs else "") + (" --- |" if runs else "")]
     for r in rows:
         tpot = f"{r['tpot_ms']:.3f}" if r.get("tpot_ms") is not None else ""
         reps = ", ".join(f"{t:.3f}" for t in r.get("repeats_ttit_ms", []))
+        sp = f"{r['speedup_vs_plain']:.2f}x" if "speedup_vs_plain" in r else ""
         out.append(f"| {r['mode']} | {r['batch']} | {r['ttft_ms']:.1f} | {r['ttit_ms']:.3f} | {tpot} | "
                    f"{r['tpc']:.2f} | {r['tokens_per_s']:.0f} | {r['decode_steps']} | {r['ms_per_decode_step']:.3f} |"
-                   + (f" {r['ttit_ms'] / floor:.2f} |" if floor else "") + (f" {reps} |" if runs else ""))
+                   + (f" {r['ttit_ms'] / floor:.2f} |" if floor else "") + (f" {sp} |" if vs else "")
+                   + (f" {reps} |" if runs else ""))
     return "\n".join(out) + "\n"
 
 
@@ -461,6 +484,7 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
                     profile_steps(engines[m], m, b, prompts, rank == 0, timeline(m, b))
             del engines
         rows = [r for m in modes for r in by_mode[m]]
+    add_speedups(rows)
     meta = {"model": args.model, "draft": args.draft, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
             "dtype": str(dtype), "date": str(date.today()), "simulated": simulated,
