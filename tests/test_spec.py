@@ -220,7 +220,10 @@ def _old_decode_inputs(seqs, P, W, with_draft):
 def test_packed_inputs_equal_the_per_field_ones_and_pad_the_rest(mirror_pair, spec):
     """The packed step inputs (one buffer, one copy; what a CUDA graph replay reads) equal the per-field construction
     row for row; rows past the batch are padding (zero block tables, so their writes go to the scratch block; the
-    scratch hidden slot; top_p 1), also after a larger batch used the same buffer."""
+    scratch hidden slot; top_p 1), also after a larger batch used the same buffer. A packer keeps its per-slot rows
+    (slots, block tables, sampling parameters) while the batch's slots and the runner's slot_epoch stay the same:
+    checked on a repeated batch, after block tables grew through another packer (the engine's own steps), and after
+    a slot was reclaimed by a request of other parameters in the same row."""
     target, draft = mirror_pair
     llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft) if spec else None, speculation=spec,
               block_size=4)
@@ -232,7 +235,8 @@ def test_packed_inputs_equal_the_per_field_ones_and_pad_the_rest(mirror_pair, sp
         engine.step()
     assert all(s.num_output > 0 for s in seqs)
     B = 8
-    for batch in (seqs, seqs[1:3]):  # a smaller batch after a larger one in the same 8-row buffer
+
+    def check(batch):
         inp = runner.decode_inputs(batch, B)
         ref = _old_decode_inputs(batch, runner.lookahead, runner.width, spec is not None)
         n = len(batch)
@@ -259,6 +263,24 @@ def test_packed_inputs_equal_the_per_field_ones_and_pad_the_rest(mirror_pair, sp
             assert torch.equal(inp.catchup_lens.cpu(), lens)
             assert torch.equal(inp.catchup_positions.cpu(), torch.where(valid, nd[:, None] + ar, 0))
             assert torch.equal(inp.catchup_slots.cpu(), slots_for(bt, nd[:, None] + ar, valid, bs))
+
+    for batch in (seqs, seqs[1:3], seqs[1:3], seqs):  # smaller after larger in one 8-row buffer; repeats
+        check(batch)
+    tables = [list(s.block_table) for s in seqs]
+    for _ in range(6):  # the engine's steps (its own 4-row packer) grow the block tables (4-token blocks)
+        engine.step()
+    assert any(len(s.block_table) > len(t) for s, t in zip(seqs, tables))
+    check(seqs)
+    old = seqs[0]
+    slot = old.slot
+    engine.abort(old.request_id)
+    new = engine.add_request(prompts6()[0], SamplingParams(temperature=0.9, top_p=0.5, top_k=2, max_tokens=50,
+                                                           seed=11))
+    while new.num_output == 0:
+        engine.step()
+    assert new.slot == slot  # the same slots in the same rows: only the claim tells the rows apart
+    seqs = [new] + seqs[1:]
+    check(seqs)
     assert len({s.slot for s in seqs}) == 4
     for s in seqs:
         engine.abort(s.request_id)

@@ -72,6 +72,7 @@ class StepPacker:
         self.host = torch.zeros(total, dtype=torch.long, pin_memory=pin)
         self.dev = torch.zeros(total, dtype=torch.long, device=device)
         self.copied = torch.cuda.Event() if pin else None
+        self.rows = None  # the key (slots in row order, the runner's slot_epoch) of the per-slot rows packed last
         # the event is recorded on the current stream of this device, looked up by its index: with no argument
         # torch.cuda.current_stream() first works out which device is current, a chain of Python calls (session 17:
         # the copy and the record took 40-55 us of host time a step on the H200 machine)
@@ -179,6 +180,10 @@ class ModelRunner:
             self.draft_hidden = torch.zeros(S + 1, self.lookahead, self.target.config.hidden_size, dtype=self.dtype,
                                             device=self.device)
         self.packers: dict[int, StepPacker] = {}
+        # bumped whenever `decode_inputs` copies a block table's new blocks into its slot's row (a table grew, or a
+        # slot was claimed: that resets its count): part of the key of every packer's cached per-slot rows, so that a
+        # change seen through one packer invalidates the others' rows too
+        self.slot_epoch = 0
 
     def _claim_slot(self, s: Sequence) -> None:
         """A sequence starts (or restarts, after preemption) its prefill in slot `s.slot`: reset the slot's rows."""
@@ -186,7 +191,7 @@ class ModelRunner:
             raise RuntimeError(f"sequence {s.request_id} has no slot (slot {s.slot})")
         i = s.slot
         self.slot_block_tables[i] = 0
-        self.slot_num_blocks[i] = 0
+        self.slot_num_blocks[i] = 0  # so the sequence's first decode step copies its whole table (slot_epoch moves)
         p = s.params
         self.slot_temperature[i], self.slot_top_p[i], self.slot_top_k[i] = p.temperature, p.top_p, p.top_k
         self.slot_seed[i] = s.seed
@@ -289,6 +294,7 @@ class ModelRunner:
                 j = nblk[i]
                 bt[i, j:k] = table[j:k]
                 nblk[i] = k
+                self.slot_epoch += 1
             tokens = s.token_ids
             roots.append(tokens[-1])
             ncs.append(nc)
@@ -310,11 +316,21 @@ class ModelRunner:
         a["num_cached"][:] = ncs
         a["num_draft_cached"][:] = nds
         sl = a["slots"]
-        sl[:] = slots
         if cat_tokens is not None:
             a["catchup_tokens"].reshape(-1)[:] = cat_tokens
         tables = a["block_tables"]
-        bt.take(sl, axis=0, out=tables)  # the ndarray methods: no numpy dispatch wrapper on this per-step path
+        # the per-slot rows (slot, block table, sampling parameters) change only when a row's sequence changes, a
+        # slot is claimed or a table grows (both move slot_epoch): in steady decoding they are the last step's,
+        # already in the buffer
+        rows = (tuple(slots), self.slot_epoch)
+        if pk.rows != rows:
+            sl[:] = slots
+            bt.take(sl, axis=0, out=tables)  # the ndarray methods: no numpy dispatch wrapper on this path
+            self.slot_temperature.take(sl, out=a["temperature"])
+            self.slot_top_p.take(sl, out=a["top_p"])
+            self.slot_top_k.take(sl, out=a["top_k"])
+            self.slot_seed.take(sl, out=a["seeds"])
+            pk.rows = rows
         # the K/V slots of positions n .. n+P-1 (what a step may commit; padding rows: the scratch block's)
         nc = a["num_cached"]
         ar = np.arange(P)
@@ -326,10 +342,6 @@ class ModelRunner:
             valid = ar < lens[:, None]
             a["catchup_slots"][:] = np.where(valid, flat_slots(tables, pos, self.block_size), -1)
             a["catchup_positions"][:] = np.where(valid, pos, 0)
-        self.slot_temperature.take(sl, out=a["temperature"])
-        self.slot_top_p.take(sl, out=a["top_p"])
-        self.slot_top_k.take(sl, out=a["top_k"])
-        self.slot_seed.take(sl, out=a["seeds"])
         pk.send()
         pk.inputs.max_context_len = max(ncs)
         return pk.inputs
