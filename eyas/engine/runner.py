@@ -48,9 +48,10 @@ def block_tables_of(seqs: list[Sequence], width: int | None = None) -> torch.Ten
 
 
 class StepPacker:
-    """The inputs of a decode step of B rows, packed in one int64 buffer: a host one (pinned on CUDA) that the runner
-    fills through numpy views, and a device one whose slices are the `DecodeInputs` tensors (a CUDA graph's static
-    inputs are these slices). `send()` is the step's one host->device copy.
+    """The inputs of a decode step of B rows, packed in one int64 buffer: a host one that the runner fills through
+    numpy views (`np`), and a device one whose slices are the `DecodeInputs` tensors (a CUDA graph's static inputs are
+    these slices). `send()` is the step's one host->device copy: on CUDA through a pinned staging buffer that is only
+    ever written, in one sequential copy of the whole host buffer (no numpy arithmetic reads pinned memory).
 
     Layout, each field contiguous: root_tokens, num_cached, num_draft_cached, top_k, seeds, slots [B] each;
     commit_slots [B, P]; with a draft catchup_tokens, catchup_positions, catchup_slots [B, P] and catchup_lens [B];
@@ -69,7 +70,9 @@ class StepPacker:
         sizes += [("block_tables", B * W), ("floats", B)]
         total = sum(n for _, n in sizes)
         pin = device.type == "cuda"
-        self.host = torch.zeros(total, dtype=torch.long, pin_memory=pin)
+        self.buf = np.zeros(total, dtype=np.int64)  # what the runner fills (ordinary memory)
+        self.host = torch.zeros(total, dtype=torch.long, pin_memory=True) if pin else torch.from_numpy(self.buf)
+        self.stage = self.host.numpy() if pin else None  # the pinned staging copy of `buf`, written by send()
         self.dev = torch.zeros(total, dtype=torch.long, device=device)
         self.copied = torch.cuda.Event() if pin else None
         self.rows = None  # the key (slots in row order, the runner's slot_epoch) of the per-slot rows packed last
@@ -78,7 +81,7 @@ class StepPacker:
         # the copy and the record took 40-55 us of host time a step on the H200 machine)
         self.device_index = (device.index if device.index is not None else torch.cuda.current_device()) if pin \
             else None
-        h, views, off = self.host.numpy(), {}, 0
+        h, views, off = self.buf, {}, 0
         self.np: dict[str, np.ndarray] = {}
         for name, n in sizes:
             d, a = self.dev[off: off + n], h[off: off + n]
@@ -94,12 +97,15 @@ class StepPacker:
         self.inputs = DecodeInputs(**{f: views.pop(f, None) for f in draft_fields}, max_context_len=0, **views)
 
     def wait_host(self) -> None:
-        """Before refilling the host buffer: the previous copy out of it must have finished (it has, after the step's
-        synchronisation, so this costs nothing)."""
+        """Before rewriting the pinned staging buffer: the previous copy out of it must have finished (it has, after
+        the step's synchronisation, so this costs nothing)."""
         if self.copied is not None:
             self.copied.synchronize()
 
     def send(self) -> None:
+        if self.stage is not None:
+            self.wait_host()
+            np.copyto(self.stage, self.buf)
         self.dev.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record(torch.cuda.current_stream(self.device_index))
@@ -281,7 +287,6 @@ class ModelRunner:
         n = len(seqs)
         B = B or n
         pk = self.packer(B)
-        pk.wait_host()
         a = pk.np
         bt, nblk = self.slot_block_tables, self.slot_num_blocks
         roots, ncs, nds, slots = [], [], [], []
