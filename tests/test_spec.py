@@ -288,6 +288,36 @@ def test_packed_inputs_equal_the_per_field_ones_and_pad_the_rest(mirror_pair, sp
     assert all(s.slot == -1 for s in seqs)
 
 
+def test_step_packer_sends_the_filled_buffer_with_and_without_staging():
+    """What the device views hold after send() is what the runner filled, through the staging copy (CUDA's path:
+    `staging` turns it on here without CUDA) and without it, send after send; a staged send copies the buffer
+    (filling it again changes nothing on the device until the next send)."""
+    import numpy as np
+    from eyas.engine.runner import StepPacker
+    g = np.random.default_rng(0)
+    packers = [StepPacker(2, 3, 4, True, torch.device("cpu"), staging=st) for st in (False, True)]
+    assert packers[0].stage is None and packers[1].stage is not None
+    assert not np.shares_memory(packers[1].stage, packers[1].buf)
+    for _ in range(3):
+        fill = {k: g.integers(-5, 100, v.shape) for k, v in packers[0].np.items() if k not in ("temperature", "top_p")}
+        floats = {k: g.random(2).astype(np.float32) for k in ("temperature", "top_p")}
+        for pk in packers:
+            for k, v in {**fill, **floats}.items():
+                pk.np[k][...] = v
+            pk.send()
+        for name in ("root_tokens", "commit_slots", "catchup_tokens", "block_tables", "seeds", "temperature",
+                     "top_p"):
+            want = torch.from_numpy(np.asarray({**fill, **floats}[name]))
+            for pk in packers:
+                assert torch.equal(getattr(pk.inputs, name), want.to(getattr(pk.inputs, name).dtype)), name
+    staged = packers[1]
+    before = staged.inputs.root_tokens.clone()
+    staged.np["root_tokens"][...] = 12345
+    assert torch.equal(staged.inputs.root_tokens, before)
+    staged.send()
+    assert (staged.inputs.root_tokens == 12345).all()
+
+
 def test_slots_across_preemption_and_abort(mirror_pair):
     """Running sequences own distinct slots, others none; preemption and abort give them back; a re-admitted
     sequence continues exactly (greedy speculative output equals plain decoding), and no block or slot leaks."""

@@ -60,7 +60,9 @@ class StepPacker:
 
     PER_STEP = ("commit_slots", "catchup_tokens", "catchup_positions", "catchup_slots")  # the [B, P] fields
 
-    def __init__(self, B: int, P: int, W: int, with_draft: bool, device: torch.device):
+    def __init__(self, B: int, P: int, W: int, with_draft: bool, device: torch.device, staging: bool | None = None):
+        """`staging` (default: on CUDA) sends through a separate staging buffer, pinned on CUDA; off, the device
+        copy reads the filled buffer itself. (Tests turn it on without CUDA to hold the staged path equal.)"""
         self.B = B
         sizes = [("root_tokens", B), ("num_cached", B), ("num_draft_cached", B), ("top_k", B), ("seeds", B),
                  ("slots", B), ("commit_slots", B * P)]
@@ -70,9 +72,10 @@ class StepPacker:
         sizes += [("block_tables", B * W), ("floats", B)]
         total = sum(n for _, n in sizes)
         pin = device.type == "cuda"
+        staging = pin if staging is None else staging
         self.buf = np.zeros(total, dtype=np.int64)  # what the runner fills (ordinary memory)
-        self.host = torch.zeros(total, dtype=torch.long, pin_memory=True) if pin else torch.from_numpy(self.buf)
-        self.stage = self.host.numpy() if pin else None  # the pinned staging copy of `buf`, written by send()
+        self.host = torch.zeros(total, dtype=torch.long, pin_memory=pin) if staging else torch.from_numpy(self.buf)
+        self.stage = self.host.numpy() if staging else None  # the (pinned) staging copy of `buf`, written by send()
         self.dev = torch.zeros(total, dtype=torch.long, device=device)
         self.copied = torch.cuda.Event() if pin else None
         self.rows = None  # the key (slots in row order, the runner's slot_epoch) of the per-slot rows packed last
