@@ -33,13 +33,15 @@ def padded(rows: list[list[int]], Q: int) -> torch.Tensor:
     return out
 
 
-def flat_slots(tables: np.ndarray, positions: np.ndarray, block_size: int, out=None) -> np.ndarray:
-    """Flat KV-cache slots of positions [B, P] through block tables [B, W] (host; `slots_for` on the device)."""
+def flat_slots(tables: np.ndarray, positions: np.ndarray, block_size: int, out=None,
+               row_offsets: np.ndarray | None = None) -> np.ndarray:
+    """Flat KV-cache slots of positions [B, P] through block tables [B, W] (host; `slots_for` on the device).
+    `row_offsets`: [B, 1] = arange(B) * W, which a caller of fixed shapes can keep."""
     B, W = tables.shape
     col = np.minimum(positions // block_size, W - 1)
-    col += (np.arange(B) * W)[:, None]  # flat index into tables (cheaper on the host than take_along_axis)
-    blk = tables.take(col)
-    return np.add(blk * block_size, positions % block_size, out=out)
+    col += (np.arange(B) * W)[:, None] if row_offsets is None else row_offsets  # flat indices into tables
+    blk = tables.take(col)  # (cheaper on the host than take_along_axis)
+    return np.add(np.multiply(blk, block_size, out=blk), positions % block_size, out=out)
 
 
 def block_tables_of(seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
@@ -79,6 +81,7 @@ class StepPacker:
         self.dev = torch.zeros(total, dtype=torch.long, device=device)
         self.copied = torch.cuda.Event() if pin else None
         self.rows = None  # the key (slots in row order, the runner's slot_epoch) of the per-slot rows packed last
+        self.row_offsets = (np.arange(B) * W)[:, None]  # `flat_slots`' flat index of each row's table
         # the event is recorded on the current stream of this device, looked up by its index: with no argument
         # torch.cuda.current_stream() first works out which device is current, a chain of Python calls (session 17:
         # the copy and the record took 40-55 us of host time a step on the H200 machine)
@@ -342,13 +345,14 @@ class ModelRunner:
         # the K/V slots of positions n .. n+P-1 (what a step may commit; padding rows: the scratch block's)
         nc = a["num_cached"]
         ar = np.arange(P)
-        flat_slots(tables, nc[:, None] + ar, self.block_size, out=a["commit_slots"])
+        flat_slots(tables, nc[:, None] + ar, self.block_size, out=a["commit_slots"], row_offsets=pk.row_offsets)
         if cat_tokens is not None:  # the catch-up pairs at positions d .. n-1: the draft's slots, positions, count
             lens = a["catchup_lens"]
             np.subtract(nc, a["num_draft_cached"], out=lens)
             pos = a["num_draft_cached"][:, None] + ar
             valid = ar < lens[:, None]
-            a["catchup_slots"][:] = np.where(valid, flat_slots(tables, pos, self.block_size), -1)
+            a["catchup_slots"][:] = np.where(valid, flat_slots(tables, pos, self.block_size,
+                                                               row_offsets=pk.row_offsets), -1)
             a["catchup_positions"][:] = np.where(valid, pos, 0)
         pk.send()
         pk.inputs.max_context_len = max(ncs)
