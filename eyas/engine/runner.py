@@ -33,13 +33,13 @@ def padded(rows: list[list[int]], Q: int) -> torch.Tensor:
     return out
 
 
-def flat_slots(tables: np.ndarray, positions: np.ndarray, block_size: int, out=None,
-               row_offsets: np.ndarray | None = None) -> np.ndarray:
+def flat_slots(tables: np.ndarray, positions: np.ndarray, block_size: int, row_offsets: np.ndarray,
+               out=None) -> np.ndarray:
     """Flat KV-cache slots of positions [B, P] through block tables [B, W] (host; `slots_for` on the device).
-    `row_offsets`: [B, 1] = arange(B) * W, which a caller of fixed shapes can keep."""
-    B, W = tables.shape
+    `row_offsets`: [B, 1] = arange(B) * W (`StepPacker.row_offsets`, kept as its shapes are fixed)."""
+    W = tables.shape[1]
     col = np.minimum(positions // block_size, W - 1)
-    col += (np.arange(B) * W)[:, None] if row_offsets is None else row_offsets  # flat indices into tables
+    col += row_offsets  # flat indices into tables
     blk = tables.take(col)  # (cheaper on the host than take_along_axis)
     return np.add(np.multiply(blk, block_size, out=blk), positions % block_size, out=out)
 
@@ -102,15 +102,10 @@ class StepPacker:
         draft_fields = ("catchup_tokens", "catchup_positions", "catchup_slots", "catchup_lens")
         self.inputs = DecodeInputs(**{f: views.pop(f, None) for f in draft_fields}, max_context_len=0, **views)
 
-    def wait_host(self) -> None:
-        """Before rewriting the pinned staging buffer: the previous copy out of it must have finished (it has, after
-        the step's synchronisation, so this costs nothing)."""
-        if self.copied is not None:
-            self.copied.synchronize()
-
     def send(self) -> None:
         if self.stage is not None:
-            self.wait_host()
+            if self.copied is not None:  # the previous copy out of the staging buffer must have finished (it has,
+                self.copied.synchronize()  # after the step's synchronisation, so this costs nothing)
             np.copyto(self.stage, self.buf)
         self.dev.copy_(self.host, non_blocking=True)
         if self.copied is not None:
@@ -345,14 +340,13 @@ class ModelRunner:
         # the K/V slots of positions n .. n+P-1 (what a step may commit; padding rows: the scratch block's)
         nc = a["num_cached"]
         ar = np.arange(P)
-        flat_slots(tables, nc[:, None] + ar, self.block_size, out=a["commit_slots"], row_offsets=pk.row_offsets)
+        flat_slots(tables, nc[:, None] + ar, self.block_size, pk.row_offsets, out=a["commit_slots"])
         if cat_tokens is not None:  # the catch-up pairs at positions d .. n-1: the draft's slots, positions, count
             lens = a["catchup_lens"]
             np.subtract(nc, a["num_draft_cached"], out=lens)
             pos = a["num_draft_cached"][:, None] + ar
             valid = ar < lens[:, None]
-            a["catchup_slots"][:] = np.where(valid, flat_slots(tables, pos, self.block_size,
-                                                               row_offsets=pk.row_offsets), -1)
+            a["catchup_slots"][:] = np.where(valid, flat_slots(tables, pos, self.block_size, pk.row_offsets), -1)
             a["catchup_positions"][:] = np.where(valid, pos, 0)
         pk.send()
         pk.inputs.max_context_len = max(ncs)
