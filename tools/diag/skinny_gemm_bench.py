@@ -30,10 +30,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from eyas.kernels.decode_linear import TileConfig, decode_linear
+from eyas.kernels.decode_linear import decode_linear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_chain_bench import time_fn  # noqa: E402
+from tile_chain_bench import parse_cfg  # noqa: E402
 
 KINDS = {"8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gu": (28672, 4096), "down": (4096, 14336)},
          "smollm2": {"qkv": (960, 576), "o": (576, 576), "gu": (3072, 576), "down": (576, 1536)}}
@@ -89,11 +90,6 @@ def launch(variant, x, w, out, cfg, descs=None):
         decode_linear(x, w, out=out, config=cfg)
 
 
-def parse(text):
-    bn, bk, w, s = (int(v) for v in text.split("x"))
-    return TileConfig(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="8b:4,smollm2:49,smollm2:4")
@@ -120,7 +116,7 @@ def main():
             row["cublas_us"] = time_fn(lambda: [F.linear(x, w, ) for w in ws], args.reps) * 1e3 / len(ws)
             best = {}
             for c in args.configs.split(","):
-                cfg = parse(c)
+                cfg = parse_cfg(c)
                 for v in args.variants.split(","):
                     try:
                         descs = None
