@@ -205,6 +205,28 @@ def test_decode_qkv_rope_matches_reference(dtype, NQ, KVH, D, K, block_n, dst):
             assert torch.equal(got[row], keep[row]) == (row not in dst)
 
 
+@pytest.mark.parametrize("uniform,preload", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("kernel", ["register", "tile"])
+def test_qkv_rope_epilogue_switches(monkeypatch, uniform, preload, kernel):
+    """The RoPE epilogue's variants (`UNIFORM_PAIRS`: a program whose rows lie in one half of one head stores to
+    q, k or v alone; `PRELOAD_ROPE`: its tables loaded before the GEMV) all give the reference, to given rows and
+    to a stash."""
+    import eyas.kernels.decode_linear as dl
+    monkeypatch.setattr(dl, "UNIFORM_PAIRS", uniform)
+    monkeypatch.setattr(dl, "PRELOAD_ROPE", preload)
+    cfg = (TileConfig(BLOCK_N=32, BLOCK_K=16, num_warps=2, num_stages=2) if kernel == "tile"
+           else DecodeLinearConfig(BLOCK_N=4, num_warps=2))
+    for dst, M, kw in (([5, -1, 2], 3, {}), (None, 6, dict(seq_q=3, seq_rows=5, row_offset=1))):
+        args, _ = _qkv_case(3, 1, 32, 40, torch.float32, DEV, dst, seed=M, M=M)
+        g = torch.Generator(device=DEV).manual_seed(1)
+        kd, vd = (torch.randn(10, 1, 32, generator=g, device=DEV) for _ in range(2))
+        kd_ref, vd_ref = kd.clone(), vd.clone()
+        q = decode_qkv_rope(*args, kd, vd, 3, config=cfg, **kw)
+        _check(q, decode_qkv_rope_reference(*args, kd_ref, vd_ref, 3, **kw), torch.float32)
+        _check(kd[2:], kd_ref[2:], torch.float32)  # the reference writes a negative row's K/V to row 0
+        _check(vd[2:], vd_ref[2:], torch.float32)
+
+
 def test_decode_qkv_rope_errors():
     args, (kd, vd) = _qkv_case(4, 2, 16, 48, torch.float32, "cpu", [3])
     x, w = args[:2]

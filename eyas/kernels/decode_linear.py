@@ -118,7 +118,8 @@ def _decode_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride
                           VC, stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF,
                           KP: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, NORM: tl.constexpr,
                           ADD_RES: tl.constexpr, PAIR: tl.constexpr, HD: tl.constexpr, HAS_DST: tl.constexpr,
-                          USE_GDC: tl.constexpr, TRIGGER: tl.constexpr):
+                          USE_GDC: tl.constexpr, TRIGGER: tl.constexpr, UNIFORM: tl.constexpr,
+                          PRELOAD: tl.constexpr):
     """M <= M_PAD rows of x against one weight tile held in registers. PAIR 0: BLOCK_N weight rows n of N.
     PAIR 1 (SwiGLU): BLOCK_N / 2 pairs (gate row j, up row N + j) of N pairs. PAIR 2 (RoPE): pairs (row f, row
     f + HD), f = (j // HD) * 2 HD + j % HD, the two halves of a head's dimension d = j % HD, N pairs; rows below
@@ -141,6 +142,10 @@ def _decode_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride
         rows = tl.where(n_ok, n, 0).to(tl.int64)  # the tail program re-reads row 0 (never stored): no predicates
         w = tl.load(W + rows[:, None] * K + offs_k[None, :], mask=k_ok[None, :], other=0.0)
         acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    m_ok = offs_m < M
+    tables = 0
+    if PAIR == 2 and PRELOAD:  # (step inputs and constant tables: loaded before the wait)
+        tables = _rope_tables(jj, offs_m, m_ok, COS, SIN, POS, DST, stride_cos, SEQ_Q, SEQ_ROWS, ROW_OFF, HD, HAS_DST)
     if USE_GDC:
         if TRIGGER == 0:
             tl.extra.cuda.gdc_launch_dependents()
@@ -167,13 +172,14 @@ def _decode_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride
         else:
             part = tl.sum(wf * xf[None, :], axis=1)                                           # [BLOCK_N]
             acc = tl.where((offs_m == m)[None, :], part[:, None], acc)
-    m_ok = offs_m < M
     if USE_GDC and TRIGGER == 2:
         tl.extra.cuda.gdc_launch_dependents()
+    if PAIR == 2 and not PRELOAD:
+        tables = _rope_tables(jj, offs_m, m_ok, COS, SIN, POS, DST, stride_cos, SEQ_Q, SEQ_ROWS, ROW_OFF, HD, HAS_DST)
     if PAIR > 0:
         a, b = tl.split(acc)                                                           # [P, M_PAD] each
-        _store_pairs(a, b, j, j_ok, jj, first, offs_m, m_ok, OUT, stride_o, COS, SIN, POS, DST, KC, VC, stride_cos,
-                     Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, PAIR, HD, HAS_DST)
+        _store_pairs(a, b, j, j_ok, first, offs_m, m_ok, OUT, stride_o, KC, VC, Q_ROWS, QK_ROWS, KV_ROW, tables,
+                     PAIR, HD, UNIFORM)
     else:
         _store_rows(acc, n, n_ok, offs_m, m_ok, RES, OUT, stride_r, stride_o, ADD_RES)
 
@@ -191,13 +197,33 @@ def _store_rows(acc, n, n_ok, offs_m, m_ok, RES, OUT, stride_r, stride_o, ADD_RE
 
 
 @triton.jit
-def _store_pairs(acc_a, acc_b, j, j_ok, jj, first, offs_m, m_ok, OUT, stride_o, COS, SIN, POS, DST, KC, VC,
-                 stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, PAIR: tl.constexpr, HD: tl.constexpr,
+def _rope_tables(jj, offs_m, m_ok, COS, SIN, POS, DST, stride_cos, SEQ_Q, SEQ_ROWS, ROW_OFF, HD: tl.constexpr,
                  HAS_DST: tl.constexpr):
+    """What the RoPE epilogue (`_store_pairs`, PAIR 2) reads besides the accumulators: cos/sin of both halves at
+    each token's position [P, M_PAD] and each token's destination row [1, M_PAD] (DST[m], or the stash's row).
+    None of it is written by the kernels of a step, so the kernels load it before their wait on the previous
+    launch (PDL), beside their weights, and its latency no longer trails the GEMV."""
+    pos = tl.load(POS + offs_m, mask=m_ok, other=0).to(tl.int64)[None, :]                  # [1, M_PAD]
+    d = (jj % HD)[:, None]
+    c1 = tl.load(COS + pos * stride_cos + d)
+    s1 = tl.load(SIN + pos * stride_cos + d)
+    c2 = tl.load(COS + pos * stride_cos + d + HD)
+    s2 = tl.load(SIN + pos * stride_cos + d + HD)
+    if HAS_DST:
+        dst = tl.load(DST + offs_m, mask=m_ok, other=-1).to(tl.int64)[None, :]                # [1, M_PAD]
+    else:
+        dst = ((offs_m // SEQ_Q) * SEQ_ROWS + ROW_OFF + offs_m % SEQ_Q).to(tl.int64)[None, :]
+    return c1, s1, c2, s2, dst
+
+
+@triton.jit
+def _store_pairs(acc_a, acc_b, j, j_ok, first, offs_m, m_ok, OUT, stride_o, KC, VC, Q_ROWS, QK_ROWS, KV_ROW, tables,
+                 PAIR: tl.constexpr, HD: tl.constexpr, UNIFORM: tl.constexpr):
     """The epilogue of row pairs: acc_a, acc_b [P, M_PAD] float32, the first and second row of pair j (x row m),
     each rounded to the output dtype as a GEMM output. PAIR 1: silu(a) * b to OUT[m, j]. PAIR 2: RoPE (q and k
-    rows), q to OUT, k and v to the row stores KC / VC at row DST[m] (HAS_DST; skipped when negative), or at
-    (m // SEQ_Q) * SEQ_ROWS + ROW_OFF + m % SEQ_Q (a stash)."""
+    rows; `tables` from `_rope_tables`), q to OUT, k and v to the row stores KC / VC at their destination rows
+    (skipped when negative). UNIFORM (the program's rows all in one half of one head: P divides HD): the
+    program's rows are all q, all k or all v, so it stores to that one place (two stores, not six masked ones)."""
     a = acc_a.to(OUT.dtype.element_ty).to(tl.float32)
     b = acc_b.to(OUT.dtype.element_ty).to(tl.float32)
     ok = j_ok[:, None] & m_ok[None, :]
@@ -206,32 +232,40 @@ def _store_pairs(acc_a, acc_b, j, j_ok, jj, first, offs_m, m_ok, OUT, stride_o, 
         tl.store(OUT + offs_m[None, :] * stride_o + j[:, None], (s.to(tl.float32) * b).to(OUT.dtype.element_ty),
                  mask=ok)
     else:
-        pos = tl.load(POS + offs_m, mask=m_ok, other=0).to(tl.int64)[None, :]              # [1, M_PAD]
-        d = (jj % HD)[:, None]
-        c1 = tl.load(COS + pos * stride_cos + d)
-        s1 = tl.load(SIN + pos * stride_cos + d)
-        c2 = tl.load(COS + pos * stride_cos + d + HD)
-        s2 = tl.load(SIN + pos * stride_cos + d + HD)
+        c1, s1, c2, s2, dst = tables
         f = first[:, None]
-        rot = f < QK_ROWS                                                      # q and k rows: RoPE
-        a2 = tl.where(rot, a * c1 - b * s1, a).to(OUT.dtype.element_ty)        # x * cos + rotate_half(x) * sin
-        b2 = tl.where(rot, b * c2 + a * s2, b).to(OUT.dtype.element_ty)
-        is_q = ok & (f < Q_ROWS)
         q_at = OUT + offs_m[None, :] * stride_o + f
-        tl.store(q_at, a2, mask=is_q)
-        tl.store(q_at + HD, b2, mask=is_q)
-        if HAS_DST:
-            dst = tl.load(DST + offs_m, mask=m_ok, other=-1).to(tl.int64)[None, :]            # [1, M_PAD]
+        if UNIFORM:
+            f0 = tl.min(first, axis=0)
+            if f0 < QK_ROWS:                                                   # q and k rows: RoPE
+                a2 = (a * c1 - b * s1).to(OUT.dtype.element_ty)                # x * cos + rotate_half(x) * sin
+                b2 = (b * c2 + a * s2).to(OUT.dtype.element_ty)
+                if f0 < Q_ROWS:
+                    tl.store(q_at, a2, mask=ok)
+                    tl.store(q_at + HD, b2, mask=ok)
+                else:
+                    kr = dst * KV_ROW + (f - Q_ROWS)
+                    tl.store(KC + kr, a2.to(KC.dtype.element_ty), mask=ok & (dst >= 0))
+                    tl.store(KC + kr + HD, b2.to(KC.dtype.element_ty), mask=ok & (dst >= 0))
+            else:
+                vr = dst * KV_ROW + (f - QK_ROWS)
+                tl.store(VC + vr, a.to(OUT.dtype.element_ty).to(VC.dtype.element_ty), mask=ok & (dst >= 0))
+                tl.store(VC + vr + HD, b.to(OUT.dtype.element_ty).to(VC.dtype.element_ty), mask=ok & (dst >= 0))
         else:
-            dst = ((offs_m // SEQ_Q) * SEQ_ROWS + ROW_OFF + offs_m % SEQ_Q).to(tl.int64)[None, :]
-        is_k = ok & rot & (f >= Q_ROWS) & (dst >= 0)
-        is_v = ok & (f >= QK_ROWS) & (dst >= 0)
-        kr = dst * KV_ROW + tl.where(is_k, f - Q_ROWS, 0)
-        vr = dst * KV_ROW + tl.where(is_v, f - QK_ROWS, 0)
-        tl.store(KC + kr, a2.to(KC.dtype.element_ty), mask=is_k)
-        tl.store(KC + kr + HD, b2.to(KC.dtype.element_ty), mask=is_k)
-        tl.store(VC + vr, a2.to(VC.dtype.element_ty), mask=is_v)
-        tl.store(VC + vr + HD, b2.to(VC.dtype.element_ty), mask=is_v)
+            rot = f < QK_ROWS                                                  # q and k rows: RoPE
+            a2 = tl.where(rot, a * c1 - b * s1, a).to(OUT.dtype.element_ty)    # x * cos + rotate_half(x) * sin
+            b2 = tl.where(rot, b * c2 + a * s2, b).to(OUT.dtype.element_ty)
+            is_q = ok & (f < Q_ROWS)
+            tl.store(q_at, a2, mask=is_q)
+            tl.store(q_at + HD, b2, mask=is_q)
+            is_k = ok & rot & (f >= Q_ROWS) & (dst >= 0)
+            is_v = ok & (f >= QK_ROWS) & (dst >= 0)
+            kr = dst * KV_ROW + tl.where(is_k, f - Q_ROWS, 0)
+            vr = dst * KV_ROW + tl.where(is_v, f - QK_ROWS, 0)
+            tl.store(KC + kr, a2.to(KC.dtype.element_ty), mask=is_k)
+            tl.store(KC + kr + HD, b2.to(KC.dtype.element_ty), mask=is_k)
+            tl.store(VC + vr, a2.to(VC.dtype.element_ty), mask=is_v)
+            tl.store(VC + vr + HD, b2.to(VC.dtype.element_ty), mask=is_v)
 
 
 @triton.jit
@@ -239,7 +273,8 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
                         VC, stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, KP: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, NORM: tl.constexpr,
                         ADD_RES: tl.constexpr, PAIR: tl.constexpr, HD: tl.constexpr, HAS_DST: tl.constexpr,
-                        USE_GDC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+                        USE_GDC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, UNIFORM: tl.constexpr,
+                        PRELOAD: tl.constexpr):
     """Several rows of x (M <= M_PAD, M_PAD >= 16) against BLOCK_N weight rows streamed in [rows, BLOCK_K] tiles
     through the tensor cores (acc[rows, M_PAD] += w @ x^T, as gemv's USE_DOT path): each program reads its weight
     rows once and all of x once (from L2), whatever M. Rows and pairs (PAIR, HD, the stores) as
@@ -263,6 +298,9 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
         n_ok = n < N
         wa_ptrs = W + tl.where(n_ok, n, 0).to(tl.int64)[:, None] * K + offs_k[None, :]
         acc_a = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    tables = 0
+    if PAIR == 2 and PRELOAD:  # (step inputs and constant tables: loaded before the wait)
+        tables = _rope_tables(jj, offs_m, m_ok, COS, SIN, POS, DST, stride_cos, SEQ_Q, SEQ_ROWS, ROW_OFF, HD, HAS_DST)
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     if NORM:
@@ -291,12 +329,21 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
             acc_b = tl.dot(wb, tl.trans(x), acc_b, input_precision=DOT_PREC)
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
+    if PAIR == 2 and not PRELOAD:
+        tables = _rope_tables(jj, offs_m, m_ok, COS, SIN, POS, DST, stride_cos, SEQ_Q, SEQ_ROWS, ROW_OFF, HD, HAS_DST)
     if PAIR > 0:
-        _store_pairs(acc_a, acc_b, j, j_ok, jj, first, offs_m, m_ok, OUT, stride_o, COS, SIN, POS, DST, KC, VC,
-                     stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, PAIR, HD, HAS_DST)
+        _store_pairs(acc_a, acc_b, j, j_ok, first, offs_m, m_ok, OUT, stride_o, KC, VC, Q_ROWS, QK_ROWS, KV_ROW, tables,
+                     PAIR, HD, UNIFORM)
     else:
         _store_rows(acc_a, n, n_ok, offs_m, m_ok, RES, OUT, stride_r, stride_o, ADD_RES)
 
+
+# RoPE launches whose programs' rows lie in one half of one head store to one place (`_store_pairs`' UNIFORM);
+# False: every program takes the masked stores to q, k and v. PRELOAD_ROPE: the RoPE epilogue's positions, cos/sin
+# and destination rows are loaded before the kernel's wait on the previous launch (`_rope_tables`); False: after
+# the GEMV, as before session 18. Both switches are for comparing the two.
+UNIFORM_PAIRS = True
+PRELOAD_ROPE = True
 
 MAX_ROWS = 64        # the tile kernel's limit (x padded to a power of two >= 16 rows)
 REGISTER_ROWS = 8    # the register kernel's limit (it re-reads x per program: meant for one row)
@@ -385,21 +432,22 @@ def _launch(x2, M, K, weight, cfg, pdl, n_out, out2, *, norm_weight=None, eps=1e
               dst if dst is not None else pos, kc, vc, stride_cos, q_rows, qk_rows, kv_row)
     per_prog = cfg.BLOCK_N // 2 if pair else cfg.BLOCK_N
     grid = (triton.cdiv(n_out, per_prog),)
+    uniform = UNIFORM_PAIRS and pair == 2 and hd % per_prog == 0  # a program's RoPE rows in one half of one head
     seq_q, seq_rows, row_offset = stash or (1, 0, 0)
     if isinstance(cfg, DecodeLinearConfig):
         _decode_linear_kernel[grid](
             *common, seq_q, seq_rows, row_offset, KP=triton.next_power_of_2(K), BLOCK_N=cfg.BLOCK_N,
             M_PAD=triton.next_power_of_2(M), NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair, HD=hd,
-            HAS_DST=dst is not None, USE_GDC=use_gdc, TRIGGER=TRIGGERS.index(cfg.trigger), num_warps=cfg.num_warps,
-            enable_fp_fusion=False, **kwargs)
+            HAS_DST=dst is not None, USE_GDC=use_gdc, TRIGGER=TRIGGERS.index(cfg.trigger), UNIFORM=uniform,
+            PRELOAD=PRELOAD_ROPE, num_warps=cfg.num_warps, enable_fp_fusion=False, **kwargs)
         return
     upcast = x2.dtype != torch.float32 and interpreting()
     _tile_linear_kernel[grid](
         *common, seq_q, seq_rows, row_offset, KP=triton.next_power_of_2(K), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         M_PAD=max(16, triton.next_power_of_2(M)), NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair,
         HD=hd, HAS_DST=dst is not None, USE_GDC=use_gdc, UPCAST=upcast,
-        DOT_PREC="ieee" if (x2.dtype == torch.float32 or upcast) else "tf32", num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, enable_fp_fusion=False, **kwargs)
+        DOT_PREC="ieee" if (x2.dtype == torch.float32 or upcast) else "tf32", UNIFORM=uniform,
+        PRELOAD=PRELOAD_ROPE, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **kwargs)
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
