@@ -113,25 +113,20 @@ def main():
             out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
             ref = F.linear(x, ws[0])
             row = {"shape": shape, "M": M, "kind": kind, "N": N, "K": K}
-            row["cublas_us"] = time_fn(lambda: [F.linear(x, w, ) for w in ws], args.reps) * 1e3 / len(ws)
+            row["cublas_us"] = time_fn(lambda: [F.linear(x, w) for w in ws], args.reps) * 1e3 / len(ws)
             best = {}
             for c in args.configs.split(","):
                 cfg = parse_cfg(c)
                 for v in args.variants.split(","):
                     try:
-                        descs = None
+                        descs = [None] * len(ws)  # the descriptor variant's (x, weight) descriptors per weight
                         if v == "tma":
-                            m_pad = max(16, triton.next_power_of_2(M))
-                            xd = TensorDescriptor.from_tensor(x, [m_pad, cfg.BLOCK_K])
-                            wds = [TensorDescriptor.from_tensor(w, [cfg.BLOCK_N, cfg.BLOCK_K]) for w in ws]
-                            launch(v, x, ws[0], out, cfg, (xd, wds[0]))
-                            err = (out.float() - ref.float()).abs().max().item()
-                            us = time_fn(lambda: [launch(v, x, w, out, cfg, (xd, d)) for w, d in zip(ws, wds)],
-                                         args.reps) * 1e3 / len(ws)
-                        else:
-                            launch(v, x, ws[0], out, cfg)
-                            err = (out.float() - ref.float()).abs().max().item()
-                            us = time_fn(lambda: [launch(v, x, w, out, cfg) for w in ws], args.reps) * 1e3 / len(ws)
+                            xd = TensorDescriptor.from_tensor(x, [max(16, triton.next_power_of_2(M)), cfg.BLOCK_K])
+                            descs = [(xd, TensorDescriptor.from_tensor(w, [cfg.BLOCK_N, cfg.BLOCK_K])) for w in ws]
+                        launch(v, x, ws[0], out, cfg, descs[0])
+                        err = (out.float() - ref.float()).abs().max().item()
+                        us = time_fn(lambda: [launch(v, x, w, out, cfg, d) for w, d in zip(ws, descs)],
+                                     args.reps) * 1e3 / len(ws)
                         row[f"{v}_{c}_us"] = round(us, 2)
                         row[f"{v}_{c}_err"] = err
                         if us < best.get(v, (1e9, ""))[0]:
