@@ -88,6 +88,28 @@ def test_capture_all_covers_every_bucket_a_shrinking_batch_needs(pair):
     assert len(g.graphs) == 4  # nothing was captured while decoding
 
 
+@pytest.mark.parametrize("spec", [None, "chain:4", "dispatch:1=tree:mc_sim_7b_63,2=tree:8,8=plain"])
+def test_overlapped_graphs_equal_sequential_graphs(pair, spec):
+    """Overlapped decoding on graphs (each successor's inputs carried by the captured carry graph) equals graphed
+    decoding that reads every step back first: greedy and sampled requests, each with its own token limit, more
+    requests than run at once (the graphs' other tests run with overlap on, against the eager path)."""
+    target, draft = pair
+    kw = dict(device="cuda", dtype="float32", draft=str(draft) if spec else None, speculation=spec,
+              cuda_graphs=True, max_num_seqs=3)
+    prompts = (PROMPTS * 2)[:6]
+    params = [SamplingParams(temperature=[0.0, 0.8][i % 2], max_tokens=10 + 7 * i, seed=i, ignore_eos=True)
+              for i in range(6)]
+    ref = LLM(str(target), overlap=False, **kw).generate(prompts, params)
+    llm = LLM(str(target), overlap=True, **kw)
+    carried = []
+    launch = llm.engine.runner.launch
+    llm.engine.runner.launch = lambda seqs, after=None: (carried.append(after is not None), launch(seqs, after))[1]
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert sum(carried) > len(carried) / 3
+    assert llm.engine.blocks.num_used == 0
+
+
 def test_smollm2_graphs_equal_eager():
     from eyas.loader.resolve import default_draft_path, smollm2_path
     try:

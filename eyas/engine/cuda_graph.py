@@ -6,6 +6,8 @@ commit) from static input buffers: the device side of the runner's packed step i
 is one copy. A step pads its batch up to the bucket: padded rows have block tables of zeros, so everything they write
 lands in the scratch block 0 (and in the scratch slot of the draft's hidden states), and their outputs are ignored.
 The reference beside this fast path is `spec_step` run eagerly; tests/test_cuda_graph.py holds the two equal.
+Beside each step graph a small graph of `eyas.spec.carry.carry_inputs` turns the static outputs of one replay into
+the static inputs of the next, for overlapped decoding (the engine enqueues a successor before reading a step back).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class GraphedStep:
         self.width = runner.width  # block-table width covering any sequence (max_model_len + lookahead + 1 slots)
         # one graph per (bucket, all requests greedy, tree: a dispatcher picks the tree by batch size)
         self.graphs: dict[tuple[int, bool, str], tuple[torch.cuda.CUDAGraph, DecodeInputs, DecodeOutputs]] = {}
+        self.carries: dict[tuple[int, bool, str], torch.cuda.CUDAGraph] = {}  # overlapped steps' input carries
         self.pool = None
 
     def bucket(self, n: int) -> int | None:
@@ -58,6 +61,7 @@ class GraphedStep:
             out = self._step(static, greedy, tree)
         self.pool = graph.pool()
         self.graphs[key] = (graph, static, out)
+        self.carries[key] = self._capture_carry(static, out)  # for overlapped decoding
 
     @torch.inference_mode()
     def capture_all(self, max_batch: int, greedy: tuple[bool, ...] = (True, False)) -> int:
@@ -85,11 +89,41 @@ class GraphedStep:
     @torch.inference_mode()
     def run(self, seqs, tree) -> DecodeOutputs:
         """Replay the step of `tree` (the runner's pick for this batch size) for `seqs`."""
+        return self.launch(seqs, tree)[1]
+
+    @torch.inference_mode()
+    def launch(self, seqs, tree, carried: bool = False) -> tuple[int, DecodeOutputs]:
+        """Replay the step of `tree` for `seqs` (inputs packed from the host), or, `carried`, for the step after the
+        last one replayed for them (overlapped decoding: the inputs are carried on the device by a small captured
+        graph of `eyas.spec.carry.carry_inputs` from that step's outputs). Returns (bucket, the static outputs)."""
         from eyas.engine.runner import all_greedy
         key = (self.bucket(len(seqs)), all_greedy(seqs), tree.name)
-        if key not in self.graphs:
-            self._capture(key, tree)
-        graph, static, out = self.graphs[key]
-        self.runner.decode_inputs(seqs, key[0])  # one host->device copy into the static buffers
+        if carried:
+            graph, static, out = self.graphs[key]  # the step before was this graph's
+            self.carries[key].replay()
+        else:
+            if key not in self.graphs:
+                self._capture(key, tree)
+            graph, static, out = self.graphs[key]
+            self.runner.decode_inputs(seqs, key[0])  # one host->device copy into the static buffers
         graph.replay()
-        return out
+        return key[0], out
+
+    def _capture_carry(self, static: DecodeInputs, out: DecodeOutputs) -> torch.cuda.CUDAGraph:
+        """A graph of `carry_inputs` (static outputs -> static inputs, in place), warmed up on copies of the inputs
+        (a real run would carry them before their time)."""
+        from eyas.spec.carry import carry_inputs
+        r = self.runner
+        scratch = dataclasses.replace(static, **{f.name: getattr(static, f.name).clone()
+                                                 for f in dataclasses.fields(static)
+                                                 if isinstance(getattr(static, f.name), torch.Tensor)})
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            carry_inputs(scratch, out, r.block_size, r.num_slots, r.use_triton)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):  # (capturing runs nothing: the inputs are not carried yet)
+            carry_inputs(static, out, r.block_size, r.num_slots, r.use_triton)
+        self.pool = graph.pool()
+        return graph

@@ -1,5 +1,10 @@
 """LLMEngine: requests in, tokens out. One scheduler, one runner, one block pool, stepped by the caller
-(the offline `LLM`, the server's engine loop, the benchmarks)."""
+(the offline `LLM`, the server's engine loop, the benchmarks).
+
+Overlapped decoding (`EngineConfig.overlap`, on with CUDA graphs): while a decode batch continues unchanged, each
+`step()` enqueues the next decode step before it reads the current one back (`_successor`), so reading back,
+committing, detokenising and packing run on the host while the GPU computes; the successor's inputs are carried on
+the device (`eyas.spec.carry`). Every `step()` still returns the outputs of exactly one step."""
 from __future__ import annotations
 
 import random
@@ -38,6 +43,9 @@ class EngineConfig:
     # the target's RMSNorm weights folded into its projections, two launches a layer fewer on the steps that do not
     # take the one-row kernels (eyas.models.fused.fold_norms)
     fold_norms: bool = True
+    # overlapped decoding (eyas.spec.carry): enqueue the next decode step of an unchanged batch before reading this
+    # one back, so the host's work between steps runs while the GPU computes. None: on with `cuda_graphs`
+    overlap: bool | None = None
 
 
 @dataclass
@@ -73,6 +81,8 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.step_counts = {"prefill": 0, "decode": 0}
+        self.overlap = cfg.cuda_graphs if cfg.overlap is None else cfg.overlap
+        self._inflight = None  # overlapped decoding: the decode step enqueued behind the one being read back
         self.decoding = decoding_of(tokenizer) if tokenizer is not None else WHOLE
 
     def _blocks_from_memory(self, target, draft) -> int:
@@ -142,6 +152,9 @@ class LLMEngine:
 
     # ---- stepping ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._inflight is not None:  # overlapped decoding: the step enqueued last time is read back now
+            h, self._inflight = self._inflight, None
+            return self._decoded(h)
         batch = self.scheduler.schedule()
         outputs = []
         for seq in self.scheduler.out_of_capacity:  # it outgrew the whole KV pool
@@ -158,18 +171,48 @@ class LLMEngine:
                     seq.first_token_time = seq.first_token_time or time.perf_counter()
                     outputs.append(self._commit(seq, [tok]))
         else:
-            new_tokens, accepted = self.runner.decode(batch.seqs)
-            for seq, toks, m in zip(batch.seqs, new_tokens, accepted):
-                out = self._commit(seq, toks)
-                st = seq.stats
-                st.target_calls += 1
-                st.committed += len(out.new_token_ids)
-                if len(st.accepted_by_depth) < self.tree.max_depth:
-                    st.accepted_by_depth += [0] * (self.tree.max_depth - len(st.accepted_by_depth))
-                for d in range(m):
-                    st.accepted_by_depth[d] += 1
-                outputs.append(out)
+            outputs += self._decoded(self.runner.launch(batch.seqs))
         return outputs
+
+    def _decoded(self, h) -> list[RequestOutput]:
+        """Read back the decode step `h` (a `StepHandle`) and commit its tokens; with overlap, first enqueue the
+        step after it (`_successor`), which the next `step()` reads back."""
+        self._inflight = self._successor(h)
+        outputs = []
+        new_tokens, accepted = self.runner.collect(h)
+        for seq, toks, m in zip(h.seqs, new_tokens, accepted):
+            if not toks:  # it finished (was aborted) while the step was in flight
+                continue
+            out = self._commit(seq, toks)
+            st = seq.stats
+            st.target_calls += 1
+            st.committed += len(out.new_token_ids)
+            if len(st.accepted_by_depth) < self.tree.max_depth:
+                st.accepted_by_depth += [0] * (self.tree.max_depth - len(st.accepted_by_depth))
+            for d in range(m):
+                st.accepted_by_depth[d] += 1
+            outputs.append(out)
+        return outputs
+
+    def _successor(self, h):
+        """Overlapped decoding: enqueue the next step of `h`'s batch before `h` is read back, when that batch would
+        be scheduled again unchanged whatever `h` commits: no request waits for admission, every running sequence
+        is in it, none can reach its token or context limit in `h`, and the pool holds the blocks of both steps
+        (`Scheduler.reserve_ahead`). Its inputs are carried on the device (`eyas.spec.carry`). A sequence that `h`
+        ends anyway (an end-of-sequence token, a stop string) makes the successor's work for it wasted, never wrong:
+        its results are dropped (`ModelRunner.collect`). Returns the successor's handle, or None."""
+        sched = self.scheduler
+        if not self.overlap or sched.waiting or len(sched.running) != len(h.seqs):
+            return None
+        ahead = h.tree.max_depth + 1  # tokens `h` may commit
+        for s in h.seqs:
+            if (s.finished or s.num_output + ahead >= s.params.max_tokens
+                    or len(s.token_ids) + ahead >= self.max_model_len):
+                return None
+        if not sched.reserve_ahead(h.seqs):
+            return None
+        self.step_counts["decode"] += 1
+        return self.runner.launch(h.seqs, after=h)
 
     def _commit(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append committed tokens, honouring stop tokens, stop strings, max_tokens and the context limit: never

@@ -3,7 +3,10 @@
 * `prefill(seqs, chunk_lens)`: runs prompt chunks through the target (writing their KV), lets the draft read the
   committed pairs the chunk completes, and samples the first token of sequences whose prompt is complete.
 * `decode(seqs)`: one speculative step (`eyas.spec.step.spec_step`: draft -> verify -> accept -> commit), run eagerly
-  or replayed from a CUDA graph. With no draft the tree is the bare root: plain decoding.
+  or replayed from a CUDA graph. With no draft the tree is the bare root: plain decoding. It is `launch` (enqueue
+  the step) then `collect` (wait, read it back, apply it to the sequences); overlapped decoding launches the next
+  step of the same sequences before collecting this one (`launch(seqs, after=...)`: inputs carried on the device,
+  `eyas.spec.carry`).
 
 Host work per decode step is kept small and nearly flat in the batch size: every per-sequence input is packed into one
 (pinned) host buffer and sent with one copy (`StepPacker`); settings and block tables live in per-slot host tables
@@ -11,6 +14,8 @@ Host work per decode step is kept small and nearly flat in the batch size: every
 pending hidden states stay on the device, in `draft_hidden[slot]`.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -87,10 +92,14 @@ class StepPacker:
         # the copy and the record took 40-55 us of host time a step on the H200 machine)
         self.device_index = (device.index if device.index is not None else torch.cuda.current_device()) if pin \
             else None
+        self._readback: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
+        self._flip = 0
         h, views, off = self.buf, {}, 0
         self.np: dict[str, np.ndarray] = {}
+        self.span: dict[str, slice] = {}
         for name, n in sizes:
             d, a = self.dev[off: off + n], h[off: off + n]
+            self.span[name] = slice(off, off + n)
             if name == "floats":
                 views["temperature"], views["top_p"] = d.view(torch.float32).view(2, B).unbind(0)
                 fa = a.view(np.float32).reshape(2, B)
@@ -102,14 +111,34 @@ class StepPacker:
         draft_fields = ("catchup_tokens", "catchup_positions", "catchup_slots", "catchup_lens")
         self.inputs = DecodeInputs(**{f: views.pop(f, None) for f in draft_fields}, max_context_len=0, **views)
 
-    def send(self) -> None:
+    def send(self, part: slice | None = None) -> None:
+        """Copy the host buffer to the device (`part`: only that slice of it, e.g. `self.span["block_tables"]`)."""
+        part = part or slice(None)
         if self.stage is not None:
             if self.copied is not None:  # the previous copy out of the staging buffer must have finished (it has,
                 self.copied.synchronize()  # after the step's synchronisation, so this costs nothing)
-            np.copyto(self.stage, self.buf)
-        self.dev.copy_(self.host, non_blocking=True)
+            np.copyto(self.stage[part], self.buf[part])
+        self.dev[part].copy_(self.host[part], non_blocking=True)
         if self.copied is not None:
             self.copied.record(torch.cuda.current_stream(self.device_index))
+
+    def readback(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Enqueue the copy of a step's packed outputs (`DecodeOutputs.packed`, [B, D+3]) to the host: returns the
+        host tensor and the event after which it is complete (None: complete now). On CUDA: into one of two pinned
+        buffers, alternately, so that a step and its overlapped successor (whose CUDA graph overwrites the same
+        output tensor) each keep theirs; at most two steps are ever unread."""
+        if self.copied is None:
+            return packed, None
+        key = (tuple(packed.shape), packed.dtype)
+        bufs = self._readback.get(key)
+        if bufs is None:
+            bufs = self._readback[key] = [(torch.empty(key[0], dtype=packed.dtype, pin_memory=True),
+                                           torch.cuda.Event()) for _ in range(2)]
+        self._flip ^= 1
+        buf, done = bufs[self._flip]
+        buf.copy_(packed, non_blocking=True)
+        done.record(torch.cuda.current_stream(self.device_index))
+        return buf, done
 
 
 def all_greedy(seqs: list[Sequence]) -> bool:
@@ -356,28 +385,92 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[int]]:
         """One speculative step for all sequences (see `spec_step` for what each cache holds before and after).
         Returns (new tokens per sequence: accepted draft tokens + bonus, accepted draft tokens per sequence)."""
+        return self.collect(self.launch(seqs))
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], after: StepHandle | None = None) -> StepHandle:
+        """Enqueue one speculative step for `seqs` without waiting for it; `collect` reads it back.
+
+        `after`: the step still in flight for the same sequences (overlapped decoding): this step's inputs are then
+        derived on the device from its outputs (`eyas.spec.carry.carry_inputs`) instead of packed from the host's
+        state, which does not know yet what that step accepted. The caller must have reserved KV blocks for two
+        steps ahead (`Scheduler.reserve_ahead`)."""
         tree = self.tree_for(len(seqs))
         self.tree_steps[tree.name] = self.tree_steps.get(tree.name, 0) + 1
-        if self.graphs is not None and self.graphs.can_run(seqs):
-            out = self.graphs.run(seqs, tree)
+        graphed = self.graphs is not None and self.graphs.can_run(seqs)
+        if after is not None:
+            if after.seqs != seqs or after.graphed != graphed or after.tree is not tree:
+                raise ValueError("an overlapped step must follow a step of the same sequences")
+            self._refresh_tables(seqs, after.B)
+        if graphed:
+            B, out = self.graphs.launch(seqs, tree, carried=after is not None)
         else:
-            out = spec_step(self.target, self.draft, tree, self.cache, self.draft_cache,
-                            self.decode_inputs(seqs), self.block_size, self.use_triton, self.simulated_accept,
-                            all_greedy(seqs), self.draft_hidden)
-        return self._apply(seqs, out)
+            B = len(seqs)
+            if after is None:
+                inp = self.decode_inputs(seqs)
+            else:
+                inp = self.packer(B).inputs
+                from eyas.spec.carry import carry_inputs
+                carry_inputs(inp, after.out, self.block_size, self.num_slots, self.use_triton)
+                # S's num_cached <= the host's + the in-flight step's commits (at most `lookahead`)
+                inp.max_context_len = max(s.num_cached for s in seqs) + self.lookahead
+            out = spec_step(self.target, self.draft, tree, self.cache, self.draft_cache, inp, self.block_size,
+                            self.use_triton, self.simulated_accept, all_greedy(seqs), self.draft_hidden)
+        host, done = self.packer(B).readback(out.packed)
+        return StepHandle(list(seqs), B, tree, graphed, out, host, done)
 
-    def _apply(self, seqs: list[Sequence], out: DecodeOutputs) -> tuple[list[list[int]], list[int]]:
-        # the one host synchronisation of the step: accepted counts, path tokens and bonus in one transfer (the
-        # accepted path's hidden states stay on the device, in the sequences' slots of `draft_hidden`)
-        n = len(seqs)
-        host = out.packed[:n].tolist()
+    def _refresh_tables(self, seqs: list[Sequence], B: int) -> None:
+        """Before an overlapped step: send the rows of block tables that grew (the blocks reserved ahead) to the
+        device; nothing else of the packed inputs is touched (the rest is carried on the device)."""
+        pk = self.packer(B)
+        bt, nblk = self.slot_block_tables, self.slot_num_blocks
+        for s in seqs:
+            i, table = s.slot, s.block_table
+            k = len(table)
+            if nblk[i] != k:
+                j = nblk[i]
+                bt[i, j:k] = table[j:k]
+                nblk[i] = k
+                self.slot_epoch += 1
+        sl = pk.np["slots"]
+        rows = (tuple(sl.tolist()), self.slot_epoch)
+        if pk.rows != rows:
+            bt.take(sl, axis=0, out=pk.np["block_tables"])
+            pk.rows = rows
+            pk.send(pk.span["block_tables"])
+
+    def collect(self, h: StepHandle) -> tuple[list[list[int]], list[int]]:
+        """Wait for a launched step and apply it to its sequences' host state (the one host synchronisation of the
+        step: accepted counts, path tokens and bonus in one transfer; the accepted path's hidden states stay on the
+        device, in the sequences' slots of `draft_hidden`). Returns (new tokens per sequence, accepted draft tokens
+        per sequence); a sequence that finished while the step was in flight (overlapped decoding) gets [] and 0
+        and its state is left alone."""
+        if h.done is not None:
+            h.done.synchronize()
+        host = h.host[:len(h.seqs)].tolist()
         m_host = []
         new_tokens = []
         with_draft = self.draft is not None
-        for s, row in zip(seqs, host):
+        for s, row in zip(h.seqs, host):
+            if s.finished:
+                m_host.append(0)
+                new_tokens.append([])
+                continue
             m = row[0]
             m_host.append(m)
             new_tokens.append(row[2: m + 2] + [row[-1]])
             s.num_draft_cached = s.num_cached if with_draft else 0
             s.num_cached += m + 1
         return new_tokens, m_host
+
+
+@dataclass(eq=False)
+class StepHandle:
+    """A decode step enqueued on the device (`ModelRunner.launch`), not yet read back (`ModelRunner.collect`)."""
+    seqs: list[Sequence]
+    B: int  # rows (the graph's bucket, or len(seqs))
+    tree: Tree
+    graphed: bool
+    out: DecodeOutputs  # its device outputs (a graph's static ones: the next replay overwrites them)
+    host: torch.Tensor  # out.packed as copied to the host (pinned on CUDA; complete once `done` has passed)
+    done: torch.cuda.Event | None

@@ -108,6 +108,17 @@ class Scheduler:
                 scheduled.append(seq)
         return ScheduledBatch("decode", scheduled) if scheduled else None
 
+    def reserve_ahead(self, seqs: list[Sequence]) -> bool:
+        """Overlapped decoding: before a step is enqueued behind the one in flight for `seqs`, reserve the KV blocks
+        it may fill (the step in flight commits up to `lookahead` tokens the host has not seen yet, then this one up
+        to `lookahead` more). No preemption: False (nothing reserved) when the pool cannot hold them all."""
+        need = [(s, s.num_cached + 2 * self.lookahead) for s in seqs]
+        if sum(self.blocks.blocks_needed(s.block_table, n) for s, n in need) > self.blocks.num_free:
+            return False
+        for s, n in need:
+            self.blocks.reserve(s.block_table, n)
+        return True
+
     def preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self.blocks.release(seq.block_table)

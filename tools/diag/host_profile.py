@@ -2,7 +2,7 @@
 with its draft, graphs on, batch 1.
 
 For each mode it times (a) whole `engine.step()` calls, (b) the step split by timers into packing + the input copy
-(`decode_inputs`), the graph launch, the wait + read-back (`_apply`) and the rest, (c) bare replays of the step's
+(`decode_inputs`), the graph launch, the wait + read-back (`collect`) and the rest, (c) bare replays of the step's
 captured graph with the same one read-back and nothing else, then with the input copy too, and (d) a cProfile of
 the steps (by cumulative and own time). (a) - (c) is the host's share of a step: what the GPU waits for between
 graphs. Session 17's runs: docs/benchmarks.md, "Session 17".
@@ -56,7 +56,7 @@ def bare_replays(engine, n=300, send=False):
 
 def split_times(engine, prompts, n_prompts, max_tokens):
     """ms a step in each part, by wrapping them with timers (no profiler): packing + the copy (decode_inputs), the
-    graph launch (replay), the wait and read-back (the runner's _apply), and the rest of engine.step()."""
+    graph launch (replay), the wait and read-back (the runner's collect), and the rest of engine.step()."""
     r, g = engine.runner, engine.runner.graphs
     acc = {"inputs": 0.0, "launch": 0.0, "wait+apply": 0.0}
 
@@ -68,12 +68,12 @@ def split_times(engine, prompts, n_prompts, max_tokens):
             finally:
                 acc[name] += time.perf_counter() - t0
         return w
-    orig = (r.decode_inputs, r._apply)
-    r.decode_inputs, r._apply = timed("inputs", r.decode_inputs), timed("wait+apply", r._apply)
+    orig = (r.decode_inputs, r.collect)
+    r.decode_inputs, r.collect = timed("inputs", r.decode_inputs), timed("wait+apply", r.collect)
     graphs = {k: (TimedGraph(v[0], acc), v[1], v[2]) for k, v in g.graphs.items()}
     saved, g.graphs = g.graphs, graphs
     ms, steps = timed_steps(engine, prompts, n_prompts, max_tokens)
-    r.decode_inputs, r._apply = orig
+    r.decode_inputs, r.collect = orig
     g.graphs = saved
     parts = {k: round(v / steps * 1e3, 4) for k, v in acc.items()}
     parts["rest"] = round(ms - sum(parts.values()), 4)
