@@ -163,7 +163,7 @@ def split_modes(text: str) -> list[str]:
 
 def build_engine(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
                  graphs: bool, block_size: int = 16, one_row: bool = True, few_rows: bool = True,
-                 fold_norms: bool = True) -> LLMEngine:
+                 fold_norms: bool = True, overlap: bool = True) -> LLMEngine:
     """An engine for one (mode, batch) row, warmed up: kernels compiled and, with `graphs`, the graphs of every batch
     bucket it will pass through captured."""
     tree = None if mode == "plain" else resolve_tree(mode)
@@ -172,7 +172,7 @@ def build_engine(target, tokenizer, draft, mode: str, batch: int, prompts, max_t
                        block_size=block_size, max_model_len=min(target.config.max_position_embeddings,
                                                                 longest + max_tokens + 64),
                        num_blocks=batch * (-(-(longest + max_tokens + 64) // block_size)) + 8, one_row=one_row,
-                       few_rows=few_rows, fold_norms=fold_norms)
+                       few_rows=few_rows, fold_norms=fold_norms, overlap=overlap and graphs)
     engine = LLMEngine(target, tokenizer, draft if tree is not None else None, tree, cfg)
     if simulated_rates is not None and tree is not None:
         simulate_acceptance(engine, simulated_rates)
@@ -307,10 +307,10 @@ def write_kernel_timeline(kernels, path: str) -> None:
 def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
              graphs: bool, block_size: int = 16, profile: bool = False, num_prompts: int = 1,
              verbose: bool = True, one_row: bool = True, few_rows: bool = True, fold_norms: bool = True,
-             kernels_out: str | None = None) -> dict:
+             kernels_out: str | None = None, overlap: bool = True) -> dict:
     """One (mode, batch) row: `build_engine`, `time_row`, and with `profile` `profile_steps`."""
     engine = build_engine(target, tokenizer, draft, mode, batch, prompts, max_tokens, simulated_rates, graphs,
-                          block_size, one_row, few_rows, fold_norms)
+                          block_size, one_row, few_rows, fold_norms, overlap)
     row = time_row(engine, mode, batch, prompts, max_tokens, num_prompts, simulated_rates is not None)
     if profile:
         profile_steps(engine, mode, batch, prompts, verbose, kernels_out)
@@ -456,7 +456,7 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
                            args.prompts)
     graphs = args.cuda_graphs and device.type == "cuda"
     rows = []
-    paths = dict(one_row=args.one_row, few_rows=args.few_rows, fold_norms=args.fold_norms)
+    paths = dict(one_row=args.one_row, few_rows=args.few_rows, fold_norms=args.fold_norms, overlap=args.overlap)
 
     def timeline(mode: str, b: int) -> str | None:  # --profile's kernel list, beside the outputs
         if not (args.profile and args.out and rank == 0):
@@ -495,6 +495,7 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
             "int4_kernel": args.int4_kernel if args.draft_quant else None, "cuda_graphs": graphs,
             "one_row": args.one_row and device.type == "cuda", "few_rows": args.few_rows and device.type == "cuda",
             "fold_norms": bool(getattr(target, "norms_folded", False)),  # as the runners left it (not under TP)
+            "overlap": args.overlap and graphs,
             "tensor_parallel": world_size, "draft_sharded": args.tp_draft == "sharded" and world_size > 1,
             "repeat": args.repeat}
     if simulated:
@@ -588,6 +589,10 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--no-fold-norms", dest="fold_norms", action="store_false",
                    help="keep the target's RMSNorm kernels (eyas.models.fused.fold_norms folds their weights into "
                         "the projections and applies them inside other launches): to compare the two")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="read every decode step back before enqueueing the next (with CUDA graphs, the next step of "
+                        "an unchanged batch is otherwise enqueued first, its inputs carried on the device: "
+                        "eyas.spec.carry): to compare the two")
     p.add_argument("--profile", action="store_true",
                    help="print the top GPU kernels of 3 decode steps per run; also write those steps' kernels in "
                         "launch order to OUT/kernels_<mode>_b<batch>.tsv")
