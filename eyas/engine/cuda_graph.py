@@ -110,17 +110,20 @@ class GraphedStep:
         return key[0], out
 
     def _capture_carry(self, static: DecodeInputs, out: DecodeOutputs) -> torch.cuda.CUDAGraph:
-        """A graph of `carry_inputs` (static outputs -> static inputs, in place), warmed up on copies of the inputs
-        (a real run would carry them before their time)."""
+        """A graph of `carry_inputs` (static outputs -> static inputs, in place), warmed up on copies: of the inputs
+        (a real run would carry them before their time) and of the outputs, zeroed (the step graph was only captured,
+        never replayed: its outputs hold whatever their memory held)."""
         from eyas.spec.carry import carry_inputs
         r = self.runner
-        scratch = dataclasses.replace(static, **{f.name: getattr(static, f.name).clone()
-                                                 for f in dataclasses.fields(static)
-                                                 if isinstance(getattr(static, f.name), torch.Tensor)})
+
+        def copies(x, fn):
+            return dataclasses.replace(x, **{f.name: fn(getattr(x, f.name)) for f in dataclasses.fields(x)
+                                             if isinstance(getattr(x, f.name), torch.Tensor)})
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            carry_inputs(scratch, out, r.block_size, r.num_slots, r.use_triton)
+            carry_inputs(copies(static, torch.clone), copies(out, torch.zeros_like), r.block_size, r.num_slots,
+                         r.use_triton)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):  # (capturing runs nothing: the inputs are not carried yet)

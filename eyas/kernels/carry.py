@@ -12,6 +12,12 @@ import triton.language as tl
 
 
 @triton.jit
+def _col(pos, block_size, W):
+    """The block-table column of positions (clamped to the table, as `slots_for`)."""
+    return tl.minimum(tl.maximum(pos // block_size, 0), W - 1)
+
+
+@triton.jit
 def _carry_kernel(ROOT, NC, ND, COMMIT, CT, CP, CS, CL, SLOT, BT, ACC, PATH, BONUS,
                   scratch, block_size, W, D1, stride_path, stride_acc, stride_bonus,
                   P: tl.constexpr, PP: tl.constexpr, HAS_DRAFT: tl.constexpr):
@@ -29,7 +35,7 @@ def _carry_kernel(ROOT, NC, ND, COMMIT, CT, CP, CS, CL, SLOT, BT, ACC, PATH, BON
         toks = tl.where(j == m, tl.load(BONUS + b * stride_bonus).to(tl.int64), path)
         valid = j <= m
         pos = n + j
-        blk = tl.load(row + tl.minimum(pos // block_size, W - 1), mask=jm & valid, other=0)
+        blk = tl.load(row + _col(pos, block_size, W), mask=live_j & valid, other=0)
         slots = tl.where(valid, blk * block_size + pos % block_size, -1)
         keep = live_j
         tl.store(CT + b * P + j, toks, mask=keep)
@@ -39,7 +45,7 @@ def _carry_kernel(ROOT, NC, ND, COMMIT, CT, CP, CS, CL, SLOT, BT, ACC, PATH, BON
         tl.store(ND + b, tl.where(live, n, tl.load(ND + b)))
     n_new = n + m + 1
     pos = n_new + j
-    blk = tl.load(row + tl.minimum(pos // block_size, W - 1), mask=jm, other=0)
+    blk = tl.load(row + _col(pos, block_size, W), mask=live_j, other=0)
     tl.store(COMMIT + b * P + j, blk * block_size + pos % block_size, mask=live_j)
     tl.store(ROOT + b, tl.where(live, tl.load(BONUS + b * stride_bonus).to(tl.int64), tl.load(ROOT + b)))
     tl.store(NC + b, tl.where(live, n_new, n))
