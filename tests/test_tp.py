@@ -32,7 +32,9 @@ def prompts(vocab, sizes=(1, 3, 7, 12)):
 
 def _generate(target, tok, draft, spec, rank, world, params, prompt_list, **engine_kw):
     graphs = next(target.parameters()).device.type == "cuda"  # on GPUs: whole steps replayed from CUDA graphs
-    cfg = EngineConfig(**({"num_blocks": 64, "block_size": 8, "cuda_graphs": graphs} | engine_kw))
+    # overlapped decoding (the next step enqueued before this one is read back) on the CPU too: every rank must
+    # decide on its successors alike, or the collectives would hang
+    cfg = EngineConfig(**({"num_blocks": 64, "block_size": 8, "cuda_graphs": graphs, "overlap": True} | engine_kw))
     eng = LLMEngine(target, tok, draft, resolve_tree(spec), cfg)
     tp = TPEngine(eng, rank, world, check=world > 1)
     out = tp.generate(prompt_list if rank == 0 else None, params if rank == 0 else None)
@@ -55,7 +57,7 @@ def run_cases(rank: int, world: int, dirs: dict, device="cpu") -> dict:
         seen = []
         h = target.lm_head.register_forward_hook(lambda m, a, out: seen.append(out.detach().cpu()))
         toks, _ = _generate(target, tok, None, None, rank, world, SamplingParams(max_tokens=6, ignore_eos=True),
-                            prompts(V), cuda_graphs=False)  # eager: the hook sees every step's logits
+                            prompts(V), cuda_graphs=False, overlap=False)  # eager: the hook sees every step's logits
         h.remove()
         res[f"{name}/paged"] = seen
         res[f"{name}/paged_tokens"] = toks
