@@ -109,12 +109,16 @@ def test_triton_carry_equals_the_reference(B, P, short, block_size, draft, strid
     assert torch.equal(ref.root_tokens[live], out.bonus[live])
 
 
-def _run(llm, params, ps):
+def _run(llm, params, ps, waiting=None):
+    """Generate; returns (outputs, per decode step launched: whether it was a successor). `waiting`: a list that
+    gets, per successor, whether requests were waiting (for a place in the full batch) when it was enqueued."""
     launches = []
     launch = llm.engine.runner.launch
 
     def counted(seqs, after=None):
         launches.append(after is not None)
+        if after is not None and waiting is not None:
+            waiting.append(bool(llm.engine.scheduler.waiting))
         return launch(seqs, after)
     llm.engine.runner.launch = counted
     outs = llm.generate(ps, params)
@@ -133,8 +137,9 @@ def _same(a, b):
 def test_overlapped_decoding_equals_sequential(request, pair, spec):
     """8 requests, at most 3 running (admissions while others decode), each with its own token limit, some sampled,
     some with a stop token: outputs, finish reasons and per-request statistics equal sequential decoding's; many
-    steps were overlapped; and with no stop tokens, overlapping took no more steps (no step is launched behind one
-    that may reach a token limit). Then with a KV pool small enough to preempt."""
+    steps were overlapped, also while requests waited for a place in the full batch; and with no stop tokens,
+    overlapping took no more steps (no step is launched behind one that may reach a token limit). Then with a KV
+    pool small enough to preempt."""
     p = request.getfixturevalue(pair)
     vocab = 24 if pair == "mirror_pair" else 17
     ps = prompts(8, vocab=vocab)
@@ -143,9 +148,11 @@ def test_overlapped_decoding_equals_sequential(request, pair, spec):
     ref, seq_launches = _run(_llm(p, spec, max_num_seqs=3, overlap=False), params, ps)
     assert not any(seq_launches)
     over = _llm(p, spec, max_num_seqs=3, overlap=True)
-    got, launches = _run(over, params, ps)
+    waiting = []
+    got, launches = _run(over, params, ps, waiting)
     _same(got, ref)
-    assert sum(launches) > len(launches) / 3, launches  # many steps overlapped (not while requests wait)
+    assert sum(launches) > len(launches) / 3, launches  # many steps overlapped
+    assert any(waiting)  # also while requests waited for a place in the full batch
     assert over.engine.blocks.num_used == 0 and over.engine._inflight is None
     assert sorted(over.engine.scheduler.free_slots) == list(range(3))
     if any(o.finish_reason == "stop" for o in ref):
@@ -187,6 +194,30 @@ def test_abort_while_a_step_is_in_flight(mirror_pair):
     assert [outs[s.request_id].token_ids for s in (seqs[0], seqs[2])] == [ref[0], ref[2]]
     assert engine.blocks.num_used == 0
     assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_num_seqs))
+
+
+def test_an_admissible_request_is_not_kept_waiting(mirror_pair):
+    """A request that fits (a place in the batch and its blocks) stops the overlap: the step in flight is read back
+    without a successor, and the next step admits it; one that cannot be admitted yet (a full batch) does not."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ps = prompts(4, vocab=24)
+    llm = _llm(mirror_pair, "chain:3", overlap=True, max_num_seqs=3)
+    engine = llm.engine
+    for p in ps[:2]:
+        engine.add_request(p, params)
+    while engine._inflight is None:
+        engine.step()
+    third = engine.add_request(ps[2], params)  # fits: the in-flight step is read back, no successor behind it
+    engine.step()
+    assert engine._inflight is None
+    prefills = engine.step_counts["prefill"]
+    engine.step()
+    assert engine.step_counts["prefill"] == prefills + 1 and third.num_cached > 0
+    while engine._inflight is None:
+        engine.step()
+    engine.add_request(ps[3], params)  # the batch is full (3): the overlap goes on
+    engine.step()
+    assert engine._inflight is not None
 
 
 def test_overlap_is_on_with_cuda_graphs_by_default(mirror_pair):

@@ -108,6 +108,14 @@ class Scheduler:
                 scheduled.append(seq)
         return ScheduledBatch("decode", scheduled) if scheduled else None
 
+    def can_admit(self) -> bool:
+        """Whether the next `schedule()` would admit a waiting request (a free place in the batch and the blocks
+        for its prompt and one decode step: `_schedule_prefill`'s test)."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs or self.max_num_batched_tokens <= 0:
+            return False
+        seq = self.waiting[0]
+        return self.blocks.blocks_needed(seq.block_table, seq.prefill_target + self.lookahead) <= self.blocks.num_free
+
     def reserve_ahead(self, seqs: list[Sequence]) -> bool:
         """Overlapped decoding: before a step is enqueued behind the one in flight for `seqs`, reserve the KV blocks
         it may fill (the step in flight commits up to `lookahead` tokens the host has not seen yet, then this one up
