@@ -220,6 +220,30 @@ def test_an_admissible_request_is_not_kept_waiting(mirror_pair):
     assert engine._inflight is not None
 
 
+def test_a_failed_step_leaves_nothing_in_flight(mirror_pair):
+    """An exception while a step is read back (here: committing its tokens) drops the successor enqueued behind it;
+    once the caller has aborted the requests (as the server does), no block is held and new requests decode as
+    they would have."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ps = prompts(2, vocab=24)
+    ref = [o.token_ids for o in _llm(mirror_pair, "chain:3", overlap=False).generate(ps, params)]
+    llm = _llm(mirror_pair, "chain:3", overlap=True)
+    engine = llm.engine
+    seqs = [engine.add_request(p, params) for p in ps]
+    while engine._inflight is None:
+        engine.step()
+    commit = engine._commit
+    engine._commit = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step()
+    engine._commit = commit
+    assert engine._inflight is None
+    for s in seqs:
+        engine.abort(s.request_id)
+    assert engine.blocks.num_used == 0 and not engine.has_unfinished()
+    assert [o.token_ids for o in llm.generate(ps, params)] == ref
+
+
 def test_overlap_is_on_with_cuda_graphs_by_default(mirror_pair):
     assert not _llm(mirror_pair, "chain:3").engine.overlap  # no graphs on the CPU
     assert _llm(mirror_pair, "chain:3", overlap=True).engine.overlap

@@ -152,6 +152,13 @@ class LLMEngine:
 
     # ---- stepping ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        except BaseException:
+            self._inflight = None  # a failed step's successor is not read back (its caller aborts the requests)
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         if self._inflight is not None:  # overlapped decoding: the step enqueued last time is read back now
             h, self._inflight = self._inflight, None
             return self._decoded(h)
