@@ -173,17 +173,26 @@ def test_overlapped_decoding_equals_sequential(request, pair, spec):
     assert small.engine.blocks.num_used == 0
 
 
+PARAMS30 = SamplingParams(max_tokens=30, ignore_eos=True)
+
+
+def _with_a_step_in_flight(pair, n):
+    """(sequential decoding's outputs of n prompts, an overlapping LLM, its n requests) once a successor is in
+    flight."""
+    ps = prompts(n, vocab=24)
+    ref = [o.token_ids for o in _llm(pair, "chain:3", overlap=False).generate(ps, PARAMS30)]
+    llm = _llm(pair, "chain:3", overlap=True)
+    seqs = [llm.engine.add_request(p, PARAMS30) for p in ps]
+    while llm.engine._inflight is None:
+        llm.engine.step()
+    return ref, llm, seqs
+
+
 def test_abort_while_a_step_is_in_flight(mirror_pair):
     """A request aborted while an overlapped step holds it: its blocks and slot are freed, that step's results for
     it are dropped, and the others finish as they would alone."""
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
-    ps = prompts(3, vocab=24)
-    ref = [o.token_ids for o in _llm(mirror_pair, "chain:3", overlap=False).generate(ps, params)]
-    llm = _llm(mirror_pair, "chain:3", overlap=True)
+    ref, llm, seqs = _with_a_step_in_flight(mirror_pair, 3)
     engine = llm.engine
-    seqs = [engine.add_request(p, params) for p in ps]
-    while engine._inflight is None:
-        engine.step()
     assert engine.abort(seqs[1].request_id)
     outs = {}
     while engine.has_unfinished():
@@ -224,14 +233,8 @@ def test_a_failed_step_leaves_nothing_in_flight(mirror_pair):
     """An exception while a step is read back (here: committing its tokens) drops the successor enqueued behind it;
     once the caller has aborted the requests (as the server does), no block is held and new requests decode as
     they would have."""
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
-    ps = prompts(2, vocab=24)
-    ref = [o.token_ids for o in _llm(mirror_pair, "chain:3", overlap=False).generate(ps, params)]
-    llm = _llm(mirror_pair, "chain:3", overlap=True)
+    ref, llm, seqs = _with_a_step_in_flight(mirror_pair, 2)
     engine = llm.engine
-    seqs = [engine.add_request(p, params) for p in ps]
-    while engine._inflight is None:
-        engine.step()
     commit = engine._commit
     engine._commit = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))
     with pytest.raises(RuntimeError, match="boom"):
@@ -241,7 +244,7 @@ def test_a_failed_step_leaves_nothing_in_flight(mirror_pair):
     for s in seqs:
         engine.abort(s.request_id)
     assert engine.blocks.num_used == 0 and not engine.has_unfinished()
-    assert [o.token_ids for o in llm.generate(ps, params)] == ref
+    assert [o.token_ids for o in llm.generate([s.prompt_ids for s in seqs], PARAMS30)] == ref
 
 
 def test_overlap_is_on_with_cuda_graphs_by_default(mirror_pair):
