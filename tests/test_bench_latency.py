@@ -255,3 +255,21 @@ def test_kernel_timeline_is_in_start_order_with_gaps(tmp_path):
     assert lines[0].split("\t") == ["start_us", "gap_us", "dur_us", "name"]
     assert [ln.split("\t") for ln in lines[1:]] == [["0.0", "0.0", "10.0", "a"], ["8.0", "0.0", "12.0", "b"],
                                                      ["30.0", "10.0", "10.0", "c"]]
+
+
+def test_profile_counts_the_steps_it_covers(tmp_path, capsys):
+    """`--profile`'s three step() calls cover four decode steps where the first enqueues a successor (overlapped
+    decoding): the per-step figures divide by the steps launched, not by three."""
+    from eyas.bench.latency import profile_steps
+    from eyas.engine.engine import EngineConfig, LLMEngine
+    from eyas.loader.eagle import load_draft
+    from eyas.loader.resolve import load_target
+    from eyas.spec.tree import resolve_tree
+    target_dir, draft_dir = write_mirror_pair(tmp_path / "pair", vocab=24, layers=2)
+    target, _ = load_target(str(target_dir), "cpu", "float32")
+    draft = load_draft(str(draft_dir), target)
+    for overlap, steps in ((False, 3), (True, 4)):
+        engine = LLMEngine(target, None, draft, resolve_tree("chain:2"), EngineConfig(overlap=overlap))
+        profile_steps(engine, "chain:2", 1, [[1, 2, 3]])
+        assert f"chain:2, batch 1, {steps} decode steps" in capsys.readouterr().out
+        assert engine.blocks.num_used == 0

@@ -264,7 +264,7 @@ def time_row(engine: LLMEngine, mode: str, batch: int, prompts, max_tokens: int,
 
 def profile_steps(engine: LLMEngine, mode: str, batch: int, prompts, verbose: bool = True,
                   kernels_out: str | None = None) -> None:
-    """Print where the GPU time of 3 decode steps goes, by kernel (torch.profiler). `kernels_out`: also write every
+    """Print where the GPU time of the decode steps of 3 `step()` calls goes, by kernel (torch.profiler). `kernels_out`: also write every
     kernel of those steps in launch order (start and gap before it in us, duration in us, name), a TSV, to read a
     step's sequence (which launch belongs to the draft, which to the verify pass) where the table only sums."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -273,16 +273,19 @@ def profile_steps(engine: LLMEngine, mode: str, batch: int, prompts, verbose: bo
     while any(s.in_prefill or s.status.value == "waiting" for s in engine.scheduler.running) or \
             engine.scheduler.waiting:
         engine.step()
+    n0 = engine.step_counts["decode"]
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             engine.step()
         _sync()
+    # the steps launched: with overlapped decoding the first step() also enqueues its successor (4 steps, not 3)
+    steps = max(1, engine.step_counts["decode"] - n0)
     if verbose:
-        print(f"--- profile: {mode}, batch {batch}, 3 decode steps ---")
+        print(f"--- profile: {mode}, batch {batch}, {steps} decode steps ---")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy = sum(e.device_time for e in kernels) / 1000
-        print(f"GPU kernels per step: {len(kernels) / 3:.0f}, busy {busy / 3:.3f} ms per step")
+        print(f"GPU kernels per step: {len(kernels) / steps:.0f}, busy {busy / steps:.3f} ms per step")
         if kernels_out:
             write_kernel_timeline(kernels, kernels_out)
             print(f"kernels in launch order: {kernels_out}")
