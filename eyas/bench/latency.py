@@ -264,9 +264,10 @@ def time_row(engine: LLMEngine, mode: str, batch: int, prompts, max_tokens: int,
 
 def profile_steps(engine: LLMEngine, mode: str, batch: int, prompts, verbose: bool = True,
                   kernels_out: str | None = None) -> None:
-    """Print where the GPU time of the decode steps of 3 `step()` calls goes, by kernel (torch.profiler). `kernels_out`: also write every
-    kernel of those steps in launch order (start and gap before it in us, duration in us, name), a TSV, to read a
-    step's sequence (which launch belongs to the draft, which to the verify pass) where the table only sums."""
+    """Print where the GPU time of the decode steps of 3 `step()` calls goes, by kernel (torch.profiler).
+    `kernels_out`: also write every kernel of those steps in launch order (start and gap before it in us, duration
+    in us, name), a TSV, to read a step's sequence (which launch belongs to the draft, which to the verify pass)
+    where the table only sums."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     for i, p in enumerate(prompts[:batch]):
         engine.add_request(p, _params(i, 12))
@@ -597,7 +598,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                         "an unchanged batch is otherwise enqueued first, its inputs carried on the device: "
                         "eyas.spec.carry): to compare the two")
     p.add_argument("--profile", action="store_true",
-                   help="print the top GPU kernels of 3 decode steps per run; also write those steps' kernels in "
+                   help="print the top GPU kernels of 3 step() calls' decode steps per run (4 steps where the "
+                        "first enqueues a successor); also write those steps' kernels in "
                         "launch order to OUT/kernels_<mode>_b<batch>.tsv")
     p.add_argument("--out", default="bench-out/latency")
     p.set_defaults(func=run)

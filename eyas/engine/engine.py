@@ -205,9 +205,10 @@ class LLMEngine:
         """Overlapped decoding: enqueue the next step of `h`'s batch before `h` is read back, when that batch would
         be scheduled again unchanged whatever `h` commits: no waiting request could be admitted now (a full batch,
         or too few free blocks, keeps them waiting either way), every running sequence is in it, none can reach its
-        token or context limit in `h`, and the pool holds the blocks of both steps (`Scheduler.reserve_ahead`). Its inputs are carried on the device (`eyas.spec.carry`). A sequence that `h`
-        ends anyway (an end-of-sequence token, a stop string) makes the successor's work for it wasted, never wrong:
-        its results are dropped (`ModelRunner.collect`). Returns the successor's handle, or None."""
+        token or context limit in `h`, and the pool holds the blocks of both steps (`Scheduler.reserve_ahead`). Its
+        inputs are carried on the device (`eyas.spec.carry`). A sequence that `h` ends anyway (an end-of-sequence
+        token, a stop string) makes the successor's work for it wasted, never wrong: its results are dropped
+        (`ModelRunner.collect`). Returns the successor's handle, or None."""
         sched = self.scheduler
         if not self.overlap or sched.can_admit() or len(sched.running) != len(h.seqs):
             return None
