@@ -100,6 +100,10 @@ def _note_launch(fn, args, kwargs):
     same_kernel = sum(1 for k in TRITON_LAUNCHES if k[0] == name)
     if key not in TRITON_LAUNCHES and same_kernel < 3:  # a few variants per kernel
         TRITON_LAUNCHES[key] = (fn.fn.__module__, fn.fn.__qualname__, sig, constexprs, options)
+    # the interpreter never takes programmatic dependent launch (USE_GDC), the GPU does: one such variant too
+    if constexprs.get("USE_GDC") is False and not any(k[0] == name and k[3:] == ("gdc",) for k in TRITON_LAUNCHES):
+        gdc = dict(constexprs, USE_GDC=True)
+        TRITON_LAUNCHES[key + ("gdc",)] = (fn.fn.__module__, fn.fn.__qualname__, sig, gdc, options)
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":

@@ -333,6 +333,28 @@ def _same(a, b):
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
 
 
+def test_attention_pdl_is_asked_by_the_row_paths_and_taken_only_on_the_gpu(tiny, monkeypatch):
+    """The one-row and few-rows paths ask the attention kernels for programmatic dependent launch where their
+    linears take it (`use_pdl`: sm_90); the kernels take it only when `tree_attention.PDL` is on and not under the
+    interpreter (the tokens here stay the fused path's; the GPU tests below time nothing but check it there)."""
+    from eyas.kernels import tree_attention as ta
+    from eyas.models import one_row as mod
+    asked = []
+    gdc = ta._gdc
+    monkeypatch.setattr(ta, "_gdc", lambda pdl: (asked.append(pdl), gdc(pdl))[1])
+    monkeypatch.setattr(mod, "use_pdl", lambda device: True)
+    monkeypatch.setattr(ta, "PDL", True)
+    ref = _run_recording(tiny, False, [[1, 2, 3, 4]], 6, tiny[1], "chain:2")
+    assert not any(asked)  # the fused path does not ask
+    got = _run_recording(tiny, True, [[1, 2, 3, 4]], 6, tiny[1], "chain:2", few_rows=True)
+    assert got[0] == ref[0] and any(asked)
+    assert gdc(True) == (False, {})  # under the interpreter
+    monkeypatch.setattr(ta, "interpreting", lambda: False)
+    assert gdc(True) == (True, {"launch_pdl": True}) and gdc(False) == (False, {})
+    monkeypatch.setattr(ta, "PDL", False)
+    assert gdc(True) == (False, {})
+
+
 def test_batch1_plain_decoding_takes_one_row_and_equals_the_fused_path(tiny):
     """Every decode step after the prefill's token takes the path, with the fused path's tokens and logits."""
     ref = _run_recording(tiny, False, [[1, 2, 3, 4]], 8)
@@ -550,8 +572,12 @@ def test_gpu_bf16_qkv_rope_stash(NQ, KVH, D, K, M):
 
 
 @gpu
-def test_gpu_one_row_under_graphs_equals_fused_path(tiny):
-    """bf16 on the GPU, CUDA graphs: the one-row path (with PDL on sm_90) gives the fused path's greedy tokens."""
+@pytest.mark.parametrize("attn_pdl", [False, True])
+def test_gpu_one_row_under_graphs_equals_fused_path(tiny, attn_pdl, monkeypatch):
+    """bf16 on the GPU, CUDA graphs: the one-row path (with PDL on sm_90; `attn_pdl`: the attention kernels' too)
+    gives the fused path's greedy tokens."""
+    from eyas.kernels import tree_attention
+    monkeypatch.setattr(tree_attention, "PDL", attn_pdl)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
 
     def run(one_row):
@@ -563,13 +589,17 @@ def test_gpu_one_row_under_graphs_equals_fused_path(tiny):
 
 
 @gpu
+@pytest.mark.parametrize("attn_pdl", [False, True])
 @pytest.mark.parametrize("spec,prompts", [("chain:3", [[1, 2, 3, 4], [7, 3]]), ("tree:smollm2_48d5", [[1, 2, 3, 4]])])
-def test_gpu_few_rows_under_graphs_equals_fused_path(tiny, spec, prompts):
+def test_gpu_few_rows_under_graphs_equals_fused_path(tiny, spec, prompts, attn_pdl, monkeypatch):
     """bf16 on the GPU, CUDA graphs, speculative decoding: verify passes on the tile kernels (chain:3 at batch 2: 8
     rows; the default tree at batch 1: 49, the most rows raised to the kernel's 64) give the fused path's greedy
     tokens. The fused path runs unfolded (`fold=False`): with the norms folded into the projections
     (`fold_norms`) its roundings differ from the tile kernels', and in bf16 a random model's tokens part ways
-    after ~10 (held instead by tests/test_fused_ops.py against float32)."""
+    after ~10 (held instead by tests/test_fused_ops.py against float32). `attn_pdl`: the attention kernels with
+    programmatic dependent launch too."""
+    from eyas.kernels import tree_attention
+    monkeypatch.setattr(tree_attention, "PDL", attn_pdl)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
 
     def run(few_rows):

@@ -18,6 +18,10 @@ def test_recorded_triton_kernels_compile_for_sm90():
     except ImportError as e:
         pytest.skip(f"this triton has no offline compiler: {e}")
     variants = list(TRITON_LAUNCHES.values())
+    # kernels with programmatic dependent launch: each also as the GPU launches it (tests/conftest.py adds these)
+    pdl = {v[1] for v in variants if "USE_GDC" in v[3]}
+    assert pdl == {v[1] for v in variants if v[3].get("USE_GDC") is True}, "a PDL kernel without its PDL variant"
     failures = [r["error"] for r in compile_for_sm90(variants) if r["error"]]
     assert not failures, f"{len(failures)} of {len(variants)} kernel variants fail for sm_90:\n" + "\n".join(failures)
-    print(f"compiled for sm_90: {len(variants)} variants of {len({(v[0], v[1]) for v in variants})} kernels")
+    print(f"compiled for sm_90: {len(variants)} variants of {len({(v[0], v[1]) for v in variants})} kernels "
+          f"({len(pdl)} of them also with PDL: {sorted(pdl)})")

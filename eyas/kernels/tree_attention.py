@@ -35,9 +35,30 @@ LN2 = 0.6931471805599453
 
 _DOT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+# Programmatic dependent launch for these kernels where the caller asks for it (`pdl=True`: the one-row and few-rows
+# paths, whose linears are PDL launches): each program lets the next kernel's programs launch at once, then waits
+# for the previous kernel before it reads anything. The kernel after the attention (its reduction, or the o
+# projection, which loads its weights before its own wait) can then start while the attention runs. Off until
+# timed on the H200 (session 19 wrote it without a GPU): `eyas.kernels.tree_attention.PDL = True` to try it.
+PDL = False
+
+
+def _gdc(pdl: bool) -> tuple[bool, dict]:
+    """(USE_GDC for a kernel, its launch keywords): PDL where asked, switched on, and not under the interpreter."""
+    use = bool(pdl and PDL and not interpreting())
+    return use, ({"launch_pdl": True} if use else {})
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Shared device helpers
+
+
+@triton.jit
+def _gdc_prologue(USE_GDC: tl.constexpr):
+    """With PDL: let the next kernel's programs launch now, then wait for the previous kernel (its writes visible)."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -185,8 +206,9 @@ def _paged_prefix_kernel(
     stride_lb, stride_ls, stride_lq, stride_lh,
     G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
+    _gdc_prologue(USE_GDC)
     pid_s = tl.program_id(2)
     b, kvh, rows, offs_d, d_ok, q = _program_rows(Q, K, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh,
                                                   stride_qd, G, HEAD_D, BLOCK_M, BLOCK_D, UPCAST)
@@ -206,9 +228,10 @@ def _reduce_splits_kernel(
     stride_plb, stride_pls, stride_plq, stride_plh,
     stride_ob, stride_oq, stride_oh, stride_od,
     stride_lb, stride_lq, stride_lh,
-    BLOCK_S: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
     """One program per (b, q, h) row: o = sum_s o_s exp(lse_s - lse), lse = logsumexp_s lse_s."""
+    _gdc_prologue(USE_GDC)
     pid = tl.program_id(0)
     h = pid % num_heads
     qi = (pid // num_heads) % num_q
@@ -288,8 +311,9 @@ def _split_tree_kernel(
     stride_lb, stride_ls, stride_lq, stride_lh,
     G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NS: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
+    _gdc_prologue(USE_GDC)
     pid_s = tl.program_id(2)
     b, kvh, rows, offs_d, d_ok, q = _program_rows(Q, KC, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh,
                                                   stride_qd, G, HEAD_D, BLOCK_M, BLOCK_D, UPCAST)
@@ -427,7 +451,7 @@ def _prefix_block_n(block_m: int, block_n: int, block_d: int, splits: int, dtype
 
 
 def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None,
-                           max_context_len=None, block_n=None, reduce=True, out_dtype=torch.float32):
+                           max_context_len=None, block_n=None, reduce=True, out_dtype=torch.float32, pdl=False):
     """Attention of every new token over its sequence's first `context_lens[b]` cache entries, without mask.
 
     q [B, Q, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks] (int32/int64);
@@ -436,7 +460,8 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     Returns o [B, Q, H, D] float32 and lse [B, Q, H] float32; rows with context 0 get o = 0, lse = -inf.
     `reduce=False`: the KV splits' partial results instead, o [B, S, Q, H, D] and lse [B, S, Q, H], for a kernel
     that merges them itself (`tree_suffix_attention`), one kernel launch fewer. `out_dtype`: the reduced o's dtype
-    (the model's, so that no cast follows; the partials and lse stay float32)."""
+    (the model's, so that no cast follows; the partials and lse stay float32). `pdl`: launch with programmatic
+    dependent launch (where `PDL` is on)."""
     B, NQ, H, D = q.shape
     _, page, KVH, Dk = k_cache.shape
     if Dk != D or v_cache.shape != k_cache.shape:
@@ -468,31 +493,34 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     o_part = torch.empty((B, S, NQ, H, D), dtype=out_dtype if (reduce and S == 1) else torch.float32,
                          device=q.device)
     lse_part = torch.empty((B, S, NQ, H), dtype=torch.float32, device=q.device)
+    use_gdc, launch = _gdc(pdl)
     _paged_prefix_kernel[(B * KVH, m_tiles, S)](
         q, k_cache, v_cache, block_tables, context_lens, o_part, lse_part,
         float(scale) * LOG2E, n_rows, KVH, S,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *o_part.stride(), *lse_part.stride(),
         G=G, HEAD_D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), num_warps=4, num_stages=2,
+        DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), USE_GDC=use_gdc, num_warps=4,
+        num_stages=2, **launch,
     )
     if not reduce:
         return o_part, lse_part
     if S == 1:
         return o_part[:, 0], lse_part[:, 0]
-    return _reduce_splits(o_part, lse_part, out_dtype)
+    return _reduce_splits(o_part, lse_part, out_dtype, pdl)
 
 
-def _reduce_splits(o_part, lse_part, out_dtype):
+def _reduce_splits(o_part, lse_part, out_dtype, pdl=False):
     """Merge partial results o_part [B, S, Q, H, D], lse_part [B, S, Q, H] (float32) by log-sum-exp: one launch.
     Returns o [B, Q, H, D] in `out_dtype` and lse [B, Q, H] float32."""
     B, S, NQ, H, D = o_part.shape
     o = torch.empty((B, NQ, H, D), dtype=out_dtype, device=o_part.device)
     lse = torch.empty((B, NQ, H), dtype=torch.float32, device=o_part.device)
+    use_gdc, launch = _gdc(pdl)
     _reduce_splits_kernel[(B * NQ * H,)](
         o_part, lse_part, o, lse, NQ, H, S,
         *o_part.stride(), *lse_part.stride(), *o.stride(), *lse.stride(),
-        BLOCK_S=max(2, _next_pow2(S)), HEAD_D=D, BLOCK_D=_next_pow2(D), num_warps=1,
+        BLOCK_S=max(2, _next_pow2(S)), HEAD_D=D, BLOCK_D=_next_pow2(D), USE_GDC=use_gdc, num_warps=1, **launch,
     )
     return o, lse
 
@@ -555,7 +583,7 @@ def merge_attention_states(o1, lse1, o2, lse2):
 
 
 def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables, context_lens, suffix_mask, scale,
-                                num_splits=None, max_context_len=None, out_dtype=torch.float32):
+                                num_splits=None, max_context_len=None, out_dtype=torch.float32, pdl=False):
     """Prefix (paged, no mask) + suffix (under `suffix_mask`), merged by log-sum-exp: o [B, Q, H, D] (`out_dtype`).
 
     Same contract as `eyas.layers.attention.split_tree_attention`: k_new/v_new [B, L, KVH, D] are the suffix keys
@@ -563,7 +591,7 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
     walk the prefix's KV splits and, one more per query tile, the suffix (`_split_tree_kernel`), then the reduction
     of those S + 1 partial results. The suffix runs beside the prefix splits rather than after them, and the
     reduction is the cheap kernel plain decoding also ends with. A row that sees nothing at all gets 0 (the
-    reference gives NaN)."""
+    reference gives NaN). `pdl`: both launches with programmatic dependent launch (where `PDL` is on)."""
     B, NQ, H, D = q.shape
     _, page, KVH, Dk = k_cache.shape
     L = k_new.shape[1]
@@ -597,12 +625,14 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
         return torch.zeros((B, NQ, H, D), dtype=out_dtype, device=q.device)
     o_part = torch.empty((B, S + 1, NQ, H, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, S + 1, NQ, H), dtype=torch.float32, device=q.device)
+    use_gdc, launch = _gdc(pdl)
     _split_tree_kernel[(B * KVH, m_tiles, S + 1)](
         q, k_cache, v_cache, block_tables, context_lens, k_new, v_new, suffix_mask, o_part, lse_part,
         float(scale) * LOG2E, n_rows, L, KVH, S,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *k_new.stride(), *v_new.stride(), *suffix_mask.stride(), *o_part.stride(), *lse_part.stride(),
         G=G, HEAD_D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_NS=BLOCK_NS,
-        DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), num_warps=4, num_stages=2,
+        DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), USE_GDC=use_gdc, num_warps=4,
+        num_stages=2, **launch,
     )
-    return _reduce_splits(o_part, lse_part, out_dtype)[0]
+    return _reduce_splits(o_part, lse_part, out_dtype, pdl)[0]

@@ -127,7 +127,7 @@ def _layer_rows(layer: nn.Module, r: torch.Tensor, B: int, Q: int, pos: torch.Te
         q = decode_qkv_rope(r, attn.qkv_proj.weight, norm, eps, pos, meta.slot_mapping, rope.cos, rope.sin,
                             _row_store(k_cache), _row_store(v_cache), attn.n_heads, pdl=pdl)
         o = prefix_only_attention(q.view(B, Q, attn.n_heads, attn.head_dim), k_cache, v_cache, meta, attn.scale,
-                                  out_dtype=r.dtype)
+                                  out_dtype=r.dtype, pdl=pdl)
     else:
         sk, sv = meta.stash.k[attn.layer_idx], meta.stash.v[attn.layer_idx]
         end = meta.stash_at + Q
@@ -135,7 +135,8 @@ def _layer_rows(layer: nn.Module, r: torch.Tensor, B: int, Q: int, pos: torch.Te
                             _row_store(sv), attn.n_heads, seq_rows=sk.shape[1], row_offset=meta.stash_at, seq_q=Q,
                             pdl=pdl)
         o = split_tree_attention(q.view(B, Q, attn.n_heads, attn.head_dim), sk[:, meta.suffix_from: end],
-                                 sv[:, meta.suffix_from: end], k_cache, v_cache, meta, attn.scale, out_dtype=r.dtype)
+                                 sv[:, meta.suffix_from: end], k_cache, v_cache, meta, attn.scale, out_dtype=r.dtype,
+                                 pdl=pdl)
     decode_linear(o.reshape(B * Q, -1), attn.o_proj.weight, residual=r, out=r, pdl=pdl)
     act = decode_linear(r, mlp.gate_up_proj.weight, norm_weight=n2.weight, eps=n2.eps, swiglu=True, pdl=pdl)
     decode_linear(act, mlp.down_proj.weight, residual=r, out=r if out is None else out, pdl=pdl)
