@@ -145,8 +145,10 @@ def spec(tmp_path_factory, smollm2):
     draft_dir = save_draft(EagleDraft(cfg), tmp / "draft", dtype=torch.float32)
     tree = tmp / "tree.json"  # a small branching tree (depth 3, 5 nodes): cheap enough for the CPU
     tree.write_text(json.dumps(TREE_PATHS))
+    # overlapped decoding on, as on a GPU with CUDA graphs: the server's admissions, stop strings and aborts
+    # meet steps enqueued before the last was read back
     llm = LLM(MODEL, device="cpu", dtype="float32", draft=str(draft_dir), speculation=str(tree),
-              max_num_seqs=64, num_blocks=512, max_model_len=MAX_MODEL_LEN)
+              max_num_seqs=64, num_blocks=512, max_model_len=MAX_MODEL_LEN, overlap=True)
     assert llm.draft is not None and llm.engine.tree.max_depth == 3
 
     # offline references (greedy), with speculation on, before the server takes the LLM over
@@ -164,8 +166,12 @@ def spec(tmp_path_factory, smollm2):
                                                         for j in range(N_CHOICES)])
     assert llm.engine.blocks.num_used == 0
 
+    successors = []  # overlapped steps the server's engine enqueued (the tests below check it did)
+    launch = llm.engine.runner.launch
+    llm.engine.runner.launch = lambda seqs, after=None: (successors.append(after is not None), launch(seqs, after))[1]
     server = LiveServer(create_app(llm, MODEL, max_queue=64))
     server.refs = refs
+    server.successors = successors
     yield server
     server.close()
 
@@ -255,6 +261,7 @@ def test_32_concurrent_streaming_clients_match_offline(spec):
             return await asyncio.wait_for(asyncio.gather(*(one(client, c) for c in cases)), timeout=400)
 
     before = spec.wait_idle()
+    n0 = len(spec.successors)
     t0 = time.monotonic()
     results = asyncio.run(main())
     elapsed = time.monotonic() - t0
@@ -271,6 +278,7 @@ def test_32_concurrent_streaming_clients_match_offline(spec):
     tokens = m["eyas:generation_tokens_total{}"] - before["eyas:generation_tokens_total{}"]
     assert tokens == sum(len(r.token_ids) for r in refs) and steps < tokens / 4, (steps, tokens)
     assert spec.engine.blocks.num_used == 0 and not spec.engine.has_unfinished()
+    assert any(spec.successors[n0:])  # steps were overlapped while the streams ran
     print(f"32 concurrent streams: {elapsed:.1f} s")
 
 

@@ -203,20 +203,22 @@ class LLMEngine:
 
     def _successor(self, h):
         """Overlapped decoding: enqueue the next step of `h`'s batch before `h` is read back, when that batch would
-        be scheduled again unchanged whatever `h` commits: no waiting request could be admitted now (a full batch,
-        or too few free blocks, keeps them waiting either way), every running sequence is in it, none can reach its
-        token or context limit in `h`, and the pool holds the blocks of both steps (`Scheduler.reserve_ahead`). Its
-        inputs are carried on the device (`eyas.spec.carry`). A sequence that `h` ends anyway (an end-of-sequence
-        token, a stop string) makes the successor's work for it wasted, never wrong: its results are dropped
-        (`ModelRunner.collect`). Returns the successor's handle, or None."""
+        be scheduled again: no waiting request could be admitted now (a full batch, or too few free blocks, keeps
+        them waiting either way), every running sequence is in it, none can reach the context limit in `h`, not all
+        of them can reach their token limits in `h` (a successor that may be wasted whole is not worth it; at batch
+        1 this never costs a step), and the pool holds the blocks of both steps (`Scheduler.reserve_ahead`). Its
+        inputs are carried on the device (`eyas.spec.carry`). A sequence that `h` ends (its token limit, an
+        end-of-sequence token, a stop string) makes the successor's work for its row wasted, never wrong: its results
+        are dropped (`ModelRunner.collect`), and the batch is scheduled anew after the successor. Returns the
+        successor's handle, or None."""
         sched = self.scheduler
         if not self.overlap or sched.can_admit() or len(sched.running) != len(h.seqs):
             return None
         ahead = h.tree.max_depth + 1  # tokens `h` may commit
-        for s in h.seqs:
-            if (s.finished or s.num_output + ahead >= s.params.max_tokens
-                    or len(s.token_ids) + ahead >= self.max_model_len):
-                return None
+        if any(s.finished or len(s.token_ids) + ahead >= self.max_model_len for s in h.seqs):
+            return None
+        if all(s.num_output + ahead >= s.params.max_tokens for s in h.seqs):
+            return None
         if not sched.reserve_ahead(h.seqs):
             return None
         self.step_counts["decode"] += 1
