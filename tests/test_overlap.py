@@ -144,8 +144,9 @@ def _same(a, b, spec=None):
         [(o.stats.target_calls, o.stats.committed, o.stats.accepted_by_depth) for o in b]
 
 
-@pytest.mark.parametrize("pair", ["mirror_pair", "random_pair"])
-@pytest.mark.parametrize("spec", [None, "chain:3", "tree:8", "dispatch:1=tree:8,2=chain:2,4=plain"])
+@pytest.mark.parametrize("pair,spec", [(p, s) for p in ("mirror_pair", "random_pair")  # long / short accepted paths
+                                       for s in ("tree:8", "dispatch:1=tree:8,2=chain:2,4=plain")]
+                         + [("mirror_pair", None), ("mirror_pair", "chain:3")])
 def test_overlapped_decoding_equals_sequential(request, pair, spec):
     """8 requests, at most 3 running (admissions while others decode), each with its own token limit, some sampled,
     some with a stop token: outputs, finish reasons and per-request statistics equal sequential decoding's; many
