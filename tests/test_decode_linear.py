@@ -336,7 +336,7 @@ def _same(a, b):
 def test_attention_pdl_is_asked_by_the_row_paths_and_taken_only_on_the_gpu(tiny, monkeypatch):
     """The one-row and few-rows paths ask the attention kernels for programmatic dependent launch where their
     linears take it (`use_pdl`: sm_90); the kernels take it only when `tree_attention.PDL` is on and not under the
-    interpreter (the tokens here stay the fused path's; the GPU tests below time nothing but check it there)."""
+    interpreter (the GPU tests below run the row paths with it on and off)."""
     from eyas.kernels import tree_attention as ta
     from eyas.models import one_row as mod
     asked = []
@@ -344,10 +344,8 @@ def test_attention_pdl_is_asked_by_the_row_paths_and_taken_only_on_the_gpu(tiny,
     monkeypatch.setattr(ta, "_gdc", lambda pdl: (asked.append(pdl), gdc(pdl))[1])
     monkeypatch.setattr(mod, "use_pdl", lambda device: True)
     monkeypatch.setattr(ta, "PDL", True)
-    ref = _run_recording(tiny, False, [[1, 2, 3, 4]], 6, tiny[1], "chain:2")
-    assert not any(asked)  # the fused path does not ask
-    got = _run_recording(tiny, True, [[1, 2, 3, 4]], 6, tiny[1], "chain:2", few_rows=True)
-    assert got[0] == ref[0] and any(asked)
+    _run_recording(tiny, True, [[1, 2, 3, 4]], 3, tiny[1], "chain:2", few_rows=True)
+    assert True in asked
     assert gdc(True) == (False, {})  # under the interpreter
     monkeypatch.setattr(ta, "interpreting", lambda: False)
     assert gdc(True) == (True, {"launch_pdl": True}) and gdc(False) == (False, {})
