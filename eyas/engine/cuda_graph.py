@@ -87,11 +87,6 @@ class GraphedStep:
         return new
 
     @torch.inference_mode()
-    def run(self, seqs, tree) -> DecodeOutputs:
-        """Replay the step of `tree` (the runner's pick for this batch size) for `seqs`."""
-        return self.launch(seqs, tree)[1]
-
-    @torch.inference_mode()
     def launch(self, seqs, tree, carried: bool = False) -> tuple[int, DecodeOutputs]:
         """Replay the step of `tree` for `seqs` (inputs packed from the host), or, `carried`, for the step after the
         last one replayed for them (overlapped decoding: the inputs are carried on the device by a small captured

@@ -318,18 +318,13 @@ class ModelRunner:
         B = B or n
         pk = self.packer(B)
         a = pk.np
-        bt, nblk = self.slot_block_tables, self.slot_num_blocks
+        bt = self.slot_block_tables
         roots, ncs, nds, slots = [], [], [], []
         cat_tokens = [] if self.draft is not None else None
         P = self.lookahead
+        self._grow_slot_tables(seqs)
         for s in seqs:
-            i, table, nc, nd = s.slot, s.block_table, s.num_cached, s.num_draft_cached
-            k = len(table)
-            if nblk[i] != k:  # the table grew (blocks are only appended while a sequence holds its slot)
-                j = nblk[i]
-                bt[i, j:k] = table[j:k]
-                nblk[i] = k
-                self.slot_epoch += 1
+            i, nc, nd = s.slot, s.num_cached, s.num_draft_cached
             tokens = s.token_ids
             roots.append(tokens[-1])
             ncs.append(nc)
@@ -419,10 +414,9 @@ class ModelRunner:
         host, done = self.packer(B).readback(out.packed)
         return StepHandle(list(seqs), B, tree, graphed, out, host, done)
 
-    def _refresh_tables(self, seqs: list[Sequence], B: int) -> None:
-        """Before an overlapped step: send the rows of block tables that grew (the blocks reserved ahead) to the
-        device; nothing else of the packed inputs is touched (the rest is carried on the device)."""
-        pk = self.packer(B)
+    def _grow_slot_tables(self, seqs: list[Sequence]) -> None:
+        """Copy the blocks a sequence's table gained into its slot's host row (blocks are only appended while a
+        sequence holds its slot), moving `slot_epoch` when any did."""
         bt, nblk = self.slot_block_tables, self.slot_num_blocks
         for s in seqs:
             i, table = s.slot, s.block_table
@@ -432,10 +426,16 @@ class ModelRunner:
                 bt[i, j:k] = table[j:k]
                 nblk[i] = k
                 self.slot_epoch += 1
+
+    def _refresh_tables(self, seqs: list[Sequence], B: int) -> None:
+        """Before an overlapped step: send the rows of block tables that grew (the blocks reserved ahead) to the
+        device; nothing else of the packed inputs is touched (the rest is carried on the device)."""
+        pk = self.packer(B)
+        self._grow_slot_tables(seqs)
         sl = pk.np["slots"]
         rows = (tuple(sl.tolist()), self.slot_epoch)
         if pk.rows != rows:
-            bt.take(sl, axis=0, out=pk.np["block_tables"])
+            self.slot_block_tables.take(sl, axis=0, out=pk.np["block_tables"])
             pk.rows = rows
             pk.send(pk.span["block_tables"])
 
