@@ -346,7 +346,8 @@ def test_attention_pdl_is_asked_by_the_row_paths_and_taken_only_on_the_gpu(tiny,
     monkeypatch.setattr(ta, "PDL", True)
     _run_recording(tiny, True, [[1, 2, 3, 4]], 3, tiny[1], "chain:2", few_rows=True)
     assert True in asked
-    assert gdc(True) == (False, {})  # under the interpreter
+    if INTERPRET:
+        assert gdc(True) == (False, {})  # not under the interpreter
     monkeypatch.setattr(ta, "interpreting", lambda: False)
     assert gdc(True) == (True, {"launch_pdl": True}) and gdc(False) == (False, {})
     monkeypatch.setattr(ta, "PDL", False)
@@ -355,9 +356,9 @@ def test_attention_pdl_is_asked_by_the_row_paths_and_taken_only_on_the_gpu(tiny,
 
 def test_batch1_plain_decoding_takes_one_row_and_equals_the_fused_path(tiny):
     """Every decode step after the prefill's token takes the path, with the fused path's tokens and logits."""
-    ref = _run_recording(tiny, False, [[1, 2, 3, 4]], 8)
-    got = _run_recording(tiny, True, [[1, 2, 3, 4]], 8)
-    assert ref[2] == 0 and got[2] == 7
+    ref = _run_recording(tiny, False, [[1, 2, 3, 4]], 5)
+    got = _run_recording(tiny, True, [[1, 2, 3, 4]], 5)
+    assert ref[2] == 0 and got[2] == 4
     _same(got, ref)
 
 
@@ -481,10 +482,10 @@ def test_few_rows_equal_the_fused_path(tiny, prompts, spec):
     kernel; tree:8 at batch 2: 18 rows; the
     default tree: 49 rows) on the tile kernels, the most rows the path takes raised to the kernel's 64: the fused
     path's tokens and the logits of every target call."""
-    n = 4 if spec and spec.startswith("tree") else 6  # (the trees' verify passes are slow in the interpreter)
+    n = 3 if spec and spec.startswith("tree") else 4  # (the trees' verify passes are slow in the interpreter)
     ref = _run_recording(tiny, False, prompts, n, tiny[1] if spec else None, spec)
     got = _run_recording(tiny, True, prompts, n, tiny[1] if spec else None, spec, few_rows=64)
-    assert ref[2] == 0 and got[2] >= 3
+    assert ref[2] == 0 and got[2] >= 2
     _same(got, ref)
 
 
@@ -515,10 +516,10 @@ def test_other_steps_keep_the_fused_path(tiny):
     ready."""
     from eyas.models.one_row import one_row_ready
     prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10], [11]]
-    got = _run_recording(tiny, True, prompts, 5)
-    assert got[2] == 0 and got[0] == _run_recording(tiny, False, prompts, 5)[0]
-    got = _run_recording(tiny, True, [[1, 2, 3, 4]], 6, tiny[1], "chain:3")
-    assert got[2] == 0 and got[0] == _run_recording(tiny, False, [[1, 2, 3, 4]], 6, tiny[1], "chain:3")[0]
+    got = _run_recording(tiny, True, prompts, 3)
+    assert got[2] == 0 and got[0] == _run_recording(tiny, False, prompts, 3)[0]
+    got = _run_recording(tiny, True, [[1, 2, 3, 4]], 3, tiny[1], "chain:3")
+    assert got[2] == 0 and got[0] == _run_recording(tiny, False, [[1, 2, 3, 4]], 3, tiny[1], "chain:3")[0]
     llm = _llm(tiny, True)
     assert llm.target.one_row and one_row_ready(llm.target)
     llm.target.model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: None)  # as tensor parallelism does
