@@ -92,7 +92,8 @@ def test_capture_all_covers_every_bucket_a_shrinking_batch_needs(pair):
 def test_overlapped_graphs_equal_sequential_graphs(pair, spec):
     """Overlapped decoding on graphs (each successor's inputs carried by the captured carry graph) equals graphed
     decoding that reads every step back first: greedy and sampled requests, each with its own token limit, more
-    requests than run at once (the graphs' other tests run with overlap on, against the eager path)."""
+    requests than run at once (the graphs' other tests run with overlap on, against the eager path). With a
+    dispatcher, greedy requests only."""
     target, draft = pair
     kw = dict(device="cuda", dtype="float32", draft=str(draft) if spec else None, speculation=spec,
               cuda_graphs=True, max_num_seqs=3)
@@ -105,7 +106,13 @@ def test_overlapped_graphs_equal_sequential_graphs(pair, spec):
     launch = llm.engine.runner.launch
     llm.engine.runner.launch = lambda seqs, after=None: (carried.append(after is not None), launch(seqs, after))[1]
     got = llm.generate(prompts, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    if spec is not None and spec.startswith("dispatch:"):
+        # a successor keeps a finished request's row one step longer, so the batch sizes and with them a
+        # dispatcher's trees differ from sequential decoding's: only the greedy requests' tokens (tree-independent)
+        # compare (session 20's GPU call found index 5, sampled, apart; tests/test_overlap.py's `_same` as well)
+        assert [o.token_ids for o in got][::2] == [o.token_ids for o in ref][::2]
+    else:
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert sum(carried) > len(carried) / 3
     assert llm.engine.blocks.num_used == 0
 
