@@ -291,21 +291,24 @@ def tiny(tmp_path_factory):
     return target, draft
 
 
-def _llm(paths, one_row, draft=None, spec=None, dtype="float32", few_rows=False):
+def _llm(paths, one_row, draft=None, spec=None, dtype="float32", few_rows=False, triton_attention=True):
     llm = LLM(str(paths[0]), device=DEV, dtype=dtype, draft=str(draft) if draft else None, speculation=spec)
     for m in (llm.target, llm.draft):
         if m is not None:
             enable_fast_path(m, one_row=one_row, few_rows=bool(few_rows))
     if few_rows and few_rows is not True:  # a number: the most rows the path takes (FEW_ROWS_MAX by default)
         llm.target.few_rows_max = few_rows
-    llm.engine.runner.use_triton = True  # Triton attention and KV writes too (interpreted on the CPU)
+    # Triton attention and KV writes too (interpreted on the CPU); the row paths need them. Without (the references
+    # of the tests below): the attention's torch reference, an oracle independent of the kernels, and much faster
+    # than the interpreter
+    llm.engine.runner.use_triton = triton_attention
     return llm
 
 
-def _run_recording(paths, one_row, prompts, n, draft=None, spec=None, few_rows=False):
+def _run_recording(paths, one_row, prompts, n, draft=None, spec=None, few_rows=False, triton_attention=True):
     """Greedy decoding; returns (tokens, the logits of every target call, how many steps took the row path)."""
     from eyas.models import one_row as mod
-    llm = _llm(paths, one_row, draft, spec, few_rows=few_rows)
+    llm = _llm(paths, one_row, draft, spec, few_rows=few_rows, triton_attention=triton_attention)
     logits, calls = [], []
     head, step = llm.target.compute_logits, mod.forward_rows
 
@@ -356,7 +359,7 @@ def test_attention_pdl_is_asked_by_the_row_paths_and_taken_only_on_the_gpu(tiny,
 
 def test_batch1_plain_decoding_takes_one_row_and_equals_the_fused_path(tiny):
     """Every decode step after the prefill's token takes the path, with the fused path's tokens and logits."""
-    ref = _run_recording(tiny, False, [[1, 2, 3, 4]], 5)
+    ref = _run_recording(tiny, False, [[1, 2, 3, 4]], 5, triton_attention=False)
     got = _run_recording(tiny, True, [[1, 2, 3, 4]], 5)
     assert ref[2] == 0 and got[2] == 4
     _same(got, ref)
@@ -483,7 +486,7 @@ def test_few_rows_equal_the_fused_path(tiny, prompts, spec):
     default tree: 49 rows) on the tile kernels, the most rows the path takes raised to the kernel's 64: the fused
     path's tokens and the logits of every target call."""
     n = 3 if spec and spec.startswith("tree") else 4  # (the trees' verify passes are slow in the interpreter)
-    ref = _run_recording(tiny, False, prompts, n, tiny[1] if spec else None, spec)
+    ref = _run_recording(tiny, False, prompts, n, tiny[1] if spec else None, spec, triton_attention=False)
     got = _run_recording(tiny, True, prompts, n, tiny[1] if spec else None, spec, few_rows=64)
     assert ref[2] == 0 and got[2] >= 2
     _same(got, ref)
@@ -517,9 +520,10 @@ def test_other_steps_keep_the_fused_path(tiny):
     from eyas.models.one_row import one_row_ready
     prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10], [11]]
     got = _run_recording(tiny, True, prompts, 3)
-    assert got[2] == 0 and got[0] == _run_recording(tiny, False, prompts, 3)[0]
+    assert got[2] == 0 and got[0] == _run_recording(tiny, False, prompts, 3, triton_attention=False)[0]
     got = _run_recording(tiny, True, [[1, 2, 3, 4]], 3, tiny[1], "chain:3")
-    assert got[2] == 0 and got[0] == _run_recording(tiny, False, [[1, 2, 3, 4]], 3, tiny[1], "chain:3")[0]
+    assert got[2] == 0 and got[0] == _run_recording(tiny, False, [[1, 2, 3, 4]], 3, tiny[1], "chain:3",
+                                                    triton_attention=False)[0]
     llm = _llm(tiny, True)
     assert llm.target.one_row and one_row_ready(llm.target)
     llm.target.model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: None)  # as tensor parallelism does
