@@ -51,7 +51,7 @@ def test_bench_latency_writes_json_markdown_and_plot(tmp_path):
     res = json.loads((out / "latency.json").read_text())
     rows = {(r["mode"], r["batch"]): r for r in res["results"]}
     assert set(rows) == {(m, b) for m in ("plain", "chain:4", "dispatch:1=chain:4,2=plain") for b in (1, 2)}
-    assert not res["meta"]["simulated"]
+    assert not res["meta"]["simulated"] and res["meta"]["attention_pdl"] is False  # the CPU: no PDL
     assert all(r["ttit_ms"] > 0 and r["tokens_per_s"] > 0 and r["tpot_ms"] > 0 for r in rows.values())
     # a request's own time per token: at batch 1, and for plain decoding's requests that finish together, it is the
     # wave's (the two are timed at different host points: equal within timing noise, not bit for bit)

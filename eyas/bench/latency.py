@@ -96,6 +96,16 @@ def rates_from_tpc_report(path: str | Path, temperature: float = 0.0) -> list[fl
     return rates
 
 
+def attention_pdl(device: torch.device) -> bool:
+    """Whether the row paths' attention kernels take programmatic dependent launch here (`eyas.kernels.tree_attention
+    .PDL`, on by default since session 20, and an sm_90+ GPU), as the bench's JSON records it."""
+    if device.type != "cuda":
+        return False
+    from eyas.kernels import tree_attention
+    from eyas.models.one_row import use_pdl
+    return bool(tree_attention.PDL) and use_pdl(device)
+
+
 def load_ranks(path: str | Path) -> torch.Tensor:
     """A rank-path recording ([T, R] int, `ranks` in a safetensors file) for `--accept-ranks`."""
     from safetensors.torch import load_file
@@ -500,6 +510,7 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
             "one_row": args.one_row and device.type == "cuda", "few_rows": args.few_rows and device.type == "cuda",
             "fold_norms": bool(getattr(target, "norms_folded", False)),  # as the runners left it (not under TP)
             "overlap": args.overlap and graphs,
+            "attention_pdl": attention_pdl(device) and (args.one_row or args.few_rows),
             "tensor_parallel": world_size, "draft_sharded": args.tp_draft == "sharded" and world_size > 1,
             "repeat": args.repeat}
     if simulated:
