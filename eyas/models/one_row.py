@@ -12,7 +12,9 @@ decoder layer is five launches (four kernels and the prefix attention's split re
 
 `r` is the residual stream itself (the fused path's hidden + residual, summed at each add with the same rounding),
 and the final norm gives the hidden state the draft and the head read. With PDL on sm_90 the GEMVs overlap their
-starts with the kernel before. `LlamaForCausalLM.compute_logits` takes `decode_linear` for one row too. On the
+starts with the kernel before, and the attention kernels let the o projection's programs in while they run
+(`eyas.kernels.tree_attention.PDL`: SmolLM2's plain step 0.478 against 0.550 ms, the 8B shape's 4.06-4.07 against
+4.14-4.15, session 20). `LlamaForCausalLM.compute_logits` takes `decode_linear` for one row too. On the
 H200 this took the 8B shape's plain step from 4.76-5.04 to 4.31-4.48 ms (same-call pairs) and SmolLM2's from 1.19
 to 0.75 ms (docs/benchmarks.md, "Session 14").
 
