@@ -136,3 +136,52 @@ def test_triton_greedy_acceptance_on_the_presets():
             seen |= set(check(tree, 8, 200 * i + seed, triton=True).tolist())
     check(Tree.chain(3), 6, 7, triton=True)
     assert 0 in seen and max(seen) >= 3, seen
+
+
+def check_replay(tree: Tree, B: int, seed: int, R: int) -> torch.Tensor:
+    """`replay_accept_triton` (one launch) == `simulate_replay` (its torch reference): path, count, bonus, and the
+    packed output the host reads. Rows often start with a node's rank path (deep acceptance); R < the tree's depth
+    (a shorter recording) matches nothing past R."""
+    from eyas.kernels.accept_greedy import replay_accept_triton
+    from eyas.spec.tree_builder import MISS
+    from eyas.spec.verifier import simulate_replay
+    g = torch.Generator().manual_seed(seed)
+    T = int(torch.randint(1, 50, (1,), generator=g))
+    ranks = torch.randint(0, 3, (T, R), generator=g)
+    on_tree = [p for p in tree.paths if len(p) <= R]
+    for t in range(T):  # most rows start with a random node's rank path
+        if on_tree and torch.rand(1, generator=g) < 0.7:
+            p = on_tree[int(torch.randint(len(on_tree), (1,), generator=g))]
+            ranks[t, :len(p)] = torch.tensor(p)
+    ranks[torch.rand(T, R, generator=g) < 0.1] = MISS
+    # seeds as requests carry them (any int64, negative ones too, and large enough to wrap seed * 7919)
+    seeds = torch.randint(-2**62, 2**62, (B,), generator=g)
+    seeds[0] = 0
+    counters = torch.randint(0, 10**6, (B,), generator=g)
+    nodes = draft_tokens(tree, B, g)
+    target = torch.randint(V, (B, tree.num_nodes + 1), generator=g)
+    want = simulate_replay(nodes, tree, ranks, seeds, counters, target)
+    *got, packed = replay_accept_triton(ranks.to(DEV), seeds.to(DEV), counters.to(DEV), target.to(DEV),
+                                        nodes.to(DEV), tree.to(DEV))
+    for w, x, name in zip(want, got, ("path", "num_accepted", "bonus")):
+        assert torch.equal(w, x.cpu()), (name, w, x)
+    path_tokens = nodes.gather(1, want[0].clamp(min=0))
+    assert torch.equal(packed.cpu(), torch.cat([want[1][:, None], path_tokens, want[2][:, None]], 1))
+    return want[1]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 40), st.integers(1, 3), st.integers(1, 5), st.integers(1, 9), st.integers(0, 10**6))
+def test_triton_replayed_acceptance_equals_its_reference(max_nodes, max_width, B, R, seed):
+    check_replay(random_tree(torch.Generator().manual_seed(seed), max_nodes, max_width), B, seed, R)
+
+
+def test_triton_replayed_acceptance_on_the_presets():
+    """A chain (the 8B shape's `chain:3` rows replay through it), the default tree and the largest fitted one; the
+    accepted depths seen cover empty and deep acceptance."""
+    seen = set()
+    for i, (tree, R) in enumerate(((Tree.chain(3), 5), (Tree.from_paths(PRESETS["smollm2_48d5"], "48d5"), 5),
+                                   (Tree.from_paths(PRESETS["smollm2_128"], "128"), 8))):
+        for seed in range(3):
+            seen |= set(check_replay(tree, 8, 300 * i + seed, R).tolist())
+    assert 0 in seen and max(seen) >= 3, seen

@@ -114,9 +114,14 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     if simulated_accept is not None and simulated_accept.is_floating_point():  # benchmarks of random weights only:
         path, num_accepted, bonus = simulate_accept(node_tokens, tree, simulated_accept, inp.seeds, n,  # rates by
                                                     argmax(logits))  # depth
-    elif simulated_accept is not None:  # ... or a real draft's recorded rank paths, replayed
-        path, num_accepted, bonus = simulate_replay(node_tokens, tree, simulated_accept, inp.seeds, n,
-                                                    argmax(logits))
+    elif simulated_accept is not None:  # ... or a real draft's recorded rank paths, replayed (as greedy acceptance
+        if use_triton:                   # costs, one launch on CUDA)
+            from eyas.kernels.accept_greedy import replay_accept_triton
+            path, num_accepted, bonus, packed = replay_accept_triton(simulated_accept, inp.seeds, n, argmax(logits),
+                                                                     node_tokens, tree)
+        else:
+            path, num_accepted, bonus = simulate_replay(node_tokens, tree, simulated_accept, inp.seeds, n,
+                                                        argmax(logits))
     elif all_greedy and not tree.num_nodes:  # plain greedy decoding: nothing to accept, the bonus is the argmax
         path = torch.zeros(B, 1, dtype=torch.long, device=device)
         num_accepted, bonus = path[:, 0], argmax(logits[:, 0])
