@@ -1,7 +1,8 @@
 # Session 20, after the attention kernels' PDL became the default (eyas.kernels.tree_attention.PDL = True): the GPU
 # tests that hold graphs and the row paths to their references with it on, then the rows of record.
 # STAGE=1 (carry .stage/a; copies part_aa to /root/stage for stage 2): the tiny models' graph tests, the PDL plumbing
-#   test, then the 8B shape at 1k context, plain and chain:3, NP8B x 128, --repeat 3.
+#   test, the acceptance kernels on the GPU (tests/test_verifier.py: the replay's launch since 63544f9), then the
+#   8B shape at 1k context, plain and chain:3, NP8B x 128, --repeat 3.
 # STAGE=2 (carry .stage/b, after stage 1): the SmolLM2 graph tests (point 5), SmolLM2 over NP MT-Bench first turns:
 #   plain, chain:3, the default tree; then the default tree with its 49-row verify pass on the tile kernels
 #   (`eyas.models.one_row.FEW_ROWS_MAX = 64`, set from the command line) against cuBLAS (main), alternated.
@@ -16,6 +17,7 @@ if [ "${STAGE:-1}" = 1 ]; then
     | tee $R/graph_tests.txt
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_decode_linear.py -k "pdl_is_asked" 2>&1 | tail -3 \
     | tee $R/pdl_test.txt
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_verifier.py 2>&1 | tail -3 | tee $R/verifier.txt
   python3 -m eyas.cli bench latency --model llama-3.1-8b-shape --context 1024 --draft-vocab 32768 \
     --draft-quant fp8 --accept-ranks docs/bench/ranks_smollm2_runL_dv32s_fp8_cpu.safetensors --batch-sizes 1 \
     --num-prompts $NP8B --max-tokens $MAXT --modes plain,chain:3 --repeat 3 --out $R/l8b 2>&1 | grep "^| [pcm]"
