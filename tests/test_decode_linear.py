@@ -350,7 +350,7 @@ def test_attention_pdl_is_asked_by_the_row_paths_and_taken_only_on_the_gpu(tiny,
     _run_recording(tiny, True, [[1, 2, 3, 4]], 3, tiny[1], "chain:2", few_rows=True)
     assert True in asked
     if INTERPRET:
-        assert gdc(True) == (False, {})  # not under the interpreter
+        assert gdc(True) == (False, {})  # the interpreter never takes PDL
     monkeypatch.setattr(ta, "interpreting", lambda: False)
     assert gdc(True) == (True, {"launch_pdl": True}) and gdc(False) == (False, {})
     monkeypatch.setattr(ta, "PDL", False)
