@@ -1,0 +1,28 @@
+# Session 21 (issue #5: "a real speed-up at production batch sizes"; point 3 at batch 32): ms per committed token
+# (TTIT) and TPOT at batch sizes 1-64 with today's step (overlapped graphs, PDL, the few-rows path), where the last
+# sweeps were sessions 5 (SmolLM2) and 13 (the 8B shape, batches 1 and 32).
+# STAGE=1 (carry .stage/a; copies the GGUF's first half to /root/stage): the 8B shape at 1k context, plain and
+#   chain:3 (FP8 draft, 32k draft vocabulary, run L's replayed rank paths), then the default tree.
+# STAGE=2 (carry .stage/b, after stage 1): SmolLM2 and its draft over MT-Bench first turns: plain, chain:3, tree:8,
+#   tree:smollm2_25, the default tree and the shipped dispatcher (eyas/drafts/smollm2/config.json).
+# Env: BATCHES (1,2,4,8,16,32,64), NP (64 prompts a row), MAXT (128). Returns $OUT/batch_sweep_<stage>.tar.gz.
+set -u
+BATCHES=${BATCHES:-1,2,4,8,16,32,64}; NP=${NP:-64}; MAXT=${MAXT:-128}; export OUT
+if [ "${STAGE:-1}" = 1 ]; then
+  mkdir -p /root/stage && cp .stage/a/part_aa /root/stage/
+  export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+  R=${W:-/root/w}/batch_sweep1; mkdir -p $R $OUT
+  L8B="python3 -m eyas.cli bench latency --model llama-3.1-8b-shape --context 1024 --draft-vocab 32768 \
+    --draft-quant fp8 --accept-ranks docs/bench/ranks_smollm2_runL_dv32s_fp8_cpu.safetensors --batch-sizes $BATCHES \
+    --num-prompts $NP --max-tokens $MAXT"
+  timeout 330 $L8B --modes plain,chain:3 --out $R/l8b 2>&1 | grep "^| [pcm]"
+  timeout 200 $L8B --modes tree:smollm2_48d5 --out $R/l8b_tree 2>&1 | grep "^| [tm]"
+else
+  source tools/device/stage_smollm2.sh
+  R=$W/batch_sweep2; mkdir -p $R
+  timeout 540 python3 -m eyas.cli bench latency --model smollm2 --draft default --prompts $S/question.jsonl \
+    --batch-sizes $BATCHES --num-prompts $NP --max-tokens $MAXT \
+    --modes plain,chain:3,tree:8,tree:smollm2_25,tree:smollm2_48d5,dispatch:1=tree:smollm2_48d5,4=tree:8,256=chain:3 \
+    --out $R/sm 2>&1 | grep "^| [pctdm]"
+fi
+(cd $R/.. && tar czf $OUT/batch_sweep_${STAGE:-1}.tar.gz $(basename $R))
