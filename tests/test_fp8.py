@@ -49,8 +49,7 @@ def test_quantize_fp8_zero_rows_and_errors():
 # the FP8 path of the GEMV, small configs for the interpreter (as tests/test_gemv.py): both paths, splits
 CONFIGS = {"default": None, "ew": GemvConfig(BLOCK_N=16, BLOCK_K=32), "ew_split3": GemvConfig(8, 64, SPLIT_K=3),
            "dot_split2": GemvConfig(BLOCK_N=32, BLOCK_K=16, SPLIT_K=2, use_dot=True),
-           "half_split2": GemvConfig(BLOCK_N=8, BLOCK_K=32, SPLIT_K=2, half_acc=True),
-           "half_words_split2": GemvConfig(BLOCK_N=8, BLOCK_K=32, SPLIT_K=2, half_acc=True, words=True)}
+           "half_split2": GemvConfig(BLOCK_N=8, BLOCK_K=32, SPLIT_K=2, half_acc=True)}
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
@@ -74,20 +73,6 @@ def test_gemv_fp8_equals_reference(M, N, K, bias, cfg):
                                torch.nn.functional.linear(x, dequantize_fp8(q, scale), b))
 
 
-def test_fp8_words_widen_every_code_exactly():
-    """`GemvConfig.words` widens codes by shifts and masks: each of the 254 non-NaN e4m3 codes, at each of a word's
-    four bytes (rows rolled by 0-3) and picked out by a one-hot x, gives exactly its value times the row's scale."""
-    codes = torch.arange(256, dtype=torch.uint8)
-    codes = torch.cat([codes[(codes & 0x7F) != 0x7F], torch.zeros(2, dtype=torch.uint8)])  # K = 256
-    q = torch.stack([codes.roll(r) for r in range(4)]).view(torch.float8_e4m3fn).contiguous()
-    scale = torch.tensor([1.0, 0.5, 2.0, 0.25])
-    x = torch.eye(256)
-    cfg = GemvConfig(BLOCK_N=4, BLOCK_K=64, half_acc=True, words=True)
-    got = torch.cat([gemv_triton(x[i: i + 2].to(DEV), q.to(DEV), config=cfg, scale=scale.to(DEV)).cpu()
-                     for i in range(0, 256, 2)])                              # M = 2 rows at a time
-    assert torch.equal(got, (q.float() * scale[:, None]).T)
-
-
 def test_gemv_fp8_refuses_bad_input():
     q, scale = quantize_fp8(torch.randn(8, 32))
     x = torch.randn(2, 32)
@@ -101,18 +86,11 @@ def test_gemv_fp8_refuses_bad_input():
         gemv_triton(x, q)  # codes without their scale
     with pytest.raises(ValueError, match="half_acc is for the elementwise path"):
         GemvConfig(BLOCK_N=16, BLOCK_K=16, use_dot=True, half_acc=True)
-    with pytest.raises(ValueError, match="words needs half_acc"):
-        GemvConfig(BLOCK_N=8, BLOCK_K=64, words=True)
-    q6, s6 = quantize_fp8(torch.randn(8, 30))
-    with pytest.raises(ValueError, match="K must be a multiple of 4"):
-        gemv_triton(torch.randn(1, 30).to(DEV), q6.to(DEV), scale=s6.to(DEV),
-                    config=GemvConfig(BLOCK_N=8, BLOCK_K=32, half_acc=True, words=True))
     # the H200 sweeps' best configs of the 8B draft's shapes: float16 sums on the CUDA cores at one or two rows, the
     # tensor cores above
     fp8 = torch.float8_e4m3fn
     assert default_config(1, 4096, 8192, torch.bfloat16, weight_dtype=fp8) == GemvConfig(8, 1024, 1, 4, 4,
-                                                                                         half_acc=True, words=True)
-    assert default_config(1, 40, 30, torch.bfloat16, weight_dtype=fp8).words is False  # K not a multiple of 4
+                                                                                         half_acc=True)
     assert default_config(4, 4096, 8192, torch.bfloat16, weight_dtype=fp8) == GemvConfig(128, 128, 4, 4, 4, True)
     assert default_config(4, 28672, 4096, torch.bfloat16, weight_dtype=fp8) == GemvConfig(128, 128, 1, 8, 3, True)
 

@@ -64,9 +64,6 @@ class GemvConfig:
     pre-scaled by 2^-8 (|q| / 256 <= 1.75, so a lane's few products stay far below float16's 65504 for any sane x),
     widened to float32 once after the loop: one conversion per two codes instead of three. An experiment (session
     13): less exact than the float32 path (float16 rounding of each product and sum).
-    words (with half_acc; K a multiple of 4): the codes loaded four to a 32-bit word and widened to float16 by
-    integer shifts and masks instead of conversion instructions (`_fp8_words_to_half`); the same float16 products,
-    each lane summing four of them a k-step (session 21).
     """
     BLOCK_N: int = 32
     BLOCK_K: int = 256
@@ -75,7 +72,6 @@ class GemvConfig:
     num_stages: int = 4
     use_dot: bool = False
     half_acc: bool = False
-    words: bool = False
 
     def __post_init__(self):
         for name in ("BLOCK_N", "BLOCK_K"):
@@ -92,8 +88,6 @@ class GemvConfig:
             raise ValueError("GemvConfig with use_dot needs BLOCK_N >= 16 and BLOCK_K >= 16 (tl.dot minimum)")
         if self.half_acc and self.use_dot:
             raise ValueError("GemvConfig.half_acc is for the elementwise path (use_dot=False)")
-        if self.words and not (self.half_acc and self.BLOCK_K >= 4):
-            raise ValueError("GemvConfig.words needs half_acc and BLOCK_K >= 4")
 
 
 def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
@@ -132,11 +126,6 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
                       use_dot=use_dot)
 
 
-# FP8 codes at one or two rows read as 32-bit words and widened by integer ops (`GemvConfig.words`); False: by
-# conversion instructions, as before session 21. For comparing the two.
-FP8_WORDS = True
-
-
 def _fp8_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_H200) -> GemvConfig:
     """FP8 codes, from the H200 sweeps of tools/diag/gemv_fp8_bench.py over an 8B draft level's shapes:
 
@@ -150,7 +139,7 @@ def _fp8_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_H200) -> GemvConf
     The codes stream at only 1.6-3.0 TB/s (cuBLAS streams bf16 at 2.5-4.1), so a level costs ~22-33% less, not half."""
     if M <= 2:
         return GemvConfig(BLOCK_N=8, BLOCK_K=min(1024, max(16, triton.next_power_of_2(K))), SPLIT_K=1,
-                          num_warps=4, num_stages=4, half_acc=True, words=FP8_WORDS and K % 4 == 0)
+                          num_warps=4, num_stages=4, half_acc=True)
     block_n = min(128, max(16, triton.next_power_of_2(N)))
     block_k = min(128, max(16, triton.next_power_of_2(K)))
     n_tiles = triton.cdiv(N, block_n)
@@ -168,53 +157,26 @@ def _fp8_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_H200) -> GemvConf
 
 
 @triton.jit
-def _fp8_words_to_half(w):
-    """Four e4m3 codes in a 32-bit word (code j in byte j) -> four float16 values, each the code's value x 2^-8,
-    by integer ops alone (no conversion instructions, which cap `cvt`'s rate, docs/kernels.md). An e4m3 code's
-    exponent and mantissa bits (0-6) shifted up by 7 are a float16's (bits 7-13: a 4-bit exponent in float16's
-    5-bit field, biased 7 below float16's bias of 15, hence 2^-8; subnormals map to subnormals the same way) and its
-    sign bit moves to bit 15. `even` holds codes 0 and 2 in its low and high half, `odd` codes 1 and 3. Exact for
-    every code but NaN (0x7F, 0xFF), which `quantize_fp8` never writes."""
-    even = ((w << 7) & 0x3F803F80) | ((w << 8) & 0x80008000)
-    odd = ((w >> 1) & 0x3F803F80) | (w & 0x80008000)
-    c0 = (even & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-    c2 = (even >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-    c1 = (odd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-    c3 = (odd >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-    return c0, c1, c2, c3
+def _gemv_kernel(X, W, SCALE, BIAS, OUT, WS, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
+                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+                 DOT_PREC: tl.constexpr, HALF_ACC: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)      # weight rows = output columns of this program
+    offs_m = tl.arange(0, M_PAD)                          # rows of x (M <= M_PAD)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    # Clamp out-of-range weight rows to row 0 instead of masking them: the loads stay unpredicated (the tail tile
+    # reads a few duplicate rows, whose results are never stored). Same for x rows beyond M.
+    rows_w = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    rows_x = tl.where(m_ok, offs_m, 0)
+    w_ptrs = W + rows_w[:, None] * stride_wn + offs_k[None, :]     # [BLOCK_N, BLOCK_K]
+    x_ptrs = X + rows_x[:, None] * stride_xm + offs_k[None, :]     # [M_PAD, BLOCK_K]
 
-
-@triton.jit
-def _gemv_fp8_words(X, W, rows_x, rows_w, stride_xm, stride_wn, k_lo, k_hi, M_PAD: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`GemvConfig.words`: the float16-sum path (`half_acc`) over FP8 codes loaded as 32-bit words (W the codes'
-    uint32 view [N, K / 4], K % 4 == 0), each widened by `_fp8_words_to_half`; x's columns 4j + r against code r
-    of word j. One float16 running sum per (row, x row, word lane) for its four products; returns the program's
-    [BLOCK_N, M_PAD] float32 sums, unscaled by the row scales."""
-    WK: tl.constexpr = BLOCK_K // 4
-    offs_w = tl.arange(0, WK)
-    w_ptrs = W + rows_w[:, None] * stride_wn + offs_w[None, :]                  # [BLOCK_N, WK] words
-    x_ptrs = X + rows_x[:, None] * stride_xm + 4 * offs_w[None, :]             # [M_PAD, WK], column 4j
-    acc3 = tl.zeros((BLOCK_N, M_PAD, WK), dtype=tl.float16)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        ok = (k0 + 4 * offs_w) < k_hi
-        w = tl.load(w_ptrs + k0 // 4, mask=ok[None, :], other=0).to(tl.uint32, bitcast=True)
-        c0, c1, c2, c3 = _fp8_words_to_half(w)
-        x0 = tl.load(x_ptrs + k0, mask=ok[None, :], other=0.0).to(tl.float16)
-        x1 = tl.load(x_ptrs + k0 + 1, mask=ok[None, :], other=0.0).to(tl.float16)
-        x2 = tl.load(x_ptrs + k0 + 2, mask=ok[None, :], other=0.0).to(tl.float16)
-        x3 = tl.load(x_ptrs + k0 + 3, mask=ok[None, :], other=0.0).to(tl.float16)
-        acc3 += (c0[:, None, :] * x0[None, :, :] + c1[:, None, :] * x1[None, :, :]) + \
-            (c2[:, None, :] * x2[None, :, :] + c3[:, None, :] * x3[None, :, :])
-    return tl.sum(acc3.to(tl.float32), axis=2) * 256.0
-
-
-@triton.jit
-def _gemv_loop(W, X, w_ptrs, x_ptrs, offs_k, k_lo, k_hi, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
-               DOT_PREC: tl.constexpr, HALF_ACC: tl.constexpr):
-    """The k loop of `_gemv_kernel` (all but `GemvConfig.words`): the program's [BLOCK_N, M_PAD] float32 sums over
-    [k_lo, k_hi), unscaled."""
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
     elif HALF_ACC:
@@ -243,35 +205,6 @@ def _gemv_loop(W, X, w_ptrs, x_ptrs, offs_k, k_lo, k_hi, M_PAD: tl.constexpr, BL
         acc = tl.sum(acc3.to(tl.float32), axis=2) * 256.0
     elif not USE_DOT:
         acc = tl.sum(acc3, axis=2)                                            # [BLOCK_N, M_PAD]
-    return acc
-
-
-@triton.jit
-def _gemv_kernel(X, W, SCALE, BIAS, OUT, WS, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
-                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
-                 DOT_PREC: tl.constexpr, HALF_ACC: tl.constexpr, WORDS: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)      # weight rows = output columns of this program
-    offs_m = tl.arange(0, M_PAD)                          # rows of x (M <= M_PAD)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_ok = offs_n < N
-    m_ok = offs_m < M
-    # Clamp out-of-range weight rows to row 0 instead of masking them: the loads stay unpredicated (the tail tile
-    # reads a few duplicate rows, whose results are never stored). Same for x rows beyond M.
-    rows_w = tl.where(n_ok, offs_n, 0).to(tl.int64)
-    rows_x = tl.where(m_ok, offs_m, 0)
-    w_ptrs = W + rows_w[:, None] * stride_wn + offs_k[None, :]     # [BLOCK_N, BLOCK_K]
-    x_ptrs = X + rows_x[:, None] * stride_xm + offs_k[None, :]     # [M_PAD, BLOCK_K]
-
-    k_lo = pid_k * K_PER_SPLIT
-    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    if WORDS:  # FP8 codes four to a 32-bit word, widened by integer ops (see `_fp8_words_to_half`)
-        acc = _gemv_fp8_words(X, W, rows_x, rows_w, stride_xm, stride_wn, k_lo, k_hi, M_PAD, BLOCK_N, BLOCK_K)
-    else:
-        acc = _gemv_loop(W, X, w_ptrs, x_ptrs, offs_k, k_lo, k_hi, M_PAD, BLOCK_N, BLOCK_K, HAS_SCALE, USE_DOT, UPCAST,
-                         DOT_PREC, HALF_ACC)
     if HAS_SCALE:  # FP8 weights: w = q * scale[n], so each row sum (or a split's part of it) scales as a whole
         acc *= tl.load(SCALE + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
 
@@ -372,18 +305,12 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     has_bias = bias is not None
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     grid = (triton.cdiv(N, cfg.BLOCK_N), split_k)
-    words = cfg.words and scale is not None
-    if words:
-        if K % 4 or weight.data_ptr() % 4:
-            raise ValueError(f"GemvConfig.words reads the FP8 codes four to a word: K must be a multiple of 4 and the "
-                             f"weight 4-byte aligned, got K = {K}")
-        weight = weight.view(torch.int32)  # [N, K / 4]
     _gemv_kernel[grid](x, weight, scale if scale is not None else out, bias if has_bias else out, out, ws, M, N, K,
                        k_per_split, x.stride(0), weight.stride(0), out.stride(0),
                        M_PAD=m_pad, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, HAS_SCALE=scale is not None,
                        HAS_BIAS=has_bias,
                        SPLIT=split_k > 1, USE_DOT=cfg.use_dot, UPCAST=upcast, DOT_PREC=dot_prec,
-                       HALF_ACC=cfg.half_acc and scale is not None, WORDS=words, num_warps=cfg.num_warps,
+                       HALF_ACC=cfg.half_acc and scale is not None, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages)
     if split_k > 1:
         _splitk_reduce_kernel[(M, triton.cdiv(N, _REDUCE_BLOCK))](

@@ -36,9 +36,6 @@ SWEEP = [(bn, bk, sk, w, st) for bn, bk in ((64, 128), (32, 256), (64, 256), (12
 # the elementwise path with float16 products and sums (GemvConfig.half_acc), at M <= 2
 SWEEP_HALF = [(bn, bk, sk, w, 4) for bn, bk in ((8, 1024), (16, 512), (16, 1024), (32, 512), (4, 2048))
               for sk in (1, 2, 4) for w in (4, 8)]
-# ... with the codes read as 32-bit words (GemvConfig.words, session 21): a quarter of the running sums a tile
-SWEEP_WORDS = [(bn, bk, sk, w, 4) for bn, bk in ((8, 1024), (16, 1024), (8, 2048), (16, 2048), (32, 1024), (4, 4096),
-                                                 (32, 512)) for sk in (1, 2) for w in (4, 8)]
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -46,8 +43,6 @@ def main():
     ap.add_argument("--ms", default="1,4")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--sweep", choices=("all", "half"), default="all",
-                    help="half: at M <= 2 only the float16-sum configs (with and without words), not the tensor cores")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -66,13 +61,10 @@ def main():
             row = {"shape": name, "N": N, "K": K, "M": M}
             row["cublas_bf16_us"] = time_cycle(lambda i: F.linear(x, ws[i]), copies)
             d = default_config(M, N, K, dt, weight_dtype=torch.float8_e4m3fn)
-            dots = [] if args.sweep == "half" and M <= 2 else SWEEP
             configs = [d] + ([] if args.no_sweep else
-                             [GemvConfig(*c[:3], num_warps=c[3], num_stages=c[4], use_dot=True) for c in dots]
+                             [GemvConfig(*c[:3], num_warps=c[3], num_stages=c[4], use_dot=True) for c in SWEEP]
                              + [GemvConfig(*c[:3], num_warps=c[3], num_stages=c[4], half_acc=True)
-                                for c in (SWEEP_HALF if M <= 2 else [])]
-                             + [GemvConfig(*c[:3], num_warps=c[3], num_stages=c[4], half_acc=True, words=True)
-                                for c in (SWEEP_WORDS if M <= 2 else [])])
+                                for c in (SWEEP_HALF if M <= 2 else [])])
             best = None
             for c in dict.fromkeys(configs):
                 def fn(i, c=c):
@@ -83,14 +75,13 @@ def main():
                 except Exception as e:  # a config that does not compile or is wrong: reported, skipped
                     print(f"    {c}: {type(e).__name__}: {str(e)[:120]}")
                     continue
-                cfg = [c.BLOCK_N, c.BLOCK_K, c.SPLIT_K, c.num_warps, c.num_stages, c.use_dot, c.half_acc, c.words]
+                cfg = [c.BLOCK_N, c.BLOCK_K, c.SPLIT_K, c.num_warps, c.num_stages, c.use_dot, c.half_acc]
                 if c == d:
                     row["fp8_default_us"], row["fp8_default_config"] = us, cfg
                 if best is None or us < best[0]:
                     best = (us, cfg)
-                kind = "words" if c.words else "half" if c.half_acc else None
-                if kind and (f"fp8_{kind}_best_us" not in row or us < row[f"fp8_{kind}_best_us"]):
-                    row[f"fp8_{kind}_best_us"], row[f"fp8_{kind}_best_config"] = us, cfg
+                if c.half_acc and ("fp8_half_best_us" not in row or us < row["fp8_half_best_us"]):
+                    row["fp8_half_best_us"], row["fp8_half_best_config"] = us, cfg
             if best:
                 row["fp8_best_us"], row["fp8_best_config"] = best
             for k in ("cublas_bf16_us", "fp8_default_us", "fp8_best_us"):
@@ -99,20 +90,18 @@ def main():
                     row[k.replace("_us", "_tb_s")] = nbytes / (row[k] * 1e-6) / 1e12
             rows.append(row)
             print("  M=%d: cuBLAS bf16 %.1f us (%.2f TB/s) | fp8 default %s us | best %s us (%s TB/s) %s | float16 "
-                  "sums %s us | words %s us %s" % (
+                  "sums %s us" % (
                       M, row["cublas_bf16_us"], row["cublas_bf16_tb_s"],
                       f"{row.get('fp8_default_us', float('nan')):.1f}", f"{row.get('fp8_best_us', float('nan')):.1f}",
                       f"{row.get('fp8_best_tb_s', float('nan')):.2f}", row.get("fp8_best_config"),
-                      f"{row.get('fp8_half_best_us', float('nan')):.1f}",
-                      f"{row.get('fp8_words_best_us', float('nan')):.1f}", row.get("fp8_words_best_config")),
-                  flush=True)
+                      f"{row.get('fp8_half_best_us', float('nan')):.1f}"), flush=True)
         del ws, qs
         torch.cuda.empty_cache()
     total = {k: sum(r[k] for r in rows if r["M"] == 1 and k in r)
-             for k in ("cublas_bf16_us", "fp8_default_us", "fp8_best_us", "fp8_half_best_us", "fp8_words_best_us")}
+             for k in ("cublas_bf16_us", "fp8_default_us", "fp8_best_us", "fp8_half_best_us")}
     print(f"\none draft level at M=1 (the shapes above): cuBLAS bf16 {total['cublas_bf16_us']:.1f} us, FP8 default "
           f"{total['fp8_default_us']:.1f} us, best {total['fp8_best_us']:.1f} us, best with float16 sums "
-          f"{total['fp8_half_best_us']:.1f} us, best with words {total['fp8_words_best_us']:.1f} us")
+          f"{total['fp8_half_best_us']:.1f} us")
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
