@@ -390,22 +390,31 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
+    """ms per committed token against batch size, a colour per mode: TTIT solid, TPOT dashed (where a batch > 1 has
+    it); the legend (a line per mode, then the two styles) beside the axes, so that it hides no curve."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    from matplotlib.lines import Line2D
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    has_tpot = False
     for mode in dict.fromkeys(r["mode"] for r in rows):
         rs = [r for r in rows if r["mode"] == mode]
-        line, = ax.plot([r["batch"] for r in rs], [r["ttit_ms"] for r in rs], marker="o", label=f"{mode} (TTIT)")
+        line, = ax.plot([r["batch"] for r in rs], [r["ttit_ms"] for r in rs], marker="o", label=mode)
         tp = [(r["batch"], r["tpot_ms"]) for r in rs if r.get("tpot_ms") is not None]
         if any(b > 1 for b, _ in tp):  # at batch 1 the two are one figure
-            ax.plot(*zip(*tp), marker="x", linestyle="--", color=line.get_color(), label=f"{mode} (TPOT)")
+            ax.plot(*zip(*tp), marker="x", linestyle="--", color=line.get_color())
+            has_tpot = True
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("ms per committed token (per sequence)")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    handles, _ = ax.get_legend_handles_labels()
+    styles = [Line2D([], [], color="grey", marker="o", label="TTIT (solid)")]
+    if has_tpot:
+        styles.append(Line2D([], [], color="grey", marker="x", linestyle="--", label="TPOT (dashed)"))
+    ax.legend(handles=handles + styles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
