@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
-from eyas.bench.latency import rates_from_tpc_report, split_modes, spread
+from eyas.bench.latency import rates_from_tpc_report, split_modes, spread, suggest_dispatch
 from eyas.cli import main
+from eyas.spec.dispatch import compose_dispatch, parse_dispatch
 from helpers import write_mirror_pair
 
 
@@ -47,10 +48,21 @@ def test_bench_latency_writes_json_markdown_and_plot(tmp_path):
     out = tmp_path / "lat"
     assert main(["bench", "latency", "--model", str(target), "--draft", str(draft), "--modes",
                  "plain,chain:4,dispatch:1=chain:4,2=plain", "--batch-sizes", "1,2", "--max-tokens", "12",
-                 "--context", "5", "--num-prompts", "2", "--device", "cpu", "--out", str(out)]) == 0
+                 "--context", "5", "--num-prompts", "2", "--device", "cpu", "--suggest-dispatch", "tpot",
+                 "--out", str(out)]) == 0
     res = json.loads((out / "latency.json").read_text())
     rows = {(r["mode"], r["batch"]): r for r in res["results"]}
     assert set(rows) == {(m, b) for m in ("plain", "chain:4", "dispatch:1=chain:4,2=plain") for b in (1, 2)}
+    # the suggested dispatcher: at each batch size the faster of plain and chain:4 by TPOT (the measured dispatcher
+    # is no candidate)
+    fast = {b: min(("plain", "chain:4"), key=lambda m: rows[(m, b)]["tpot_ms"]) for b in (1, 2)}
+    sd = res["meta"]["suggested_dispatch"]
+    if fast[1] == fast[2] == "plain":  # (timings on this CPU decide: no dispatcher of plain entries only)
+        assert sd is None
+    else:
+        assert sd["metric"] == "tpot" and sd["per_batch"] == {"1": fast[1], "2": fast[2]}
+        assert sd["spec"] == ("dispatch:2=chain:4" if fast[1] == fast[2] == "chain:4" else
+                              f"dispatch:1={fast[1]},2={fast[2]}")
     assert not res["meta"]["simulated"] and res["meta"]["attention_pdl"] is False  # the CPU: no PDL
     assert all(r["ttit_ms"] > 0 and r["tokens_per_s"] > 0 and r["tpot_ms"] > 0 for r in rows.values())
     # a request's own time per token: at batch 1, and for plain decoding's requests that finish together, it is the
@@ -71,7 +83,50 @@ def test_bench_latency_writes_json_markdown_and_plot(tmp_path):
                                                                          / rows[("chain:4", b)]["ttit_ms"])
     md = (out / "latency.md").read_text()
     assert "| chain:4 | 2 |" in md and "TPOT ms" in md
+    assert (f"`{sd['spec']}`" in md) if sd else "as a dispatcher" not in md
     assert (out / "latency.png").stat().st_size > 1000
+
+
+def _row(mode, batch, ttit, tpot=None):
+    return {"mode": mode, "batch": batch, "ttit_ms": ttit, "tpot_ms": tpot}
+
+
+def test_suggest_dispatch_takes_the_fastest_mode_per_batch_size():
+    """Session 21's SmolLM2 rows on the H200 (TTIT, TPOT): the default tree up to batch 4, tree:8 from 8, chain:3
+    by TTIT at 64; a measured dispatcher is never a candidate, and neighbours with one choice merge."""
+    rows = [_row("plain", b, t, t) for b, t in ((1, .477), (2, .570), (4, .744), (8, .751), (64, 1.096))]
+    rows += [_row("chain:3", 1, .402, .401), _row("chain:3", 2, .432, .412), _row("chain:3", 4, .474, .428),
+             _row("chain:3", 8, .563, .477), _row("chain:3", 64, .870, .700),
+             _row("tree:8", 1, .357, .356), _row("tree:8", 2, .438, .413), _row("tree:8", 4, .480, .426),
+             _row("tree:8", 8, .538, .445), _row("tree:8", 64, .887, .684),
+             _row("tree:smollm2_48d5", 1, .329, .328), _row("tree:smollm2_48d5", 2, .374, .352),
+             _row("tree:smollm2_48d5", 4, .440, .389), _row("tree:smollm2_48d5", 8, .544, .455),
+             _row("tree:smollm2_48d5", 64, 1.556, 1.240),
+             _row("dispatch:1=tree:8,64=plain", 8, .100, .100)]  # the fastest row, but a dispatcher
+    sd = suggest_dispatch(rows, "ttit")
+    assert sd["spec"] == "dispatch:4=tree:smollm2_48d5,8=tree:8,64=chain:3"
+    assert sd["per_batch"] == {"1": "tree:smollm2_48d5", "2": "tree:smollm2_48d5", "4": "tree:smollm2_48d5",
+                               "8": "tree:8", "64": "chain:3"}
+    assert suggest_dispatch(rows, "tpot")["spec"] == "dispatch:4=tree:smollm2_48d5,64=tree:8"  # 0.684 < 0.700
+    # where plain decoding wins it is an entry; only plain everywhere gives no dispatcher
+    rows2 = [_row("plain", 1, 1.0), _row("chain:3", 1, 0.5), _row("plain", 32, 1.0), _row("chain:3", 32, 2.0)]
+    assert suggest_dispatch(rows2)["spec"] == "dispatch:1=chain:3,32=plain"
+    assert suggest_dispatch([_row("plain", 1, 1.0), _row("chain:3", 1, 2.0)]) is None
+    # TPOT falls back to TTIT where a row has none; ties go to the mode measured first
+    assert suggest_dispatch([_row("chain:2", 1, 1.0), _row("chain:3", 1, 1.0)], "tpot")["spec"] == \
+        "dispatch:1=chain:2"
+    with pytest.raises(ValueError, match="metric"):
+        suggest_dispatch(rows, "ttft")
+
+
+def test_compose_dispatch_spelling():
+    assert compose_dispatch({64: "chain:3", 1: "tree:8", 2: "tree:8"}) == "dispatch:2=tree:8,64=chain:3"
+    d = parse_dispatch(compose_dispatch({1: "chain:4", 4: "plain", 16: "chain:4"}))
+    assert d.bounds == [1, 4, 16] and [t.num_nodes for t in d.trees] == [4, 0, 4]
+    for bad, msg in (({}, "at least one"), ({0: "chain:3"}, ">= 1"), ({1: "plain", 2: "plain"}, "every entry is plain"),
+                     ({1: "tree:nope"}, "unknown tree preset")):
+        with pytest.raises(ValueError, match=msg):
+            compose_dispatch(bad)
 
 
 def test_bench_latency_repeat_interleaves_the_modes(tmp_path, monkeypatch):

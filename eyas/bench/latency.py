@@ -359,6 +359,27 @@ def add_speedups(rows: list[dict]) -> None:
             r["speedup_vs_plain"] = p["ttit_ms"] / r["ttit_ms"]
 
 
+def suggest_dispatch(rows: list[dict], metric: str = "ttit") -> dict | None:
+    """The tree dispatcher these rows argue for: at each batch size the mode (plain, a chain or a tree; measured
+    dispatchers are not candidates) with the least TTIT or TPOT (`metric`; TPOT falls back to TTIT where a row has
+    none), composed by `eyas.spec.dispatch.compose_dispatch`. None when no batch size has a speculative candidate
+    (a dispatcher of plain entries only is no dispatcher). Ties go to the mode measured first."""
+    from eyas.spec.dispatch import compose_dispatch
+    if metric not in ("ttit", "tpot"):
+        raise ValueError(f"suggest_dispatch: metric must be 'ttit' or 'tpot', got {metric!r}")
+    best: dict[int, tuple[float, str]] = {}
+    for r in rows:
+        if r["mode"].startswith("dispatch:"):
+            continue
+        v = r["tpot_ms"] if metric == "tpot" and r.get("tpot_ms") is not None else r["ttit_ms"]
+        if r["batch"] not in best or v < best[r["batch"]][0]:
+            best[r["batch"]] = (v, r["mode"])
+    choice = {b: m for b, (_, m) in sorted(best.items())}
+    if all(m == "plain" for m in choice.values()):
+        return None
+    return {"metric": metric, "spec": compose_dispatch(choice), "per_batch": {str(b): m for b, m in choice.items()}}
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     sim = " (simulated acceptance)" if meta.get("simulated") else ""
     tp = f", tensor parallel {meta['tensor_parallel']}" if meta.get("tensor_parallel", 1) > 1 else ""
@@ -386,6 +407,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
                    f"{r['tpc']:.2f} | {r['tokens_per_s']:.0f} | {r['decode_steps']} | {r['ms_per_decode_step']:.3f} |"
                    + (f" {r['ttit_ms'] / floor:.2f} |" if floor else "") + (f" {sp} |" if vs else "")
                    + (f" {reps} |" if runs else ""))
+    sd = meta.get("suggested_dispatch")
+    if sd:
+        out += ["", f"Fastest mode by {sd['metric'].upper()} at each batch size, as a dispatcher (`--speculation`, or a "
+                    f"draft's config.json `eyas_speculation`): `{sd['spec']}`"]
     return "\n".join(out) + "\n"
 
 
@@ -545,6 +570,8 @@ def _tp_rank(rank: int, world_size: int, device, args, modes, batches, accept) -
     """One rank of `eyas bench latency --tensor-parallel N` (started by `eyas.dist.spawn`)."""
     rows, meta = measure(args, modes, batches, accept, device, rank, world_size)
     if rank == 0:
+        if args.suggest_dispatch:
+            meta["suggested_dispatch"] = suggest_dispatch(rows, args.suggest_dispatch)
         write_outputs(args.out, rows, meta)
 
 
@@ -558,6 +585,8 @@ def run(args) -> int:
         run_ranks(_tp_rank, W, args, modes, batches, accept, on_gpu=device.type == "cuda", timeout=args.timeout)
         return 0
     rows, meta = measure(args, modes, batches, accept, device)
+    if args.suggest_dispatch:
+        meta["suggested_dispatch"] = suggest_dispatch(rows, args.suggest_dispatch)
     write_outputs(args.out, rows, meta)
     return 0
 
@@ -572,6 +601,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=8,
                    help="prompts per row: batches smaller than this run in waves until it is reached")
+    p.add_argument("--suggest-dispatch", choices=["ttit", "tpot"], default=None,
+                   help="also print (and write to the JSON and the table) the tree dispatcher these rows argue for: "
+                        "the fastest of the measured plain, chain and tree modes at each batch size by this metric")
     p.add_argument("--repeat", type=int, default=1,
                    help="time every row this many times, the modes' runs interleaved on engines built once per batch "
                         "size, and report the run of median TTIT (all runs' TTIT in the JSON and the table): rows "

@@ -78,6 +78,26 @@ def parse_dispatch(spec: str) -> TreeDispatch:
     return TreeDispatch(bounds, trees, spec)
 
 
+def compose_dispatch(choices: dict[int, str]) -> str:
+    """{batch size: SPEC} (each the fastest speculation measured at that batch size) -> the dispatcher that uses it:
+    batch sizes in increasing order, neighbours with the same SPEC merged, each entry bounded by its largest batch
+    size (so a batch between two measured sizes takes the larger one's choice; beyond the largest, the last
+    entry). `{1: "tree:a", 2: "tree:a", 8: "tree:8", 64: "chain:3"}` -> `dispatch:2=tree:a,8=tree:8,64=chain:3`."""
+    if not choices:
+        raise ValueError("compose_dispatch needs at least one (batch size, speculation)")
+    entries: list[list] = []
+    for b in sorted(choices):
+        if b < 1:
+            raise ValueError(f"compose_dispatch: batch sizes must be >= 1, got {b}")
+        if entries and entries[-1][1] == choices[b]:
+            entries[-1][0] = b
+        else:
+            entries.append([b, choices[b]])
+    spec = PREFIX + ",".join(f"{b}={s}" for b, s in entries)
+    parse_dispatch(spec)  # every SPEC valid, and not all plain
+    return spec
+
+
 def default_speculation(draft, device) -> str:
     """The speculation to use with `draft` when none is asked: the draft's own choice for this device type
     (config.json `eyas_speculation`, e.g. {"cuda": "dispatch:4=tree:smollm2_48d5,32=tree:8,256=chain:3", "cpu":
