@@ -553,6 +553,8 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
         if bw:  # every rank reads its own shard at the same time: the step cannot beat one shard over one GPU's copy
             meta["copy_bytes_per_s"] = bw
             meta["weight_read_floor_ms"] = meta["linear_weight_bytes"] / bw * 1000
+    if args.suggest_dispatch:
+        meta["suggested_dispatch"] = suggest_dispatch(rows, args.suggest_dispatch)
     return rows, meta
 
 
@@ -570,8 +572,6 @@ def _tp_rank(rank: int, world_size: int, device, args, modes, batches, accept) -
     """One rank of `eyas bench latency --tensor-parallel N` (started by `eyas.dist.spawn`)."""
     rows, meta = measure(args, modes, batches, accept, device, rank, world_size)
     if rank == 0:
-        if args.suggest_dispatch:
-            meta["suggested_dispatch"] = suggest_dispatch(rows, args.suggest_dispatch)
         write_outputs(args.out, rows, meta)
 
 
@@ -585,8 +585,6 @@ def run(args) -> int:
         run_ranks(_tp_rank, W, args, modes, batches, accept, on_gpu=device.type == "cuda", timeout=args.timeout)
         return 0
     rows, meta = measure(args, modes, batches, accept, device)
-    if args.suggest_dispatch:
-        meta["suggested_dispatch"] = suggest_dispatch(rows, args.suggest_dispatch)
     write_outputs(args.out, rows, meta)
     return 0
 
