@@ -357,6 +357,48 @@ def test_attention_pdl_is_asked_by_the_row_paths_and_taken_only_on_the_gpu(tiny,
     assert gdc(True) == (False, {})
 
 
+def test_fused_path_asks_pdl_only_where_switched_on(tiny, monkeypatch):
+    """`eyas.models.llama.FUSED_PDL` on a PDL GPU: the fused path's RoPE + K/V store launch and its attention kernels
+    are asked for programmatic dependent launch (here a chain's verify passes and the draft's catch-up); off, none
+    of them is; the RoPE + store kernel, like the attention, takes it only off the interpreter (the GPU test below
+    holds the tokens to those without it)."""
+    import eyas.kernels as kernels
+    from eyas.kernels import fused_rope
+    from eyas.kernels import tree_attention as ta
+    from eyas.models import llama
+    from eyas.models import one_row as mod
+    asked, rope_asked = [], []
+    gdc, rope_store = ta._gdc, kernels.rope_store_triton
+    monkeypatch.setattr(ta, "_gdc", lambda pdl: (asked.append(pdl), gdc(pdl))[1])
+    monkeypatch.setattr(kernels, "rope_store_triton", lambda *a, **k: (rope_asked.append(k.get("pdl")),
+                                                                       rope_store(*a, **k))[1])
+    monkeypatch.setattr(mod, "use_pdl", lambda device: True)
+    for on in (False, True):
+        monkeypatch.setattr(llama, "FUSED_PDL", on)
+        asked.clear(), rope_asked.clear()
+        _run_recording(tiny, False, [[1, 2, 3, 4]], 2, tiny[1], "chain:2")  # the fused path (no row paths)
+        assert rope_asked and set(rope_asked) == {on} and set(asked) == {on}
+    launched = []
+
+    class Launch:  # records what a launch of the RoPE + store kernel is given
+        def __getitem__(self, grid):
+            return lambda *a, **k: launched.append((k["USE_GDC"], k.get("launch_pdl")))
+    monkeypatch.setattr(fused_rope, "_rope_store_kernel", Launch())
+    q = torch.randn(1, 2, 4, 8)
+    kv = torch.randn(1, 2, 2, 8)
+    tables = torch.randn(16, 8)
+    dst = torch.zeros(4, 2, 8)
+
+    def launch(pdl):
+        fused_rope.rope_store_triton(torch.tensor([[0, 1]]), q, kv, kv, tables, tables, dst, dst,
+                                     rows=torch.tensor([[1, 2]]), pdl=pdl)
+        return launched.pop()
+    if INTERPRET:
+        assert launch(True) == (False, None)  # the interpreter never takes PDL
+    monkeypatch.setattr(fused_rope, "interpreting", lambda: False)  # what the launch takes on a GPU
+    assert launch(True) == (True, True) and launch(False) == (False, None)
+
+
 def test_batch1_plain_decoding_takes_one_row_and_equals_the_fused_path(tiny):
     """Every decode step after the prefill's token takes the path, with the fused path's tokens and logits."""
     ref = _run_recording(tiny, False, [[1, 2, 3, 4]], 5, triton_attention=False)
@@ -572,6 +614,28 @@ def test_gpu_bf16_qkv_rope_stash(NQ, KVH, D, K, M):
            decode_qkv_rope_reference(*args, kd_ref, vd_ref, NQ, **kw), torch.bfloat16)
     _check(kd, kd_ref, torch.bfloat16)
     _check(vd, vd_ref, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("spec,prompts", [("tree:smollm2_48d5", [[1, 2, 3, 4]]), ("chain:3", [[1, 2, 3, 4], [7, 3]]),
+                                          (None, [[1, 2, 3, 4], [7, 3], [9]])])
+def test_gpu_fused_path_pdl_changes_nothing(tiny, spec, prompts, monkeypatch):
+    """bf16 on the GPU, CUDA graphs, the fused path (no row paths; `FUSED_PDL` lets its RoPE + store and attention
+    launches overlap): PDL moves launches, not arithmetic, so the greedy tokens are those without it (a tree's
+    49-row verify passes, chain:3 at batch 2 with its catch-up, plain decoding at batch 3)."""
+    from eyas.models import llama
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+
+    def run(on):
+        monkeypatch.setattr(llama, "FUSED_PDL", on)
+        llm = LLM(str(tiny[0]), device="cuda", dtype="bfloat16", cuda_graphs=True,
+                  draft=str(tiny[1]) if spec else None, speculation=spec)
+        for m in (llm.target, llm.draft):
+            if m is not None:
+                enable_fast_path(m, one_row=False, few_rows=False)
+        assert llama.fused_pdl(torch.device("cuda")) == (on and torch.cuda.get_device_capability()[0] >= 9)
+        return [o.token_ids for o in llm.generate(prompts, params)]
+    assert run(True) == run(False)
 
 
 @gpu

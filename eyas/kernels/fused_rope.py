@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from eyas.kernels.fused_norm import row_rstd
+from eyas.kernels.interpret import interpreting
 from eyas.layers.attention import store_rows
 from eyas.layers.norm import rms_scale
 from eyas.layers.rotary import rotate_half
@@ -85,7 +86,10 @@ def _rope_store_kernel(Q, K, V, QO, KD, VD, POS, ROWS, COS, SIN, NX,
                        stride_cos, stride_sin, stride_nxb, stride_nxq, n_hidden, eps,
                        NQ: tl.constexpr, NK: tl.constexpr, HALF: tl.constexpr, BLOCK_Q: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ROWS: tl.constexpr,
-                       HAS_NORM: tl.constexpr, BLOCK_X: tl.constexpr):
+                       HAS_NORM: tl.constexpr, BLOCK_X: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # PDL: let the next kernel (the attention) launch now, then wait for the previous one's writes
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     b = (pid // num_q).to(tl.int64)
     j = (pid % num_q).to(tl.int64)
@@ -182,13 +186,15 @@ def _norm_args(norm_x, q):
 
 
 def rope_store_triton(positions, q, k, v, cos, sin, k_dst, v_dst, rows=None, seq_rows=None, row_offset=0,
-                      norm_x=None, eps=1e-6):
+                      norm_x=None, eps=1e-6, pdl=False):
     """RoPE on q [B, Q, H, D] and k [B, Q, KVH, D] at positions [B, Q] (or broadcastable), then k (rotated) and v
     [B, Q, KVH, D] stored into the row stores k_dst/v_dst [R, KVH, D], in their dtype. Token (b, j) goes to row
     rows[b, j] (skipped when < 0), or, without `rows`, to row b * seq_rows + row_offset + j. Returns the rotated q,
     a new tensor. A paged cache layer [blocks, block_size, KVH, D] is a row store through `.view(-1, KVH, D)`, its
     rows the flat slots. `norm_x` [B, Q, hidden]: q, k and v of token (b, j) are first multiplied (in float32) by
-    rsqrt(mean(norm_x[b, j]^2) + eps), the RMSNorm of the projections' input (its weight folded into them)."""
+    rsqrt(mean(norm_x[b, j]^2) + eps), the RMSNorm of the projections' input (its weight folded into them).
+    `pdl`: launch with programmatic dependent launch (CUDA, sm_90+; not under TRITON_INTERPRET): the kernel lets the
+    next one launch at once and waits for the previous one before it reads anything."""
     positions = _store_args(positions, q, k, v, k_dst, v_dst, rows, seq_rows, row_offset)
     _norm_args(norm_x, q)
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != q.shape[-1]:
@@ -209,6 +215,7 @@ def rope_store_triton(positions, q, k, v, cos, sin, k_dst, v_dst, rows=None, seq
     has_rows, has_norm = rows is not None, norm_x is not None
     r = rows if has_rows else positions  # a placeholder, never read
     nx = norm_x if has_norm else q  # likewise
+    use_gdc = bool(pdl) and not interpreting()
     _rope_store_kernel[(B * NQ,)](
         q, k, v, q_out, k_dst, v_dst, positions, r, cos, sin, nx,
         NQ, seq_rows or 0, row_offset,
@@ -219,7 +226,8 @@ def rope_store_triton(positions, q, k, v, cos, sin, k_dst, v_dst, rows=None, seq
         nx.stride(0), nx.stride(1), nx.shape[-1] if has_norm else 1, eps,
         NQ=H, NK=KVH, HALF=D // 2, BLOCK_Q=triton.next_power_of_2(H), BLOCK_K=triton.next_power_of_2(KVH),
         BLOCK_D=triton.next_power_of_2(D // 2), HAS_ROWS=has_rows, HAS_NORM=has_norm,
-        BLOCK_X=triton.next_power_of_2(nx.shape[-1]) if has_norm else 1, num_warps=4, enable_fp_fusion=False,
+        BLOCK_X=triton.next_power_of_2(nx.shape[-1]) if has_norm else 1, USE_GDC=use_gdc, num_warps=4,
+        enable_fp_fusion=False, **({"launch_pdl": True} if use_gdc else {}),
     )
     return q_out
 

@@ -21,6 +21,22 @@ from eyas.layers.attention import (AttentionMetadata, prefix_only_attention, spl
 from eyas.layers.norm import RMSNorm, rms_normalize
 from eyas.layers.rotary import RotaryEmbedding
 
+# Programmatic dependent launch for the fused path's Triton kernels between its cuBLAS GEMMs: the RoPE + K/V store
+# launch, the attention and its split reduction (each lets the next launch early, then waits for the previous one's
+# writes), as the one-row and few-rows paths launch theirs. The GEMMs around them are ordinary launches, so only
+# those two transitions can overlap. The verify passes of SmolLM2's default tree (49 rows) and of the 8B shape's
+# chain:3 run this path. Off until timed on the H200 (session 21 wrote it without GPU time left):
+# `eyas.models.llama.FUSED_PDL = True` to compare.
+FUSED_PDL = False
+
+
+def fused_pdl(device: torch.device) -> bool:
+    """Whether the fused path asks its Triton kernels for PDL: `FUSED_PDL` on, and a GPU that has it (sm_90+)."""
+    if not FUSED_PDL:
+        return False
+    from eyas.models import one_row
+    return one_row.use_pdl(device)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
@@ -64,19 +80,20 @@ class Attention(nn.Module):
             q, k = rope(positions, q, k)
         return q, k, v
 
-    def rope_store(self, x, positions, rope: RotaryEmbedding, k_dst, v_dst, fused: bool, norm=None, **where):
+    def rope_store(self, x, positions, rope: RotaryEmbedding, k_dst, v_dst, fused: bool, norm=None, pdl=False,
+                   **where):
         """`qkv`, then RoPE, with k (rotated) and v stored at once into the row stores k_dst/v_dst [R, KVH, D]
         (`fused`: one launch of `eyas.kernels.rope_store_triton`; otherwise RoPE and `store_rows`). `where`:
         rows=[B, Q] (cache slots), or seq_rows and row_offset (the stash). `norm` (fused only): x is the raw
-        residual and `norm` its RMSNorm of unit weight, applied by the same launch (see `attend`). Returns the
-        rotated q."""
+        residual and `norm` its RMSNorm of unit weight, applied by the same launch (see `attend`). `pdl` (fused
+        only): that launch with programmatic dependent launch. Returns the rotated q."""
         q, k, v = self.qkv(x)
         positions = positions.expand(q.shape[:2])
         if fused:
             from eyas.kernels import rope_store_triton
             if norm is not None:
                 where = dict(where, norm_x=x, eps=norm.eps)
-            return rope_store_triton(positions, q, k, v, rope.cos, rope.sin, k_dst, v_dst, **where)
+            return rope_store_triton(positions, q, k, v, rope.cos, rope.sin, k_dst, v_dst, pdl=pdl, **where)
         if norm is not None:
             raise ValueError("a folded input norm is applied by the fused kernels only")
         q, k = rope(positions, q, k)
@@ -107,20 +124,21 @@ class Attention(nn.Module):
                                                is_causal=True, enable_gqa=True, scale=self.scale)
             return o.transpose(1, 2).reshape(B, Q, -1)
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        pdl = fused and meta.use_triton and fused_pdl(x.device)  # RoPE + store -> attention -> its reduction
         if meta.prefix_includes_new:  # plain decoding: the token's K/V go to the cache, then one prefix pass
-            q = self.rope_store(x, positions, rope, _rows(k_cache), _rows(v_cache), fused, norm,
+            q = self.rope_store(x, positions, rope, _rows(k_cache), _rows(v_cache), fused, norm, pdl,
                                 rows=meta.slot_mapping)
-            o = prefix_only_attention(q, k_cache, v_cache, meta, self.scale, out_dtype=x.dtype)
+            o = prefix_only_attention(q, k_cache, v_cache, meta, self.scale, out_dtype=x.dtype, pdl=pdl)
         elif meta.stash is not None:  # tree tokens: K/V to the stash (never the cache), suffix over stash rows
             sk, sv = meta.stash.k[self.layer_idx], meta.stash.v[self.layer_idx]  # [B, R, KVH, D]
-            q = self.rope_store(x, positions, rope, _rows(sk), _rows(sv), fused, norm, seq_rows=sk.shape[1],
+            q = self.rope_store(x, positions, rope, _rows(sk), _rows(sv), fused, norm, pdl, seq_rows=sk.shape[1],
                                 row_offset=meta.stash_at)
             end = meta.stash_at + Q
             o = split_tree_attention(q, sk[:, meta.suffix_from: end], sv[:, meta.suffix_from: end], k_cache,
-                                     v_cache, meta, self.scale, out_dtype=x.dtype)
+                                     v_cache, meta, self.scale, out_dtype=x.dtype, pdl=pdl)
         else:  # prefill chunks, the draft's catch-up: attend among themselves, then their K/V go to the cache
             q, k, v = self.project(x, positions, rope, fused)
-            o = split_tree_attention(q, k, v, k_cache, v_cache, meta, self.scale, out_dtype=x.dtype)
+            o = split_tree_attention(q, k, v, k_cache, v_cache, meta, self.scale, out_dtype=x.dtype, pdl=pdl)
             if meta.slot_mapping is not None:
                 self._write_kv(k_cache, v_cache, k, v, meta)
         return o.to(x.dtype).reshape(B, Q, -1)
