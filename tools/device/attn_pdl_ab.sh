@@ -9,31 +9,20 @@
 # Env: NP8B (16), NP (40), MAXT (128), REPEAT (3), ORDER ("1 0 1 0"), TESTS (1).
 set -u
 NP8B=${NP8B:-16}; NP=${NP:-40}; MAXT=${MAXT:-128}; REPEAT=${REPEAT:-3}; export OUT
-RUN='import sys, eyas.kernels.tree_attention as t; t.PDL = bool(int(sys.argv.pop(1))); from eyas.cli import main; sys.argv = ["eyas"] + sys.argv[1:]; main()'
+source tools/device/ab_lib.sh
+SET='import eyas.kernels.tree_attention as t; t.PDL = on'
 if [ "${STAGE:-1}" = 1 ]; then
-  mkdir -p /root/stage && cp .stage/a/part_aa /root/stage/
-  export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-  R=${W:-/root/w}/attn_pdl1; mkdir -p $R $OUT
+  stage_a attn_pdl1
   [ "${TESTS:-1}" = 1 ] && timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_decode_linear.py -k gpu \
     2>&1 | tail -3 | tee $R/tests.txt
-  i=0
-  for on in ${ORDER:-1 0 1 0}; do
-    i=$((i + 1))
-    python3 -c "$RUN" $on bench latency --model llama-3.1-8b-shape --context 1024 --draft-vocab 32768 \
-      --draft-quant fp8 --accept-ranks docs/bench/ranks_smollm2_runL_dv32s_fp8_cpu.safetensors --batch-sizes 1 \
-      --num-prompts $NP8B --max-tokens $MAXT --modes plain,chain:3 --repeat $REPEAT --out $R/l8b_$i 2>&1 \
-      | grep "^| [pc]" | sed "s/^/$i pdl=$on /"
-  done
+  alternate pdl "$SET" "^| [pc]" $R/l8b $L8B --batch-sizes 1 --num-prompts $NP8B --max-tokens $MAXT \
+    --modes plain,chain:3 --repeat $REPEAT
   (cd $R/.. && tar czf $OUT/attn_pdl_1.tar.gz attn_pdl1)
 else
   source tools/device/stage_smollm2.sh
   R=$W/attn_pdl2; mkdir -p $R
-  i=0
-  for on in ${ORDER:-1 0 1 0}; do
-    i=$((i + 1))
-    python3 -c "$RUN" $on bench latency --model smollm2 --draft default --max-tokens $MAXT \
-      --prompts $S/question.jsonl --batch-sizes 1 --num-prompts $NP --repeat $REPEAT \
-      --modes plain,chain:3,tree:smollm2_48d5 --out $R/sm_$i 2>&1 | grep "^| [pct]" | sed "s/^/$i pdl=$on /"
-  done
+  alternate pdl "$SET" "^| [pct]" $R/sm bench latency --model smollm2 --draft default --max-tokens $MAXT \
+    --prompts $S/question.jsonl --batch-sizes 1 --num-prompts $NP --repeat $REPEAT \
+    --modes plain,chain:3,tree:smollm2_48d5
   (cd $W && tar czf $OUT/attn_pdl_2.tar.gz attn_pdl2)
 fi

@@ -8,15 +8,12 @@
 # Env: BATCHES (1,2,4,8,16,32,64), NP (64 prompts a row), MAXT (128). Returns $OUT/batch_sweep_<stage>.tar.gz.
 set -u
 BATCHES=${BATCHES:-1,2,4,8,16,32,64}; NP=${NP:-64}; MAXT=${MAXT:-128}; export OUT
+source tools/device/ab_lib.sh
 if [ "${STAGE:-1}" = 1 ]; then
-  mkdir -p /root/stage && cp .stage/a/part_aa /root/stage/
-  export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-  R=${W:-/root/w}/batch_sweep1; mkdir -p $R $OUT
-  L8B="python3 -m eyas.cli bench latency --model llama-3.1-8b-shape --context 1024 --draft-vocab 32768 \
-    --draft-quant fp8 --accept-ranks docs/bench/ranks_smollm2_runL_dv32s_fp8_cpu.safetensors --batch-sizes $BATCHES \
-    --num-prompts $NP --max-tokens $MAXT"
-  timeout 330 $L8B --modes plain,chain:3 --out $R/l8b 2>&1 | grep "^| [pcm]"
-  timeout 200 $L8B --modes tree:smollm2_48d5 --out $R/l8b_tree 2>&1 | grep "^| [tm]"
+  stage_a batch_sweep1
+  ROWS="python3 -m eyas.cli $L8B --batch-sizes $BATCHES --num-prompts $NP --max-tokens $MAXT"
+  timeout 330 $ROWS --modes plain,chain:3 --out $R/l8b 2>&1 | grep "^| [pcm]"
+  timeout 200 $ROWS --modes tree:smollm2_48d5 --out $R/l8b_tree 2>&1 | grep "^| [tm]"
 else
   source tools/device/stage_smollm2.sh
   R=$W/batch_sweep2; mkdir -p $R

@@ -12,35 +12,22 @@
 # Env: NP8B (16), NP (40), MAXT (128), REPEAT (3), ORDER ("1 0 1 0"), TESTS (1).
 set -u
 NP8B=${NP8B:-16}; NP=${NP:-40}; MAXT=${MAXT:-128}; REPEAT=${REPEAT:-3}; export OUT
-RUN='import sys, eyas.models.llama as m; m.FUSED_PDL = bool(int(sys.argv.pop(1))); from eyas.cli import main; sys.argv = ["eyas"] + sys.argv[1:]; main()'
+source tools/device/ab_lib.sh
+SET='import eyas.models.llama as m; m.FUSED_PDL = on'
 if [ "${STAGE:-1}" = 1 ]; then
-  mkdir -p /root/stage && cp .stage/a/part_aa /root/stage/
-  export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-  R=${W:-/root/w}/fused_pdl1; mkdir -p $R $OUT
+  stage_a fused_pdl1
   [ "${TESTS:-1}" = 1 ] && timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_decode_linear.py \
     -k "gpu_fused_path_pdl or gpu_few_rows or gpu_one_row" 2>&1 | tail -3 | tee $R/tests.txt
-  i=0
-  for on in ${ORDER:-1 0 1 0}; do
-    i=$((i + 1))
-    python3 -c "$RUN" $on bench latency --model llama-3.1-8b-shape --context 1024 --draft-vocab 32768 \
-      --draft-quant fp8 --accept-ranks docs/bench/ranks_smollm2_runL_dv32s_fp8_cpu.safetensors --batch-sizes 1,32 \
-      --num-prompts $NP8B --max-tokens $MAXT --modes plain,chain:3 --repeat $REPEAT --out $R/l8b_$i 2>&1 \
-      | grep "^| [pc]" | sed "s/^/$i fused_pdl=$on /"
-  done
+  alternate fused_pdl "$SET" "^| [pc]" $R/l8b $L8B --batch-sizes 1,32 --num-prompts $NP8B --max-tokens $MAXT \
+    --modes plain,chain:3 --repeat $REPEAT
   (cd $R/.. && tar czf $OUT/fused_pdl_1.tar.gz fused_pdl1)
 else
   source tools/device/stage_smollm2.sh
   R=$W/fused_pdl2; mkdir -p $R
-  i=0
-  for on in ${ORDER:-1 0 1 0}; do
-    i=$((i + 1))
-    python3 -c "$RUN" $on bench latency --model smollm2 --draft default --max-tokens $MAXT \
-      --prompts $S/question.jsonl --batch-sizes 1 --num-prompts $NP --repeat $REPEAT \
-      --modes plain,tree:smollm2_48d5 --out $R/sm_$i 2>&1 | grep "^| [pt]" | sed "s/^/$i fused_pdl=$on /"
-    python3 -c "$RUN" $on bench latency --model smollm2 --draft default --max-tokens $MAXT \
-      --prompts $S/question.jsonl --batch-sizes 8,32 --num-prompts 64 --repeat 2 \
-      --modes plain,dispatch:4=tree:smollm2_48d5,32=tree:8,256=chain:3 --out $R/smb_$i 2>&1 | grep "^| [pd]" \
-      | sed "s/^/$i fused_pdl=$on /"
-  done
+  alternate fused_pdl "$SET" "^| [pt]" $R/sm bench latency --model smollm2 --draft default --max-tokens $MAXT \
+    --prompts $S/question.jsonl --batch-sizes 1 --num-prompts $NP --repeat $REPEAT --modes plain,tree:smollm2_48d5
+  alternate fused_pdl "$SET" "^| [pd]" $R/smb bench latency --model smollm2 --draft default --max-tokens $MAXT \
+    --prompts $S/question.jsonl --batch-sizes 8,32 --num-prompts 64 --repeat 2 \
+    --modes plain,dispatch:4=tree:smollm2_48d5,32=tree:8,256=chain:3
   (cd $W && tar czf $OUT/fused_pdl_2.tar.gz fused_pdl2)
 fi

@@ -10,17 +10,14 @@
 set -u
 NP8B=${NP8B:-16}; NP=${NP:-40}; MAXT=${MAXT:-128}; REPEAT=${REPEAT:-3}; export OUT
 PYTEST="python3 -m pytest -q -p no:cacheprovider -x"
+source tools/device/ab_lib.sh
 if [ "${STAGE:-1}" = 1 ]; then
-  mkdir -p /root/stage && cp .stage/a/part_aa /root/stage/
-  export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-  R=${W:-/root/w}/overlap1; mkdir -p $R $OUT
+  stage_a overlap1
   [ "${TESTS:-1}" = 1 ] && timeout 240 $PYTEST tests/test_cuda_graph.py -k "not smollm2" 2>&1 | tail -3
-  L8B="python3 -m eyas.cli bench latency --model llama-3.1-8b-shape --context 1024 --draft-vocab 32768 \
-    --draft-quant fp8 --accept-ranks docs/bench/ranks_smollm2_runL_dv32s_fp8_cpu.safetensors --batch-sizes 1"
   i=0
   for f in "" --no-overlap "" --no-overlap; do
     i=$((i + 1))
-    $L8B --num-prompts $NP8B --max-tokens $MAXT --modes plain,chain:3 --repeat $REPEAT $f --out $R/l8b_$i \
+    python3 -m eyas.cli $L8B --batch-sizes 1 --num-prompts $NP8B --max-tokens $MAXT --modes plain,chain:3 --repeat $REPEAT $f --out $R/l8b_$i \
       2>&1 | grep "^| [pc]" | sed "s/^/$i ${f:-overlap} /"
   done
   (cd $R/.. && tar czf $OUT/overlap_1.tar.gz overlap1)

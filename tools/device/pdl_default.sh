@@ -9,18 +9,16 @@
 # Prints the tests' summaries and the rows; returns $OUT/pdl_default_<stage>.tar.gz.
 set -u
 NP8B=${NP8B:-40}; NP=${NP:-80}; NPT=${NPT:-40}; MAXT=${MAXT:-128}; export OUT
+source tools/device/ab_lib.sh
 if [ "${STAGE:-1}" = 1 ]; then
-  mkdir -p /root/stage && cp .stage/a/part_aa /root/stage/
-  export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-  R=${W:-/root/w}/pdl1; mkdir -p $R $OUT
+  stage_a pdl1
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py -k "not smollm2" 2>&1 | tail -3 \
     | tee $R/graph_tests.txt
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_decode_linear.py -k "pdl_is_asked" 2>&1 | tail -3 \
     | tee $R/pdl_test.txt
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_verifier.py 2>&1 | tail -3 | tee $R/verifier.txt
-  python3 -m eyas.cli bench latency --model llama-3.1-8b-shape --context 1024 --draft-vocab 32768 \
-    --draft-quant fp8 --accept-ranks docs/bench/ranks_smollm2_runL_dv32s_fp8_cpu.safetensors --batch-sizes 1 \
-    --num-prompts $NP8B --max-tokens $MAXT --modes plain,chain:3 --repeat 3 --out $R/l8b 2>&1 | grep "^| [pcm]"
+  python3 -m eyas.cli $L8B --batch-sizes 1 --num-prompts $NP8B --max-tokens $MAXT --modes plain,chain:3 --repeat 3 \
+    --out $R/l8b 2>&1 | grep "^| [pcm]"
   (cd $R/.. && tar czf $OUT/pdl_default_1.tar.gz pdl1)
 else
   source tools/device/stage_smollm2.sh

@@ -7,28 +7,17 @@
 # Env: NP8B (16), MAXT (128), REPEAT (3), ORDER ("1 0 1 0"), TESTS (1). Returns $OUT/replay_ab.tar.gz.
 set -u
 NP8B=${NP8B:-16}; MAXT=${MAXT:-128}; REPEAT=${REPEAT:-3}; export OUT
-RUN='import sys
-if not int(sys.argv.pop(1)):
+source tools/device/ab_lib.sh
+TORCH_REPLAY='if not on:
     import eyas.kernels.accept_greedy as a
     from eyas.spec.verifier import simulate_replay
-    a.replay_accept_triton = lambda r, s, n, am, nt, tree: (*simulate_replay(nt, tree, r, s, n, am), None)
-from eyas.cli import main
-sys.argv = ["eyas"] + sys.argv[1:]
-main()'
-mkdir -p /root/stage && cp .stage/a/part_aa /root/stage/
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-R=${W:-/root/w}/replay_ab; mkdir -p $R $OUT
+    a.replay_accept_triton = lambda r, s, n, am, nt, tree: (*simulate_replay(nt, tree, r, s, n, am), None)'
+stage_a replay_ab
 if [ "${TESTS:-1}" = 1 ]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py -k "not smollm2" 2>&1 | tail -3 \
     | tee $R/graph_tests.txt
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_verifier.py 2>&1 | tail -3 | tee $R/verifier.txt
 fi
-i=0
-for on in ${ORDER:-1 0 1 0}; do
-  i=$((i + 1))
-  python3 -c "$RUN" $on bench latency --model llama-3.1-8b-shape --context 1024 --draft-vocab 32768 \
-    --draft-quant fp8 --accept-ranks docs/bench/ranks_smollm2_runL_dv32s_fp8_cpu.safetensors --batch-sizes 1 \
-    --num-prompts $NP8B --max-tokens $MAXT --modes plain,chain:3 --repeat $REPEAT --out $R/l8b_$i 2>&1 \
-    | grep "^| [pc]" | sed "s/^/$i triton_replay=$on /"
-done
+alternate triton_replay "$TORCH_REPLAY" "^| [pc]" $R/l8b $L8B --batch-sizes 1 --num-prompts $NP8B \
+  --max-tokens $MAXT --modes plain,chain:3 --repeat $REPEAT
 (cd $R/.. && tar czf $OUT/replay_ab.tar.gz replay_ab)

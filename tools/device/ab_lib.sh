@@ -1,0 +1,32 @@
+# Sourced by the device scripts that time a module-level switch in processes alternated on one machine
+# (attn_pdl_ab.sh, replay_ab.sh, fused_pdl_ab.sh) and by those whose first stage only stages the GGUF's first half.
+
+# The 8B shape's rows of record: 1k context, FP8 draft with a 32k draft vocabulary, run L's rank paths replayed.
+L8B="bench latency --model llama-3.1-8b-shape --context 1024 --draft-vocab 32768 --draft-quant fp8 \
+--accept-ranks docs/bench/ranks_smollm2_runL_dv32s_fp8_cpu.safetensors"
+
+# stage_a DIR: the first call's staging (the GGUF's first half to /root/stage, for a later call's
+# stage_smollm2.sh), eyas on the path, and R=${W:-/root/w}/DIR and $OUT made.
+stage_a() {
+  mkdir -p /root/stage && cp .stage/a/part_aa /root/stage/
+  export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+  R=${W:-/root/w}/$1; mkdir -p $R $OUT
+}
+
+# alternate NAME SET PATTERN OUTPREFIX EYAS_ARGS...: for each value of ORDER (default "1 0 1 0"), one process that
+# sets the switch (SET: Python lines that read `on`, a bool) and then runs `eyas EYAS_ARGS --out OUTPREFIX_<i>`;
+# prints its lines matching PATTERN (grep), each prefixed "<i> NAME=<value> ".
+alternate() {
+  local name=$1 set=$2 pattern=$3 out=$4 i=0 v run
+  shift 4
+  run="import sys
+on = bool(int(sys.argv.pop(1)))
+$set
+from eyas.cli import main
+sys.argv = ['eyas'] + sys.argv[1:]
+main()"
+  for v in ${ORDER:-1 0 1 0}; do
+    i=$((i + 1))
+    python3 -c "$run" $v "$@" --out ${out}_$i 2>&1 | grep "$pattern" | sed "s/^/$i $name=$v /"
+  done
+}
