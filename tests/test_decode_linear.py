@@ -360,7 +360,7 @@ def test_attention_pdl_is_asked_by_the_row_paths_and_taken_only_on_the_gpu(tiny,
 def test_fused_path_asks_pdl_only_where_switched_on(tiny, monkeypatch):
     """`eyas.models.llama.FUSED_PDL` on a PDL GPU: the fused path's RoPE + K/V store launch and its attention kernels
     are asked for programmatic dependent launch (here a chain's verify passes and the draft's catch-up); off, none
-    of them is; the RoPE + store kernel, like the attention, takes it only off the interpreter (the GPU test below
+    of them is; plain decode steps never are; the RoPE + store kernel, like the attention, takes it only off the interpreter (the GPU test below
     holds the tokens to those without it)."""
     import eyas.kernels as kernels
     from eyas.kernels import fused_rope
@@ -378,6 +378,15 @@ def test_fused_path_asks_pdl_only_where_switched_on(tiny, monkeypatch):
         asked.clear(), rope_asked.clear()
         _run_recording(tiny, False, [[1, 2, 3, 4]], 2, tiny[1], "chain:2")  # the fused path (no row paths)
         assert rope_asked and set(rope_asked) == {on} and set(asked) == {on}
+    # plain decode steps never ask (8B at batch 32 was slower with it): their RoPE + store and prefix pass, while
+    # the prefill chunks before them still follow the switch
+    prefix_asked = []
+    prefix = llama.prefix_only_attention
+    monkeypatch.setattr(llama, "prefix_only_attention", lambda *a, **k: (prefix_asked.append(k["pdl"]),
+                                                                          prefix(*a, **k))[1])
+    asked.clear(), rope_asked.clear()
+    _run_recording(tiny, False, [[1, 2, 3, 4], [5, 6]], 3)
+    assert set(rope_asked) == {False} and set(prefix_asked) == {False} and True in asked
     launched = []
 
     class Launch:  # records what a launch of the RoPE + store kernel is given

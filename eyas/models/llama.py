@@ -24,10 +24,12 @@ from eyas.layers.rotary import RotaryEmbedding
 # Programmatic dependent launch for the fused path's Triton kernels between its cuBLAS GEMMs: the RoPE + K/V store
 # launch, the attention and its split reduction (each lets the next launch early, then waits for the previous one's
 # writes), as the one-row and few-rows paths launch theirs. The GEMMs around them are ordinary launches, so only
-# those two transitions can overlap. The verify passes of SmolLM2's default tree (49 rows) and of the 8B shape's
-# chain:3 run this path. Off until timed on the H200 (session 21 wrote it without GPU time left):
-# `eyas.models.llama.FUSED_PDL = True` to compare.
-FUSED_PDL = False
+# those two transitions can overlap. Timed on the H200 in session 22 (docs/benchmarks.md, "Session 22"): it lowered
+# the step of SmolLM2's default tree (49-row verify passes) by 1.8-2.7% and the 8B shape's chain:3 step by 0.9-1.0%
+# at batch 1, and left batch 32's speculative steps within their spread; but plain decoding at batch 32 (the fused
+# path) went 3.5% slower for the 8B shape (3.2-3.4% faster for SmolLM2). So it is on for every fused pass except
+# plain decode steps (`AttentionMetadata.prefix_includes_new`). `eyas.models.llama.FUSED_PDL = False` turns it off.
+FUSED_PDL = True
 
 
 def fused_pdl(device: torch.device) -> bool:
@@ -124,7 +126,8 @@ class Attention(nn.Module):
                                                is_causal=True, enable_gqa=True, scale=self.scale)
             return o.transpose(1, 2).reshape(B, Q, -1)
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
-        pdl = fused and meta.use_triton and fused_pdl(x.device)  # RoPE + store -> attention -> its reduction
+        # RoPE + store -> attention -> its reduction; not plain decode steps (see FUSED_PDL)
+        pdl = fused and meta.use_triton and not meta.prefix_includes_new and fused_pdl(x.device)
         if meta.prefix_includes_new:  # plain decoding: the token's K/V go to the cache, then one prefix pass
             q = self.rope_store(x, positions, rope, _rows(k_cache), _rows(v_cache), fused, norm, pdl,
                                 rows=meta.slot_mapping)
