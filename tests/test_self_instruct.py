@@ -74,6 +74,13 @@ def test_make_prompts_writes_what_the_model_says_as_a_user(tmp_path, capsys):
     regen = [normalize_messages(r) for r in read_jsonl(ans)]
     assert len(regen) == len(recs) and [m[0]["content"] for m in regen] == texts
     assert all([m["role"] for m in c] == ["user", "assistant"] for c in regen)
+    # a batch far above --num: the same prompts, and no more requests than the prompts still missing ask for
+    # (it once sent 4 x batch_size at once: 2,048 requests for 8 prompts at the default batch)
+    big = tmp_path / "big.jsonl"
+    assert main(["--model", str(mdir), "--num", "12", "--out", str(big), "--max-tokens", "6", "--min-chars", "1",
+                 "--batch-size", "64", "--device", "cpu", "--no-progress"]) == 0
+    info_big = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [json.loads(x) for x in open(big)] == recs and info_big["tried"] <= 8 * 12
     # a spent budget stops at once and says why; bad arguments are refused
     assert main(["--model", str(mdir), "--num", "3", "--out", str(tmp_path / "q.jsonl"), "--time-budget", "0",
                  "--device", "cpu", "--no-progress"]) == 0
@@ -93,6 +100,10 @@ def test_make_prompts_gives_up_when_the_model_never_ends_its_turn(tmp_path, caps
     save_file(w, str(mdir / "model.safetensors"), metadata={"format": "pt"})
     assert main(["--model", str(mdir), "--num", "2", "--out", str(tmp_path / "p.jsonl"), "--max-tokens", "3",
                  "--batch-size", "1", "--device", "cpu", "--no-progress"]) == 0
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert info["prompts"] == 0 and info["tried"] == 16 and info["stopped"] == "tried 16 requests"
+    assert main(["--model", str(mdir), "--num", "2", "--out", str(tmp_path / "q.jsonl"), "--max-tokens", "3",
+                 "--batch-size", "64", "--device", "cpu", "--no-progress"]) == 0  # the cap does not follow the batch
     info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert info["prompts"] == 0 and info["tried"] == 16 and info["stopped"] == "tried 16 requests"
 

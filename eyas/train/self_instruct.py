@@ -55,8 +55,10 @@ def make_prompts(model: str, num: int, out: str, temperature: float = 1.0, top_p
                  time_budget: float | None = None, device: str = "auto", dtype: str = "auto",
                  progress: bool = True, openings: list[str] | None = None) -> dict:
     """Write up to `num` distinct self-written user prompts to `out` (.jsonl, .jsonl.gz or .jsonl.xz). Requests go to
-    the engine in chunks of 4 x batch_size with one seed each (`seed`-derived), until `num` are kept, 8 x num have
-    been tried, or `time_budget` seconds have passed (what is kept so far is written). `openings`: request i's
+    the engine in chunks of 4 x batch_size (fewer towards the end: twice the prompts still missing, and never past
+    8 x num tried) with one seed each (`seed`-derived), until `num` are kept, 8 x num have been tried, or
+    `time_budget` seconds have passed (what is kept so far is written). Request i's seed and opening depend on i
+    alone, so the prompts do not depend on `batch_size`. `openings`: request i's
     user text starts with openings[i % len(openings)], which the kept prompt includes."""
     from eyas import LLM, SamplingParams
 
@@ -75,7 +77,6 @@ def make_prompts(model: str, num: int, out: str, temperature: float = 1.0, top_p
     seen: set[str] = set()
     tried = generated = 0
     stopped = None
-    chunk = 4 * batch_size
     bar = tqdm(total=num, desc="writing prompts", unit="prompt", disable=not progress)
     t_gen = time.perf_counter()
     with open_text(out, "w") as f:
@@ -86,6 +87,7 @@ def make_prompts(model: str, num: int, out: str, temperature: float = 1.0, top_p
             if time_budget is not None and time.perf_counter() - t_gen >= time_budget:
                 stopped = f"time_budget={time_budget}s"
                 break
+            chunk = min(4 * batch_size, 8 * num - tried, 2 * (num - len(seen)))
             params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                      seed=(seed * 1_000_003 + tried + j) % (2 ** 63)) for j in range(chunk)]
             which = [(tried + j) % len(opens) for j in range(chunk)]
