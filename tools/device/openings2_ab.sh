@@ -6,7 +6,10 @@
 #   tokens, starts_data.sh; $OUT/starts.jsonl.xz comes back), then ab_train.sh starts detached: both variants continue
 #   the shipped draft on that data with --answer-tokens 128; B adds --ce-temperature 0.5. Then MT-Bench TPC of both.
 # STAGE=2 (the next call, back to back): waits for it and returns its files (tpc.json, the drafts' tar parts).
-# Env: P_S (110), R_S (170), STEPS (1400), TB (260), SEED (5).
+# Env: P_S (110), R_S (170), STEPS (1400), TB (260), SEED (5). A CPU dry run (stage 1 ends with the training
+# detached; its MT-Bench rows need $S/question.jsonl, which only the GPU staging copies):
+#   STAGED=1 OUT=/tmp/o W=/tmp/w NUM=8 P_BATCH=8 R_BATCH=8 P_S=20 R_S=30 MAX_TOK=16 DEV="--device cpu" \
+#     EXTRA="--limit 20 --batch-tokens 2048 --device cpu" STEPS=3 TB=60 bash tools/device/openings2_ab.sh
 set -u
 export OUT
 W=${W:-/root/w}

@@ -5,7 +5,8 @@
 #   A_DATA="$D $W/starts.jsonl.xz" A_ARGS="--answer-tokens 128" B_ARGS="--answer-tokens 128" bash tools/device/ab_train.sh
 # OPENINGS=tools/device/openings.txt steers the prompts towards eight kinds of task (eyas make-prompts --openings).
 # Call 2 or later of tools/device/README.md (GGUF's first half in /root/stage). A CPU dry run:
-#   STAGED=1 OUT=/tmp/o W=/tmp/w NUM=8 P_S=20 R_S=30 MAX_TOK=16 DEV="--device cpu" bash tools/device/starts_data.sh
+#   STAGED=1 OUT=/tmp/o W=/tmp/w NUM=8 P_BATCH=8 R_BATCH=8 P_S=20 R_S=30 MAX_TOK=16 DEV="--device cpu" \
+#     bash tools/device/starts_data.sh   (small batches: at 512 the CPU runs for minutes before the budget is checked)
 set -u
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 source tools/device/stage_smollm2.sh > /dev/null 2>&1
