@@ -360,8 +360,8 @@ def test_attention_pdl_is_asked_by_the_row_paths_and_taken_only_on_the_gpu(tiny,
 def test_fused_path_asks_pdl_only_where_switched_on(tiny, monkeypatch):
     """`eyas.models.llama.FUSED_PDL` on a PDL GPU: the fused path's RoPE + K/V store launch and its attention kernels
     are asked for programmatic dependent launch (here a chain's verify passes and the draft's catch-up); off, none
-    of them is; plain decode steps never are; the RoPE + store kernel, like the attention, takes it only off the interpreter (the GPU test below
-    holds the tokens to those without it)."""
+    of them is; plain decode steps never are; the RoPE + store kernel, like the attention, takes it only off the
+    interpreter (the GPU test below holds the tokens to those without it)."""
     import eyas.kernels as kernels
     from eyas.kernels import fused_rope
     from eyas.kernels import tree_attention as ta

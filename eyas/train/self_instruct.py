@@ -58,8 +58,8 @@ def make_prompts(model: str, num: int, out: str, temperature: float = 1.0, top_p
     the engine in chunks of 4 x batch_size (fewer towards the end: twice the prompts still missing, and never past
     8 x num tried) with one seed each (`seed`-derived), until `num` are kept, 8 x num have been tried, or
     `time_budget` seconds have passed (what is kept so far is written). Request i's seed and opening depend on i
-    alone, so the prompts do not depend on `batch_size`. `openings`: request i's
-    user text starts with openings[i % len(openings)], which the kept prompt includes."""
+    alone, so the prompts do not depend on `batch_size`. `openings`: request i's user text starts with
+    openings[i % len(openings)], which the kept prompt includes."""
     from eyas import LLM, SamplingParams
 
     if num < 1 or batch_size < 1 or max_tokens < 1:
