@@ -351,7 +351,8 @@ def test_attention_pdl_is_asked_by_the_row_paths_and_taken_only_on_the_gpu(tiny,
     assert True in asked
     if INTERPRET:
         assert gdc(True) == (False, {})  # the interpreter never takes PDL
-    monkeypatch.setattr(ta, "interpreting", lambda: False)
+    from eyas.kernels import interpret
+    monkeypatch.setattr(interpret, "interpreting", lambda: False)  # what the launch takes on a GPU
     assert gdc(True) == (True, {"launch_pdl": True}) and gdc(False) == (False, {})
     monkeypatch.setattr(ta, "PDL", False)
     assert gdc(True) == (False, {})
@@ -404,7 +405,8 @@ def test_fused_path_asks_pdl_only_where_switched_on(tiny, monkeypatch):
         return launched.pop()
     if INTERPRET:
         assert launch(True) == (False, None)  # the interpreter never takes PDL
-    monkeypatch.setattr(fused_rope, "interpreting", lambda: False)  # what the launch takes on a GPU
+    from eyas.kernels import interpret
+    monkeypatch.setattr(interpret, "interpreting", lambda: False)  # what the launch takes on a GPU
     assert launch(True) == (True, True) and launch(False) == (False, None)
 
 

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from eyas.kernels.interpret import interpreting
+from eyas.kernels.interpret import interpreting, pdl_launch
 from eyas.layers.norm import rms_norm
 
 
@@ -423,8 +423,7 @@ def _launch(x2, M, K, weight, cfg, pdl, n_out, out2, *, norm_weight=None, eps=1e
             rope=None, stash=None):
     """`n_out` outputs (pairs for `pair`); `rope` the RoPE/store arguments; `stash` (seq_q, seq_rows, row_offset)
     the computed destination rows when rope's destination tensor is None."""
-    use_gdc = pdl and not interpreting()
-    kwargs = {"launch_pdl": True} if use_gdc else {}
+    use_gdc, kwargs = pdl_launch(pdl)
     cos, sin, pos, dst, kc, vc, stride_cos, q_rows, qk_rows, kv_row = rope or (out2,) * 6 + (0,) * 4
     N = weight.shape[0] // 2 if pair else weight.shape[0]
     common = (x2, weight, norm_weight if norm_weight is not None else x2, res2 if res2 is not None else out2, out2, M,

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from eyas.kernels.fused_norm import row_rstd
-from eyas.kernels.interpret import interpreting
+from eyas.kernels.interpret import gdc_prologue, pdl_launch
 from eyas.layers.attention import store_rows
 from eyas.layers.norm import rms_scale
 from eyas.layers.rotary import rotate_half
@@ -87,9 +87,7 @@ def _rope_store_kernel(Q, K, V, QO, KD, VD, POS, ROWS, COS, SIN, NX,
                        NQ: tl.constexpr, NK: tl.constexpr, HALF: tl.constexpr, BLOCK_Q: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ROWS: tl.constexpr,
                        HAS_NORM: tl.constexpr, BLOCK_X: tl.constexpr, USE_GDC: tl.constexpr):
-    if USE_GDC:  # PDL: let the next kernel (the attention) launch now, then wait for the previous one's writes
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    gdc_prologue(USE_GDC)  # PDL: the next kernel (the attention) launches now; wait for the previous one's writes
     pid = tl.program_id(0)
     b = (pid // num_q).to(tl.int64)
     j = (pid % num_q).to(tl.int64)
@@ -215,7 +213,7 @@ def rope_store_triton(positions, q, k, v, cos, sin, k_dst, v_dst, rows=None, seq
     has_rows, has_norm = rows is not None, norm_x is not None
     r = rows if has_rows else positions  # a placeholder, never read
     nx = norm_x if has_norm else q  # likewise
-    use_gdc = bool(pdl) and not interpreting()
+    use_gdc, launch = pdl_launch(pdl)
     _rope_store_kernel[(B * NQ,)](
         q, k, v, q_out, k_dst, v_dst, positions, r, cos, sin, nx,
         NQ, seq_rows or 0, row_offset,
@@ -227,7 +225,7 @@ def rope_store_triton(positions, q, k, v, cos, sin, k_dst, v_dst, rows=None, seq
         NQ=H, NK=KVH, HALF=D // 2, BLOCK_Q=triton.next_power_of_2(H), BLOCK_K=triton.next_power_of_2(KVH),
         BLOCK_D=triton.next_power_of_2(D // 2), HAS_ROWS=has_rows, HAS_NORM=has_norm,
         BLOCK_X=triton.next_power_of_2(nx.shape[-1]) if has_norm else 1, USE_GDC=use_gdc, num_warps=4,
-        enable_fp_fusion=False, **({"launch_pdl": True} if use_gdc else {}),
+        enable_fp_fusion=False, **launch,
     )
     return q_out
 

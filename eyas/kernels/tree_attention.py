@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eyas.kernels.interpret import interpreting
+from eyas.kernels.interpret import gdc_prologue, interpreting, pdl_launch
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -46,20 +46,11 @@ PDL = True
 
 def _gdc(pdl: bool) -> tuple[bool, dict]:
     """(USE_GDC for a kernel, its launch keywords): PDL where asked, switched on, and not under the interpreter."""
-    use = bool(pdl and PDL and not interpreting())
-    return use, ({"launch_pdl": True} if use else {})
+    return pdl_launch(pdl and PDL)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Shared device helpers
-
-
-@triton.jit
-def _gdc_prologue(USE_GDC: tl.constexpr):
-    """With PDL: let the next kernel's programs launch now, then wait for the previous kernel (its writes visible)."""
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -209,7 +200,7 @@ def _paged_prefix_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
-    _gdc_prologue(USE_GDC)
+    gdc_prologue(USE_GDC)
     pid_s = tl.program_id(2)
     b, kvh, rows, offs_d, d_ok, q = _program_rows(Q, K, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh,
                                                   stride_qd, G, HEAD_D, BLOCK_M, BLOCK_D, UPCAST)
@@ -232,7 +223,7 @@ def _reduce_splits_kernel(
     BLOCK_S: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
     """One program per (b, q, h) row: o = sum_s o_s exp(lse_s - lse), lse = logsumexp_s lse_s."""
-    _gdc_prologue(USE_GDC)
+    gdc_prologue(USE_GDC)
     pid = tl.program_id(0)
     h = pid % num_heads
     qi = (pid // num_heads) % num_q
@@ -314,7 +305,7 @@ def _split_tree_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NS: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
-    _gdc_prologue(USE_GDC)
+    gdc_prologue(USE_GDC)
     pid_s = tl.program_id(2)
     b, kvh, rows, offs_d, d_ok, q = _program_rows(Q, KC, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh,
                                                   stride_qd, G, HEAD_D, BLOCK_M, BLOCK_D, UPCAST)
