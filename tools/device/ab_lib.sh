@@ -1,5 +1,6 @@
 # Sourced by the device scripts that time a module-level switch in processes alternated on one machine
-# (attn_pdl_ab.sh, replay_ab.sh, fused_pdl_ab.sh) and by those whose first stage only stages the GGUF's first half.
+# (attn_pdl_ab.sh, replay_ab.sh, fused_pdl_ab.sh) and by those whose first stage only stages the GGUF's first half
+# and whose second stage stages SmolLM2 (stage_b).
 
 # The 8B shape's rows of record: 1k context, FP8 draft with a 32k draft vocabulary, run L's rank paths replayed.
 L8B="bench latency --model llama-3.1-8b-shape --context 1024 --draft-vocab 32768 --draft-quant fp8 \
@@ -11,6 +12,13 @@ stage_a() {
   mkdir -p /root/stage && cp .stage/a/part_aa /root/stage/
   export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
   R=${W:-/root/w}/$1; mkdir -p $R $OUT
+}
+
+# stage_b DIR: a later call's staging (stage_smollm2.sh: the GGUF joined, the gguf wheel, MT-Bench in $S), then
+# R=$W/DIR made.
+stage_b() {
+  source tools/device/stage_smollm2.sh
+  R=$W/$1; mkdir -p $R
 }
 
 # alternate NAME SET PATTERN OUTPREFIX EYAS_ARGS...: for each value of ORDER (default "1 0 1 0"), one process that

@@ -19,8 +19,7 @@ if [ "${STAGE:-1}" = 1 ]; then
     --modes plain,chain:3 --repeat $REPEAT
   (cd $R/.. && tar czf $OUT/attn_pdl_1.tar.gz attn_pdl1)
 else
-  source tools/device/stage_smollm2.sh
-  R=$W/attn_pdl2; mkdir -p $R
+  stage_b attn_pdl2
   alternate pdl "$SET" "^| [pct]" $R/sm bench latency --model smollm2 --draft default --max-tokens $MAXT \
     --prompts $S/question.jsonl --batch-sizes 1 --num-prompts $NP --repeat $REPEAT \
     --modes plain,chain:3,tree:smollm2_48d5

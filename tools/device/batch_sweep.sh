@@ -15,8 +15,7 @@ if [ "${STAGE:-1}" = 1 ]; then
   timeout 330 $ROWS --modes plain,chain:3 --out $R/l8b 2>&1 | grep "^| [pcm]"
   timeout 200 $ROWS --modes tree:smollm2_48d5 --out $R/l8b_tree 2>&1 | grep "^| [tm]"
 else
-  source tools/device/stage_smollm2.sh
-  R=$W/batch_sweep2; mkdir -p $R
+  stage_b batch_sweep2
   timeout 540 python3 -m eyas.cli bench latency --model smollm2 --draft default --prompts $S/question.jsonl \
     --batch-sizes $BATCHES --num-prompts $NP --max-tokens $MAXT \
     --modes plain,chain:3,tree:8,tree:smollm2_25,tree:smollm2_48d5,dispatch:1=tree:smollm2_48d5,4=tree:8,256=chain:3 \

@@ -22,8 +22,7 @@ if [ "${STAGE:-1}" = 1 ]; then
     --modes plain,chain:3 --repeat $REPEAT
   (cd $R/.. && tar czf $OUT/fused_pdl_1.tar.gz fused_pdl1)
 else
-  source tools/device/stage_smollm2.sh
-  R=$W/fused_pdl2; mkdir -p $R
+  stage_b fused_pdl2
   alternate fused_pdl "$SET" "^| [pt]" $R/sm bench latency --model smollm2 --draft default --max-tokens $MAXT \
     --prompts $S/question.jsonl --batch-sizes 1 --num-prompts $NP --repeat $REPEAT --modes plain,tree:smollm2_48d5
   alternate fused_pdl "$SET" "^| [pd]" $R/smb bench latency --model smollm2 --draft default --max-tokens $MAXT \

@@ -22,8 +22,7 @@ if [ "${STAGE:-1}" = 1 ]; then
   done
   (cd $R/.. && tar czf $OUT/overlap_1.tar.gz overlap1)
 else
-  source tools/device/stage_smollm2.sh
-  R=$W/overlap2; mkdir -p $R
+  stage_b overlap2
   [ "${TESTS:-1}" = 1 ] && timeout 200 $PYTEST tests/test_cuda_graph.py -k smollm2 2>&1 | tail -3
   LAT="python3 -m eyas.cli bench latency --model smollm2 --draft default --max-tokens $MAXT --prompts $S/question.jsonl \
     --batch-sizes 1 --num-prompts $NP --repeat $REPEAT --modes plain,chain:3,tree:smollm2_48d5"

@@ -21,8 +21,7 @@ if [ "${STAGE:-1}" = 1 ]; then
     --out $R/l8b 2>&1 | grep "^| [pcm]"
   (cd $R/.. && tar czf $OUT/pdl_default_1.tar.gz pdl1)
 else
-  source tools/device/stage_smollm2.sh
-  R=$W/pdl2; mkdir -p $R
+  stage_b pdl2
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py -k smollm2 2>&1 | tail -3 \
     | tee $R/graph_tests.txt
   python3 -m eyas.cli bench latency --model smollm2 --draft default --max-tokens $MAXT --prompts $S/question.jsonl \
