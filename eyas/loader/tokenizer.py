@@ -23,6 +23,32 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
+# llama.cpp's names (`tokenizer.ggml.pre`) for byte-level BPE pre-tokenizers, by what they split before the BPE:
+# GPT-2's regex alone, or every digit on its own first (`\p{N}`, then GPT-2's regex; the HF tokenizer.json of these
+# models has `Sequence[Digits(individual_digits=True), ByteLevel]`). SmolLM2 is "smollm": without the digit split,
+# "\n\n1." would tokenise as "\n", "\n", "1", "." where the model was trained on (and writes) "\n\n", "1", ".".
+_GPT2_PRE = {None, "default", "gpt2", "mpt", "olmo", "jais"}
+_DIGITS_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def gguf_pre_tokenizer(pre: str | None):
+    """The `tokenizers` pre-tokenizer for a GGUF's `tokenizer.ggml.pre` (byte-level BPE models)."""
+    if pre in _GPT2_PRE:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if pre in _DIGITS_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    if pre in ("llama3", "llama-bpe"):
+        from tokenizers import Regex
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre); eyas reads "
+                     f"{sorted(x for x in _GPT2_PRE | _DIGITS_PRE if x)} and llama-bpe. Load the model's HF directory "
+                     "(tokenizer.json) instead")
+
+
 class Tokenizer:
     def __init__(self, backend: HFTokenizer, chat_template: str | None = None, bos_token: str | None = None,
                  eos_token: str | None = None, add_bos: bool = False):
@@ -71,7 +97,7 @@ class Tokenizer:
         merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]
         backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
                                          end_of_word_suffix="", fuse_unk=False))
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.pre_tokenizer = gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
         backend.decoder = decoders.ByteLevel()
         types = meta.get("tokenizer.ggml.token_type") or []
         control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)

@@ -1,0 +1,64 @@
+"""GGUF tokenizers split text before the BPE as llama.cpp does for the file's `tokenizer.ggml.pre`.
+
+The expected pieces below follow llama.cpp's rules (llama-vocab.cpp): "gpt2" splits with GPT-2's regex alone;
+"smollm" (and the other digit-splitting names) first isolates every digit (`\\p{N}`), which is what SmolLM2's own
+tokenizer.json does (`Sequence[Digits(individual_digits=True), ByteLevel]`); "llama-bpe" uses Llama 3's regex, whose
+numbers come in runs of at most three digits."""
+import pytest
+
+from eyas.loader.tokenizer import Tokenizer, _bytes_to_unicode
+
+SPELL = _bytes_to_unicode()
+PIECES = [b"\n", b"\n\n", b" ", b"  ", b"1", b"2", b"3", b"4", b"12", b"123", b".", b"a"]
+
+
+def _spell(b: bytes) -> str:
+    return "".join(SPELL[x] for x in b)
+
+
+NL, SP = _spell(b"\n"), _spell(b" ")
+
+
+def tokenizer(pre: str | None) -> Tokenizer:
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": [_spell(p) for p in PIECES],
+            "tokenizer.ggml.token_type": [1] * len(PIECES),
+            "tokenizer.ggml.merges": [f"{NL} {NL}", f"{SP} {SP}", "1 2", "12 3"]}
+    if pre is not None:
+        meta["tokenizer.ggml.pre"] = pre
+    return Tokenizer.from_gguf_metadata(meta)
+
+
+def pieces(tok: Tokenizer, text: str) -> list[bytes]:
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    return [PIECES[i] for i in ids]
+
+
+@pytest.mark.parametrize("pre", ["smollm", "starcoder"])
+def test_digit_splitting_pre_tokenizer(pre):
+    tok = tokenizer(pre)
+    # whitespace before a digit stays one run, as SmolLM2 writes list items ("\n\n", "1", ".")
+    assert pieces(tok, "a\n\n1.") == [b"a", b"\n\n", b"1", b"."]
+    assert pieces(tok, "a  12") == [b"a", b"  ", b"1", b"2"]
+    # digits never merge, even where the vocabulary has the merges
+    assert pieces(tok, "1234") == [b"1", b"2", b"3", b"4"]
+
+
+@pytest.mark.parametrize("pre", [None, "gpt2", "default"])
+def test_gpt2_pre_tokenizer(pre):
+    tok = tokenizer(pre)
+    assert pieces(tok, "a\n\n1.") == [b"a", b"\n", b"\n", b"1", b"."]
+    assert pieces(tok, "a  12") == [b"a", b" ", b" ", b"12"]
+    assert pieces(tok, "1234") == [b"123", b"4"]
+
+
+def test_llama3_pre_tokenizer():
+    tok = tokenizer("llama-bpe")
+    assert pieces(tok, "1234") == [b"123", b"4"]  # \p{N}{1,3}: "123", "4", each through the BPE
+    assert pieces(tok, "12312") == [b"123", b"12"]
+    assert pieces(tok, "a\n\n1.") == [b"a", b"\n\n", b"1", b"."]
+
+
+def test_unknown_pre_tokenizer_is_an_error():
+    with pytest.raises(ValueError, match="tokenizer.ggml.pre"):
+        tokenizer("qwen2")
