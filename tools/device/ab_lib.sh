@@ -2,9 +2,10 @@
 # (attn_pdl_ab.sh, replay_ab.sh, fused_pdl_ab.sh) and by those whose first stage only stages the GGUF's first half
 # and whose second stage stages SmolLM2 (stage_b).
 
-# The 8B shape's rows of record: 1k context, FP8 draft with a 32k draft vocabulary, run L's rank paths replayed.
+# The 8B shape's rows of record: 1k context, FP8 draft with a 32k draft vocabulary, the shipped draft's rank paths
+# replayed (run N A's since session 23; run L's before).
 L8B="bench latency --model llama-3.1-8b-shape --context 1024 --draft-vocab 32768 --draft-quant fp8 \
---accept-ranks docs/bench/ranks_smollm2_runL_dv32s_fp8_cpu.safetensors"
+--accept-ranks docs/bench/ranks_smollm2_runNa_dv32s_fp8_cpu.safetensors"
 
 # stage_a DIR: the first call's staging (the GGUF's first half to /root/stage, for a later call's
 # stage_smollm2.sh), eyas on the path, and R=${W:-/root/w}/DIR and $OUT made.
