@@ -54,8 +54,10 @@ def test_bench_tpc_writes_json_markdown_and_plot(tiny_chat, tmp_path):
 
     m, d = tiny_chat
     prompts = tmp_path / "q.jsonl"
-    prompts.write_text("".join(json.dumps({"question_id": i, "turns": [t, "follow-up"]}) + "\n"
-                               for i, t in enumerate(["Write a poem.", "What is 2+2?", "Name a colour."])))
+    prompts.write_text("".join(json.dumps({"question_id": i, "turns": [t, "follow-up"], **c}) + "\n"
+                               for i, (t, c) in enumerate([("Write a poem.", {"category": "writing"}),
+                                                           ("What is 2+2?", {"category": "math"}),
+                                                           ("Name a colour.", {})])))
     out = tmp_path / "out"
     rc = main(["--model", str(m), "--draft", str(d), "--speculation", "chain:3", "--speculation", "tree:8",
                "--prompts", str(prompts), "--temperature", "0", "1", "--max-tokens", "12", "--batch-size", "2",
@@ -73,9 +75,36 @@ def test_bench_tpc_writes_json_markdown_and_plot(tiny_chat, tmp_path):
         # each step commits its accepted tokens plus one; only the last step of a request can be cut short
         assert 1.0 <= r["tpc"] <= 1.0 + sum(acc) + 1e-9
         assert r["target_calls"] >= 3 and r["committed"] <= 3 * 12
-    md = (out / "tpc.md").read_text()
+        # by category: one prompt each (the third has none); their calls and tokens add up to the whole
+        cats = r["by_category"]
+        assert list(cats) == ["writing", "math", "(none)"] and all(c["prompts"] == 1 for c in cats.values())
+        assert sum(c["target_calls"] for c in cats.values()) == r["target_calls"]
+        assert sum(c["committed"] for c in cats.values()) == r["committed"]
+        for c in cats.values():
+            assert c["tpc"] == pytest.approx(c["committed"] / c["target_calls"]) == c["tpc_mean_per_prompt"]
+            assert len(c["acceptance_by_depth"]) == r["depth"]
+    md, by_cat = (out / "tpc.md").read_text().split("By prompt category:")
     assert "| draft | speculation | T | TPC" in md and md.count("chain:3") == 2
+    assert "| writing | 1 |" in by_cat and by_cat.count("chain:3 T=0") == 2  # TPC and acc@1 columns
     assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_summaries_by_category():
+    from eyas.bench.tpc import category_table, summarize
+    from eyas.engine.sequence import SpecStats
+
+    a = SpecStats(target_calls=4, committed=10, accepted_by_depth=[3, 2, 1])
+    b = SpecStats(target_calls=6, committed=8, accepted_by_depth=[2, 0, 0])
+    s = summarize([a, b], 3)
+    assert s["tpc"] == pytest.approx(18 / 10) and s["tpc_mean_per_prompt"] == pytest.approx((10 / 4 + 8 / 6) / 2)
+    assert s["acceptance_by_depth"] == pytest.approx([0.5, 0.2, 0.1])
+    assert summarize([a], 2)["acceptance_by_depth"] == pytest.approx([0.75, 0.5])  # cut at the tree's depth
+    r = {"draft": "d", "speculation": "chain:3", "temperature": 0.0,
+         "by_category": {"writing": {"prompts": 1, **summarize([a], 3)}, "math": {"prompts": 1, **summarize([b], 3)}}}
+    table = category_table([r, {**r, "by_category": {"math": r["by_category"]["math"]}}, {"draft": "x"}])
+    assert table.splitlines()[2] == "| writing | 1 | 2.500 | 0.750 |  |  |"
+    assert table.splitlines()[3] == "| math | 1 | 1.333 | 0.333 | 1.333 | 0.333 |"
+    assert category_table([{"draft": "x"}]) == ""
 
 
 def test_markdown_table_pads_shallower_rows():

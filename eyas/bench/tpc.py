@@ -5,10 +5,11 @@ question.jsonl by default, wrapped in the model's chat template) with `max_token
 
 * TPC: committed tokens / target (verify) calls, summed over all prompts (the prefill's first token is not counted);
   also the mean of the per-prompt TPCs;
-* acceptance by depth: the share of speculative steps whose accepted path reached depth d (d = 1..tree depth).
+* acceptance by depth: the share of speculative steps whose accepted path reached depth d (d = 1..tree depth);
+* the same by prompt category, where the prompt file has one (MT-Bench's `category`: writing, roleplay, ...).
 
-It writes `tpc.json`, `tpc.md` (a markdown table) and `acceptance.png` (acceptance by depth, one panel per
-temperature) into --out. It runs on the CPU or the GPU.
+It writes `tpc.json`, `tpc.md` (markdown tables: the results, then TPC by category) and `acceptance.png`
+(acceptance by depth, one panel per temperature) into --out. It runs on the CPU or the GPU.
 """
 from __future__ import annotations
 
@@ -49,8 +50,24 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
     return out
 
 
+def summarize(stats: list, depth: int) -> dict:
+    """TPC (summed and per-prompt mean) and acceptance by depth of some requests' `SpecStats`."""
+    calls = sum(s.target_calls for s in stats)
+    committed = sum(s.committed for s in stats)
+    acc = [0] * depth
+    for s in stats:
+        for d, n in enumerate(s.accepted_by_depth[:depth]):
+            acc[d] += n
+    per_prompt = [s.tokens_per_call for s in stats if s.target_calls]
+    return {"tpc": committed / max(calls, 1), "tpc_mean_per_prompt": sum(per_prompt) / max(len(per_prompt), 1),
+            "target_calls": calls, "committed": committed, "acceptance_by_depth": [a / max(calls, 1) for a in acc]}
+
+
 def run_one(target, tokenizer, draft, speculation: str, prompts: list[list[int]], temperature: float,
-            max_tokens: int, batch_size: int, seed: int, kv_cache_bytes: int | None = None) -> dict:
+            max_tokens: int, batch_size: int, seed: int, kv_cache_bytes: int | None = None,
+            categories: list | None = None) -> dict:
+    """`categories` (one per prompt, None where a prompt has none): the result also holds `by_category`, the same
+    summary for each category's prompts, in order of first appearance."""
     from eyas.engine.engine import EngineConfig, LLMEngine
     from eyas.sampling_params import SamplingParams
     from eyas.spec.tree import resolve_tree
@@ -70,22 +87,17 @@ def run_one(target, tokenizer, draft, speculation: str, prompts: list[list[int]]
             engine.step()
         stats += [s.stats for s in seqs]
     wall = time.perf_counter() - t0
-    calls = sum(s.target_calls for s in stats)
-    committed = sum(s.committed for s in stats)
-    acc = [0] * depth
-    for s in stats:
-        for d, n in enumerate(s.accepted_by_depth[:depth]):
-            acc[d] += n
-    per_prompt = [s.tokens_per_call for s in stats if s.target_calls]
     del engine
-    return {
-        "speculation": speculation, "temperature": temperature, "prompts": len(prompts), "max_tokens": max_tokens,
-        "tpc": committed / max(calls, 1),
-        "tpc_mean_per_prompt": sum(per_prompt) / max(len(per_prompt), 1),
-        "target_calls": calls, "committed": committed, "tree_nodes": engine_nodes(tree), "depth": depth,
-        "acceptance_by_depth": [a / max(calls, 1) for a in acc],
-        "wall_seconds": round(wall, 2),
-    }
+    out = {"speculation": speculation, "temperature": temperature, "prompts": len(prompts), "max_tokens": max_tokens,
+           **summarize(stats, depth), "tree_nodes": engine_nodes(tree), "depth": depth, "wall_seconds": round(wall, 2)}
+    if categories is not None and any(c is not None for c in categories):
+        if len(categories) != len(prompts):
+            raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts")
+        labels = ["(none)" if c is None else str(c) for c in categories]
+        out["by_category"] = {c: {"prompts": labels.count(c),
+                                  **summarize([s for s, x in zip(stats, labels) if x == c], depth)}
+                              for c in dict.fromkeys(labels)}
+    return out
 
 
 def engine_nodes(tree) -> int:
@@ -112,7 +124,8 @@ def bench_tpc(model: str, drafts: list[str], speculations: list[str], prompts_pa
         draft = quantize_draft(load_draft(draft_dir(model, dname), target), target, draft_quant)
         for temp in temperatures:  # every speculation at the first temperature first
             for spec in speculations:
-                r = run_one(target, tok, draft, spec, prompts, temp, max_tokens, batch_size, seed, kv_cache_bytes)
+                r = run_one(target, tok, draft, spec, prompts, temp, max_tokens, batch_size, seed, kv_cache_bytes,
+                            [rec["category"] for rec in records])
                 r["draft"] = dname
                 r["draft_layers"] = draft.config.num_hidden_layers
                 if draft_quant:
@@ -149,6 +162,26 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def category_table(results: list[dict]) -> str:
+    """TPC and depth-1 acceptance by prompt category, a column pair per result (empty without categories)."""
+    rs = [r for r in results if r.get("by_category")]
+    if not rs:
+        return ""
+    cats = list(dict.fromkeys(c for r in rs for c in r["by_category"]))
+    heads = [f"{r['draft']} {r['speculation']} T={r['temperature']:g}" for r in rs]
+    head = ["category", "prompts"] + [x for h in heads for x in (f"TPC ({h})", f"acc@1 ({h})")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in cats:
+        n = next(r["by_category"][c]["prompts"] for r in rs if c in r["by_category"])
+        cells = []
+        for r in rs:
+            b = r["by_category"].get(c)
+            cells += [f"{b['tpc']:.3f}", f"{b['acceptance_by_depth'][0]:.3f}" if b["acceptance_by_depth"] else ""] \
+                if b else ["", ""]
+        lines.append("| " + " | ".join([c, str(n)] + cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot_acceptance(results: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -181,7 +214,8 @@ def write_outputs(out: str | Path, report: dict, results: list[dict], plot: bool
     (out / "tpc.json").write_text(json.dumps(report, indent=2))
     (out / "tpc.md").write_text(f"TPC on {report['num_prompts']} prompts of {report['prompts']}, {report['max_tokens']} "
                                 f"new tokens, model {report['model']}, {report['device']} {report['dtype']}, "
-                                f"{report['date']}\n\n" + markdown_table(results))
+                                f"{report['date']}\n\n" + markdown_table(results)
+                                + ("\nBy prompt category:\n\n" + category_table(results) if category_table(results) else ""))
     if plot and results:
         plot_acceptance(results, out / "acceptance.png")
 
