@@ -23,7 +23,8 @@ def _spell(b: bytes) -> str:
 def byte_level_tokenizer(pieces: list[bytes], specials: list[str]) -> Tokenizer:
     """A byte-level BPE tokenizer as eyas builds one from GGUF metadata: `pieces` (ids 0..), then `specials`."""
     tokens = [_spell(p) for p in pieces] + specials
-    return Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+    return Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+                                         "tokenizer.ggml.tokens": tokens,
                                          "tokenizer.ggml.token_type": [1] * len(pieces) + [3] * len(specials)})
 
 

@@ -40,6 +40,7 @@ def write_gguf(path, hf_dir, qtype_name: str):
     w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     w.add_vocab_size(V)
     w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
     w.add_token_list([chr(ord("A") + i) if i < 26 else chr(ord("a") + i - 26) if i < 52 else str(i - 52)
                       for i in range(V)])
     w.add_token_types([1] * V)

@@ -44,9 +44,11 @@ def test_digit_splitting_pre_tokenizer(pre):
     assert pieces(tok, "1234") == [b"1", b"2", b"3", b"4"]
 
 
-@pytest.mark.parametrize("pre", [None, "gpt2", "default"])
-def test_gpt2_pre_tokenizer(pre):
+@pytest.mark.parametrize("pre", [None, "gpt-2", "default"])
+def test_gpt2_pre_tokenizer(pre, recwarn):
     tok = tokenizer(pre)
+    # a file that names no pre-tokenizer is read as before (GPT-2's), with a warning
+    assert any("names no pre-tokenizer" in str(w.message) for w in recwarn) == (pre in (None, "default"))
     assert pieces(tok, "a\n\n1.") == [b"a", b"\n", b"\n", b"1", b"."]
     assert pieces(tok, "a  12") == [b"a", b" ", b" ", b"12"]
     assert pieces(tok, "1234") == [b"123", b"4"]

@@ -27,7 +27,8 @@ def _bytes_to_unicode() -> dict[int, str]:
 # GPT-2's regex alone, or every digit on its own first (`\p{N}`, then GPT-2's regex; the HF tokenizer.json of these
 # models has `Sequence[Digits(individual_digits=True), ByteLevel]`). SmolLM2 is "smollm": without the digit split,
 # "\n\n1." would tokenise as "\n", "\n", "1", "." where the model was trained on (and writes) "\n\n", "1", ".".
-_GPT2_PRE = {None, "default", "gpt2", "mpt", "olmo", "jais"}
+_GPT2_PRE = {"gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais"}
+_UNNAMED_PRE = {None, "default"}  # files that name no pre-tokenizer: GPT-2's, as eyas read every GGUF before
 _DIGITS_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -35,17 +36,22 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 
 def gguf_pre_tokenizer(pre: str | None):
     """The `tokenizers` pre-tokenizer for a GGUF's `tokenizer.ggml.pre` (byte-level BPE models)."""
+    if pre in _UNNAMED_PRE:
+        import warnings
+        warnings.warn(f"this GGUF names no pre-tokenizer (tokenizer.ggml.pre = {pre!r}): splitting as GPT-2 does, "
+                      "which may differ from the model's own tokenizer (llama.cpp warns likewise)", stacklevel=3)
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
     if pre in _GPT2_PRE:
         return pre_tokenizers.ByteLevel(add_prefix_space=False)
     if pre in _DIGITS_PRE:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                         pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    if pre in ("llama3", "llama-bpe"):
+    if pre in ("llama3", "llama-v3", "llama-bpe"):
         from tokenizers import Regex
         return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre); eyas reads "
-                     f"{sorted(x for x in _GPT2_PRE | _DIGITS_PRE if x)} and llama-bpe. Load the model's HF directory "
+                     f"{sorted(_GPT2_PRE | _DIGITS_PRE)} and llama-bpe. Load the model's HF directory "
                      "(tokenizer.json) instead")
 
 
