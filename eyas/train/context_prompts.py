@@ -21,18 +21,12 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from eyas.train.data import normalize_messages, open_text, read_jsonl
+from eyas.train.data import normalize_messages, open_text, read_jsonl, read_lines
 
 
 def read_templates(path: str | Path) -> list[str]:
     """Templates, one a line ('#' lines and blank ones skipped); a literal "\\n" in a line is a line break."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--templates {str(path)!r}: no such file")
-    out = [ln.rstrip().replace("\\n", "\n") for ln in path.read_text().splitlines()
-           if ln.strip() and not ln.lstrip().startswith("#")]
-    if not out:
-        raise ValueError(f"--templates {str(path)!r}: no templates in it")
+    out = [ln.replace("\\n", "\n") for ln in read_lines(path, "--templates", "templates")]
     for i, t in enumerate(out):
         if t.count("{text}") != 1:
             raise ValueError(f"--templates {str(path)!r}: template {i} must hold '{{text}}' exactly once: {t!r}")
@@ -80,7 +74,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `make-context-prompts` on the eyas CLI's subparsers."""
     p = subparsers.add_parser("make-context-prompts", help="prompts of a task on a passage (extract, summarise, ...)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", nargs="+", required=True, help="conversation files (.jsonl[.gz|.xz]) to take passages from")
+    p.add_argument("--data", nargs="+", required=True,
+                   help="conversation files (.jsonl[.gz|.xz]) to take passages from")
     p.add_argument("--templates", required=True,
                    help="a text file of task templates, one a line, each with {text} where the passage goes")
     p.add_argument("--num", type=int, required=True, help="prompts to write")

@@ -48,6 +48,18 @@ class Example:
 _OPENERS = {".gz": gzip.open, ".xz": lzma.open}  # compressed text: a third smaller with xz for conversations
 
 
+def read_lines(path: str | Path, flag: str, what: str) -> list[str]:
+    """The lines of a text file given as `flag` (its right ends stripped; blank lines and '#' comments skipped), for
+    files of openings, templates and the like; a clear error when it is missing or holds no `what`."""
+    if not Path(path).is_file():
+        raise ValueError(f"{flag} {str(path)!r}: no such file")
+    lines = [ln.rstrip() for ln in Path(path).read_text().splitlines()
+             if ln.strip() and not ln.lstrip().startswith("#")]
+    if not lines:
+        raise ValueError(f"{flag} {str(path)!r}: no {what} in it")
+    return lines
+
+
 def open_text(path: str | Path, mode: str = "r") -> io.TextIOBase:
     """A UTF-8 text file, gzip- (.gz) or xz-compressed (.xz) or plain by its suffix; `mode` "w" writes it (its
     directory created)."""

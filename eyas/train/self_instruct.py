@@ -26,7 +26,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from eyas.train.data import open_text
+from eyas.train.data import open_text, read_lines
 
 _SENTINEL = "\x00eyas-user-request\x00"
 
@@ -139,16 +139,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    openings = None
-    if args.openings:
-        from pathlib import Path
-        path = Path(args.openings)
-        if not path.is_file():
-            raise ValueError(f"--openings {args.openings!r}: no such file")
-        openings = [ln.rstrip() for ln in path.read_text().splitlines()
-                    if ln.strip() and not ln.lstrip().startswith("#")]
-        if not openings:
-            raise ValueError(f"--openings {args.openings!r}: no openings in it")
+    openings = read_lines(args.openings, "--openings", "openings") if args.openings else None
     info = make_prompts(args.model, args.num, args.out, args.temperature, args.top_p, args.max_tokens, args.min_chars,
                         args.batch_size, args.seed, args.time_budget, args.device, args.dtype, args.progress,
                         openings)
