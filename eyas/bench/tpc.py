@@ -212,10 +212,11 @@ def write_outputs(out: str | Path, report: dict, results: list[dict], plot: bool
     out.mkdir(parents=True, exist_ok=True)
     report = dict(report, results=results)
     (out / "tpc.json").write_text(json.dumps(report, indent=2))
+    by_cat = category_table(results)
     (out / "tpc.md").write_text(f"TPC on {report['num_prompts']} prompts of {report['prompts']}, {report['max_tokens']} "
                                 f"new tokens, model {report['model']}, {report['device']} {report['dtype']}, "
                                 f"{report['date']}\n\n" + markdown_table(results)
-                                + ("\nBy prompt category:\n\n" + category_table(results) if category_table(results) else ""))
+                                + (f"\nBy prompt category:\n\n{by_cat}" if by_cat else ""))
     if plot and results:
         plot_acceptance(results, out / "acceptance.png")
 

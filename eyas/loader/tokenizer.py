@@ -30,6 +30,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 _GPT2_PRE = {"gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais"}
 _UNNAMED_PRE = {None, "default"}  # files that name no pre-tokenizer: GPT-2's, as eyas read every GGUF before
 _DIGITS_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe"}
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
@@ -46,12 +47,12 @@ def gguf_pre_tokenizer(pre: str | None):
     if pre in _DIGITS_PRE:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                         pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    if pre in ("llama3", "llama-v3", "llama-bpe"):
+    if pre in _LLAMA3_PRE:
         from tokenizers import Regex
         return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre); eyas reads "
-                     f"{sorted(_GPT2_PRE | _DIGITS_PRE)} and llama-bpe. Load the model's HF directory "
+                     f"{sorted(_GPT2_PRE | _DIGITS_PRE | _LLAMA3_PRE)}. Load the model's HF directory "
                      "(tokenizer.json) instead")
 
 
