@@ -3,7 +3,8 @@ the target's own probability of that token, on SmolLM2's greedy answers to MT-Be
 `eyas make-tree --eval-data`: a jsonl of input_ids + loss_mask, or conversations), float32 on the CPU. A second
 table bins it by the token's index in its answer, where the held-out accuracy of the trainer (whole answers) and
 MT-Bench's TPC (the first 128 tokens) differ.
-    PYTHONPATH=. python3 tools/diag/acc_by_confidence.py answers.jsonl [--limit N]   (from the repository root)"""
+    PYTHONPATH=. python3 tools/diag/acc_by_confidence.py answers.jsonl [--limit N] [--draft DIR]
+        [--edges 0 0.3 0.5 0.7 0.9 0.99 1.01]   (from the repository root)"""
 import argparse
 
 import torch
@@ -13,12 +14,20 @@ from eyas.loader.resolve import draft_dir, load_target
 from eyas.train.data import collate, length_batches, load_examples
 from eyas.train.trainer import draft_inputs, unrolled_streams
 
-target, tok = load_target("smollm2", "cpu", torch.float32)
-draft = load_draft(draft_dir("smollm2", "default"), target).eval()
+
+def fmt(x: float) -> str:
+    return f"{x:.1f}" if round(x, 1) == x else f"{x:.2f}"
+
+
 ap = argparse.ArgumentParser()
 ap.add_argument("data", nargs="+")
 ap.add_argument("--limit", type=int, default=None, help="read at most N records")
+ap.add_argument("--draft", default="default", help="an EAGLE draft directory, or 'default' (the shipped one)")
+ap.add_argument("--edges", type=float, nargs="+", default=[0.0, 0.3, 0.5, 0.7, 0.9, 1.01],
+                help="the bins of the target's probability")
 args = ap.parse_args()
+target, tok = load_target("smollm2", "cpu", torch.float32)
+draft = load_draft(draft_dir("smollm2", args.draft), target).eval()
 exs = load_examples(args.data, tok, limit=args.limit, workers=1)
 pmax, hit, index = [], [], []
 with torch.no_grad():
@@ -44,12 +53,12 @@ pmax, hit, index = torch.cat(pmax), torch.cat(hit).float(), torch.cat(index)
 print(f"positions {len(pmax)}, depth-1 acceptance {hit.mean():.3f}")
 print("| target's p(greedy token) | share of positions | draft accepts | share of all misses |")
 print("| --- | --- | --- | --- |")
-edges = [0.0, 0.3, 0.5, 0.7, 0.9, 1.01]
+edges = args.edges
 misses = (1 - hit).sum()
 for lo, hi in zip(edges, edges[1:]):
     m = (pmax >= lo) & (pmax < hi)
     if m.any():
-        print(f"| {lo:.1f}-{min(hi, 1.0):.1f} | {m.float().mean():.3f} | {hit[m].mean():.3f} | "
+        print(f"| {fmt(lo)}-{fmt(min(hi, 1.0))} | {m.float().mean():.3f} | {hit[m].mean():.3f} | "
               f"{(1 - hit[m]).sum() / misses:.3f} |")
 print()
 print("| token's index in its answer | share of positions | draft accepts |")
