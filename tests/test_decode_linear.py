@@ -168,6 +168,14 @@ def test_default_configs_fit_registers():
         assert c.BLOCK_N * kp <= 128 * 32 * c.num_warps and (c.BLOCK_N >= 2 or not sw)
     assert default_decode_config(6144, 4096) == DecodeLinearConfig(4, 8, "end")
     assert default_decode_config(4096, 14336) == DecodeLinearConfig(2, 8, "end")
+    # FP8 codes: <= 128 a thread too (they become float32 registers), twice the bf16 rows at K = 4096
+    for N, K, sw in [(6144, 4096, False), (4096, 14336, False), (14336, 4096, True), (4096, 8192, False),
+                     (32768, 4096, False), (960, 576, False), (49152, 576, False), (7, 33, True)]:
+        c = default_decode_config(N, K, sw, weight_bytes=1)
+        kp = 1 << (K - 1).bit_length()
+        assert c.BLOCK_N * kp <= 128 * 32 * c.num_warps and (c.BLOCK_N >= 2 or not sw)
+    assert default_decode_config(32768, 4096, weight_bytes=1) == DecodeLinearConfig(8, 8, "end")
+    assert default_decode_config(4096, 14336, weight_bytes=1) == DecodeLinearConfig(2, 8, "end")
 
 
 def _qkv_case(NQ, KVH, D, K, dtype, device, dst, seed=0, M=None):
@@ -203,6 +211,70 @@ def test_decode_qkv_rope_matches_reference(dtype, NQ, KVH, D, K, block_n, dst):
         assert torch.equal(got[:2], keep[:2])
         for row in range(2, 8):
             assert torch.equal(got[row], keep[row]) == (row not in dst)
+
+
+def _fp8(w):
+    from eyas.layers.linear_fp8 import quantize_fp8
+    q, sc = quantize_fp8(w.float())
+    return q.to(w.device), sc.to(w.device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,K,block_n", [(24, 64, 4), (13, 48, 8), (10, 100, 2)])
+@pytest.mark.parametrize("kind", ["plain", "norm", "residual", "norm+swiglu"])
+@pytest.mark.parametrize("M", [1, 3])
+def test_decode_linear_fp8_matches_reference(dtype, N, K, block_n, kind, M):
+    """FP8 codes with a scale per row (scale=): each prologue/epilogue against the reference over the dequantised
+    weight (rows whose scales span two orders of magnitude, so that a missing or misplaced scale shows)."""
+    if "swiglu" in kind:
+        N *= 2
+    x, w, g, r = _inputs(N, K, dtype, DEV, seed=N * K + M + 1, M=M)
+    w = w * torch.logspace(-1, 1, N, device=w.device, dtype=torch.float32)[:, None].to(dtype)
+    q, sc = _fp8(w)
+    kw = {}
+    if "norm" in kind:
+        kw["norm_weight"] = g
+    if "residual" in kind:
+        kw["residual"] = r
+    if "swiglu" in kind:
+        kw["swiglu"] = True
+    got = decode_linear(x, q, scale=sc, config=DecodeLinearConfig(BLOCK_N=block_n, num_warps=2), **kw)
+    _check(got, decode_linear_reference(x, q, scale=sc, **kw), dtype)
+    from eyas.layers.linear_fp8 import dequantize_fp8  # the reference is the dequantised weight's
+    torch.testing.assert_close(decode_linear_reference(x, q, scale=sc, **kw),
+                               decode_linear_reference(x, dequantize_fp8(q, sc), **kw))
+    # the default config takes FP8 weights on the register kernel (FP8_TILE_FACTOR times the weights)
+    _check(decode_linear(x, q, scale=sc, **kw), decode_linear_reference(x, q, scale=sc, **kw), dtype)
+
+
+@pytest.mark.parametrize("dst", [[3], [5, 2, 7]])
+def test_decode_qkv_rope_fp8_matches_reference(dst):
+    args, (kd, vd) = _qkv_case(4, 2, 16, 48, torch.float32, DEV, dst, seed=7 + len(dst))
+    q8, sc = _fp8(args[1])
+    args = (args[0], q8) + args[2:]
+    kd_ref, vd_ref = kd.clone(), vd.clone()
+    q = decode_qkv_rope(*args, kd, vd, 4, config=DecodeLinearConfig(BLOCK_N=4, num_warps=2), scale=sc)
+    q_ref = decode_qkv_rope_reference(*args, kd_ref, vd_ref, 4, scale=sc)
+    _check(q, q_ref, torch.float32)
+    _check(kd, kd_ref, torch.float32)
+    _check(vd, vd_ref, torch.float32)
+
+
+def test_fp8_errors():
+    x, w, g, r = _inputs(24, 64, torch.float32, "cpu")
+    q, sc = _fp8(w)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        decode_linear(x, w, scale=sc)
+    with pytest.raises(ValueError, match="scale must be 24"):
+        decode_linear(x, q, scale=sc[:5])
+    with pytest.raises(ValueError, match="scale must be 24"):
+        decode_linear(x, q, scale=sc.double())
+    with pytest.raises(ValueError, match="weight"):  # codes without their scale
+        decode_linear(x, q)
+    with pytest.raises(ValueError, match="register kernel"):  # the tile kernel takes no codes
+        decode_linear(torch.zeros(9, 64), q, scale=sc)
+    with pytest.raises(ValueError, match="register kernel"):
+        decode_linear(x, q, scale=sc, config=TileConfig())
 
 
 @pytest.mark.parametrize("uniform,preload", [(False, False), (True, False), (False, True)])
@@ -449,11 +521,13 @@ def test_one_row_taps_feature_layers():
     assert f1.shape == (1, 1, 3 * 48)
 
 
+@pytest.mark.parametrize("quant", [None, "fp8"])
 @pytest.mark.parametrize("B,Q,layers,out", [(1, 1, 1, "view"), (1, 3, 1, None), (2, 3, 2, "view"), (2, 1, 1, None)])
-def test_draft_levels_on_rows_equal_the_fused_path(B, Q, layers, out):
+def test_draft_levels_on_rows_equal_the_fused_path(B, Q, layers, out, quant):
     """An EAGLE draft's tree level (K/V to the stash, the suffix over its rows) on `forward_draft_rows`: the fused
     path's output, stash rows and nothing else written; one and two layers (the first without input norm), into a
-    view of a larger buffer (strided at batch 2) or a new tensor."""
+    view of a larger buffer (strided at batch 2) or a new tensor; an FP8 draft's (`--draft-quant fp8`: the codes
+    and scales on the register kernel, against the fused path's dequantised weights)."""
     from eyas.cache.kv_cache import KVCache
     from eyas.config import ModelConfig
     from eyas.layers.attention import AttentionMetadata, Stash
@@ -465,8 +539,14 @@ def test_draft_levels_on_rows_equal_the_fused_path(B, Q, layers, out):
     draft = EagleDraft(cfg).to(DEV)
     for p in draft.parameters():
         p.data.normal_(0, 0.15)
+    if quant:
+        from eyas.spec.draft_quant import fp8_linears
+        fp8_linears(draft)
+        draft.to(DEV)
     enable_fast_path(draft)
-    assert draft.few_rows
+    # a small draft: tree levels of 1 to 16 tokens; FP8 codes take the register kernel alone (no scales in the tile
+    # kernel): 1 to 8
+    assert draft.few_rows and draft.few_rows_max == (8 if quant else 16)
     cache = KVCache.allocate(cfg, layers, 6, 16, torch.float32, torch.device(DEV))
     for t in (cache.k, cache.v):
         t.normal_()
@@ -476,9 +556,9 @@ def test_draft_levels_on_rows_equal_the_fused_path(B, Q, layers, out):
         t.normal_()
     mask = torch.rand(B, Q, 2 * Q, generator=torch.Generator().manual_seed(1)) < 0.6
     mask[:, :, Q:] = torch.eye(Q, dtype=torch.bool)  # each token sees itself and some of the earlier level
-    meta = AttentionMetadata(block_tables=torch.tensor([[2, 0], [4, 5]])[:B], context_lens=torch.tensor([20, 17])[:B],
-                             max_context_len=20, block_size=16, suffix_mask=mask.to(DEV), use_triton=True,
-                             stash=stash, stash_at=Q + 1, suffix_from=1)
+    meta = AttentionMetadata(block_tables=torch.tensor([[2, 0], [4, 5]], device=DEV)[:B],
+                             context_lens=torch.tensor([20, 17], device=DEV)[:B], max_context_len=20, block_size=16,
+                             suffix_mask=mask.to(DEV), use_triton=True, stash=stash, stash_at=Q + 1, suffix_from=1)
     pairs = torch.randn(B, Q, 96, device=DEV)
     pos = torch.tensor([[19], [16]])[:B].expand(B, Q).contiguous().to(DEV)
     results = []
@@ -499,12 +579,29 @@ def test_draft_levels_on_rows_equal_the_fused_path(B, Q, layers, out):
         assert len(calls) == (1 if rows else 0)
         results.append((y.clone(), s, buf))
     (y1, s1, b1), (y0, s0, b0) = results
-    # float32: only the order of the sums differs (the fused path's are cuBLAS's or torch's)
-    torch.testing.assert_close(y1, y0, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(s1.k, s0.k, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(s1.v, s0.v, atol=1e-4, rtol=1e-4)
+    # float32: only the order of the sums differs (the fused path's are cuBLAS's or torch's); on a GPU an FP8
+    # draft's fused path at more than two rows is the FP8 GEMV, whose tensor cores take x in float16
+    tol = 2e-3 if quant and DEV == "cuda" and B * Q > 2 else 1e-4
+    torch.testing.assert_close(y1, y0, atol=tol, rtol=tol)
+    torch.testing.assert_close(s1.k, s0.k, atol=tol, rtol=tol)
+    torch.testing.assert_close(s1.v, s0.v, atol=tol, rtol=tol)
     if out:
         assert torch.equal(b1[:, :Q + 1], b0[:, :Q + 1]) and (b1[:, :Q + 1] == 7.0).all()
+
+
+def test_large_drafts_take_rows_at_one_or_two_tokens():
+    """A draft wider than FEW_ROWS_MAX_HIDDEN takes tree levels of 1 or 2 tokens on the register kernel (bf16 or
+    FP8), more on the fused path."""
+    from types import SimpleNamespace
+    from eyas.models import one_row as mod
+    big, small = (SimpleNamespace(config=SimpleNamespace(hidden_size=h), fc=torch.nn.Linear(2, 2)) for h in (4096, 576))
+    assert mod.draft_rows_max(big) == mod.LARGE_DRAFT_ROWS_MAX == 2
+    assert mod.draft_rows_max(small) == mod.FEW_ROWS_MAX
+    meta = SimpleNamespace(use_triton=True, stash=object())
+    draft = SimpleNamespace(few_rows=True, few_rows_max=2,
+                            layers=[SimpleNamespace(post_attention_layernorm=SimpleNamespace(weight=torch.ones(2)))])
+    assert [mod.takes_draft_rows(draft, torch.zeros(1, q, 4), meta) for q in (1, 2, 3)] == [True, True, False]
+    assert not mod.takes_draft_rows(draft, torch.zeros(1, 1, 4, dtype=torch.float64), meta)  # another dtype
 
 
 def test_engine_config_switches_it(tiny):
@@ -598,6 +695,25 @@ def test_gpu_bf16_shapes(N, K, kind, pdl, M):
     if "swiglu" in kind:
         kw["swiglu"] = True
     _check(decode_linear(x, w, pdl=pdl, **kw), decode_linear_reference(x, w, **kw), torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("N,K,kind", [(4096, 8192, "plain"), (4096, 4096, "residual"), (28672, 4096, "norm+swiglu"),
+                                      (4096, 14336, "residual"), (32768, 4096, "plain"), (3072, 576, "norm+swiglu"),
+                                      (49152, 576, "plain")])
+@pytest.mark.parametrize("pdl,M", [(False, 1), (True, 1), (True, 2), (True, 5)])
+def test_gpu_fp8_shapes(N, K, kind, pdl, M):
+    """FP8 codes (an FP8 draft's linears: fc, o, gate_up, down, a 32k head; SmolLM2's) on the register kernel at
+    its default configs, against the dequantised reference."""
+    x, w, g, r = _inputs(N, K, torch.bfloat16, "cuda", seed=N + 1, M=M)
+    q, sc = _fp8(w)
+    kw = {"norm_weight": g} if "norm" in kind else {}
+    if "residual" in kind:
+        kw["residual"] = r
+    if "swiglu" in kind:
+        kw["swiglu"] = True
+    _check(decode_linear(x, q, scale=sc, pdl=pdl, **kw), decode_linear_reference(x, q, scale=sc, **kw),
+           torch.bfloat16)
 
 
 @gpu

@@ -108,6 +108,29 @@ def test_fp8_linear_cpu_is_the_reference():
     assert ((m.dequantized() - lin.weight).abs() <= lin.weight.abs() * 2 ** -4 + m.scale[:, None] * 2 ** -10).all()
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_kernels_by_rows(monkeypatch, bias):
+    """Where the kernels run (on the CPU forced, interpreted): one or two rows without bias on decode_linear's
+    register kernel, more (or a bias) on the FP8 GEMV; all equal to the reference."""
+    import eyas.kernels.decode_linear as dl
+    import eyas.kernels.gemv as gv
+    torch.manual_seed(1)
+    m = Fp8Linear.from_linear(torch.nn.Linear(96, 40, bias=bias)).to(DEV)
+    if DEV == "cpu":
+        monkeypatch.setattr(Fp8Linear, "kernel_ok", lambda self, x2: True)
+    calls = []
+    for mod, name in ((dl, "decode_linear"), (gv, "gemv_triton")):
+        f = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=f, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    for rows in (1, 2, 3):
+        calls.clear()
+        x = torch.randn(rows, 96, device=DEV)
+        ref = torch.nn.functional.linear(x, m.dequantized(), m.bias)
+        tol = 1e-5 if rows <= 2 and not bias else 2e-3  # the GEMV's default at <= 2 rows sums in float16
+        torch.testing.assert_close(m(x), ref, atol=tol, rtol=tol)
+        assert calls == ["decode_linear" if rows <= 2 and not bias else "gemv_triton"]
+
+
 @pytest.fixture(scope="module")
 def mirror_pair(tmp_path_factory):
     return write_mirror_pair(tmp_path_factory.mktemp("mirror_fp8"), vocab=24, layers=2)
@@ -134,6 +157,27 @@ def test_quantize_draft_fp8(mirror_pair):
     assert torch.isinf(full[..., [0, 2, 3]]).all()
     with pytest.raises(ValueError, match="quantized already"):
         quantize_draft(draft, target, "fp8")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_engine_exact_with_fp8_draft_levels_on_rows(mirror_pair, graphs):
+    """On a GPU an FP8 draft's tree levels take the register kernel (`forward_draft_rows` with the codes' scales,
+    levels of up to 8 tokens for a small draft) and its head the same kernel at one or two rows: greedy output equals
+    non-speculative decoding, with and without CUDA graphs, chain and tree."""
+    from eyas import LLM, SamplingParams
+    target, draft = mirror_pair
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 24, (n,), generator=g).tolist() for n in (1, 9, 16)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    kw = dict(device="cuda", dtype="float32", cuda_graphs=graphs)
+    ref = [o.token_ids for o in LLM(str(target), **kw).generate(prompts, params)]
+    for spec in ("chain:3", "tree:8"):
+        llm = LLM(str(target), draft=str(draft), speculation=spec, draft_quant="fp8", **kw)
+        assert llm.draft.few_rows and llm.draft.few_rows_max == 8
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == ref, spec
+        assert sum(o.stats.committed for o in outs) > 1.5 * sum(o.stats.target_calls for o in outs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

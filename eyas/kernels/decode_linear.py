@@ -75,7 +75,14 @@ class DecodeLinearConfig:
 SMALL_WEIGHT = 1 << 22  # elements (8 MB in bf16): SmolLM2's linears are 0.3-1.8M, the 8B shape's 17-59M
 
 
-def default_decode_config(N: int, K: int, swiglu: bool = False, M: int = 1) -> DecodeLinearConfig:
+# FP8 codes a thread holds (8 warps): the codes become float32 registers before their products, so 128 is the
+# limit as for bf16 weights (offline sm_90 compiles: K = 4096 x 8 rows 176 registers, 16 rows spill; 8192 x 4 and
+# 14336 x 2 fit, twice that spills). At K = 4096 that is twice the bf16 rule's 64 a thread.
+FP8_CODES_PER_THREAD = 128
+
+
+def default_decode_config(N: int, K: int, swiglu: bool = False, M: int = 1,
+                          weight_bytes: int = 2) -> DecodeLinearConfig:
     """From the H200 sweep of tools/diag/decode_chain_bench.py over the 8B shapes (docs/bench/one_row_s14.json):
     4 rows x K = 4096 at 8 warps (SwiGLU: 2 gate/up pairs), 2 rows x K = 14336 at 8 warps, PDL trigger "end".
     A program holds BLOCK_N x next_pow2(K) weights in registers, <= 128 a thread: more spill (offline sm_90
@@ -84,12 +91,18 @@ def default_decode_config(N: int, K: int, swiglu: bool = False, M: int = 1) -> D
     15's sweeps of SmolLM2's shapes (tools/diag/tile_chain_bench.py, docs/bench/few_rows_s15.json): with the best
     per kind of such configs (2-8k weights at 4 warps, which this rule picks or neighbours) a synthetic SmolLM2
     forward of 2 rows took 0.41 ms, against 0.66 on the tile kernel and 0.72 on cuBLAS, and of one row 0.36 against
-    0.40 with the 8B rule's 16k tiles: more, smaller programs for a step bound by latency, not bytes."""
+    0.40 with the 8B rule's 16k tiles: more, smaller programs for a step bound by latency, not bytes.
+    `weight_bytes` 1 (FP8 codes): FP8_CODES_PER_THREAD codes a thread at 8 warps (twice the bf16 rule's weights
+    at K = 4096, the same above; small weights: 8k-code tiles at 4 warps)."""
     kp = triton.next_power_of_2(K)
+    fp8 = weight_bytes == 1
     if N * (2 if swiglu else 1) * K < SMALL_WEIGHT:
         per = 2 if swiglu else 1  # rows a pair (or a row) takes
-        block_n = max(per, min(4096 * per // kp, per * triton.next_power_of_2(N)))
+        block_n = max(per, min((2 if fp8 else 1) * 4096 * per // kp, per * triton.next_power_of_2(N)))
         return DecodeLinearConfig(BLOCK_N=block_n, num_warps=4, trigger="end")
+    if fp8:
+        block_n = max(2 if swiglu else 1, min(32, FP8_CODES_PER_THREAD * 256 // kp))
+        return DecodeLinearConfig(BLOCK_N=block_n, num_warps=8 if block_n * kp >= 16384 else 4, trigger="end")
     block_n = max(2 if swiglu else 1, min(16, 16384 // kp) if kp <= 4096 else 32768 // kp)
     elems = block_n * kp
     return DecodeLinearConfig(BLOCK_N=block_n, num_warps=8 if elems >= 16384 else max(1, elems // 2048),
@@ -115,32 +128,38 @@ def _pair_rows(pid, N, P: tl.constexpr, PAIR: tl.constexpr, HD: tl.constexpr):
 
 @triton.jit
 def _decode_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r, stride_o, COS, SIN, POS, DST, KC,
-                          VC, stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF,
+                          VC, stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, SCALE,
                           KP: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, NORM: tl.constexpr,
                           ADD_RES: tl.constexpr, PAIR: tl.constexpr, HD: tl.constexpr, HAS_DST: tl.constexpr,
                           USE_GDC: tl.constexpr, TRIGGER: tl.constexpr, UNIFORM: tl.constexpr,
-                          PRELOAD: tl.constexpr):
+                          PRELOAD: tl.constexpr, HAS_SCALE: tl.constexpr):
     """M <= M_PAD rows of x against one weight tile held in registers. PAIR 0: BLOCK_N weight rows n of N.
     PAIR 1 (SwiGLU): BLOCK_N / 2 pairs (gate row j, up row N + j) of N pairs. PAIR 2 (RoPE): pairs (row f, row
     f + HD), f = (j // HD) * 2 HD + j % HD, the two halves of a head's dimension d = j % HD, N pairs; rows below
     Q_ROWS are q (rotated, to OUT), then k (rotated) and v (as they are) to the row stores KC / VC at row DST[m]
     (HAS_DST; skipped when negative) or at a stash's row (`_store_pairs`), KV_ROW elements a row, at position
-    POS[m]."""
+    POS[m]. HAS_SCALE: W holds FP8 codes (float8_e4m3fn) and SCALE a float32 scale per weight row; each row's sum
+    of products with the codes is multiplied by its scale (`eyas.layers.linear_fp8`: w ~= q * scale)."""
     pid = tl.program_id(0)
     offs_k = tl.arange(0, KP)
     k_ok = offs_k < K
     offs_m = tl.arange(0, M_PAD)
+    sc = 1.0
     if PAIR > 0:
         P: tl.constexpr = BLOCK_N // 2
         j, j_ok, jj, first, second = _pair_rows(pid, N, P, PAIR, HD)
         rows = tl.join(first, second).to(tl.int64)                                             # [P, 2]
         w = tl.load(W + rows[:, :, None] * K + offs_k[None, None, :], mask=k_ok[None, None, :], other=0.0)
+        if HAS_SCALE:
+            sc = tl.load(SCALE + rows)[:, None, :]                                             # [P, 1, 2]
         acc = tl.zeros((P, M_PAD, 2), dtype=tl.float32)
     else:
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         rows = tl.where(n_ok, n, 0).to(tl.int64)  # the tail program re-reads row 0 (never stored): no predicates
         w = tl.load(W + rows[:, None] * K + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+        if HAS_SCALE:
+            sc = tl.load(SCALE + rows)[:, None]                                                # [BLOCK_N, 1]
         acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
     m_ok = offs_m < M
     tables = 0
@@ -172,6 +191,8 @@ def _decode_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride
         else:
             part = tl.sum(wf * xf[None, :], axis=1)                                           # [BLOCK_N]
             acc = tl.where((offs_m == m)[None, :], part[:, None], acc)
+    if HAS_SCALE:
+        acc = acc * sc
     if USE_GDC and TRIGGER == 2:
         tl.extra.cuda.gdc_launch_dependents()
     if PAIR == 2 and not PRELOAD:
@@ -387,10 +408,15 @@ def default_config(M: int, N: int, K: int, pairs: bool = False) -> DecodeLinearC
     return default_decode_config(N, K, pairs, M) if M <= 2 else default_tile_config(M, N, K, pairs)
 
 
-def _config(cfg, M: int, n_out: int, K: int, pairs: bool):
-    """The given config (checked), or `default_config`."""
+def _config(cfg, M: int, n_out: int, K: int, pairs: bool, fp8: bool = False):
+    """The given config (checked), or `default_config` (for FP8 weights: the register kernel's, at up to
+    REGISTER_ROWS rows)."""
     if cfg is None:
-        cfg = default_config(M, n_out, K, pairs)
+        cfg = default_decode_config(n_out, K, pairs, M, weight_bytes=1) if fp8 and M <= REGISTER_ROWS else \
+            default_config(M, n_out, K, pairs)
+    if fp8 and not isinstance(cfg, DecodeLinearConfig):
+        raise ValueError(f"FP8 weights (scale=) take the register kernel (DecodeLinearConfig) at 1 to "
+                         f"{REGISTER_ROWS} rows, got {M} rows and {type(cfg).__name__}")
     if isinstance(cfg, DecodeLinearConfig):
         if M > REGISTER_ROWS:
             raise ValueError(f"the register kernel (DecodeLinearConfig) takes 1 to {REGISTER_ROWS} rows, got {M}")
@@ -411,6 +437,22 @@ def _rows(x: torch.Tensor, what: str) -> tuple[torch.Tensor, int, int]:
     return (x2 if x2.stride(-1) == 1 else x2.contiguous()), M, K
 
 
+def _check_weight(weight: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor, what: str) -> None:
+    """The weight has x's dtype (no scale), or holds FP8 codes (float8_e4m3fn) with `scale` a contiguous float32
+    value per weight row; on x's device."""
+    if scale is None:
+        if weight.dtype != x.dtype or weight.device != x.device:
+            raise ValueError(f"{what}: weight {weight.dtype} on {weight.device}, x {x.dtype} on {x.device}")
+        return
+    if weight.dtype != torch.float8_e4m3fn or weight.device != x.device:
+        raise ValueError(f"{what} with scale= takes float8_e4m3fn codes on x's device, got {weight.dtype} on "
+                         f"{weight.device}")
+    if scale.shape != (weight.shape[0],) or scale.dtype != torch.float32 or not scale.is_contiguous() \
+            or scale.device != x.device:
+        raise ValueError(f"{what}: scale must be {weight.shape[0]} contiguous float32 values (one a weight row) on "
+                         f"x's device, got {tuple(scale.shape)} {scale.dtype}")
+
+
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the memory spans of two tensors intersect."""
     a0, b0 = a.data_ptr(), b.data_ptr()
@@ -420,9 +462,10 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _launch(x2, M, K, weight, cfg, pdl, n_out, out2, *, norm_weight=None, eps=1e-5, res2=None, pair=0, hd=1,
-            rope=None, stash=None):
+            rope=None, stash=None, scale=None):
     """`n_out` outputs (pairs for `pair`); `rope` the RoPE/store arguments; `stash` (seq_q, seq_rows, row_offset)
-    the computed destination rows when rope's destination tensor is None."""
+    the computed destination rows when rope's destination tensor is None; `scale` FP8 codes' row scales (the
+    register kernel only)."""
     use_gdc, kwargs = pdl_launch(pdl)
     cos, sin, pos, dst, kc, vc, stride_cos, q_rows, qk_rows, kv_row = rope or (out2,) * 6 + (0,) * 4
     N = weight.shape[0] // 2 if pair else weight.shape[0]
@@ -435,10 +478,11 @@ def _launch(x2, M, K, weight, cfg, pdl, n_out, out2, *, norm_weight=None, eps=1e
     seq_q, seq_rows, row_offset = stash or (1, 0, 0)
     if isinstance(cfg, DecodeLinearConfig):
         _decode_linear_kernel[grid](
-            *common, seq_q, seq_rows, row_offset, KP=triton.next_power_of_2(K), BLOCK_N=cfg.BLOCK_N,
-            M_PAD=triton.next_power_of_2(M), NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair, HD=hd,
-            HAS_DST=dst is not None, USE_GDC=use_gdc, TRIGGER=TRIGGERS.index(cfg.trigger), UNIFORM=uniform,
-            PRELOAD=PRELOAD_ROPE, num_warps=cfg.num_warps, enable_fp_fusion=False, **kwargs)
+            *common, seq_q, seq_rows, row_offset, scale if scale is not None else x2, KP=triton.next_power_of_2(K),
+            BLOCK_N=cfg.BLOCK_N, M_PAD=triton.next_power_of_2(M), NORM=norm_weight is not None,
+            ADD_RES=res2 is not None, PAIR=pair, HD=hd, HAS_DST=dst is not None, USE_GDC=use_gdc,
+            TRIGGER=TRIGGERS.index(cfg.trigger), UNIFORM=uniform, PRELOAD=PRELOAD_ROPE, HAS_SCALE=scale is not None,
+            num_warps=cfg.num_warps, enable_fp_fusion=False, **kwargs)
         return
     upcast = x2.dtype != torch.float32 and interpreting()
     _tile_linear_kernel[grid](
@@ -452,7 +496,8 @@ def _launch(x2, M, K, weight, cfg, pdl, n_out, out2, *, norm_weight=None, eps=1e
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                   eps: float = 1e-5, residual: torch.Tensor | None = None, swiglu: bool = False,
                   out: torch.Tensor | None = None, pdl: bool = False,
-                  config: DecodeLinearConfig | TileConfig | None = None) -> torch.Tensor:
+                  config: DecodeLinearConfig | TileConfig | None = None,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (1 to MAX_ROWS rows), weight [N, K] contiguous, no bias -> [..., N] (or N / 2 with `swiglu`) in
     x.dtype, row by row:
 
@@ -463,12 +508,13 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.T
 
     `pdl`: launch with programmatic dependent launch (CUDA, sm_90+; ignored under TRITON_INTERPRET). `config`:
     the register kernel (DecodeLinearConfig; the default for one row) or the tile kernel (TileConfig; the default
-    for more)."""
+    for more). `scale`: the weight is FP8 codes (float8_e4m3fn) with this float32 scale per row
+    (`eyas.layers.linear_fp8`: F.linear(h, codes * scale[:, None])), on the register kernel only (1 to
+    REGISTER_ROWS rows)."""
     x2, M, K = _rows(x, "decode_linear")
     if weight.dim() != 2 or weight.shape[1] != K or not weight.is_contiguous():
         raise ValueError(f"decode_linear needs a contiguous weight [N, {K}], got {tuple(weight.shape)}")
-    if weight.dtype != x.dtype or weight.device != x.device:
-        raise ValueError(f"decode_linear: weight {weight.dtype} on {weight.device}, x {x.dtype} on {x.device}")
+    _check_weight(weight, scale, x, "decode_linear")
     N = weight.shape[0]
     if swiglu and (N % 2 or residual is not None):
         raise ValueError("decode_linear(swiglu=True) needs an even [gate; up] weight and no residual")
@@ -487,9 +533,9 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.T
         raise ValueError(f"out must be {M} x {n_out} contiguous {x.dtype} values, got {tuple(out.shape)}")
     elif _overlap(out, x2):
         raise ValueError("decode_linear: out overlaps x (every program reads all of x while others write out)")
-    cfg = _config(config, M, n_out, K, swiglu)
+    cfg = _config(config, M, n_out, K, swiglu, fp8=scale is not None)
     _launch(x2, M, K, weight, cfg, pdl, n_out, out.view(M, n_out), norm_weight=norm_weight, eps=eps, res2=res2,
-            pair=1 if swiglu else 0)
+            pair=1 if swiglu else 0, scale=scale)
     return out
 
 
@@ -497,7 +543,8 @@ def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Te
                     positions: torch.Tensor, dst_rows: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                     k_dst: torch.Tensor, v_dst: torch.Tensor, n_heads: int, *, seq_rows: int = 0,
                     row_offset: int = 0, seq_q: int = 1, pdl: bool = False,
-                    config: DecodeLinearConfig | TileConfig | None = None) -> torch.Tensor:
+                    config: DecodeLinearConfig | TileConfig | None = None,
+                    scale: torch.Tensor | None = None) -> torch.Tensor:
     """A decoder layer's attention input for 1 to MAX_ROWS tokens x [..., K], in one launch: the fused q/k/v
     projection of RMSNorm(x) (x itself with `norm_weight` None: an EAGLE draft's first layer) (`weight`
     [(n_heads + 2 KVH) D, K], q rows, then k, then v), RoPE on q and k at
@@ -506,7 +553,7 @@ def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Te
     M = B x seq_q) at row (m // seq_q) * seq_rows + row_offset + m % seq_q (a step's stash, as
     `rope_store_triton`'s seq_rows/row_offset). Returns the rotated q [M, n_heads * D].
     Same values as `decode_linear(x, weight, norm_weight=...)` followed by `eyas.kernels.rope_store_triton`
-    (`decode_qkv_rope_reference`)."""
+    (`decode_qkv_rope_reference`). `scale`: FP8 codes, as `decode_linear`'s."""
     x2, M, K = _rows(x, "decode_qkv_rope")
     if k_dst.dim() != 3 or v_dst.shape != k_dst.shape or not k_dst.is_contiguous() or not v_dst.is_contiguous():
         raise ValueError(f"k_dst/v_dst must be contiguous row stores [rows, KVH, D], got {tuple(k_dst.shape)} and "
@@ -515,9 +562,9 @@ def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Te
     if D % 2 or weight.dim() != 2 or weight.shape != ((n_heads + 2 * KVH) * D, K) or not weight.is_contiguous():
         raise ValueError(f"weight {tuple(weight.shape)} is not a contiguous q/k/v projection of {n_heads} + 2 x "
                          f"{KVH} heads of {D} over {K}")
-    if weight.dtype != x.dtype or (norm_weight is not None and (norm_weight.shape != (K,)
-                                                                or norm_weight.dtype != x.dtype)):
-        raise ValueError("decode_qkv_rope: weight must have x's dtype, and norm_weight K elements of it")
+    _check_weight(weight, scale, x, "decode_qkv_rope")
+    if norm_weight is not None and (norm_weight.shape != (K,) or norm_weight.dtype != x.dtype):
+        raise ValueError("decode_qkv_rope: norm_weight must be K elements of x's dtype")
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or cos.stride(-1) != 1 or sin.stride(-1) != 1 \
             or sin.stride(0) != cos.stride(0):
         raise ValueError(f"cos/sin tables {tuple(cos.shape)}/{tuple(sin.shape)} must be [max_positions, {D}], "
@@ -526,7 +573,7 @@ def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Te
         raise ValueError(f"decode_qkv_rope takes a position and a destination row per token ({M}), got "
                          f"{positions.numel()} and {dst_rows.numel()}")
     n_pairs = weight.shape[0] // 2
-    cfg = _config(config, M, n_pairs, K, True)
+    cfg = _config(config, M, n_pairs, K, True, fp8=scale is not None)
     if dst_rows is None and (seq_q < 1 or M % seq_q or seq_rows < 0 or row_offset < 0
                              or row_offset + seq_q > seq_rows or M // seq_q * seq_rows > len(k_dst)):
         raise ValueError(f"decode_qkv_rope without dst_rows needs {M} tokens in sequences of seq_q = {seq_q} whose "
@@ -538,16 +585,18 @@ def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Te
     _launch(x2, M, K, weight, cfg, pdl, n_pairs, q, norm_weight=norm_weight, eps=eps, pair=2, hd=D // 2,
             rope=(cos, sin, pos if pos.stride(0) == 1 else pos.contiguous(),
                   dst if dst is None or dst.stride(0) == 1 else dst.contiguous(), k_dst, v_dst, cos.stride(0),
-                  n_heads * D, (n_heads + KVH) * D, KVH * D), stash=(seq_q, seq_rows, row_offset))
+                  n_heads * D, (n_heads + KVH) * D, KVH * D), stash=(seq_q, seq_rows, row_offset), scale=scale)
     return q
 
 
 def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                             eps: float = 1e-5, residual: torch.Tensor | None = None,
-                            swiglu: bool = False) -> torch.Tensor:
-    """Plain-PyTorch reference of `decode_linear`: the unfused modules' operations (float32 GEMV)."""
+                            swiglu: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-PyTorch reference of `decode_linear`: the unfused modules' operations (float32 GEMV; FP8 codes
+    dequantised as `eyas.layers.linear_fp8.dequantize_fp8`)."""
     h = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
-    y = (h.float() @ weight.float().T).to(x.dtype)
+    w = weight.float() if scale is None else weight.float() * scale.float()[:, None]
+    y = (h.float() @ w.T).to(x.dtype)
     if swiglu:
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
@@ -557,13 +606,15 @@ def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_weigh
 
 
 def decode_qkv_rope_reference(x, weight, norm_weight, eps, positions, dst_rows, cos, sin, k_dst, v_dst,
-                              n_heads: int, *, seq_rows: int = 0, row_offset: int = 0, seq_q: int = 1) -> torch.Tensor:
+                              n_heads: int, *, seq_rows: int = 0, row_offset: int = 0, seq_q: int = 1,
+                              scale: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-PyTorch reference of `decode_qkv_rope`: the normed projection, then `rope_store_reference`."""
     from eyas.kernels.fused_rope import rope_store_reference
     KVH, D = k_dst.shape[1:]
     M = x.numel() // x.shape[-1]
     B, Q = (1, M) if dst_rows is not None else (M // seq_q, seq_q)
-    qkv = decode_linear_reference(x.reshape(M, -1), weight, norm_weight=norm_weight, eps=eps).view(B, Q, -1)
+    qkv = decode_linear_reference(x.reshape(M, -1), weight, norm_weight=norm_weight, eps=eps,
+                                  scale=scale).view(B, Q, -1)
     q, k, v = qkv.split([n_heads * D, KVH * D, KVH * D], dim=-1)
     where = dict(rows=dst_rows.reshape(B, Q)) if dst_rows is not None else dict(seq_rows=seq_rows,
                                                                                row_offset=row_offset)

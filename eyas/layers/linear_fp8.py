@@ -9,8 +9,10 @@ Quantization: scale[n] = max_k |w[n, k]| / 448 (e4m3's largest finite value), q 
 so w ~= q * scale[n].
 
 Paths:
-* CUDA, up to 16 rows of input (a batch-1 draft level, a chain's catch-up): `eyas.kernels.gemv.gemv_triton` with the
-  FP8 codes and the scales, streaming the codes;
+* CUDA, one or two rows of input without bias (a batch-1 draft level, its head): the register kernel of the one-row
+  step (`eyas.kernels.decode_linear` with `scale=`, launched with PDL on sm_90), up to ROW_KERNEL_MAX_ROWS rows;
+* CUDA, up to 16 rows of input (a chain's catch-up): `eyas.kernels.gemv.gemv_triton` with the FP8 codes and the
+  scales, streaming the codes;
 * anything else (the CPU, more rows, `use_kernel = False`): the reference, the dequantised weight (float32 codes x
   scales, in x's dtype; made once and kept, on CUDA by `prepare` before a CUDA graph captures the forward) through
   F.linear. It is the same weight as the kernel's up to the rounding of q x scale to x's dtype.
@@ -25,6 +27,7 @@ from torch import nn
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+ROW_KERNEL_MAX_ROWS = 2  # rows that take decode_linear's register kernel on CUDA (0: the GEMV always)
 
 
 @torch.no_grad()
@@ -87,7 +90,11 @@ class Fp8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.kernel_ok(x2):
+        if bias is None and x2.shape[0] <= ROW_KERNEL_MAX_ROWS and self.kernel_ok(x2):
+            from eyas.kernels.decode_linear import decode_linear
+            from eyas.models.one_row import use_pdl
+            y = decode_linear(x2, self.qweight, scale=self.scale, pdl=use_pdl(x2.device))
+        elif self.kernel_ok(x2):
             from eyas.kernels.gemv import gemv_triton
             y = gemv_triton(x2.contiguous(), self.qweight, bias, scale=self.scale)
         else:

@@ -85,19 +85,20 @@ def enable_fast_path(model: nn.Module, one_row: bool = True, few_rows: bool = Tr
     does on CUDA. `one_row`: a target (LlamaForCausalLM) also takes `eyas.models.one_row` for batch-1 plain decode
     steps where it can; `few_rows`: for verify passes and plain steps of 2 to 16 tokens (its tile kernels), where
     they pay (small models: `few_rows_pay`); for an EagleDraft, `few_rows` puts its tree levels of 1 to 16 tokens on
-    the same kernels."""
+    the same kernels (a large draft's of 1 or 2 tokens: `eyas.models.one_row.draft_rows_max`), FP8 drafts too."""
     use_fused_ops(fuse_projections(model), True)
     if fold:
         fold_norms(model)
     elif getattr(model, "norms_folded", False):  # folded earlier: its weights stay folded, and forward_fused with
         model.norms_folded = False  # the unit norm weights computes the same model
-    from eyas.models.one_row import draft_rows_ready, few_rows_pay, one_row_ready
+    from eyas.models.one_row import draft_rows_max, draft_rows_ready, few_rows_pay, one_row_ready
     if hasattr(model, "one_row"):
         ready = one_row_ready(model)
         model.one_row = one_row and ready
         model.few_rows = few_rows and ready and few_rows_pay(model)
-    elif hasattr(model, "few_rows"):  # an EAGLE draft: its tree levels
-        model.few_rows = few_rows and draft_rows_ready(model) and few_rows_pay(model)
+    elif hasattr(model, "few_rows"):  # an EAGLE draft: its tree levels (a large draft's of one or two tokens)
+        model.few_rows = few_rows and draft_rows_ready(model)
+        model.few_rows_max = draft_rows_max(model)
     return model
 
 

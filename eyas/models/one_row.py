@@ -52,13 +52,27 @@ def _plain(linear) -> bool:
     return plain_linear(linear) and linear.weight.is_contiguous()
 
 
-def layer_ready(layer: nn.Module, input_norm: bool) -> bool:
-    """A decoder layer with fused, plain projections, RMSNorms (no input norm where `input_norm` is False: an EAGLE
-    draft's first layer), and no hooks."""
+def _fp8_plain(linear) -> bool:
+    """An FP8 linear (`eyas.layers.linear_fp8.Fp8Linear`, an FP8 draft's) without bias or hooks."""
+    from eyas.layers.linear_fp8 import Fp8Linear
+    return (type(linear) is Fp8Linear and linear.bias is None and linear.qweight.is_contiguous()
+            and not linear._forward_hooks and not linear._forward_pre_hooks)
+
+
+def _row_weight(linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the row kernels read of a linear that `layer_ready` accepted: (weight, None), or for an FP8 one (its
+    codes, their row scales)."""
+    return (linear.weight, None) if type(linear) is nn.Linear else (linear.qweight, linear.scale)
+
+
+def layer_ready(layer: nn.Module, input_norm: bool, fp8: bool = False) -> bool:
+    """A decoder layer with fused, plain projections (with `fp8`: or FP8 ones, an FP8 draft's), RMSNorms (no input
+    norm where `input_norm` is False: an EAGLE draft's first layer), and no hooks."""
     attn, mlp = layer.self_attn, layer.mlp
     if not (hasattr(attn, "qkv_proj") and hasattr(mlp, "gate_up_proj")):
         return False
-    if not all(_plain(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+    if not all(_plain(m) or (fp8 and _fp8_plain(m)) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                               mlp.down_proj)):
         return False
     n1 = layer.input_layernorm
     if not (isinstance(n1, RMSNorm) if input_norm else isinstance(n1, nn.Identity)):
@@ -125,23 +139,27 @@ def _layer_rows(layer: nn.Module, r: torch.Tensor, B: int, Q: int, pos: torch.Te
     n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
     norm, eps = (n1.weight, n1.eps) if isinstance(n1, RMSNorm) else (None, 0.0)
     k_cache, v_cache = cache.k[attn.layer_idx], cache.v[attn.layer_idx]
+    w_qkv, s_qkv = _row_weight(attn.qkv_proj)
     if meta.prefix_includes_new:
-        q = decode_qkv_rope(r, attn.qkv_proj.weight, norm, eps, pos, meta.slot_mapping, rope.cos, rope.sin,
-                            _row_store(k_cache), _row_store(v_cache), attn.n_heads, pdl=pdl)
+        q = decode_qkv_rope(r, w_qkv, norm, eps, pos, meta.slot_mapping, rope.cos, rope.sin,
+                            _row_store(k_cache), _row_store(v_cache), attn.n_heads, pdl=pdl, scale=s_qkv)
         o = prefix_only_attention(q.view(B, Q, attn.n_heads, attn.head_dim), k_cache, v_cache, meta, attn.scale,
                                   out_dtype=r.dtype, pdl=pdl)
     else:
         sk, sv = meta.stash.k[attn.layer_idx], meta.stash.v[attn.layer_idx]
         end = meta.stash_at + Q
-        q = decode_qkv_rope(r, attn.qkv_proj.weight, norm, eps, pos, None, rope.cos, rope.sin, _row_store(sk),
+        q = decode_qkv_rope(r, w_qkv, norm, eps, pos, None, rope.cos, rope.sin, _row_store(sk),
                             _row_store(sv), attn.n_heads, seq_rows=sk.shape[1], row_offset=meta.stash_at, seq_q=Q,
-                            pdl=pdl)
+                            pdl=pdl, scale=s_qkv)
         o = split_tree_attention(q.view(B, Q, attn.n_heads, attn.head_dim), sk[:, meta.suffix_from: end],
                                  sv[:, meta.suffix_from: end], k_cache, v_cache, meta, attn.scale, out_dtype=r.dtype,
                                  pdl=pdl)
-    decode_linear(o.reshape(B * Q, -1), attn.o_proj.weight, residual=r, out=r, pdl=pdl)
-    act = decode_linear(r, mlp.gate_up_proj.weight, norm_weight=n2.weight, eps=n2.eps, swiglu=True, pdl=pdl)
-    decode_linear(act, mlp.down_proj.weight, residual=r, out=r if out is None else out, pdl=pdl)
+    w, sc = _row_weight(attn.o_proj)
+    decode_linear(o.reshape(B * Q, -1), w, residual=r, out=r, pdl=pdl, scale=sc)
+    w, sc = _row_weight(mlp.gate_up_proj)
+    act = decode_linear(r, w, norm_weight=n2.weight, eps=n2.eps, swiglu=True, pdl=pdl, scale=sc)
+    w, sc = _row_weight(mlp.down_proj)
+    decode_linear(act, w, residual=r, out=r if out is None else out, pdl=pdl, scale=sc)
 
 
 def forward_rows(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache,
@@ -173,9 +191,26 @@ def forward_rows(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, met
 
 def draft_rows_ready(draft: nn.Module) -> bool:
     """Whether an EagleDraft has what `forward_draft_rows` needs: fc and every layer's fused projections plain
-    nn.Linear layers without bias or hooks (not quantized, not sharded), RMSNorms, no input norm only on layer 0."""
-    return _plain(draft.fc) and all(layer_ready(layer, isinstance(layer.input_layernorm, RMSNorm) or i > 0)
-                                    for i, layer in enumerate(draft.layers))
+    nn.Linear layers, or FP8 ones (`--draft-quant fp8`), without bias or hooks (not INT4, not sharded), RMSNorms, no
+    input norm only on layer 0."""
+    return (_plain(draft.fc) or _fp8_plain(draft.fc)) and all(
+        layer_ready(layer, isinstance(layer.input_layernorm, RMSNorm) or i > 0, fp8=True)
+        for i, layer in enumerate(draft.layers))
+
+
+# A large draft (hidden > FEW_ROWS_MAX_HIDDEN) takes levels of at most this many tokens on the register kernel
+# (`decode_linear`'s default at one or two rows): at one row it streams the 8B shape's bf16 weights faster than
+# cuBLAS (session 14, the target's one-row step), while its tile kernel (more rows) does not (session 15).
+LARGE_DRAFT_ROWS_MAX = 2
+
+
+def draft_rows_max(draft: nn.Module) -> int:
+    """The most tokens a tree level may have to take `forward_draft_rows`: FEW_ROWS_MAX where the tile kernels pay
+    (`few_rows_pay`), else LARGE_DRAFT_ROWS_MAX (the register kernel alone); an FP8 draft's codes take the register
+    kernel only, so at most its REGISTER_ROWS."""
+    from eyas.kernels.decode_linear import REGISTER_ROWS
+    rows = FEW_ROWS_MAX if few_rows_pay(draft) else LARGE_DRAFT_ROWS_MAX
+    return min(rows, REGISTER_ROWS) if _fp8_plain(draft.fc) else rows
 
 
 def takes_draft_rows(draft: nn.Module, pairs: torch.Tensor, meta: AttentionMetadata | None) -> bool:
@@ -184,7 +219,7 @@ def takes_draft_rows(draft: nn.Module, pairs: torch.Tensor, meta: AttentionMetad
     path."""
     return (getattr(draft, "few_rows", False) and meta is not None and meta.use_triton and meta.stash is not None
             and 1 <= pairs.shape[0] * pairs.shape[1] <= getattr(draft, "few_rows_max", FEW_ROWS_MAX)
-            and pairs.dtype == draft.fc.weight.dtype)
+            and pairs.dtype == draft.layers[0].post_attention_layernorm.weight.dtype)
 
 
 def forward_draft_rows(draft: nn.Module, pairs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -196,7 +231,8 @@ def forward_draft_rows(draft: nn.Module, pairs: torch.Tensor, positions: torch.T
     B, Q, H2 = pairs.shape
     M, H = B * Q, H2 // 2
     pdl = use_pdl(pairs.device)
-    r = decode_linear(pairs.reshape(M, H2), draft.fc.weight, pdl=pdl)       # the residual stream
+    w, sc = _row_weight(draft.fc)
+    r = decode_linear(pairs.reshape(M, H2), w, pdl=pdl, scale=sc)           # the residual stream
     pos = positions.expand(B, Q).reshape(M)
     direct = out is not None and out.is_contiguous() and out.shape == (B, Q, H) and out.dtype == r.dtype
     last = len(draft.layers) - 1

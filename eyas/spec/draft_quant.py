@@ -62,13 +62,7 @@ def quantize_draft(draft, target, mode: str | None, group_size: int = 128, cuda_
             mlp.gate_up_proj = Int4Linear.from_linear(mlp.gate_up_proj, group_size)
             mlp.down_proj = Int4Linear.from_linear(mlp.down_proj, group_size)
     if mode == "fp8":
-        draft.fc = Fp8Linear.from_linear(draft.fc)
-        for layer in draft.layers:
-            for block in (layer.self_attn, layer.mlp):
-                block.fuse_projections()  # qkv_proj, gate_up_proj: what the fast path runs
-                for name, child in list(block.named_children()):
-                    if isinstance(child, nn.Linear):
-                        setattr(block, name, Fp8Linear.from_linear(child))
+        fp8_linears(draft)
     if mode in ("int4", "int4-head", "fp8"):
         head = getattr(draft, "vocab_head", None)  # the draft vocabulary's rows, or the whole head
         if head is None:
@@ -84,6 +78,19 @@ def quantize_draft(draft, target, mode: str | None, group_size: int = 128, cuda_
             m.prepare(p.device, p.dtype)  # packed (INT4) or dequantised (FP8's reference) now, not inside a capture
     draft.quant = mode
     return draft
+
+
+@torch.no_grad()
+def fp8_linears(draft) -> None:
+    """`fp8`'s linears, in place: fc and each layer's projections (fused first: qkv_proj, gate_up_proj, what the
+    fast path runs) become `Fp8Linear`."""
+    draft.fc = Fp8Linear.from_linear(draft.fc)
+    for layer in draft.layers:
+        for block in (layer.self_attn, layer.mlp):
+            block.fuse_projections()
+            for name, child in list(block.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(block, name, Fp8Linear.from_linear(child))
 
 
 def draft_head_logits(draft, h: torch.Tensor) -> torch.Tensor | None:
