@@ -224,6 +224,25 @@ def test_accept_ranks_replays_a_recording_on_any_tree(tmp_path):
         main(["bench", "latency", "--model", "smollm2-shape", "--accept-ranks", str(bad)])
 
 
+def test_replayed_recording_is_read_evenly(tmp_path):
+    """Each sequence reads its own stretch of the recording (`replay_seeds`: sequence j of P from row j * T / P), so
+    the replayed TPC is the recording's: the first half of these rows accepts a whole chain:3 (4 tokens a call), the
+    second nothing (1), and two sequences of 40 decode tokens, one in each half, make 10 + 40 calls."""
+    from safetensors.torch import save_file
+    from eyas.bench.latency import replay_seeds
+    from eyas.spec.tree_builder import MISS
+    assert replay_seeds([4, 4, 10], 90) == [86, 26, 50]  # rows 0, 30 and 60 at positions 4, 4 and 10
+    rows = torch.cat([torch.zeros(100, 3), torch.full((100, 3), MISS)]).to(torch.int8)
+    path = tmp_path / "halves.safetensors"
+    save_file({"ranks": rows}, str(path))
+    out = tmp_path / "lat"
+    assert main(["bench", "latency", "--model", "smollm2-shape", "--modes", "chain:3", "--batch-sizes", "1,2",
+                 "--max-tokens", "41", "--context", "4", "--num-prompts", "2", "--accept-ranks", str(path),
+                 "--device", "cpu", "--dtype", "float32", "--out", str(out)]) == 0
+    res = json.loads((out / "latency.json").read_text())["results"]
+    assert [r["tpc"] for r in res] == pytest.approx([80 / 50, 80 / 50])
+
+
 def test_replayed_acceptance_on_the_triton_path_equals_the_torch_path(tmp_path):
     """The step's replay of recorded rank paths in one Triton launch (`replay_accept_triton`, as CUDA runs it; the
     interpreter here) commits what its torch reference commits, step by step: same tokens, calls and acceptance by

@@ -154,7 +154,7 @@ def check_replay(tree: Tree, B: int, seed: int, R: int) -> torch.Tensor:
             p = on_tree[int(torch.randint(len(on_tree), (1,), generator=g))]
             ranks[t, :len(p)] = torch.tensor(p)
     ranks[torch.rand(T, R, generator=g) < 0.1] = MISS
-    # seeds as requests carry them (any int64, negative ones too, and large enough to wrap seed * 7919)
+    # seeds as requests carry them (any int64, negative ones too)
     seeds = torch.randint(-2**62, 2**62, (B,), generator=g)
     seeds[0] = 0
     counters = torch.randint(0, 10**6, (B,), generator=g)

@@ -210,6 +210,17 @@ def _params(i: int, n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, seed=i)
 
 
+def replay_seeds(prompt_lens: list[int], rows: int) -> list[int]:
+    """Seeds for a recording of `rows` rank paths replayed (`eyas.spec.verifier.simulate_replay`: a sequence at
+    position n reads row (seed + n) mod rows): sequence j of P, whose first decode step is at position
+    prompt_lens[j], starts at row j * rows // P, so that the P sequences read the recording evenly, each its own
+    stretch. (Seeds that scatter the sequences at random make them overlap in places and skip others: over 80
+    prompts x 128 tokens of a 9,513-row recording whose whole replays to TPC 2.48, random offsets drew 2.38 or
+    2.52 by the context length alone.)"""
+    P = len(prompt_lens)
+    return [(j * rows // P - n) % rows for j, n in enumerate(prompt_lens)]
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -222,6 +233,10 @@ def time_row(engine: LLMEngine, mode: str, batch: int, prompts, max_tokens: int,
     prompt). `simulated`: the row's model has random weights (acceptance simulated)."""
     waves = max(1, -(-num_prompts // batch))
     order = spread(len(prompts), waves * batch)  # spread over the prompt list (its categories), not its head
+    seeds = list(range(waves * batch))
+    ranks = engine.runner.simulated_accept
+    if ranks is not None and not ranks.is_floating_point():  # a recording replayed: read it evenly
+        seeds = replay_seeds([len(prompts[o]) for o in order], ranks.shape[0])
     ttft = decode_s = total_s = per_seq_tokens = 0.0
     tokens = calls = decode_tokens = steps = 0
     tpots: list[float] = []
@@ -230,7 +245,7 @@ def time_row(engine: LLMEngine, mode: str, batch: int, prompts, max_tokens: int,
         _sync()
         steps0 = engine.step_counts["decode"]
         t0 = time.perf_counter()
-        seqs = [engine.add_request(p, _params(w * batch + i, max_tokens)) for i, p in enumerate(wave)]
+        seqs = [engine.add_request(p, _params(seeds[w * batch + i], max_tokens)) for i, p in enumerate(wave)]
         first = None
         # each request's own finish time (the host knows it once the step that finished it returns), for its time
         # per output token (TPOT): a request that finishes early is not charged the steps its batch-mates still

@@ -33,7 +33,7 @@ def _accept_greedy_kernel(TGT, NODE, PAR, DEP, ANC, PATH, PACKED,
     offs = tl.arange(0, BLOCK)
     ok = offs < n_nodes
     if REPLAY:  # node i matches when the sequence's row of recorded ranks starts with i's rank path
-        x = tl.load(SEEDS + b).to(tl.int64) * 7919 + tl.load(CNT + b).to(tl.int64)
+        x = tl.load(SEEDS + b).to(tl.int64) + tl.load(CNT + b).to(tl.int64)
         t = x % n_rows
         t = tl.where(t < 0, t + n_rows, t)  # torch.remainder's sign
         dep_i = tl.load(DEP + offs, mask=ok, other=0)
@@ -87,7 +87,7 @@ def accept_tree_greedy_triton(target_tokens: torch.Tensor, node_tokens: torch.Te
 def replay_accept_triton(ranks: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
                          target_tokens: torch.Tensor, node_tokens: torch.Tensor, tree) -> tuple:
     """The results of `eyas.spec.verifier.simulate_replay` (ranks [T, R] recorded rank paths; seeds, counters [B]:
-    sequence b reads row (seed * 7919 + counter) mod T) in one launch, with the `packed` output as
+    sequence b reads row (seed + counter) mod T) in one launch, with the `packed` output as
     `accept_tree_greedy_triton`'s. Benchmarks of random-weight models only."""
     B = node_tokens.shape[0]
     if ranks.dim() != 2 or ranks.shape[0] == 0 or ranks.is_floating_point():

@@ -133,16 +133,18 @@ def simulate_replay(node_tokens: torch.Tensor, tree: Tree, ranks: torch.Tensor, 
     """Replayed acceptance from a real draft's recorded rank paths, for benchmarks of random-weight models: `ranks`
     [T, R] holds, for T positions of text the target wrote, the ranks of its greedy tokens among the draft's
     proposals at depths 1..R (-1: not among them; `eyas make-tree --save-eval-ranks`). A sequence at position n
-    (`counters`) reads row (seed * 7919 + n) mod T and accepts the deepest tree node whose rank path starts that
-    row. Its position then advances by the tokens committed, so its steps read the rows a real decode would reach:
+    (`counters`) reads row (seed + n) mod T and accepts the deepest tree node whose rank path starts that row. Its
+    position then advances by the tokens committed, so its steps read the rows a real decode would reach:
     `eyas.spec.tree_builder.replay` on the device, for any tree (`simulate_accept` follows rank-0 children only).
-    The bonus is the target's greedy token. Never used for real output."""
+    The seed is the sequence's offset into the recording: `eyas bench latency` gives its sequences offsets spread
+    evenly over it (`replay_seeds`), so that together they read all of it, not overlapping stretches. The bonus is
+    the target's greedy token. Never used for real output."""
     B = node_tokens.shape[0]
     device = node_tokens.device
     depth = tree.depth.to(device)
     node_ranks = tree.rank_paths.to(device)  # [N+1, Dt]
     Dt = node_ranks.shape[1]
-    t = torch.remainder(seeds.long() * 7919 + counters.long(), ranks.shape[0])
+    t = torch.remainder(seeds.long() + counters.long(), ranks.shape[0])
     row = ranks[t].long()  # [B, R]
     if row.shape[1] < Dt:  # a shorter recording: its missing depths match nothing
         row = torch.cat([row, row.new_full((B, Dt - row.shape[1]), -1)], dim=1)
