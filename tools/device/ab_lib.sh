@@ -3,9 +3,9 @@
 # and whose second stage stages SmolLM2 (stage_b).
 
 # The 8B shape's rows of record: 1k context, FP8 draft with a 32k draft vocabulary, the shipped draft's rank paths
-# replayed (run N A's since session 23; run L's before).
+# replayed (run N A's recorded on the H200 since session 24; its CPU recording in session 23; run L's before).
 L8B="bench latency --model llama-3.1-8b-shape --context 1024 --draft-vocab 32768 --draft-quant fp8 \
---accept-ranks docs/bench/ranks_smollm2_runNa_dv32s_fp8_cpu.safetensors"
+--accept-ranks docs/bench/ranks_smollm2_runNa_dv32s_fp8_gpu.safetensors"
 
 # stage_a DIR: the first call's staging (the GGUF's first half to /root/stage, for a later call's
 # stage_smollm2.sh), eyas on the path, and R=${W:-/root/w}/DIR and $OUT made.
