@@ -236,7 +236,7 @@ def test_replayed_recording_is_read_evenly(tmp_path):
     path = tmp_path / "halves.safetensors"
     save_file({"ranks": rows}, str(path))
     out = tmp_path / "lat"
-    assert main(["bench", "latency", "--model", "smollm2-shape", "--modes", "chain:3", "--batch-sizes", "1,2",
+    assert main(["bench", "latency", "--model", "llama-tiny-shape", "--modes", "chain:3", "--batch-sizes", "1,2",
                  "--max-tokens", "41", "--context", "4", "--num-prompts", "2", "--accept-ranks", str(path),
                  "--device", "cpu", "--dtype", "float32", "--out", str(out)]) == 0
     res = json.loads((out / "latency.json").read_text())["results"]

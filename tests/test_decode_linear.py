@@ -39,6 +39,19 @@ def _inputs(N, K, dtype, device, seed=0, M=1):
     return rnd(M, K, scale=2), rnd(N, K, scale=K ** -0.5), rnd(K, scale=0.2) + 1, rnd(M, N)
 
 
+def _kind_kwargs(kind: str, g, r) -> dict:
+    """decode_linear's prologue / epilogue arguments for a test case's `kind` ("norm", "residual", "swiglu", joined
+    by "+"), from its norm weight g and residual r."""
+    kw = {}
+    if "norm" in kind:
+        kw["norm_weight"] = g
+    if "residual" in kind:
+        kw["residual"] = r
+    if "swiglu" in kind:
+        kw["swiglu"] = True
+    return kw
+
+
 def _check(out, ref, dtype):
     assert out.shape == ref.shape and out.dtype == ref.dtype
     if dtype == torch.float32:
@@ -58,13 +71,7 @@ def test_decode_linear_matches_reference(dtype, N, K, block_n, kind, M):
     if "swiglu" in kind:
         N *= 2  # N gate rows and N up rows: N not a multiple of the pairs per program
     x, w, g, r = _inputs(N, K, dtype, DEV, seed=N * K + M, M=M)
-    kw = {}
-    if "norm" in kind:
-        kw["norm_weight"] = g
-    if "residual" in kind:
-        kw["residual"] = r
-    if "swiglu" in kind:
-        kw["swiglu"] = True
+    kw = _kind_kwargs(kind, g, r)
     cfg = DecodeLinearConfig(BLOCK_N=block_n, num_warps=2)
     _check(decode_linear(x, w, config=cfg, **kw), decode_linear_reference(x, w, **kw), dtype)
 
@@ -79,11 +86,7 @@ def test_tile_linear_matches_reference(dtype, N, K, block_n, block_k, kind, M):
     if "swiglu" in kind:
         N *= 2
     x, w, g, r = _inputs(N, K, dtype, DEV, seed=N * K + M, M=M)
-    kw = {"norm_weight": g} if "norm" in kind else {}
-    if "residual" in kind:
-        kw["residual"] = r
-    if "swiglu" in kind:
-        kw["swiglu"] = True
+    kw = _kind_kwargs(kind, g, r)
     cfg = TileConfig(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=2, num_stages=2)
     _check(decode_linear(x, w, config=cfg, **kw), decode_linear_reference(x, w, **kw), dtype)
 
@@ -231,13 +234,7 @@ def test_decode_linear_fp8_matches_reference(dtype, N, K, block_n, kind, M):
     x, w, g, r = _inputs(N, K, dtype, DEV, seed=N * K + M + 1, M=M)
     w = w * torch.logspace(-1, 1, N, device=w.device, dtype=torch.float32)[:, None].to(dtype)
     q, sc = _fp8(w)
-    kw = {}
-    if "norm" in kind:
-        kw["norm_weight"] = g
-    if "residual" in kind:
-        kw["residual"] = r
-    if "swiglu" in kind:
-        kw["swiglu"] = True
+    kw = _kind_kwargs(kind, g, r)
     got = decode_linear(x, q, scale=sc, config=DecodeLinearConfig(BLOCK_N=block_n, num_warps=2), **kw)
     _check(got, decode_linear_reference(x, q, scale=sc, **kw), dtype)
     from eyas.layers.linear_fp8 import dequantize_fp8  # the reference is the dequantised weight's
@@ -689,11 +686,7 @@ def test_other_steps_keep_the_fused_path(tiny):
 def test_gpu_bf16_shapes(N, K, kind, pdl, M):
     """One row: the register kernel; 4 to 49: the tile kernel (default configs)."""
     x, w, g, r = _inputs(N, K, torch.bfloat16, "cuda", seed=N, M=M)
-    kw = {"norm_weight": g} if "norm" in kind else {}
-    if "residual" in kind:
-        kw["residual"] = r
-    if "swiglu" in kind:
-        kw["swiglu"] = True
+    kw = _kind_kwargs(kind, g, r)
     _check(decode_linear(x, w, pdl=pdl, **kw), decode_linear_reference(x, w, **kw), torch.bfloat16)
 
 
@@ -707,11 +700,7 @@ def test_gpu_fp8_shapes(N, K, kind, pdl, M):
     its default configs, against the dequantised reference."""
     x, w, g, r = _inputs(N, K, torch.bfloat16, "cuda", seed=N + 1, M=M)
     q, sc = _fp8(w)
-    kw = {"norm_weight": g} if "norm" in kind else {}
-    if "residual" in kind:
-        kw["residual"] = r
-    if "swiglu" in kind:
-        kw["swiglu"] = True
+    kw = _kind_kwargs(kind, g, r)
     _check(decode_linear(x, q, scale=sc, pdl=pdl, **kw), decode_linear_reference(x, q, scale=sc, **kw),
            torch.bfloat16)
 
