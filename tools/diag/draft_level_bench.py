@@ -1,16 +1,18 @@
 """Does an FP8 draft level run faster on the register kernel (`eyas.kernels.decode_linear` with `scale=`, PDL) than
-on the FP8 GEMV it takes today (`eyas.kernels.gemv`)? (GPU only; sm_90 for PDL.)
+on the FP8 GEMV (`eyas.kernels.gemv`: what the levels took before session 24, and what more than
+`eyas.layers.linear_fp8.ROW_KERNEL_MAX_ROWS` rows take)? (GPU only; sm_90 for PDL.)
 
-    PYTHONPATH=. python3 tools/diag/draft_level_bench.py --out /tmp/level.json
+    PYTHONPATH=. python3 tools/diag/draft_level_bench.py [--rows 4] --out /tmp/level.json
 
-One Llama-3.1-8B draft level's linears, each alone as `tools/diag/gemv_fp8_bench.py` times them (weights cycled
-through > 400 MB of copies in a CUDA graph of one cycle, so that L2 holds none): fc (4096 x 8192), qkv (6144 x 4096,
-timed as a plain linear), o (4096 x 4096, residual added), gate_up (28672 x 4096: RMSNorm and SwiGLU folded in),
-down (4096 x 14336, residual added) and the 32k draft vocabulary's head (32768 x 4096). For each: the FP8 GEMV's
-default config (today's path, without the small kernels it leaves to others), `decode_linear` over the FP8 codes at
-each config of `--configs` (BLOCK_NxWARPS) with PDL, and `decode_linear` over bf16 weights at its default config
-(the register kernel's speed on twice the bytes). Each result is checked against its reference first. Prints us a
-call and the bytes streamed per second; the last line sums a level's best.
+One Llama-3.1-8B draft level's linears at `--rows` rows of x (1 by default; a chain's catch-up has up to 4), each
+alone as `tools/diag/gemv_fp8_bench.py` times them (weights cycled through > 400 MB of copies in a CUDA graph of one
+cycle, so that L2 holds none): fc (4096 x 8192), qkv (6144 x 4096, timed as a plain linear), o (4096 x 4096,
+residual added), gate_up (28672 x 4096: RMSNorm and SwiGLU folded in), down (4096 x 14336, residual added) and the
+32k draft vocabulary's head (32768 x 4096). For each: the FP8 GEMV's default config (without the small kernels it
+leaves to others), `decode_linear` over the FP8 codes at each config of `--configs` (BLOCK_NxWARPS) with PDL, and
+`decode_linear` over bf16 weights at its default config (the register kernel's speed on twice the bytes). Each
+result is checked against its reference first. Prints us a call and the bytes streamed per second; the last line
+sums a level's best.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ def main():
     ap.add_argument("--configs", default="2x8,4x4,4x8,8x8,16x16",
                     help="BLOCK_NxWARPS register-kernel configs for the FP8 codes")
     ap.add_argument("--no-pdl", action="store_true")
+    ap.add_argument("--rows", type=int, default=1, help="rows of x (a chain's catch-up level: up to 4)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -53,28 +56,29 @@ def main():
         copies = len(ws)
         qs = [quantize_fp8(w) for w in ws]
         g = torch.Generator(device=dev).manual_seed(N + K)
-        x = torch.randn(1, K, device=dev, generator=g).to(dt)
+        M = args.rows
+        x = torch.randn(M, K, device=dev, generator=g).to(dt)
         n_out = N // 2 if "swiglu" in kind else N
         kw = {}
         if "norm" in kind:
             kw["norm_weight"] = (torch.randn(K, device=dev, generator=g) * 0.1 + 1).to(dt)
         if "swiglu" in kind:
             kw["swiglu"] = True
-        res = torch.randn(1, n_out, device=dev, generator=g).to(dt) if "residual" in kind else None
-        out = torch.empty(1, n_out, device=dev, dtype=dt)
+        res = torch.randn(M, n_out, device=dev, generator=g).to(dt) if "residual" in kind else None
+        out = torch.empty(M, n_out, device=dev, dtype=dt)
         fp8_bytes = N * K + 4 * N
-        row = {"shape": name, "N": N, "K": K, "kind": kind, "copies": copies}
+        row = {"shape": name, "N": N, "K": K, "M": M, "kind": kind, "copies": copies}
         print(f"\n{name} N={N} K={K} ({kind}): {copies} copies, fp8 {fp8_bytes / 1e6:.0f} MB", flush=True)
 
         row["gemv_fp8_us"] = time_cycle(lambda i: gemv_triton(x, qs[i][0], scale=qs[i][1]), copies)
-        cfg_bf = default_decode_config(n_out, K, "swiglu" in kind)
+        cfg_bf = default_decode_config(n_out, K, "swiglu" in kind, M)
 
         def bf(i):
             return decode_linear(x, ws[i], residual=res, out=out, pdl=pdl, config=cfg_bf, **kw)
         row["decode_bf16_us"] = time_cycle(bf, copies)
         ref = decode_linear_reference(x, qs[0][0], scale=qs[0][1], residual=res, **kw).float()
         best = None
-        cfgs = [default_decode_config(n_out, K, "swiglu" in kind, weight_bytes=1)]
+        cfgs = [default_decode_config(n_out, K, "swiglu" in kind, M, weight_bytes=1)]
         for c in args.configs.split(","):
             bn, wp = (int(v) for v in c.split("x"))
             if "swiglu" in kind and bn < 2:
