@@ -179,6 +179,9 @@ def test_default_configs_fit_registers():
         assert c.BLOCK_N * kp <= 128 * 32 * c.num_warps and (c.BLOCK_N >= 2 or not sw)
     assert default_decode_config(32768, 4096, weight_bytes=1) == DecodeLinearConfig(8, 8, "end")
     assert default_decode_config(4096, 14336, weight_bytes=1) == DecodeLinearConfig(2, 8, "end")
+    # beside 3-8 rows of x, 14336-wide rows take half (128 codes a thread spilled there)
+    assert default_decode_config(4096, 14336, M=4, weight_bytes=1) == DecodeLinearConfig(1, 8, "end")
+    assert default_decode_config(6144, 4096, M=4, weight_bytes=1) == DecodeLinearConfig(8, 8, "end")
 
 
 def _qkv_case(NQ, KVH, D, K, dtype, device, dst, seed=0, M=None):

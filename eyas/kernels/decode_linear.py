@@ -93,15 +93,17 @@ def default_decode_config(N: int, K: int, swiglu: bool = False, M: int = 1,
     forward of 2 rows took 0.41 ms, against 0.66 on the tile kernel and 0.72 on cuBLAS, and of one row 0.36 against
     0.40 with the 8B rule's 16k tiles: more, smaller programs for a step bound by latency, not bytes.
     `weight_bytes` 1 (FP8 codes): FP8_CODES_PER_THREAD codes a thread at 8 warps (twice the bf16 rule's weights
-    at K = 4096, the same above; small weights: 8k-code tiles at 4 warps)."""
+    at K = 4096, the same above; half at K > 8192 with more than two rows; small weights: 8k-code tiles at 4
+    warps)."""
     kp = triton.next_power_of_2(K)
     fp8 = weight_bytes == 1
     if N * (2 if swiglu else 1) * K < SMALL_WEIGHT:
         per = 2 if swiglu else 1  # rows a pair (or a row) takes
         block_n = max(per, min((2 if fp8 else 1) * 4096 * per // kp, per * triton.next_power_of_2(N)))
         return DecodeLinearConfig(BLOCK_N=block_n, num_warps=4, trigger="end")
-    if fp8:
-        block_n = max(2 if swiglu else 1, min(32, FP8_CODES_PER_THREAD * 256 // kp))
+    if fp8:  # (at 3-8 rows of x beside them, 14336-wide rows of 128 codes a thread spill: half)
+        per_thread = FP8_CODES_PER_THREAD if M <= 2 or kp <= 8192 else FP8_CODES_PER_THREAD // 2
+        block_n = max(2 if swiglu else 1, min(32, per_thread * 256 // kp))
         return DecodeLinearConfig(BLOCK_N=block_n, num_warps=8 if block_n * kp >= 16384 else 4, trigger="end")
     block_n = max(2 if swiglu else 1, min(16, 16384 // kp) if kp <= 4096 else 32768 // kp)
     elems = block_n * kp
