@@ -67,8 +67,8 @@ def _record_triton_launches():
 
 
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float8_e4m3fn: "*fp8e4nv",
-        torch.int64: "*i64",
-        torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8", torch.bool: "*i1"}
+        torch.int64: "*i64", torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8",
+        torch.bool: "*i1"}
 
 
 def _note_launch(fn, args, kwargs):

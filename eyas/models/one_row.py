@@ -48,15 +48,19 @@ from eyas.layers.norm import RMSNorm
 from eyas.models.llama import plain_linear
 
 
-def _plain(linear) -> bool:
+def _plain(linear, fp8: bool = False) -> bool:
+    """A linear whose weight the row kernels read as it is: a plain nn.Linear (`plain_linear`: no bias, no hooks)
+    with a contiguous weight, or with `fp8` also an FP8 one (`Fp8Linear`, an FP8 draft's) without bias or hooks
+    and with contiguous codes."""
+    if fp8 and _is_fp8(linear):
+        return (linear.bias is None and linear.qweight.is_contiguous() and not linear._forward_hooks
+                and not linear._forward_pre_hooks)
     return plain_linear(linear) and linear.weight.is_contiguous()
 
 
-def _fp8_plain(linear) -> bool:
-    """An FP8 linear (`eyas.layers.linear_fp8.Fp8Linear`, an FP8 draft's) without bias or hooks."""
+def _is_fp8(linear) -> bool:
     from eyas.layers.linear_fp8 import Fp8Linear
-    return (type(linear) is Fp8Linear and linear.bias is None and linear.qweight.is_contiguous()
-            and not linear._forward_hooks and not linear._forward_pre_hooks)
+    return type(linear) is Fp8Linear
 
 
 def _row_weight(linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -71,8 +75,7 @@ def layer_ready(layer: nn.Module, input_norm: bool, fp8: bool = False) -> bool:
     attn, mlp = layer.self_attn, layer.mlp
     if not (hasattr(attn, "qkv_proj") and hasattr(mlp, "gate_up_proj")):
         return False
-    if not all(_plain(m) or (fp8 and _fp8_plain(m)) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                               mlp.down_proj)):
+    if not all(_plain(m, fp8) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
         return False
     n1 = layer.input_layernorm
     if not (isinstance(n1, RMSNorm) if input_norm else isinstance(n1, nn.Identity)):
@@ -193,7 +196,7 @@ def draft_rows_ready(draft: nn.Module) -> bool:
     """Whether an EagleDraft has what `forward_draft_rows` needs: fc and every layer's fused projections plain
     nn.Linear layers, or FP8 ones (`--draft-quant fp8`), without bias or hooks (not INT4, not sharded), RMSNorms, no
     input norm only on layer 0."""
-    return (_plain(draft.fc) or _fp8_plain(draft.fc)) and all(
+    return _plain(draft.fc, fp8=True) and all(
         layer_ready(layer, isinstance(layer.input_layernorm, RMSNorm) or i > 0, fp8=True)
         for i, layer in enumerate(draft.layers))
 
@@ -210,7 +213,7 @@ def draft_rows_max(draft: nn.Module) -> int:
     kernel only, so at most its REGISTER_ROWS."""
     from eyas.kernels.decode_linear import REGISTER_ROWS
     rows = FEW_ROWS_MAX if few_rows_pay(draft) else LARGE_DRAFT_ROWS_MAX
-    return min(rows, REGISTER_ROWS) if _fp8_plain(draft.fc) else rows
+    return min(rows, REGISTER_ROWS) if _is_fp8(draft.fc) else rows
 
 
 def takes_draft_rows(draft: nn.Module, pairs: torch.Tensor, meta: AttentionMetadata | None) -> bool:
