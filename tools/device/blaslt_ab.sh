@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue #5, points 2a and 3 (session 25): do the verify passes that stay on cuBLAS (the 8B shape's chain:3 at 4 rows,
+# SmolLM2's default tree at 49 rows) run faster with torch's cuBLASLt backend
+# (torch.backends.cuda.preferred_blas_library("cublaslt"))? First each verify projection alone
+# (tools/diag/blas_pref_bench.py), then the 8B shape's chain:3 at batch 1 (80 prompts x 128, ab_lib's L8B) in
+# processes alternated with cuBLASLt (on) and cuBLAS (off, torch's default). No carry.
+# The engine's A/B runs only where cuBLASLt's 8B layer at 4 rows is >= 1% faster alone.
+# Env: NP8B (80), MAXT (128), ORDER ("1 0 1 0"), SKIP_ENGINE (unset).
+set -u
+NP8B=${NP8B:-80}; MAXT=${MAXT:-128}; export OUT
+source tools/device/ab_lib.sh
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+R=${W:-/root/w}/blaslt; mkdir -p $R $OUT
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+echo "== the verify projections on cuBLAS and cuBLASLt [t=$(el)]"
+timeout 120 python3 tools/diag/blas_pref_bench.py --out $OUT/blas_pref.json 2>&1 | grep -v "^ *$"
+[ -n "${SKIP_ENGINE:-}" ] && exit 0
+# the engine's A/B only where cuBLASLt's 8B layer at 4 rows is >= 1% faster alone
+python3 -c "import json, sys; r = [x for x in json.load(open('$OUT/blas_pref.json'))['rows'] if x['model'] == '8b' and x['M'] == 4]
+sys.exit(0 if sum(x['cublaslt_us'] for x in r) < 0.99 * sum(x['cublas_us'] for x in r) else 1)" || { echo "== no gain alone: no engine A/B"; exit 0; }
+echo "== 8B chain:3, cuBLASLt or cuBLAS [t=$(el)]"
+alternate blaslt "import torch
+torch.backends.cuda.preferred_blas_library('cublaslt' if on else 'cublas')" "^| [pc]" $R/l8b $L8B --batch-sizes 1 \
+  --num-prompts $NP8B --max-tokens $MAXT --modes plain,chain:3 --repeat 1
+(cd $R/.. && tar czf $OUT/blaslt.tar.gz blaslt)
+echo "== end [t=$(el)]"
