@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Issue #5, point 3 (written in session 24, not yet run): a chain's catch-up level on the register kernel. The catch-up
-# reads up to 4 tokens (padded to 4 at batch 1), so its FP8 linears take the FP8 GEMV with split-K reductions
-# (Fp8Linear: ROW_KERNEL_MAX_ROWS = 2). This times them at 4 rows alone (tools/diag/draft_level_bench.py --rows 4),
-# then the 8B shape's chain:3 at batch 1 (80 prompts x 128, the H200 recording read evenly: ab_lib's L8B) in
-# processes alternated with ROW_KERNEL_MAX_ROWS = 4 (on) and 2 (off, the default). No carry (no SmolLM2).
+# Issue #5, point 3 (written in session 24, run in session 25: slower, not kept): a chain's catch-up level on the
+# register kernel. The catch-up reads up to 4 tokens (padded to 4 at batch 1), so its FP8 linears take the FP8 GEMV
+# with split-K reductions (Fp8Linear: ROW_KERNEL_MAX_ROWS = 2). This times them at 4 rows alone
+# (tools/diag/draft_level_bench.py --rows 4), then the 8B shape's chain:3 at batch 1 (80 prompts x 128, the H200
+# recording read evenly: ab_lib's L8B) in processes alternated with ROW_KERNEL_MAX_ROWS = 4 (on) and 2 (off, the
+# default). No carry (no SmolLM2).
 # Env: NP8B (80), MAXT (128), ORDER ("1 0 1 0").
 set -u
 NP8B=${NP8B:-80}; MAXT=${MAXT:-128}; export OUT
