@@ -7,6 +7,15 @@
 L8B="bench latency --model llama-3.1-8b-shape --context 1024 --draft-vocab 32768 --draft-quant fp8 \
 --accept-ranks docs/bench/ranks_smollm2_runNa_dv32s_fp8_gpu.safetensors"
 
+# begin DIR: how an A/B script without staging starts: eyas on the path, R=${W:-/root/w}/DIR and $OUT made, and a
+# clock (`el`: seconds since begin).
+begin() {
+  export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT
+  R=${W:-/root/w}/$1; mkdir -p $R $OUT
+  T0=$(date +%s)
+}
+el() { echo $(( $(date +%s) - T0 )); }
+
 # stage_a DIR: the first call's staging (the GGUF's first half to /root/stage, for a later call's
 # stage_smollm2.sh), eyas on the path, and R=${W:-/root/w}/DIR and $OUT made.
 stage_a() {

@@ -7,11 +7,9 @@
 # The engine's A/B runs only where cuBLASLt's 8B layer at 4 rows is >= 1% faster alone.
 # Env: NP8B (80), MAXT (128), ORDER ("1 0 1 0"), SKIP_ENGINE (unset).
 set -u
-NP8B=${NP8B:-80}; MAXT=${MAXT:-128}; export OUT
+NP8B=${NP8B:-80}; MAXT=${MAXT:-128}
 source tools/device/ab_lib.sh
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-R=${W:-/root/w}/blaslt; mkdir -p $R $OUT
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+begin blaslt
 echo "== the verify projections on cuBLAS and cuBLASLt [t=$(el)]"
 timeout 120 python3 tools/diag/blas_pref_bench.py --out $OUT/blas_pref.json 2>&1 | grep -v "^ *$"
 [ -n "${SKIP_ENGINE:-}" ] && exit 0

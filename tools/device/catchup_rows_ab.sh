@@ -7,11 +7,9 @@
 # default). No carry (no SmolLM2).
 # Env: NP8B (80), MAXT (128), ORDER ("1 0 1 0").
 set -u
-NP8B=${NP8B:-80}; MAXT=${MAXT:-128}; export OUT
+NP8B=${NP8B:-80}; MAXT=${MAXT:-128}
 source tools/device/ab_lib.sh
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-R=${W:-/root/w}/catchup; mkdir -p $R $OUT
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+begin catchup
 echo "== level bench, 4 rows [t=$(el)]"
 timeout 150 python3 tools/diag/draft_level_bench.py --rows 4 --out $OUT/draft_level_rows4.json 2>&1 | grep -v "^ *$"
 echo "== 8B chain:3, catch-up on the register kernel or not [t=$(el)]"

@@ -7,11 +7,9 @@
 # alternated. No carry. (Session 25's first run crashed in every "on" process: the stashes were torch.empty.)
 # Env: NP (80), MAXT (128), ORDER8 ("1 0"), ORDERS ("1 0 1 0").
 set -u
-NP=${NP:-80}; MAXT=${MAXT:-128}; export OUT
+NP=${NP:-80}; MAXT=${MAXT:-128}
 source tools/device/ab_lib.sh
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-R=${W:-/root/w}/ropeskip; mkdir -p $R $OUT
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+begin ropeskip
 SKIP="import torch, eyas.kernels as K, eyas.kernels.fused_rope as fr, eyas.layers.attention as A
 if on:
     # the stashes that the skipped launch would fill: zeros, allocated once (no kernel in the graphs), so that the
