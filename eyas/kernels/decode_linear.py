@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from eyas.kernels.interpret import interpreting, pdl_launch
+from eyas.layers.linear_fp8 import dequantize_fp8
 from eyas.layers.norm import rms_norm
 
 
@@ -597,7 +598,7 @@ def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_weigh
     """Plain-PyTorch reference of `decode_linear`: the unfused modules' operations (float32 GEMV; FP8 codes
     dequantised as `eyas.layers.linear_fp8.dequantize_fp8`)."""
     h = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
-    w = weight.float() if scale is None else weight.float() * scale.float()[:, None]
+    w = weight.float() if scale is None else dequantize_fp8(weight, scale)
     y = (h.float() @ w.T).to(x.dtype)
     if swiglu:
         gate, up = y.chunk(2, dim=-1)
