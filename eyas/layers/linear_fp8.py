@@ -92,13 +92,14 @@ class Fp8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if bias is None and x2.shape[0] <= ROW_KERNEL_MAX_ROWS and self.kernel_ok(x2):
-            from eyas.kernels.decode_linear import decode_linear
-            from eyas.models.one_row import use_pdl
-            y = decode_linear(x2, self.qweight, scale=self.scale, pdl=use_pdl(x2.device))
-        elif self.kernel_ok(x2):
-            from eyas.kernels.gemv import gemv_triton
-            y = gemv_triton(x2.contiguous(), self.qweight, bias, scale=self.scale)
+        if self.kernel_ok(x2):
+            if bias is None and x2.shape[0] <= ROW_KERNEL_MAX_ROWS:
+                from eyas.kernels.decode_linear import decode_linear
+                from eyas.models.one_row import use_pdl
+                y = decode_linear(x2, self.qweight, scale=self.scale, pdl=use_pdl(x2.device))
+            else:
+                from eyas.kernels.gemv import gemv_triton
+                y = gemv_triton(x2.contiguous(), self.qweight, bias, scale=self.scale)
         else:
             y = F.linear(x2, self._dense_weight(x2.device, x2.dtype), bias)
         return y.view(*shape[:-1], self.out_features)
