@@ -1,0 +1,207 @@
+"""Would a persistent verify pass (one launch for all layers, grid barriers between its phases) beat one launch
+per kernel for SmolLM2's 49-row tree verify? A feasibility probe for issue #5, point 2a. (GPU only.)
+
+    PYTHONPATH=. python3 tools/diag/persistent_probe.py --out /tmp/persistent.json
+
+SmolLM2's default-tree verify pass is ~817 us of a ~1.18 ms step on the H200: 30 layers of 8 launches (cuBLAS
+GEMMs for qkv, o, gate/up and down, RoPE + store, the split attention and its reduction, SwiGLU), ~3.4 us each,
+launch- and latency-bound (weights 1-3.5 MB a GEMM, 49 rows). A persistent kernel would keep P programs on the SMs
+for the whole pass and separate its phases by grid barriers, each program loading its next weight tile before it
+waits. This times the two things that decide whether that pays, with random bf16 weights of SmolLM2's shapes:
+
+* `barrier`: a kernel of P programs doing R grid barriers and nothing else (us a barrier);
+* `chain`: the four GEMMs of 30 layers (49 rows: qkv 960 x 576, o 576 x 576, gate/up 3072 x 576, down 576 x 1536,
+  each reading a slice of the previous output, no attention or epilogues) as one persistent kernel with a barrier
+  after every GEMM, against the same 120 GEMMs on cuBLAS in one CUDA graph; the persistent result is checked
+  against torch first (a barrier that does not hold shows up as wrong numbers).
+
+The grid barrier: every program arrives on a counter (atomic add, release, after a block barrier) and spins until
+it reads (phase + 1) x P (atomic read, acquire); the counter is zeroed before each launch. P <= the SM count, so all
+programs are resident (the kernel would deadlock otherwise).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+ROWS, HIDDEN, INTER, QKV, LAYERS = 49, 576, 1536, 960, 30
+
+
+@triton.jit
+def _grid_barrier(CNT, target):
+    tl.debug_barrier()                                   # the program's writes before its arrival
+    tl.atomic_add(CNT, 1, sem="release")
+    seen = tl.atomic_add(CNT, 0, sem="acquire")
+    while seen < target:
+        seen = tl.atomic_add(CNT, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _barrier_kernel(CNT, R: tl.constexpr):
+    P = tl.num_programs(0)
+    for r in range(R):
+        _grid_barrier(CNT, (r + 1) * P)
+
+
+@triton.jit
+def _gemm_phase(X, stride_x, W, Y, stride_y, N, K: tl.constexpr, pid, P, M: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Y[:M, :N] = X[:M, :K] @ W[N, K]^T, output tiles of BLOCK_N columns dealt round-robin to the P programs."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    tiles = tl.cdiv(N, BLOCK_N)
+    for t in range(pid, tiles, P):
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + offs_k < K)[None, :]
+            w = tl.load(W + offs_n[:, None] * K + k0 + offs_k[None, :], mask=k_ok, other=0.0)
+            x = tl.load(X + offs_m[:, None] * stride_x + k0 + offs_k[None, :], mask=m_ok[:, None] & k_ok, other=0.0,
+                        cache_modifier=".cg")  # (written by other programs this launch: from L2, never L1)
+            acc = tl.dot(x, tl.trans(w), acc)
+        tl.store(Y + offs_m[:, None] * stride_y + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None])
+
+
+@triton.jit
+def _chain_kernel(X, WQ, WO, WG, WD, BQ, BO, BG, CNT, L: tl.constexpr, M: tl.constexpr, H: tl.constexpr,
+                  I: tl.constexpr, NQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """L layers of: BQ = X @ WQ^T; BO = BQ[:, :H] @ WO^T; BG = BO @ WG^T; X = BG[:, :I] @ WD^T, a grid barrier after
+    each (4 L barriers). Weights [L, N, K] contiguous."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    for layer in range(L):
+        base = layer * 4
+        _gemm_phase(X, H, WQ + layer * NQ * H, BQ, NQ, NQ, H, pid, P, M, BLOCK_M, BLOCK_N, BLOCK_K)
+        _grid_barrier(CNT, (base + 1) * P)
+        _gemm_phase(BQ, NQ, WO + layer * H * H, BO, H, H, H, pid, P, M, BLOCK_M, BLOCK_N, BLOCK_K)
+        _grid_barrier(CNT, (base + 2) * P)
+        _gemm_phase(BO, H, WG + layer * 2 * I * H, BG, 2 * I, 2 * I, H, pid, P, M, BLOCK_M, BLOCK_N, BLOCK_K)
+        _grid_barrier(CNT, (base + 3) * P)
+        _gemm_phase(BG, 2 * I, WD + layer * H * I, X, H, H, I, pid, P, M, BLOCK_M, BLOCK_N, BLOCK_K)
+        _grid_barrier(CNT, (base + 4) * P)
+
+
+def events_us(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(reps):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) * 1e3 / reps
+
+
+def graphed(fn):
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        fn()
+    torch.cuda.current_stream().wait_stream(st)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out")
+    ap.add_argument("--programs", default="33,66,132")
+    ap.add_argument("--block-n", default="16,32")
+    ap.add_argument("--tiles", default="64x2x4,128x2x4,128x3x4,64x3x8,128x3x8",
+                    help="BLOCK_KxSTAGESxWARPS of the persistent GEMM phases")
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "needs a GPU"
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cnt = torch.zeros(1, dtype=torch.int32, device=dev)
+    out = {"device": torch.cuda.get_device_name(), "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "barrier_us": {}, "chain_us": {}}
+    R = 240
+    for P in (int(p) for p in args.programs.split(",")):
+        if P > sms:
+            continue
+
+        def bar(P=P):
+            cnt.zero_()
+            _barrier_kernel[(P,)](cnt, R=R, num_warps=4)
+        us = events_us(graphed(bar), args.reps) / R
+        out["barrier_us"][P] = us
+        print(f"barrier: {P} programs, {us:.2f} us a barrier ({R} a launch)", flush=True)
+
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*s, k):
+        return (torch.randn(*s, generator=g, device=dev) * k ** -0.5).to(dt)
+    WQ, WO = rnd(LAYERS, QKV, HIDDEN, k=HIDDEN), rnd(LAYERS, HIDDEN, HIDDEN, k=HIDDEN)
+    WG, WD = rnd(LAYERS, 2 * INTER, HIDDEN, k=HIDDEN), rnd(LAYERS, HIDDEN, INTER, k=INTER)
+    x0 = torch.randn(ROWS, HIDDEN, generator=g, device=dev).to(dt)
+    X = x0.clone()
+    BQ = torch.empty(ROWS, QKV, device=dev, dtype=dt)
+    BO = torch.empty(ROWS, HIDDEN, device=dev, dtype=dt)
+    BG = torch.empty(ROWS, 2 * INTER, device=dev, dtype=dt)
+
+    def ref_chain(x):
+        for layer in range(LAYERS):
+            q = x @ WQ[layer].T
+            o = q[:, :HIDDEN] @ WO[layer].T
+            gu = o @ WG[layer].T
+            x = gu[:, :INTER] @ WD[layer].T
+        return x
+
+    def cublas_chain():
+        x = X
+        for layer in range(LAYERS):
+            torch.matmul(x, WQ[layer].T, out=BQ)
+            torch.matmul(BQ[:, :HIDDEN], WO[layer].T, out=BO)
+            torch.matmul(BO, WG[layer].T, out=BG)
+            torch.matmul(BG[:, :INTER], WD[layer].T, out=X)
+    X.copy_(x0)
+    ref = ref_chain(x0).float()
+    out["chain_us"]["cublas"] = events_us(graphed(cublas_chain), args.reps)
+    print(f"chain of {4 * LAYERS} GEMMs, 49 rows, cuBLAS in one graph: {out['chain_us']['cublas']:.1f} us", flush=True)
+    import itertools
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
+    for P, bn, (bk, stages, warps) in itertools.product((int(p) for p in args.programs.split(",")),
+                                                         [int(b) for b in args.block_n.split(",")], tiles):
+            if P > sms:
+                continue
+
+            def chain(P=P, bn=bn, bk=bk, stages=stages, warps=warps):
+                cnt.zero_()
+                _chain_kernel[(P,)](X, WQ, WO, WG, WD, BQ, BO, BG, cnt, L=LAYERS, M=ROWS, H=HIDDEN, I=INTER, NQ=QKV,
+                                    BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+            key = f"P{P}_N{bn}_K{bk}_S{stages}_W{warps}"
+            try:
+                X.copy_(x0)
+                chain()
+                torch.cuda.synchronize()
+                err = ((X.float() - ref).abs().max() / ref.abs().max()).item()
+                ok = err < 5e-2
+                us = events_us(graphed(chain), args.reps) if ok else float("nan")
+            except Exception as e:
+                print(f"  {key}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            out["chain_us"][key] = us
+            out.setdefault("chain_rel_err", {})[key] = err
+            verdict = "" if ok else ": WRONG"
+            print(f"  persistent {key}: {us:.1f} us (max error {err:.2e} of the largest output{verdict})", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
