@@ -24,16 +24,17 @@ Every rounding follows the unfused path it replaces (`decode_linear_reference`, 
 GEMV result is rounded to the model dtype before the residual add, SwiGLU or RoPE, the norm is
 `eyas.layers.norm.rms_norm`'s order of operations. Only the GEMV's float32 sum runs in another order than cuBLAS's.
 
-Rows: the register kernel takes up to REGISTER_ROWS (8), but each program re-reads every row of x, so the L2
-traffic grows with M / BLOCK_N: at 4 rows the 8B verify pass of `chain:3` ran at half the speed of cuBLAS plus the
-fused kernels (session 14). `_tile_linear_kernel` takes 2 to MAX_ROWS (64) rows the tensor-core way (weight tiles
+Rows: the register kernel takes up to REGISTER_ROWS (8), each program reading every row of x; at 4 rows the 8B verify
+pass of `chain:3` ran at half the speed of cuBLAS plus the fused kernels (session 14), and a version split over K
+that reads only its slice of x was as slow (session 26), which points to each row's products and sums against the
+tile rather than x's reads. `_tile_linear_kernel` takes 2 to MAX_ROWS (64) rows the tensor-core way (weight tiles
 streamed through `tl.dot` against x padded to 16-64 rows, as gemv's USE_DOT path), with the same prologue and
-epilogues (`_store_rows`, `_store_pairs`). By default one or two rows take the register kernel, more the tile
-kernel. Measured on the H200 (docs/bench/one_row_s14.json, few_rows_s15.json): a synthetic 8B forward's linears with
-their small kernels take 3.81-3.84 ms at one row here against 4.25-4.44 for cuBLAS and the fused kernels, and PDL
-itself pays little (0.01-0.04 ms a step); at 4 rows the tile kernel loses to cuBLAS on the 8B shapes (4.68 ms at its
-best configs against 4.13), and wins on SmolLM2's shapes at 4 and 8 rows (0.63-0.66 against 0.71-0.73), where a step
-is bound by launches, not bytes (`eyas.models.one_row.few_rows_pay`).
+epilogues (`_store_rows`, `_store_pairs`). By default one or two rows take the register kernel, more the tile kernel.
+Measured on the H200 (docs/bench/one_row_s14.json, few_rows_s15.json): a synthetic 8B forward's linears with their
+small kernels take 3.81-3.84 ms at one row here against 4.25-4.44 for cuBLAS and the fused kernels, and PDL itself
+pays little (0.01-0.04 ms a step); at 4 rows the tile kernel loses to cuBLAS on the 8B shapes (4.68 ms at its best
+configs against 4.13), and wins on SmolLM2's shapes at 4 and 8 rows (0.63-0.66 against 0.71-0.73), where a step is
+bound by launches, not bytes (`eyas.models.one_row.few_rows_pay`).
 
 Without PDL (`pdl=False`, and always under TRITON_INTERPRET) the same kernel runs as an ordinary launch.
 Tests: tests/test_decode_linear.py; bench: tools/diag/decode_chain_bench.py; docs/kernels.md.
