@@ -22,13 +22,18 @@ programs are resident (the kernel would deadlock otherwise).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_chain_bench import time_fn  # noqa: E402
 
 ROWS, HIDDEN, INTER, QKV, LAYERS = 49, 576, 1536, 960, 30
 
@@ -90,31 +95,6 @@ def _chain_kernel(X, WQ, WO, WG, WD, BQ, BO, BG, CNT, L: tl.constexpr, M: tl.con
         _grid_barrier(CNT, (base + 4) * P)
 
 
-def events_us(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) * 1e3 / reps
-
-
-def graphed(fn):
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        fn()
-    torch.cuda.current_stream().wait_stream(st)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out")
@@ -138,7 +118,7 @@ def main():
         def bar(P=P):
             cnt.zero_()
             _barrier_kernel[(P,)](cnt, R=R, num_warps=4)
-        us = events_us(graphed(bar), args.reps) / R
+        us = time_fn(bar, args.reps) * 1e3 / R
         out["barrier_us"][P] = us
         print(f"barrier: {P} programs, {us:.2f} us a barrier ({R} a launch)", flush=True)
 
@@ -171,34 +151,33 @@ def main():
             torch.matmul(BG[:, :INTER], WD[layer].T, out=X)
     X.copy_(x0)
     ref = ref_chain(x0).float()
-    out["chain_us"]["cublas"] = events_us(graphed(cublas_chain), args.reps)
+    out["chain_us"]["cublas"] = time_fn(cublas_chain, args.reps) * 1e3
     print(f"chain of {4 * LAYERS} GEMMs, 49 rows, cuBLAS in one graph: {out['chain_us']['cublas']:.1f} us", flush=True)
-    import itertools
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
     for P, bn, (bk, stages, warps) in itertools.product((int(p) for p in args.programs.split(",")),
                                                          [int(b) for b in args.block_n.split(",")], tiles):
-            if P > sms:
-                continue
+        if P > sms:
+            continue
 
-            def chain(P=P, bn=bn, bk=bk, stages=stages, warps=warps):
-                cnt.zero_()
-                _chain_kernel[(P,)](X, WQ, WO, WG, WD, BQ, BO, BG, cnt, L=LAYERS, M=ROWS, H=HIDDEN, I=INTER, NQ=QKV,
-                                    BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-            key = f"P{P}_N{bn}_K{bk}_S{stages}_W{warps}"
-            try:
-                X.copy_(x0)
-                chain()
-                torch.cuda.synchronize()
-                err = ((X.float() - ref).abs().max() / ref.abs().max()).item()
-                ok = err < 5e-2
-                us = events_us(graphed(chain), args.reps) if ok else float("nan")
-            except Exception as e:
-                print(f"  {key}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            out["chain_us"][key] = us
-            out.setdefault("chain_rel_err", {})[key] = err
-            verdict = "" if ok else ": WRONG"
-            print(f"  persistent {key}: {us:.1f} us (max error {err:.2e} of the largest output{verdict})", flush=True)
+        def chain(P=P, bn=bn, bk=bk, stages=stages, warps=warps):
+            cnt.zero_()
+            _chain_kernel[(P,)](X, WQ, WO, WG, WD, BQ, BO, BG, cnt, L=LAYERS, M=ROWS, H=HIDDEN, I=INTER, NQ=QKV,
+                                BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        key = f"P{P}_N{bn}_K{bk}_S{stages}_W{warps}"
+        try:
+            X.copy_(x0)
+            chain()
+            torch.cuda.synchronize()
+            err = ((X.float() - ref).abs().max() / ref.abs().max()).item()
+            ok = err < 5e-2
+            us = time_fn(chain, args.reps) * 1e3 if ok else float("nan")
+        except Exception as e:
+            print(f"  {key}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        out["chain_us"][key] = us
+        out.setdefault("chain_rel_err", {})[key] = err
+        verdict = "" if ok else ": WRONG"
+        print(f"  persistent {key}: {us:.1f} us (max error {err:.2e} of the largest output{verdict})", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2))
 
