@@ -322,6 +322,40 @@ def test_init_grows_deeper_drafts_that_start_as_the_checkpoint(tiny_setup, tmp_p
         train(_cfg(tdir, data, tmp_path / "x", init=str(tmp_path / "s"), max_steps=1), target)
 
 
+def test_init_widens_drafts_that_start_as_the_checkpoint(tiny_setup, tmp_path):
+    """--draft-intermediate 3I --init <a draft I wide>: the added MLP units start silent, so (lr 0) the wide draft
+    gives the checkpoint's held-out loss, accuracy and engine TPC exactly; the engine loads the wide checkpoint, and
+    its greedy output is plain decoding's; one training step moves the added units' down columns off zero. A
+    checkpoint wider than the draft is refused."""
+    from eyas import LLM, SamplingParams
+    from eyas.train.trainer import train
+
+    tdir, data, target = tiny_setup
+    I = target.config.intermediate_size
+    train(_cfg(tdir, data, tmp_path / "d1", epochs=6, tpc_prompts=0, save_dtype="float32"), target)
+    kw = dict(init=str(tmp_path / "d1"), max_steps=1, noise="none")
+    ref = train(_cfg(tdir, data, tmp_path / "r", lr=0.0, **kw), target)["final_metrics"]["layers-1"]
+    wide = train(_cfg(tdir, data, tmp_path / "w", lr=0.0, draft_intermediate=3 * I, **kw),
+                 target)["final_metrics"]["layers-1"]
+    assert ref["acc_by_depth"][0] > 0.2  # a trained draft, not a blank one
+    assert (wide["loss"], wide["acc_by_depth"], wide["tpc_chain:3"]) == (ref["loss"], ref["acc_by_depth"],
+                                                                         ref["tpc_chain:3"])
+    train(_cfg(tdir, data, tmp_path / "s", draft_intermediate=3 * I, tpc_prompts=0, save_dtype="float32", **kw),
+          target)
+    w = load_file(str(tmp_path / "s" / "model.safetensors"))
+    assert w["layers.0.mlp.gate_proj.weight"].shape == (3 * I, target.config.hidden_size)
+    assert w["layers.0.mlp.down_proj.weight"][:, I:].abs().max() > 0
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["intermediate_size"] == 3 * I
+    prompt = load_examples([data])[0].prompt_ids()
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    res = LLM(str(tdir), device="cpu", dtype="float32", draft=str(tmp_path / "s"), speculation="chain:3").generate(
+        prompt, sp)[0]
+    plain = LLM(str(tdir), device="cpu", dtype="float32").generate(prompt, sp)[0]
+    assert res.token_ids == plain.token_ids and res.stats.tokens_per_call > 1.0
+    with pytest.raises(ValueError, match="wider than"):
+        train(_cfg(tdir, data, tmp_path / "x", init=str(tmp_path / "s"), max_steps=1), target)
+
+
 def test_first_answer_tokens_keeps_the_start_of_each_assistant_turn():
     from eyas.train.data import Example, first_answer_tokens
 

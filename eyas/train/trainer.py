@@ -96,7 +96,8 @@ class TrainConfig:
     noise: str = "uniform"  # none | uniform | gaussian
     noise_std: float = 0.2  # uniform: U(-std/2, std/2) as EAGLE; gaussian: N(0, std)
     seed: int = 0
-    init: str | None = None  # start every draft from this EAGLE checkpoint (deeper drafts grow from it)
+    init: str | None = None  # start every draft from this EAGLE checkpoint (deeper and wider drafts grow from it)
+    draft_intermediate: int | None = None  # the drafts' MLP width (None: the target's intermediate size)
     eval_every: int = 0  # steps; 0: only at the end
     eval_depth: int = 3
     eval_batch_tokens: int = 8192
@@ -140,9 +141,10 @@ def lr_lambda(total: int, warmup: int, min_ratio: float):
     return f
 
 
-def make_draft(target, layers: int, feature_layers=None) -> EagleDraft:
+def make_draft(target, layers: int, feature_layers=None, intermediate: int | None = None) -> EagleDraft:
     """A randomly initialised draft for `target`; with `feature_layers`, its `fuse` starts at the identity on the
-    final hidden state (fc and the layers draw the same random init as without)."""
+    final hidden state (fc and the layers draw the same random init as without). `intermediate`: the MLP width of its
+    layers (default: the target's)."""
     from eyas.layers.rotary import RotaryEmbedding
     tcfg = target.config
     fl = tuple(int(i) for i in feature_layers) if feature_layers is not None else None
@@ -150,7 +152,10 @@ def make_draft(target, layers: int, feature_layers=None) -> EagleDraft:
         bad = [i for i in fl if not 0 <= i < tcfg.num_hidden_layers]
         if bad:
             raise ValueError(f"feature layers {bad} are outside the target's layers 0..{tcfg.num_hidden_layers - 1}")
-    cfg = dataclasses.replace(tcfg, num_hidden_layers=layers, fc_bias=False, feature_layers=fl)
+    if intermediate is not None and intermediate < 1:
+        raise ValueError(f"--draft-intermediate must be positive, got {intermediate}")
+    cfg = dataclasses.replace(tcfg, num_hidden_layers=layers, fc_bias=False, feature_layers=fl,
+                              intermediate_size=intermediate or tcfg.intermediate_size)
     draft = EagleDraft(cfg)
     draft.rope = RotaryEmbedding.for_config(cfg, tcfg.max_position_embeddings)  # as load_draft builds it
     if fl is not None:
@@ -166,7 +171,10 @@ def init_from_checkpoint(draft: EagleDraft, path: Path) -> None:
     * Growing: a checkpoint with fewer decoder layers fills the first ones; each added layer's residual branches start
       at zero (o_proj and down_proj zeroed, the rest keeps its random init), so it passes its input through and the
       deeper draft computes exactly what the checkpoint's draft does. Gradients reach those projections at once and
-      the rest of the layer from the next step on (as a zero-initialised LoRA B)."""
+      the rest of the layer from the next step on (as a zero-initialised LoRA B).
+    * Widening: a checkpoint with a narrower MLP fills the first units of each of its layers; the added units' down
+      projection columns start at zero (their gate and up rows keep the random init), so again the draft computes
+      exactly what the checkpoint's does."""
     from eyas.config import ModelConfig
     from eyas.loader.hf import load_weights, read_config
     icfg = ModelConfig.from_hf(read_config(path))
@@ -177,6 +185,21 @@ def init_from_checkpoint(draft: EagleDraft, path: Path) -> None:
         raise ValueError(f"--init {path} reads feature layers {list(icfg.feature_layers)}, "
                          f"--feature-layers says {None if fl is None else list(fl)}")
     st = {k.removeprefix("model."): v.float() for k, v in load_weights(path, True).items()}
+    I, I0 = draft.config.intermediate_size, icfg.intermediate_size
+    if I0 > I:
+        raise ValueError(f"--init {path} has MLPs {I0} wide, wider than the {I} of this draft")
+    if I0 < I:  # widen: the checkpoint's units first, the new ones silent (down columns zero)
+        own = draft.state_dict()
+        for k in [k for k in st if ".mlp." in k]:
+            w, full = st[k], own[k].detach().clone().float()
+            if k.endswith("down_proj.weight"):
+                full[:, :I0] = w
+                full[:, I0:] = 0
+            elif k.endswith(("gate_proj.weight", "up_proj.weight")):
+                full[:I0] = w
+            else:
+                continue
+            st[k] = full
     _, unexpected = draft.load_state_dict(st, strict=False)
     unexpected = [k for k in unexpected if k not in ("embed_tokens.weight", "lm_head.weight")]  # shared with the target
     if unexpected:
@@ -499,7 +522,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
     drafts = []
     fl = tuple(cfg.feature_layers) if cfg.feature_layers is not None else None
     for L in cfg.layers:
-        d = make_draft(target, L, fl)
+        d = make_draft(target, L, fl, cfg.draft_intermediate)
         if cfg.init is not None:
             init_from_checkpoint(d, Path(cfg.init))
         drafts.append(d.to(device=device, dtype=torch.float32).train())
@@ -761,7 +784,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--noise-std", type=float, default=d.noise_std)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--init", default=None,
-                   help="start from this EAGLE checkpoint (drafts with more layers grow from it)")
+                   help="start from this EAGLE checkpoint (drafts with more layers or a wider MLP grow from it)")
+    p.add_argument("--draft-intermediate", type=int, default=None, metavar="N",
+                   help="the drafts' MLP width (default: the target's intermediate size). Where a draft step is "
+                        "bound by kernel launches (small models at batch 1), a wider MLP costs it little time")
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-depth", type=int, default=d.eval_depth)
     p.add_argument("--eval-conversations", type=int, default=None)
