@@ -7,6 +7,7 @@
 # D: the training data (default: the file call 1 copied to /root/stage; session 10 carried it in call 2 instead:
 # D=$PWD/.stage/regen3/regen_runD_self.jsonl.xz). A_ARGS with --layers 2 grows the draft by a layer (run J).
 # A_DATA / B_DATA: a variant's own data files (default: D), e.g. D plus tools/device/starts_data.sh's output.
+# PART_SIZE: the tar's part size (default 6M; $OUT returns at most 8 files of at most 16 MiB).
 # STAGED=1 S=... W=... OUT=... D=... EXTRA="--limit 20 --batch-tokens 2048 --device cpu" makes a CPU dry run.
 set -u
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
@@ -21,7 +22,7 @@ CUDA_VISIBLE_DEVICES=${A_GPU:-0} python3 -m eyas.train.trainer --data ${A_DATA:-
 CUDA_VISIBLE_DEVICES=${B_GPU:-0} python3 -m eyas.train.trainer --data ${B_DATA:-$D} $COMMON ${B_ARGS:-} --out $W/b > $W/b.log 2>&1 &
 wait
 for x in a b; do echo "-- $x"; grep -a '"steps"\|tokens_per_second\|acc_by_depth' -A3 $W/$x.log | tr -d ' \n' | head -c 400; echo; done
-(cd $W && tar cf - {a,b}/model.safetensors {a,b}/config.json {a,b}/training.json | split -b 6M -d - $OUT/ab.tar.part)
+(cd $W && tar cf - {a,b}/model.safetensors {a,b}/config.json {a,b}/training.json | split -b ${PART_SIZE:-6M} -d - $OUT/ab.tar.part)
 echo "== tpc [t=$(el)]"
 timeout ${TPC_S:-90} python3 -m eyas.bench.tpc --model smollm2 --draft $W/a $W/b --speculation chain:3 \
   --speculation tree:smollm2_48d5 --temperature 0 --max-tokens 128 --prompts $S/question.jsonl ${TPC_EXTRA:-} \
