@@ -15,6 +15,13 @@ waits. This times the two things that decide whether that pays, with random bf16
   after every GEMM, against the same 120 GEMMs on cuBLAS in one CUDA graph; the persistent result is checked
   against torch first (a barrier that does not hold shows up as wrong numbers).
 
+`--variants w_shared,x_fixed,no_barrier` (added in session 27, not yet run) times each chain config again with one
+cost taken out: no HBM reads of weights (every layer reads layer 0's, which stay in L2), inputs that no phase of
+the launch wrote, or no barriers. What a phase waits on decides what could beat grid barriers: a dataflow kernel
+(tiles waiting on counters, each program's next weights loaded before it waits) pays only if the weights' or the
+barriers' share is large. Session 27's L2 prefetch in the whole verify pass gained nothing, a hint that it is not
+the weights.
+
 The grid barrier: every program arrives on a counter (atomic add, release, after a block barrier) and spins until
 it reads (phase + 1) x P (atomic read, acquire); the counter is zeroed before each launch. P <= the SM count, so all
 programs are resident (the kernel would deadlock otherwise).
@@ -76,23 +83,36 @@ def _gemm_phase(X, stride_x, W, Y, stride_y, N, K: tl.constexpr, pid, P, M: tl.c
 
 
 @triton.jit
-def _chain_kernel(X, WQ, WO, WG, WD, BQ, BO, BG, CNT, L: tl.constexpr, M: tl.constexpr, H: tl.constexpr,
+def _chain_kernel(X, WQ, WO, WG, WD, BQ, BO, BG, CNT, XC, L: tl.constexpr, M: tl.constexpr, H: tl.constexpr,
                   I: tl.constexpr, NQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, W_SHARED: tl.constexpr = False, X_FIXED: tl.constexpr = False,
+                  NO_BARRIER: tl.constexpr = False):
     """L layers of: BQ = X @ WQ^T; BO = BQ[:, :H] @ WO^T; BG = BO @ WG^T; X = BG[:, :I] @ WD^T, a grid barrier after
-    each (4 L barriers). Weights [L, N, K] contiguous."""
+    each (4 L barriers). Weights [L, N, K] contiguous. The variants (`--variants`, timing only, their results wrong
+    by design) take one cost out each: W_SHARED every layer reads layer 0's weights (7 MB, in L2 after the first
+    layer: no HBM reads of weights); X_FIXED every phase reads its input from XC (written before the launch) instead
+    of the previous phase's output; NO_BARRIER no barriers."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     for layer in range(L):
         base = layer * 4
-        _gemm_phase(X, H, WQ + layer * NQ * H, BQ, NQ, NQ, H, pid, P, M, BLOCK_M, BLOCK_N, BLOCK_K)
-        _grid_barrier(CNT, (base + 1) * P)
-        _gemm_phase(BQ, NQ, WO + layer * H * H, BO, H, H, H, pid, P, M, BLOCK_M, BLOCK_N, BLOCK_K)
-        _grid_barrier(CNT, (base + 2) * P)
-        _gemm_phase(BO, H, WG + layer * 2 * I * H, BG, 2 * I, 2 * I, H, pid, P, M, BLOCK_M, BLOCK_N, BLOCK_K)
-        _grid_barrier(CNT, (base + 3) * P)
-        _gemm_phase(BG, 2 * I, WD + layer * H * I, X, H, H, I, pid, P, M, BLOCK_M, BLOCK_N, BLOCK_K)
-        _grid_barrier(CNT, (base + 4) * P)
+        wl = 0 if W_SHARED else layer
+        xq, sq = (XC, I) if X_FIXED else (X, H)
+        xo, so = (XC, I) if X_FIXED else (BQ, NQ)
+        xg, sg = (XC, I) if X_FIXED else (BO, H)
+        xd, sd = (XC, I) if X_FIXED else (BG, 2 * I)
+        _gemm_phase(xq, sq, WQ + wl * NQ * H, BQ, NQ, NQ, H, pid, P, M, BLOCK_M, BLOCK_N, BLOCK_K)
+        if not NO_BARRIER:
+            _grid_barrier(CNT, (base + 1) * P)
+        _gemm_phase(xo, so, WO + wl * H * H, BO, H, H, H, pid, P, M, BLOCK_M, BLOCK_N, BLOCK_K)
+        if not NO_BARRIER:
+            _grid_barrier(CNT, (base + 2) * P)
+        _gemm_phase(xg, sg, WG + wl * 2 * I * H, BG, 2 * I, 2 * I, H, pid, P, M, BLOCK_M, BLOCK_N, BLOCK_K)
+        if not NO_BARRIER:
+            _grid_barrier(CNT, (base + 3) * P)
+        _gemm_phase(xd, sd, WD + wl * H * I, X, H, H, I, pid, P, M, BLOCK_M, BLOCK_N, BLOCK_K)
+        if not NO_BARRIER:
+            _grid_barrier(CNT, (base + 4) * P)
 
 
 def main():
@@ -103,6 +123,9 @@ def main():
     ap.add_argument("--tiles", default="64x2x4,128x2x4,128x3x4,64x3x8,128x3x8",
                     help="BLOCK_KxSTAGESxWARPS of the persistent GEMM phases")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--variants", default="",
+                    help="comma-separated, each also timed at every config (timing only): w_shared (no HBM weight "
+                         "reads), x_fixed (inputs not written this launch), no_barrier; e.g. all three")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -133,6 +156,7 @@ def main():
     BQ = torch.empty(ROWS, QKV, device=dev, dtype=dt)
     BO = torch.empty(ROWS, HIDDEN, device=dev, dtype=dt)
     BG = torch.empty(ROWS, 2 * INTER, device=dev, dtype=dt)
+    XC = torch.randn(ROWS, INTER, generator=g, device=dev).to(dt)
 
     def ref_chain(x):
         for layer in range(LAYERS):
@@ -159,10 +183,11 @@ def main():
         if P > sms:
             continue
 
-        def chain(P=P, bn=bn, bk=bk, stages=stages, warps=warps):
+        def chain(P=P, bn=bn, bk=bk, stages=stages, warps=warps, **variant):
             cnt.zero_()
-            _chain_kernel[(P,)](X, WQ, WO, WG, WD, BQ, BO, BG, cnt, L=LAYERS, M=ROWS, H=HIDDEN, I=INTER, NQ=QKV,
-                                BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+            _chain_kernel[(P,)](X, WQ, WO, WG, WD, BQ, BO, BG, cnt, XC, L=LAYERS, M=ROWS, H=HIDDEN, I=INTER,
+                                NQ=QKV, BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                                **variant)
         key = f"P{P}_N{bn}_K{bk}_S{stages}_W{warps}"
         try:
             X.copy_(x0)
@@ -178,6 +203,11 @@ def main():
         out.setdefault("chain_rel_err", {})[key] = err
         verdict = "" if ok else ": WRONG"
         print(f"  persistent {key}: {us:.1f} us (max error {err:.2e} of the largest output{verdict})", flush=True)
+        for v in filter(None, args.variants.split(",")):
+            flag = {"w_shared": "W_SHARED", "x_fixed": "X_FIXED", "no_barrier": "NO_BARRIER"}[v]
+            vus = time_fn(lambda: chain(**{flag: True}), args.reps) * 1e3
+            out["chain_us"][f"{key}_{v}"] = vus
+            print(f"    {v}: {vus:.1f} us ({vus - us:+.1f} against the chain)", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2))
 
