@@ -22,6 +22,13 @@ the launch wrote, or no barriers. What a phase waits on decides what could beat 
 barriers' share is large. Session 27's L2 prefetch in the whole verify pass gained nothing, a hint that it is not
 the weights.
 
+`--dataflow PxBLOCK_NxKCxWARPS,...` (added in session 27, not yet run) times the same chain with no grid barrier:
+a counter per GEMM, each tile loading its weights (K in register chunks of KC) before it waits for the previous
+GEMM's counter to reach that GEMM's tile count, and programs with no tile in a GEMM going straight on to their next
+one (`_dataflow_kernel`). Checked under the interpreter with one program (the interpreter runs programs one after
+another, so several that wait on each other would hang) and compiled offline for sm_90 with Triton 3.9 (no local
+memory). Run it under `timeout`: if a program were not resident, the others would wait for ever.
+
 The grid barrier: every program arrives on a counter (atomic add, release, after a block barrier) and spins until
 it reads (phase + 1) x P (atomic read, acquire); the counter is zeroed before each launch. P <= the SM count, so all
 programs are resident (the kernel would deadlock otherwise).
@@ -115,6 +122,71 @@ def _chain_kernel(X, WQ, WO, WG, WD, BQ, BO, BG, CNT, XC, L: tl.constexpr, M: tl
             _grid_barrier(CNT, (base + 4) * P)
 
 
+@triton.jit
+def _df_phase(X, stride_x, W, Y, stride_y, CNT, g, need, pid, P, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KC: tl.constexpr):
+    """One GEMM of the dataflow chain: Y[:M, :N] = X[:M, :K] @ W[N, K]^T in tiles of BLOCK_N columns. Each tile's
+    weights (K in chunks of KC and a remainder, at most 3 chunks) are loaded into registers first; only then does
+    the program wait until the previous GEMM's counter CNT[g - 1] reaches `need` (its tile count; g = 0 waits for
+    nothing), load X from L2, multiply, store, and count the tile on CNT[g] (release)."""
+    NF: tl.constexpr = K // KC
+    R: tl.constexpr = K - NF * KC
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_c = tl.arange(0, KC)
+    xp = X + offs_m[:, None] * stride_x
+    for t in range(pid, N // BLOCK_N, P):
+        rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        wp = W + rows[:, None] * K
+        w0 = tl.load(wp + offs_c[None, :])
+        if NF > 1:
+            w1 = tl.load(wp + KC + offs_c[None, :])
+        if NF > 2:
+            w2 = tl.load(wp + 2 * KC + offs_c[None, :])
+        if R > 0:
+            offs_r = tl.arange(0, R)
+            wr = tl.load(wp + NF * KC + offs_r[None, :])
+        if g > 0:
+            seen = tl.atomic_add(CNT + g - 1, 0, sem="acquire")
+            while seen < need:
+                seen = tl.atomic_add(CNT + g - 1, 0, sem="acquire")
+            tl.debug_barrier()
+        x0 = tl.load(xp + offs_c[None, :], mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
+        acc = tl.dot(x0, tl.trans(w0))
+        if NF > 1:
+            x1 = tl.load(xp + KC + offs_c[None, :], mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
+            acc = tl.dot(x1, tl.trans(w1), acc)
+        if NF > 2:
+            x2 = tl.load(xp + 2 * KC + offs_c[None, :], mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
+            acc = tl.dot(x2, tl.trans(w2), acc)
+        if R > 0:
+            xr = tl.load(xp + NF * KC + offs_r[None, :], mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
+            acc = tl.dot(xr, tl.trans(wr), acc)
+        tl.store(Y + offs_m[:, None] * stride_y + rows[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None])
+        tl.debug_barrier()                                   # every thread's stores before the count
+        tl.atomic_add(CNT + g, 1, sem="release")
+
+
+@triton.jit
+def _dataflow_kernel(X, WQ, WO, WG, WD, BQ, BO, BG, CNT, L: tl.constexpr, M: tl.constexpr, H: tl.constexpr,
+                     I: tl.constexpr, NQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     KC: tl.constexpr):
+    """`_chain_kernel`'s 4 L GEMMs with no grid barrier: a counter per GEMM (CNT[4 L], zeroed before the launch),
+    each tile waiting for the whole previous GEMM (it reads all of its columns) after loading its own weights, and a
+    program with no tile in a GEMM going straight on to its next one. All P programs must be resident."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    for layer in range(L):
+        g = layer * 4
+        _df_phase(X, H, WQ + layer * NQ * H, BQ, NQ, CNT, g, H // BLOCK_N, pid, P, M, NQ, H, BLOCK_M, BLOCK_N, KC)
+        _df_phase(BQ, NQ, WO + layer * H * H, BO, H, CNT, g + 1, NQ // BLOCK_N, pid, P, M, H, H, BLOCK_M, BLOCK_N,
+                  KC)
+        _df_phase(BO, H, WG + layer * 2 * I * H, BG, 2 * I, CNT, g + 2, H // BLOCK_N, pid, P, M, 2 * I, H, BLOCK_M,
+                  BLOCK_N, KC)
+        _df_phase(BG, 2 * I, WD + layer * H * I, X, H, CNT, g + 3, 2 * I // BLOCK_N, pid, P, M, H, I, BLOCK_M,
+                  BLOCK_N, KC)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out")
@@ -123,6 +195,9 @@ def main():
     ap.add_argument("--tiles", default="64x2x4,128x2x4,128x3x4,64x3x8,128x3x8",
                     help="BLOCK_KxSTAGESxWARPS of the persistent GEMM phases")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--dataflow", default="",
+                    help="comma-separated PxBLOCK_NxKCxWARPS configs of the dataflow chain (no grid barrier: counters "
+                         "per GEMM, each tile's weights in registers before it waits), e.g. 132x16x512x8,132x32x512x8")
     ap.add_argument("--variants", default="",
                     help="comma-separated, each also timed at every config (timing only): w_shared (no HBM weight "
                          "reads), x_fixed (inputs not written this launch), no_barrier; e.g. all three")
@@ -208,6 +283,30 @@ def main():
             vus = time_fn(lambda: chain(**{flag: True}), args.reps) * 1e3
             out["chain_us"][f"{key}_{v}"] = vus
             print(f"    {v}: {vus:.1f} us ({vus - us:+.1f} against the chain)", flush=True)
+    cnts = torch.zeros(4 * LAYERS, dtype=torch.int32, device=dev)
+    for cfg in filter(None, args.dataflow.split(",")):
+        P, bn, kc, warps = (int(v) for v in cfg.split("x"))
+        if P > sms:
+            continue
+
+        def df(P=P, bn=bn, kc=kc, warps=warps):
+            cnts.zero_()
+            _dataflow_kernel[(P,)](X, WQ, WO, WG, WD, BQ, BO, BG, cnts, L=LAYERS, M=ROWS, H=HIDDEN, I=INTER, NQ=QKV,
+                                   BLOCK_M=64, BLOCK_N=bn, KC=kc, num_warps=warps, num_stages=1)
+        key = f"dataflow_P{P}_N{bn}_KC{kc}_W{warps}"
+        try:
+            X.copy_(x0)
+            df()
+            torch.cuda.synchronize()
+            err = ((X.float() - ref).abs().max() / ref.abs().max()).item()
+            ok = err < 5e-2
+            us = time_fn(df, args.reps) * 1e3 if ok else float("nan")
+        except Exception as e:
+            print(f"  {key}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        out["chain_us"][key] = us
+        out.setdefault("chain_rel_err", {})[key] = err
+        print(f"  {key}: {us:.1f} us (max error {err:.2e} of the largest output{'' if ok else ': WRONG'})", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2))
 
