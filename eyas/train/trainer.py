@@ -190,15 +190,13 @@ def init_from_checkpoint(draft: EagleDraft, path: Path) -> None:
         raise ValueError(f"--init {path} has MLPs {I0} wide, wider than the {I} of this draft")
     if I0 < I:  # widen: the checkpoint's units first, the new ones silent (down columns zero)
         own = draft.state_dict()
-        for k in [k for k in st if ".mlp." in k]:
+        for k in [k for k in st if ".mlp." in k and k in own and st[k].shape != own[k].shape]:
             w, full = st[k], own[k].detach().clone().float()
             if k.endswith("down_proj.weight"):
                 full[:, :I0] = w
                 full[:, I0:] = 0
-            elif k.endswith(("gate_proj.weight", "up_proj.weight")):
+            else:  # gate and up: their weights' rows, and their biases where the model has them
                 full[:I0] = w
-            else:
-                continue
             st[k] = full
     _, unexpected = draft.load_state_dict(st, strict=False)
     unexpected = [k for k in unexpected if k not in ("embed_tokens.weight", "lm_head.weight")]  # shared with the target
