@@ -20,15 +20,10 @@
 #     bash tools/device/mix_ab.sh
 set -u
 export OUT
-S=${S:-/root/stage}; W=${W:-/root/w}; C=.stage/c
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
-mkdir -p $S $W $OUT
+source tools/device/thirds_lib.sh
 case ${STAGE:-1} in
 1)
-  if [ -z "${STAGED:-}" ] && [ -f $S/part_aa ]; then cat $S/part_aa $S/part_ab $C/part_ac > $S/smollm2.gguf && rm $S/part_aa $S/part_ab; fi
-  mkdir -p .stage/b && cp $C/gguf-*.whl $C/question.jsonl .stage/b/   # what stage_smollm2.sh reads
-  source tools/device/stage_smollm2.sh > /dev/null 2>&1
-  [ -n "${STAGED:-}" ] || [ -f $S/smollm2.gguf ] || { echo "staging failed"; exit 1; }
+  stage_thirds || exit 1
   grep -hv '^#' tools/device/openings.txt tools/device/openings2.txt | grep . > $W/openings12.txt
   for x in 12:openings12.txt:5 3:openings3.txt:28; do
     name=${x%%:*}; rest=${x#*:}; file=${rest%:*}; seed=${rest##*:}
@@ -36,13 +31,8 @@ case ${STAGE:-1} in
     OPENINGS=$W/$file SEED=$seed P_S=${P_S:-50} R_S=${R_S:-70} bash tools/device/starts_data.sh | grep -v "^-"
     mv $W/starts.jsonl.xz $W/starts$name.jsonl.xz; rm -f $OUT/starts.jsonl.xz
   done
-  for x in sg:sg_first.jsonl.gz:${SG_S:-60} ctx:ctx_prompts.jsonl.xz:${CTX_S:-60}; do
-    name=${x%%:*}; rest=${x#*:}; file=${rest%:*}; budget=${rest##*:}
-    echo "== answer $name ($file), ${budget} s [t=$(el)]"
-    python3 -m eyas.train.distill_data --model smollm2 --data $C/$file --out $W/$name.jsonl.xz --max-tokens ${MAX_TOK:-160} \
-      --batch-size ${R_BATCH:-256} --max-turns 1 --max-prompt-tokens 1024 --time-budget $budget --draft default \
-      --speculation chain:3 --no-progress ${DEV:-} ${LIMIT:+--limit $LIMIT} 2>&1 | tail -n 1
-  done
+  answer sg sg_first.jsonl.gz ${SG_S:-60}
+  answer ctx ctx_prompts.jsonl.xz ${CTX_S:-60}
   cp $W/starts12.jsonl.xz $W/starts3.jsonl.xz $W/sg.jsonl.xz $W/ctx.jsonl.xz $OUT/; ls -la $OUT; echo "== end [t=$(el)]" ;;
 2)
   source tools/device/stage_smollm2.sh > /dev/null 2>&1

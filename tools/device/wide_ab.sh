@@ -15,8 +15,8 @@
 #   draft's MT-Bench TPC; then ab_train.sh starts detached (STEPS 2000, TB 300 s). (Session 27 ran the TPC beside the
 #   answering, as ctx_ab.sh does: its engine held 84 GB and the ShareGPT answering, at batch 256 with prompts of up to
 #   1,024 tokens, ran out of memory asking for 40 GB; its answers were made in the next call, by hand. Now in turn.)
-# A CPU dry run: STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o DEV="--device cpu" LIMIT=6 SG_S=20 CTX_S=20 WIDE=2304 STEPS=3 \
-#   TB=60 TPC_S=1 EXTRA="--limit 20 --batch-tokens 2048 --device cpu" bash tools/device/wide_ab.sh (STAGE=1, then 2)
+# A CPU dry run: STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o DEV="--device cpu" LIMIT=6 SG_S=20 CTX_S=20 TPC0_S=5 WIDE=2304 \
+#   STEPS=3 TB=60 TPC_S=1 EXTRA="--limit 20 --batch-tokens 2048 --device cpu" bash tools/device/wide_ab.sh (STAGE=1, then 2)
 # STAGE=2: waits for it, returns its files (tpc.json, the drafts' tar parts), then times batch-1 decoding of real
 #   SmolLM2 on 40 MT-Bench prompts with the shipped draft and with A (plain, chain:3, the default tree; not run in
 #   session 27, whose device time had run out). The wait's pattern, "[a]b_train.sh", cannot match its own command
@@ -24,24 +24,14 @@
 #   the call's timeout (about 9 device minutes lost).
 set -u
 export OUT
-S=${S:-/root/stage}; W=${W:-/root/w}; C=.stage/c
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
-mkdir -p $S $W $OUT
+source tools/device/thirds_lib.sh
 case ${STAGE:-1} in
 1)
-  if [ -z "${STAGED:-}" ] && [ -f $S/part_aa ]; then cat $S/part_aa $S/part_ab $C/part_ac > $S/smollm2.gguf && rm $S/part_aa $S/part_ab; fi
-  mkdir -p .stage/b && cp $C/gguf-*.whl $C/question.jsonl .stage/b/   # what stage_smollm2.sh reads
-  source tools/device/stage_smollm2.sh > /dev/null 2>&1
-  [ -n "${STAGED:-}" ] || [ -f $S/smollm2.gguf ] || { echo "staging failed"; exit 1; }
-  for x in sg:sg_first.jsonl.gz:${SG_S:-80} ctx:ctx_prompts.jsonl.xz:${CTX_S:-90}; do
-    name=${x%%:*}; rest=${x#*:}; file=${rest%:*}; budget=${rest##*:}
-    echo "== answer $name ($file), ${budget} s [t=$(el)]"
-    python3 -m eyas.train.distill_data --model smollm2 --data $C/$file --out $W/$name.jsonl.xz --max-tokens 160 \
-      --batch-size 256 --max-turns 1 --max-prompt-tokens 1024 --time-budget $budget --draft default \
-      --speculation chain:3 --no-progress ${DEV:-} ${LIMIT:+--limit $LIMIT} 2>&1 | tail -n 2
-  done
+  stage_thirds || exit 1
+  answer sg sg_first.jsonl.gz ${SG_S:-80}
+  answer ctx ctx_prompts.jsonl.xz ${CTX_S:-90}
   echo "== tpc of the shipped draft [t=$(el)]"
-  timeout 240 python3 -m eyas.bench.tpc --model smollm2 --draft default --speculation chain:3 \
+  timeout ${TPC0_S:-240} python3 -m eyas.bench.tpc --model smollm2 --draft default --speculation chain:3 \
     --speculation tree:smollm2_48d5 --temperature 0 --max-tokens 128 --prompts $S/question.jsonl \
     ${DEV:-} --out $W/tpc0 2>&1 | grep "^|"; cp $W/tpc0/tpc.json $OUT/tpc0.json 2>/dev/null
   mkdir -p $W/abo

