@@ -252,6 +252,24 @@ def main():
     ref = ref_chain(x0).float()
     out["chain_us"]["cublas"] = time_fn(cublas_chain, args.reps) * 1e3
     print(f"chain of {4 * LAYERS} GEMMs, 49 rows, cuBLAS in one graph: {out['chain_us']['cublas']:.1f} us", flush=True)
+    def checked(key, fn):
+        """Run fn once against the torch chain, then time it if it is right: us (nan when wrong), or None when it
+        does not run; recorded in `out` and printed."""
+        try:
+            X.copy_(x0)
+            fn()
+            torch.cuda.synchronize()
+            err = ((X.float() - ref).abs().max() / ref.abs().max()).item()
+            ok = err < 5e-2
+            us = time_fn(fn, args.reps) * 1e3 if ok else float("nan")
+        except Exception as e:
+            print(f"  {key}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            return None
+        out["chain_us"][key] = us
+        out.setdefault("chain_rel_err", {})[key] = err
+        print(f"  {key}: {us:.1f} us (max error {err:.2e} of the largest output{'' if ok else ': WRONG'})", flush=True)
+        return us
+
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
     for P, bn, (bk, stages, warps) in itertools.product((int(p) for p in args.programs.split(",")),
                                                          [int(b) for b in args.block_n.split(",")], tiles):
@@ -264,20 +282,9 @@ def main():
                                 NQ=QKV, BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
                                 **variant)
         key = f"P{P}_N{bn}_K{bk}_S{stages}_W{warps}"
-        try:
-            X.copy_(x0)
-            chain()
-            torch.cuda.synchronize()
-            err = ((X.float() - ref).abs().max() / ref.abs().max()).item()
-            ok = err < 5e-2
-            us = time_fn(chain, args.reps) * 1e3 if ok else float("nan")
-        except Exception as e:
-            print(f"  {key}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        us = checked(key, chain)
+        if us is None:
             continue
-        out["chain_us"][key] = us
-        out.setdefault("chain_rel_err", {})[key] = err
-        verdict = "" if ok else ": WRONG"
-        print(f"  persistent {key}: {us:.1f} us (max error {err:.2e} of the largest output{verdict})", flush=True)
         for v in filter(None, args.variants.split(",")):
             flag = {"w_shared": "W_SHARED", "x_fixed": "X_FIXED", "no_barrier": "NO_BARRIER"}[v]
             vus = time_fn(lambda: chain(**{flag: True}), args.reps) * 1e3
@@ -293,20 +300,7 @@ def main():
             cnts.zero_()
             _dataflow_kernel[(P,)](X, WQ, WO, WG, WD, BQ, BO, BG, cnts, L=LAYERS, M=ROWS, H=HIDDEN, I=INTER, NQ=QKV,
                                    BLOCK_M=64, BLOCK_N=bn, KC=kc, num_warps=warps, num_stages=1)
-        key = f"dataflow_P{P}_N{bn}_KC{kc}_W{warps}"
-        try:
-            X.copy_(x0)
-            df()
-            torch.cuda.synchronize()
-            err = ((X.float() - ref).abs().max() / ref.abs().max()).item()
-            ok = err < 5e-2
-            us = time_fn(df, args.reps) * 1e3 if ok else float("nan")
-        except Exception as e:
-            print(f"  {key}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            continue
-        out["chain_us"][key] = us
-        out.setdefault("chain_rel_err", {})[key] = err
-        print(f"  {key}: {us:.1f} us (max error {err:.2e} of the largest output{'' if ok else ': WRONG'})", flush=True)
+        checked(f"dataflow_P{P}_N{bn}_KC{kc}_W{warps}", df)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2))
 
