@@ -80,12 +80,15 @@ def main():
                 pr, tok = p.max(-1)
                 props.append(tok.tolist())
                 probs.append(pr.tolist())
-            rows.append((ids, P, props, probs))
+            # the lookup's (match length, token) for every answer token: it depends on the committed text alone
+            look = {j: longest_match(ids, j, args.max_n) for j in range(P + 1, len(ids))}
+            rows.append((ids, P, props, probs, look))
 
     def replay(choose) -> float:
-        """TPC of `chain:3` where choose(ids, j, depth, draft_tok, draft_p) proposes token j (None: no proposal)."""
+        """TPC of `chain:3` where choose(ids, j, draft_tok, draft_p, (match_len, match_tok)) proposes token j (None:
+        no proposal)."""
         calls = committed = 0
-        for ids, P, props, probs in rows:
+        for ids, P, props, probs, look in rows:
             n = len(ids) - P
             last, done = P, 1  # the prefill commits the answer's first token, at index P
             while done < n:
@@ -95,7 +98,7 @@ def main():
                     if j >= len(ids):
                         break
                     p = j - k - 2
-                    tok = choose(ids, j, k + 1, props[k][p + k], probs[k][p + k])
+                    tok = choose(ids, j, props[k][p + k], probs[k][p + k], look[j])
                     if tok != ids[j]:
                         break
                     k += 1
@@ -104,22 +107,25 @@ def main():
         return committed / calls
 
     def rule(m, tau=1.1):
-        def choose(ids, j, d, dt, dp):
-            nlen, ct = longest_match(ids, j, args.max_n)
-            return ct if nlen >= m and dp < tau else dt
+        def choose(ids, j, dt, dp, match):
+            return match[1] if match[0] >= m and dp < tau else dt
+        return choose
+
+    def lookup_only(m):
+        def choose(ids, j, dt, dp, match):
+            return match[1] if match[0] >= m else None
         return choose
 
     print(f"{len(rows)} answers, {sum(len(r[0]) - r[1] for r in rows)} tokens")
-    print(f"draft only      TPC {replay(lambda ids, j, d, dt, dp: dt):.4f}")
+    print(f"draft only      TPC {replay(lambda ids, j, dt, dp, match: dt):.4f}")
     for m in (1, 2, 3, 4):
-        print(f"n-gram only m>={m}  TPC {replay(lambda ids, j, d, dt, dp, m=m: longest_match(ids, j, args.max_n)[1] if longest_match(ids, j, args.max_n)[0] >= m else None):.4f}")
+        print(f"n-gram only m>={m}  TPC {replay(lookup_only(m)):.4f}")
     for m in (2, 3, 4, 5):
         for tau in (1.1, 0.9, 0.7, 0.5):
             print(f"copy if n>={m} and draft p<{tau}: TPC {replay(rule(m, tau)):.4f}")
 
-    def oracle(ids, j, d, dt, dp):
-        ct = longest_match(ids, j, args.max_n)[1]
-        return ids[j] if ids[j] in (dt, ct) else dt
+    def oracle(ids, j, dt, dp, match):
+        return ids[j] if ids[j] in (dt, match[1]) else dt
     print(f"either (upper bound of a 2-wide chain) TPC {replay(oracle):.4f}")
 
 
