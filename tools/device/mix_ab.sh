@@ -25,18 +25,16 @@ case ${STAGE:-1} in
 1)
   stage_thirds || exit 1
   grep -hv '^#' tools/device/openings.txt tools/device/openings2.txt | grep . > $W/openings12.txt
-  for x in 12:openings12.txt:5 3:openings3.txt:28; do
+  for x in 12:$W/openings12.txt:5 3:tools/device/openings3.txt:28; do
     name=${x%%:*}; rest=${x#*:}; file=${rest%:*}; seed=${rest##*:}
-    [ -f $W/$file ] || cp tools/device/$file $W/
-    OPENINGS=$W/$file SEED=$seed P_S=${P_S:-50} R_S=${R_S:-70} bash tools/device/starts_data.sh | grep -v "^-"
+    OPENINGS=$file SEED=$seed P_S=${P_S:-50} R_S=${R_S:-70} bash tools/device/starts_data.sh | grep -v "^-"
     mv $W/starts.jsonl.xz $W/starts$name.jsonl.xz; rm -f $OUT/starts.jsonl.xz
   done
   answer sg sg_first.jsonl.gz ${SG_S:-60}
   answer ctx ctx_prompts.jsonl.xz ${CTX_S:-60}
   cp $W/starts12.jsonl.xz $W/starts3.jsonl.xz $W/sg.jsonl.xz $W/ctx.jsonl.xz $OUT/; ls -la $OUT; echo "== end [t=$(el)]" ;;
 2)
-  source tools/device/stage_smollm2.sh > /dev/null 2>&1
-  mkdir -p $W/abo
+  mkdir -p $W/abo   # (ab_train.sh stages SmolLM2 itself)
   ALL="$W/starts12.jsonl.xz $W/sg.jsonl.xz $W/ctx.jsonl.xz"
   (OUT=$W/abo A_DATA="$ALL $W/starts3.jsonl.xz" B_DATA="$ALL" A_ARGS="--answer-tokens 128" B_ARGS="--answer-tokens 128" \
     BASE_ARGS="--layers 1 --unroll 3 --init eyas/drafts/smollm2 --feature-layers 3 15 --lr 3e-4 --w-ce 1.0 --w-l1 0.1" \
