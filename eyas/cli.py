@@ -13,6 +13,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: the shipped draft when there is one)")
     p.add_argument("--speculation", default=None,
                    help="chain:K | tree:NAME (mc_sim_7b_63, 8, 16, smollm2_25|48d5|64|128) | tree JSON file | "
+                        "dyn:kKdDnN (a dynamic tree, EAGLE-2: top-K beam, depth D, N tokens verified) | "
                         "dispatch:B1=SPEC,B2=SPEC,... (a tree per batch size; SPEC may be 'plain')")
     from eyas.spec.draft_quant import add_draft_quant_arg
     add_draft_quant_arg(p)

@@ -37,7 +37,8 @@ def eager_reference_and_graphed(target, draft, spec):
 
 
 # the dispatcher: 4 prompts run plain steps (the draft reads along), then tree:8 and mc_sim as the batch shrinks
-@pytest.mark.parametrize("spec", [None, "chain:4", "tree:mc_sim_7b_63", "dispatch:1=tree:mc_sim_7b_63,2=tree:8,8=plain"])
+@pytest.mark.parametrize("spec", [None, "chain:4", "tree:mc_sim_7b_63", "dispatch:1=tree:mc_sim_7b_63,2=tree:8,8=plain",
+                                  "dyn:k3d4n8"])
 def test_graphs_equal_eager(pair, spec):
     ref, graphed = eager_reference_and_graphed(*pair, spec)
     assert [o.token_ids for o in graphed.generate(PROMPTS, PARAMS)] == ref
@@ -88,7 +89,7 @@ def test_capture_all_covers_every_bucket_a_shrinking_batch_needs(pair):
     assert len(g.graphs) == 4  # nothing was captured while decoding
 
 
-@pytest.mark.parametrize("spec", [None, "chain:4", "dispatch:1=tree:mc_sim_7b_63,2=tree:8,8=plain"])
+@pytest.mark.parametrize("spec", [None, "chain:4", "dispatch:1=tree:mc_sim_7b_63,2=tree:8,8=plain", "dyn:k3d4n8"])
 def test_overlapped_graphs_equal_sequential_graphs(pair, spec):
     """Overlapped decoding on graphs (each successor's inputs carried by the captured carry graph) equals graphed
     decoding that reads every step back first: greedy and sampled requests, each with its own token limit, more

@@ -44,7 +44,7 @@ def _tensors(inp):
             if isinstance(getattr(inp, f.name), torch.Tensor)}
 
 
-@pytest.mark.parametrize("spec", [None, "chain:3", "tree:8", "dispatch:2=tree:8,4=chain:2"])
+@pytest.mark.parametrize("spec", [None, "chain:3", "tree:8", "dispatch:2=tree:8,4=chain:2", "dyn:k3d4n8"])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_carried_inputs_equal_the_packed_ones(mirror_pair, spec, temperature):
     """Step after step (3 sequences in a 4-row buffer: one padding row), the inputs carried on the device from a

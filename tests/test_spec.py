@@ -10,7 +10,7 @@ from eyas.layers.attention import slots_for
 from eyas.loader.eagle import load_draft
 from helpers import write_mirror_pair, write_random_draft, write_tiny_llama
 
-SPECS = ["chain:1", "chain:4", "tree:8", "tree:mc_sim_7b_63"]
+SPECS = ["chain:1", "chain:4", "tree:8", "tree:mc_sim_7b_63", "dyn:k3d4n8"]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def _paged(cache, layer, block_table, n, block_size):
 
 
 # batches of 3 run plain steps: the draft only reads the committed pairs, and its cache must still be exact
-@pytest.mark.parametrize("spec", ["chain:4", "tree:mc_sim_7b_63", "dispatch:2=chain:4,8=plain"])
+@pytest.mark.parametrize("spec", ["chain:4", "tree:mc_sim_7b_63", "dispatch:2=chain:4,8=plain", "dyn:k3d4n8"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_caches_hold_exactly_the_committed_history(mirror_pair, spec, temperature):
     target_dir, draft_dir = mirror_pair

@@ -63,7 +63,7 @@ def exact_joint(target_dir, top_p):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("draft_kind", ["random", "bad", "subset"])
-@pytest.mark.parametrize("top_p,spec", [(1.0, "tree:8"), (0.8, "chain:2")])
+@pytest.mark.parametrize("top_p,spec", [(1.0, "tree:8"), (0.8, "chain:2"), (1.0, "dyn:k3d3n6")])
 def test_joint_law_of_three_tokens(models, draft_kind, top_p, spec):
     target, drafts = models
     llm = LLM(str(target), device="cpu", dtype="float32", draft=str(drafts[draft_kind]), speculation=spec,

@@ -184,8 +184,9 @@ def build_engine(target, tokenizer, draft, mode: str, batch: int, prompts, max_t
                        num_blocks=batch * (-(-(longest + max_tokens + 64) // block_size)) + 8, one_row=one_row,
                        few_rows=few_rows, fold_norms=fold_norms, overlap=overlap and graphs)
     engine = LLMEngine(target, tokenizer, draft if tree is not None else None, tree, cfg)
-    if simulated_rates is not None and tree is not None:
-        simulate_acceptance(engine, simulated_rates)
+    if simulated_rates is not None and tree is not None and not mode.startswith("dyn:"):
+        simulate_acceptance(engine, simulated_rates)  # (a dynamic tree's acceptance cannot be replayed: its row on
+        # random weights is real acceptance, ~nothing accepted, and gives its time a step, `ms_per_decode_step`)
     # warm-up: captures the graph of this batch size and compiles the kernels
     for i, p in enumerate(prompts[:batch]):
         engine.add_request(p, _params(i, 4))
@@ -340,7 +341,8 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
     """One (mode, batch) row: `build_engine`, `time_row`, and with `profile` `profile_steps`."""
     engine = build_engine(target, tokenizer, draft, mode, batch, prompts, max_tokens, simulated_rates, graphs,
                           block_size, one_row, few_rows, fold_norms, overlap)
-    row = time_row(engine, mode, batch, prompts, max_tokens, num_prompts, simulated_rates is not None)
+    row = time_row(engine, mode, batch, prompts, max_tokens, num_prompts,
+                   simulated_rates is not None and not mode.startswith("dyn:"))
     if profile:
         profile_steps(engine, mode, batch, prompts, verbose, kernels_out)
     return row
@@ -609,7 +611,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2", help="smollm2, a checkpoint, or llama-3.1-8b-shape, "
                                                       "llama-3.3-70b-shape, smollm2-shape (random weights)")
     p.add_argument("--draft", default="auto")
-    p.add_argument("--modes", default="plain,chain:3,tree:8", help="comma-separated: plain, chain:K, tree:NAME, dispatch:B1=SPEC,B2=SPEC,...")
+    p.add_argument("--modes", default="plain,chain:3,tree:8", help="comma-separated: plain, chain:K, tree:NAME, dyn:kKdDnN, "
+                   "dispatch:B1=SPEC,B2=SPEC,...")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=8,

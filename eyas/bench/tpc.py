@@ -230,7 +230,7 @@ def add_tpc_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--draft", nargs="+", default=["default"], help="EAGLE draft directories or 'default'")
     p.add_argument("--speculation", action="append", default=None,
-                   help="chain:K | tree:NAME | tree JSON; repeat for several (default chain:3)")
+                   help="chain:K | tree:NAME | tree JSON | dyn:kKdDnN; repeat for several (default chain:3)")
     p.add_argument("--prompts", default=DEFAULT_PROMPTS)
     p.add_argument("--temperature", nargs="+", type=float, default=[0.0])
     p.add_argument("--max-tokens", type=int, default=128)

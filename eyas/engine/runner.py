@@ -154,6 +154,12 @@ class ModelRunner:
         self.device, self.dtype = p.device, p.dtype
         self.target, self.draft = target, draft
         self.tree = (tree if (tree is not None and draft is not None) else Tree.chain(0)).to(self.device)
+        if draft is not None:  # a dynamic tree's top-k must fit the vocabulary the draft proposes from
+            ids = getattr(draft, "vocab_ids", None)
+            vocab = target.config.vocab_size if ids is None else len(ids)
+            for t in getattr(self.tree, "trees", [self.tree]):
+                if getattr(t, "topk", 0) > vocab:
+                    raise ValueError(f"{t.name}: top-{t.topk} of a draft that proposes from {vocab} tokens")
         self.block_size = block_size
         self.use_triton = (self.device.type == "cuda") if use_triton is None else use_triton
         if self.use_triton:  # fused projections and kernels (eyas.models.fused): in place, after any TP sharding

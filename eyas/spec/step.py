@@ -14,6 +14,7 @@ from eyas.layers.attention import MetaBuilder, Stash, write_kv
 from eyas.layers.sampler import logits_to_probs
 from eyas.layers.topk import argmax
 from eyas.spec.drafter import catch_up, expand_tree
+from eyas.spec.dynamic_tree import DynamicTree, expand_dynamic
 from eyas.spec.tree import Tree
 from eyas.spec.verifier import accept_tree, accept_tree_greedy, simulate_accept, simulate_replay
 
@@ -48,7 +49,7 @@ class DecodeOutputs:
     packed: torch.Tensor  # [B, D+3]: num_accepted, path_tokens, bonus (what the host reads, in one transfer)
 
 
-def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, block_size: int,
+def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: DecodeInputs, block_size: int,
               use_triton: bool = False, simulated_accept: torch.Tensor | None = None,
               all_greedy: bool = False, draft_hidden: torch.Tensor | None = None) -> DecodeOutputs:
     """One speculative step for every sequence.
@@ -69,29 +70,39 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     With the bare-root tree (plain decoding; with a draft, a dispatcher's choice for large batches) the root's K/V
     are written straight to the cache, and its attention is one prefix pass that includes it (no suffix pass).
     """
+    dynamic = isinstance(tree, DynamicTree)
+    if dynamic and (draft is None or simulated_accept is not None):
+        raise ValueError(f"{tree.name}: a dynamic tree needs a draft, and its acceptance cannot be replayed")
     B = inp.root_tokens.shape[0]
     device = inp.root_tokens.device
     N1 = tree.num_nodes + 1
     n = inp.num_cached
-    node_tokens = torch.empty(B, N1, dtype=torch.long, device=device)  # the levels fill nodes 1..N
-    node_tokens[:, 0] = inp.root_tokens
-    positions = n[:, None] + tree.depth.to(device)[None, :]  # of root + tree in the target
+    if not dynamic:
+        node_tokens = torch.empty(B, N1, dtype=torch.long, device=device)  # the levels fill nodes 1..N
+        node_tokens[:, 0] = inp.root_tokens
+        positions = n[:, None] + tree.depth.to(device)[None, :]  # of root + tree in the target
 
     meta = MetaBuilder(inp.block_tables, block_size, inp.max_context_len, use_triton)
 
     # draft: read the committed history, then expand the tree level by level (a bare root, which a tree dispatcher
-    # picks for large batches, only reads: the draft stays in step for the next speculative step)
+    # picks for large batches, only reads: the draft stays in step for the next speculative step); a dynamic tree
+    # is grown for each sequence, and `tree` becomes this step's trees
     if draft is not None:
         lens = inp.catchup_lens
         out = catch_up(draft, target, draft_cache, inp.catchup_tokens, draft_hidden, lens,
                        inp.num_draft_cached, meta, inp.catchup_positions, inp.catchup_slots, hidden_rows=inp.slots)
         if tree.num_nodes:  # the root's feature: the last pair's output (n > d always: the root's own pair)
             root_h = out.gather(1, (lens - 1).clamp(min=0)[:, None, None].expand(B, 1, out.shape[-1]))[:, 0]
-            expand_tree(draft, target, draft_cache, tree, root_h, n, node_tokens, meta, positions - 1)
+            if dynamic:
+                node_tokens, tree = expand_dynamic(draft, target, draft_cache, tree, root_h, inp.root_tokens, n,
+                                                   meta)
+                positions = n[:, None] + tree.depth
+            else:
+                expand_tree(draft, target, draft_cache, tree, root_h, n, node_tokens, meta, positions - 1)
 
     # verify: one target forward over root + tree; split tree attention; K/V stashed, not cached (a bare root, which
     # is always accepted, writes its K/V to the cache directly)
-    mask = tree.ancestor_mask.to(device)[None].expand(B, N1, N1)
+    mask = tree.ancestor_mask if dynamic else tree.ancestor_mask.to(device)[None].expand(B, N1, N1)
     stash = None
     if tree.num_nodes:
         stash = Stash.like(cache, B, N1)  # every layer's K/V of root + tree, node by node
@@ -125,8 +136,8 @@ def spec_step(target, draft, tree: Tree, cache, draft_cache, inp: DecodeInputs, 
     elif all_greedy and not tree.num_nodes:  # plain greedy decoding: nothing to accept, the bonus is the argmax
         path = torch.zeros(B, 1, dtype=torch.long, device=device)
         num_accepted, bonus = path[:, 0], argmax(logits[:, 0])
-    elif all_greedy:  # a child is accepted iff it is the target's argmax (on CUDA: one Triton launch)
-        if use_triton:
+    elif all_greedy:  # a child is accepted iff it is the target's argmax (on CUDA, a static tree: one Triton launch)
+        if use_triton and not dynamic:
             from eyas.kernels.accept_greedy import accept_tree_greedy_triton
             path, num_accepted, bonus, packed = accept_tree_greedy_triton(argmax(logits), node_tokens, tree)
         else:

@@ -125,10 +125,14 @@ class Tree:
 
 
 def resolve_tree(spec: str | None):
-    """`None`, `chain:K`, `tree:NAME` (mc_sim_7b_63, 8, 16), the path of a JSON list of paths, or
-    `dispatch:B1=SPEC1,...` (a tree per batch size: `eyas.spec.dispatch`). -> Tree | TreeDispatch | None"""
+    """`None`, `chain:K`, `tree:NAME` (mc_sim_7b_63, 8, 16), the path of a JSON list of paths, `dyn:kKdDnN` (a tree
+    grown per step from the draft's confidence: `eyas.spec.dynamic_tree`), or `dispatch:B1=SPEC1,...` (a tree per
+    batch size: `eyas.spec.dispatch`). -> Tree | DynamicTree | TreeDispatch | None"""
     if spec is None:
         return None
+    if spec.startswith("dyn:"):
+        from eyas.spec.dynamic_tree import DynamicTree
+        return DynamicTree.parse(spec)
     if spec.startswith("dispatch:"):
         from eyas.spec.dispatch import parse_dispatch
         return parse_dispatch(spec)
@@ -154,4 +158,5 @@ def resolve_tree(spec: str | None):
         if not isinstance(paths, list) or not all(isinstance(p, list) for p in paths):
             raise ValueError(f"tree file {spec} must hold a JSON list of paths (lists of ranks)")
         return Tree.from_paths(paths, name=path.name)
-    raise ValueError(f"bad speculation {spec!r}: expected chain:K, tree:NAME ({', '.join(PRESETS)}) or a JSON file")
+    raise ValueError(f"bad speculation {spec!r}: expected chain:K, tree:NAME ({', '.join(PRESETS)}), dyn:kKdDnN or a "
+                     "JSON file")

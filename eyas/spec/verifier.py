@@ -24,18 +24,28 @@ from eyas.layers.sampler import sample_from, uniform
 from eyas.spec.tree import Tree
 
 
+def batched(tree, B: int, device):
+    """(parents [B, N+1], depth [B, N+1], ancestor_mask [B, N+1, N+1], children [B, N+1, W]) of a static `Tree`
+    (the same for every sequence: expanded views) or of a step's dynamic trees (`eyas.spec.dynamic_tree.StepTree`,
+    one per sequence)."""
+    if isinstance(tree, Tree):
+        return tuple(t.to(device)[None].expand(B, *t.shape)
+                     for t in (tree.parents, tree.depth, tree.ancestor_mask, tree.children))
+    return tree.parents, tree.depth, tree.ancestor_mask, tree.children
+
+
 def accept_tree(probs: torch.Tensor, node_tokens: torch.Tensor, tree: Tree, seeds: torch.Tensor,
                 counters: torch.Tensor):
     """probs [B, N+1, V] target distribution at every node; node_tokens [B, N+1] (node 0 = root, the last committed
-    token); seeds, counters [B] (counter = the root's position).
+    token); seeds, counters [B] (counter = the root's position). `tree`: a static `Tree` or a step's dynamic trees.
 
     Returns path [B, D+1] (accepted node indices, root first, -1 padded), num_accepted [B] (draft tokens accepted),
     bonus [B] (the token sampled after the last accepted node).
     """
     B, _, V = probs.shape
     device = probs.device
-    children = tree.children.to(device)
-    W = children.shape[1]
+    children = batched(tree, B, device)[3]
+    W = children.shape[2]
     D = tree.max_depth
     rows = torch.arange(B, device=device)
     cur = torch.zeros(B, dtype=torch.long, device=device)
@@ -49,7 +59,7 @@ def accept_tree(probs: torch.Tensor, node_tokens: torch.Tensor, tree: Tree, seed
         found = torch.zeros(B, dtype=torch.bool, device=device)
         nxt = cur.clone()
         for j in range(min(W, tree.topk_per_level[d]) if d < D else 0):  # no node of depth d has more children
-            child = children[cur, j]  # [B]
+            child = children[rows, cur, j]  # [B]
             tried = (child >= 0) & ~done & ~found
             tok = node_tokens[rows, child.clamp(min=0)]
             total = residual.sum(-1)
@@ -81,12 +91,11 @@ def accept_tree_greedy(target_tokens: torch.Tensor, node_tokens: torch.Tensor, t
     draft's top-k), so at most one node per depth is reachable and that node is unique. A handful of kernels for any
     tree, where a walk costs depth x width steps of several kernels each (the step's largest cost on deep trees).
     On CUDA the step runs the same in one Triton launch (`eyas.kernels.accept_greedy`); this is its reference."""
-    device = node_tokens.device
-    parents = tree.parents.to(device)
-    ancestors = tree.ancestor_mask.to(device)  # [N+1, N+1]: [i, j] = j is i or an ancestor of i
-    match = node_tokens == target_tokens[:, parents.clamp(min=0)]  # [B, N+1]
+    # ancestors [B, N+1, N+1]: [b, i, j] = j is i or an ancestor of i
+    parents, _, ancestors, _ = batched(tree, node_tokens.shape[0], node_tokens.device)
+    match = node_tokens == target_tokens.gather(1, parents.clamp(min=0))  # [B, N+1]
     match[:, 0] = True  # the root is committed already
-    reachable = ~(ancestors[None] & ~match[:, None, :]).any(-1)  # [B, N+1]
+    reachable = ~(ancestors & ~match[:, None, :]).any(-1)  # [B, N+1]
     return accept_deepest(reachable, tree, target_tokens)
 
 
@@ -95,13 +104,15 @@ def accept_deepest(ok: torch.Tensor, tree: Tree, target_tokens: torch.Tensor):
     nodes from the root to it, root first, -1 beyond), num_accepted [B] (its depth), bonus [B] (the target's token
     after it)."""
     device = ok.device
-    depth = tree.depth.to(device)
-    best = torch.where(ok, depth[None, :], -1).argmax(-1)  # [B]
-    on_path = tree.ancestor_mask.to(device)[best]  # [B, N+1]
-    at_depth = depth[None, :, None] == torch.arange(tree.max_depth + 1, device=device)[None, None, :]
+    B = ok.shape[0]
+    rows = torch.arange(B, device=device)
+    _, depth, ancestors, _ = batched(tree, B, device)
+    best = torch.where(ok, depth, -1).argmax(-1)  # [B]
+    on_path = ancestors[rows, best]  # [B, N+1]
+    at_depth = depth[:, :, None] == torch.arange(tree.max_depth + 1, device=device)[None, None, :]
     hit = on_path[:, :, None] & at_depth  # [B, N+1, D+1]
     path = torch.where(hit.any(1), hit.long().argmax(1), -1)
-    return path, depth[best], target_tokens[torch.arange(ok.shape[0], device=device), best]
+    return path, depth[rows, best], target_tokens[rows, best]
 
 
 def simulate_accept(node_tokens: torch.Tensor, tree: Tree, accept_prob: torch.Tensor, seeds: torch.Tensor,
