@@ -611,8 +611,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2", help="smollm2, a checkpoint, or llama-3.1-8b-shape, "
                                                       "llama-3.3-70b-shape, smollm2-shape (random weights)")
     p.add_argument("--draft", default="auto")
-    p.add_argument("--modes", default="plain,chain:3,tree:8", help="comma-separated: plain, chain:K, tree:NAME, dyn:kKdDnN, "
-                   "dispatch:B1=SPEC,B2=SPEC,...")
+    p.add_argument("--modes", default="plain,chain:3,tree:8",
+                   help="comma-separated: plain, chain:K, tree:NAME, dyn:kKdDnN, dispatch:B1=SPEC,B2=SPEC,...")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=8,

@@ -40,8 +40,9 @@ PREFIX = "dyn:"
 
 @dataclass(frozen=True)
 class DynamicTree:
-    """`dyn:kKdDnN` (e.g. `dyn:k8d6n48`): top-K per expanded node, D draft levels (the verified tree's depth at most), N draft tokens
-    verified. Stands where a static `Tree` does for the runner: `name`, `num_nodes`, `max_depth`, `to`."""
+    """`dyn:kKdDnN` (e.g. `dyn:k8d6n48`): top-K per expanded node, D draft levels (the verified tree's depth at
+    most), N draft tokens verified. Stands where a static `Tree` does for the runner: `name`, `num_nodes`,
+    `max_depth`, `to`."""
 
     topk: int
     depth: int
