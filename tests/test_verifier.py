@@ -44,17 +44,23 @@ def draft_tokens(tree: Tree, B: int, rng: torch.Generator) -> torch.Tensor:
     return toks
 
 
-def check(tree: Tree, B: int, seed: int, triton: bool = False) -> torch.Tensor:
-    rng = torch.Generator().manual_seed(seed)
+def case(tree: Tree, B: int, rng: torch.Generator):
+    """(node tokens, the target's tokens) [B, N+1] for `tree`, biased toward acceptance: where a node has children,
+    the target often picks one of them."""
     nodes = draft_tokens(tree, B, rng)
     target = torch.randint(V, (B, tree.num_nodes + 1), generator=rng)
-    # bias toward acceptance: where a node has children, often make the target pick one of them
     for p in range(tree.num_nodes + 1):
         kids = tree.children[p][tree.children[p] >= 0]
         if len(kids):
             pick = kids[torch.randint(len(kids), (B,), generator=rng)]
             use = torch.rand(B, generator=rng) < 0.7
             target[use, p] = nodes[use, pick[use]]
+    return nodes, target
+
+
+def check(tree: Tree, B: int, seed: int, triton: bool = False) -> torch.Tensor:
+    rng = torch.Generator().manual_seed(seed)
+    nodes, target = case(tree, B, rng)
     probs = torch.nn.functional.one_hot(target, V).float()
     seeds = torch.arange(B)
     want = accept_tree(probs, nodes, tree, seeds, torch.zeros(B, dtype=torch.long))
@@ -136,6 +142,46 @@ def test_triton_greedy_acceptance_on_the_presets():
             seen |= set(check(tree, 8, 200 * i + seed, triton=True).tolist())
     check(Tree.chain(3), 6, 7, triton=True)
     assert 0 in seen and max(seen) >= 3, seen
+
+
+def step_tree_of(trees: list[Tree]):
+    """The trees of one step, one per sequence (`StepTree`, as a dynamic tree gives), from static trees of one size
+    (children padded to one width)."""
+    from eyas.spec.dynamic_tree import StepTree
+    W = max(t.children.shape[1] for t in trees)
+    pad = [torch.nn.functional.pad(t.children, (0, W - t.children.shape[1]), value=-1) for t in trees]
+    return StepTree(torch.stack([t.parents for t in trees]), torch.stack([t.depth for t in trees]),
+                    torch.stack([t.ancestor_mask for t in trees]), torch.stack(pad), max(t.max_depth for t in trees))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 30), st.integers(1, 4), st.integers(2, 4), st.integers(0, 10**6))
+def test_a_tree_per_sequence_equals_each_sequence_on_its_own(max_nodes, max_width, B, seed):
+    """A step's dynamic trees (a different tree for each sequence): the sampler at one-hot, the greedy reference and
+    its Triton launch each give every sequence what its own tree gives it alone."""
+    from eyas.kernels.accept_greedy import accept_tree_greedy_triton
+    rng = torch.Generator().manual_seed(seed)
+    trees = [random_tree(rng, max_nodes, max_width)]
+    for _ in range(200):
+        if len(trees) == B:
+            break
+        t = random_tree(rng, trees[0].num_nodes, max_width)
+        if t.num_nodes == trees[0].num_nodes:
+            trees.append(t)
+    trees += [trees[0]] * (B - len(trees))
+    rows = [case(t, 1, rng) for t in trees]
+    nodes, target = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+    alone = [accept_tree_greedy(tgt, nd, t) for (nd, tgt), t in zip(rows, trees)]
+    D = max(t.max_depth for t in trees)
+    want = (torch.cat([torch.nn.functional.pad(a[0], (0, D - t.max_depth), value=-1) for a, t in zip(alone, trees)]),
+            torch.cat([a[1] for a in alone]), torch.cat([a[2] for a in alone]))
+    step, on_dev = step_tree_of(trees), step_tree_of([t.to(DEV) for t in trees])
+    probs = torch.nn.functional.one_hot(target, V).float()
+    for got, how in [(accept_tree(probs, nodes, step, torch.arange(B), torch.zeros(B, dtype=torch.long)), "sampler"),
+                     (accept_tree_greedy(target, nodes, step), "greedy"),
+                     (accept_tree_greedy_triton(target.to(DEV), nodes.to(DEV), on_dev)[:3], "triton")]:
+        for w, g, name in zip(want, got, ("path", "num_accepted", "bonus")):
+            assert torch.equal(w, g.cpu()), (how, name, w, g)
 
 
 def check_replay(tree: Tree, B: int, seed: int, R: int) -> torch.Tensor:

@@ -25,13 +25,17 @@ BIG = tl.constexpr(2147483647)  # a global a @triton.jit function reads must be 
 
 @triton.jit
 def _accept_greedy_kernel(TGT, NODE, PAR, DEP, ANC, PATH, PACKED,
-                          n_nodes, stride_tb, stride_nb, stride_ar, stride_pb, stride_kb,
+                          n_nodes, stride_tb, stride_nb, stride_ar, stride_pb, stride_kb, stride_tree,
+                          stride_ab,
                           RANKS, SEEDS, CNT, NRANK, n_rows, n_ranks, stride_rr, stride_nr,
                           DMAX: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr,
                           REPLAY: tl.constexpr = False, DT: tl.constexpr = 1):
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < n_nodes
+    PAR += b * stride_tree  # a step's own trees, one per sequence (a static tree: strides 0)
+    DEP += b * stride_tree
+    ANC += b * stride_ab
     if REPLAY:  # node i matches when the sequence's row of recorded ranks starts with i's rank path
         x = tl.load(SEEDS + b).to(tl.int64) + tl.load(CNT + b).to(tl.int64)
         t = x % n_rows
@@ -74,7 +78,8 @@ def _accept_greedy_kernel(TGT, NODE, PAR, DEP, ANC, PATH, PACKED,
 
 
 def accept_tree_greedy_triton(target_tokens: torch.Tensor, node_tokens: torch.Tensor, tree) -> tuple:
-    """The results of `accept_tree_greedy` (target_tokens, node_tokens [B, N+1] -> path [B, D+1], -1 beyond the
+    """The results of `accept_tree_greedy` for a static `Tree` or a step's dynamic trees (`eyas.spec.dynamic_tree.
+    StepTree`, one per sequence) (target_tokens, node_tokens [B, N+1] -> path [B, D+1], -1 beyond the
     accepted depth; num_accepted [B]; bonus [B]), and with them the step's `packed` output [B, D+3] = (num_accepted,
     the path's tokens, bonus) that the host reads: num_accepted and bonus are views of it (int64)."""
     B, N1 = node_tokens.shape
@@ -110,17 +115,22 @@ def _launch(target_tokens, node_tokens, tree, replay=None):
         tgt, nodes = target_tokens.contiguous(), node_tokens.contiguous()
         anc = tree.ancestor_mask.to(device)
         anc = (anc.view(torch.uint8) if anc.dtype == torch.bool else anc).contiguous()
+        par, dep = tree.parents.to(device).contiguous(), tree.depth.to(device).contiguous()
+        per_seq = par.dim() == 2  # a step's dynamic trees (`StepTree`: [B, N+1], [B, N+1, N+1])
         if replay is None:
             ranks = seeds = counters = nrank = path  # not read
             rep = dict(n_rows=1, n_ranks=0, stride_rr=0, stride_nr=0)
         else:
+            if per_seq:
+                raise ValueError("a step's dynamic trees cannot replay recorded rank paths")
             ranks, seeds, counters = (t.contiguous() for t in replay)
             nrank = tree.rank_paths.to(device).contiguous()
             rep = dict(n_rows=ranks.shape[0], n_ranks=ranks.shape[1], stride_rr=ranks.stride(0),
                        stride_nr=nrank.stride(0), REPLAY=True, DT=nrank.shape[1])
         _accept_greedy_kernel[(B,)](
-            tgt, nodes, tree.parents.to(device), tree.depth.to(device), anc, path, packed,
-            N1, tgt.stride(0), nodes.stride(0), anc.stride(0), path.stride(0), packed.stride(0),
+            tgt, nodes, par, dep, anc, path, packed,
+            N1, tgt.stride(0), nodes.stride(0), anc.stride(-2), path.stride(0), packed.stride(0),
+            par.stride(0) if per_seq else 0, anc.stride(0) if per_seq else 0,
             ranks, seeds, counters, nrank, **rep,
             DMAX=D, BLOCK=max(16, triton.next_power_of_2(N1)), RB=min(32, max(16, triton.next_power_of_2(N1))),
             num_warps=4,

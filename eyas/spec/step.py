@@ -136,8 +136,8 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
     elif all_greedy and not tree.num_nodes:  # plain greedy decoding: nothing to accept, the bonus is the argmax
         path = torch.zeros(B, 1, dtype=torch.long, device=device)
         num_accepted, bonus = path[:, 0], argmax(logits[:, 0])
-    elif all_greedy:  # a child is accepted iff it is the target's argmax (on CUDA, a static tree: one Triton launch)
-        if use_triton and not dynamic:
+    elif all_greedy:  # a child is accepted iff it is the target's argmax (on CUDA: one Triton launch)
+        if use_triton:
             from eyas.kernels.accept_greedy import accept_tree_greedy_triton
             path, num_accepted, bonus, packed = accept_tree_greedy_triton(argmax(logits), node_tokens, tree)
         else:
