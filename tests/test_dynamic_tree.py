@@ -100,15 +100,15 @@ def test_trees_are_eagle2s_selection(pair, monkeypatch, spec):
     steps = [s for s in seen if isinstance(s, tuple)]
     assert len(steps) >= 4
     checked = 0
-    for ids_list, (node_tokens, tree) in steps[:4]:
-        assert node_tokens.shape == (len(ids_list), N + 1) and tree.max_depth == D
+    for ids_list, (node_tokens, grown) in steps[:4]:
+        assert node_tokens.shape == (len(ids_list), N + 1) and grown.max_depth == D
         for b, ids in enumerate(ids_list):
             assert int(node_tokens[b, 0]) == ids[-1]
-            paths = tree_paths(node_tokens[b], tree.parents[b].tolist())
+            paths = tree_paths(node_tokens[b], grown.parents[b].tolist())
             assert len(set(paths)) == N + 1  # distinct nodes, the root included
-            assert tree.depth[b].tolist() == [len(p) for p in paths]
+            assert grown.depth[b].tolist() == [len(p) for p in paths]
             anc = [[paths[i][:len(paths[j])] == paths[j] for j in range(N + 1)] for i in range(N + 1)]
-            assert tree.ancestor_mask[b].tolist() == anc
+            assert grown.ancestor_mask[b].tolist() == anc
             assert set(paths[1:]) == eagle2_reference(llm.target, llm.draft, ids, K, D, N)
             checked += 1
     assert checked >= 8

@@ -171,6 +171,13 @@ def split_modes(text: str) -> list[str]:
     return modes
 
 
+def simulates(mode: str, simulated_rates) -> bool:
+    """Whether a row's acceptance is simulated: on random weights (`simulated_rates` given), except a dynamic tree's,
+    which cannot be replayed: its row there is real acceptance, ~nothing accepted, and gives its time a step
+    (`ms_per_decode_step`)."""
+    return simulated_rates is not None and not mode.startswith("dyn:")
+
+
 def build_engine(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
                  graphs: bool, block_size: int = 16, one_row: bool = True, few_rows: bool = True,
                  fold_norms: bool = True, overlap: bool = True) -> LLMEngine:
@@ -184,9 +191,8 @@ def build_engine(target, tokenizer, draft, mode: str, batch: int, prompts, max_t
                        num_blocks=batch * (-(-(longest + max_tokens + 64) // block_size)) + 8, one_row=one_row,
                        few_rows=few_rows, fold_norms=fold_norms, overlap=overlap and graphs)
     engine = LLMEngine(target, tokenizer, draft if tree is not None else None, tree, cfg)
-    if simulated_rates is not None and tree is not None and not mode.startswith("dyn:"):
-        simulate_acceptance(engine, simulated_rates)  # (a dynamic tree's acceptance cannot be replayed: its row on
-        # random weights is real acceptance, ~nothing accepted, and gives its time a step, `ms_per_decode_step`)
+    if tree is not None and simulates(mode, simulated_rates):
+        simulate_acceptance(engine, simulated_rates)
     # warm-up: captures the graph of this batch size and compiles the kernels
     for i, p in enumerate(prompts[:batch]):
         engine.add_request(p, _params(i, 4))
@@ -341,8 +347,7 @@ def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_token
     """One (mode, batch) row: `build_engine`, `time_row`, and with `profile` `profile_steps`."""
     engine = build_engine(target, tokenizer, draft, mode, batch, prompts, max_tokens, simulated_rates, graphs,
                           block_size, one_row, few_rows, fold_norms, overlap)
-    row = time_row(engine, mode, batch, prompts, max_tokens, num_prompts,
-                   simulated_rates is not None and not mode.startswith("dyn:"))
+    row = time_row(engine, mode, batch, prompts, max_tokens, num_prompts, simulates(mode, simulated_rates))
     if profile:
         profile_steps(engine, mode, batch, prompts, verbose, kernels_out)
     return row
@@ -542,7 +547,7 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
             for _ in tqdm(range(args.repeat), desc=f"batch {b}, {len(modes)} modes", disable=rank != 0):
                 for m in modes:
                     runs[m].append(time_row(engines[m], m, b, prompts, args.max_tokens, args.num_prompts,
-                                            rates is not None))
+                                            simulates(m, rates)))
             for m in modes:
                 by_mode.setdefault(m, []).append(median_row(runs[m]))
                 if args.profile:

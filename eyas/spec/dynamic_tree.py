@@ -59,11 +59,11 @@ class DynamicTree:
         k, d, n = (int(x) for x in m.groups())
         if k < 1 or d < 1 or n < 1:
             raise ValueError(f"bad speculation {spec!r}: K, D and N must be >= 1")
-        pool = k + (d - 1) * k * k
-        if n > pool:
-            raise ValueError(f"bad speculation {spec!r}: N={n} is more than the {pool} candidates that K={k} and "
-                             f"D={d} score (K + (D-1) K^2)")
-        return cls(k, d, n, f"{PREFIX}k{k}d{d}n{n}")
+        tree = cls(k, d, n, f"{PREFIX}k{k}d{d}n{n}")
+        if n > tree.pool_size:
+            raise ValueError(f"bad speculation {spec!r}: N={n} is more than the {tree.pool_size} candidates that "
+                             f"K={k} and D={d} score (K + (D-1) K^2)")
+        return tree
 
     @property
     def max_depth(self) -> int:
@@ -116,11 +116,10 @@ def expand_dynamic(draft, target, draft_cache, dyn: DynamicTree, root_h: torch.T
     device = root_h.device
     rank_all, depth_all, eye_k, first_path, child_ids, at_depth = _constants(K, D, str(device))
 
-    # the candidate pool, depth by depth: token, score, parent (pool id; -1: the root) and path (the pool ids of its
-    # ancestors and itself, by depth, -1 below it)
+    # the candidate pool, depth by depth: token, score and path (the pool ids of its ancestors below the root and of
+    # itself, by depth, -1 below it)
     logp, tok = draft_topk_logp(draft, target, root_h, K)  # [B, K]
     pool_tok, pool_score = [tok], [logp]
-    pool_parent = [torch.full((B, K), -1, dtype=torch.long, device=device)]
     pool_path = [first_path.expand(B, K, D)]
 
     beam_tok, beam_score, beam_feat, beam_path = tok, logp, root_h[:, None].expand(B, K, H), pool_path[0]
@@ -137,7 +136,6 @@ def expand_dynamic(draft, target, draft_cache, dyn: DynamicTree, root_h: torch.T
                            beam_path[:, :, None, :].expand(B, K, K, D).reshape(B, K * K, D))
         pool_tok.append(tok.flatten(1))
         pool_score.append(score)
-        pool_parent.append(beam_path[:, :, d - 1, None].expand(B, K, K).flatten(1))
         pool_path.append(path)
         if d + 1 < D:  # the next beam: the K best children
             best = topk_indices(score, K)  # [B, K]
@@ -150,21 +148,22 @@ def expand_dynamic(draft, target, draft_cache, dyn: DynamicTree, root_h: torch.T
             anc = torch.cat([prev, eye_k.expand(B, K, K)], dim=-1)
 
     tok_all, score_all = torch.cat(pool_tok, 1), torch.cat(pool_score, 1)  # [B, P]
-    parent_all, path_all = torch.cat(pool_parent, 1), torch.cat(pool_path, 1)  # [B, P], [B, P, D]
+    path_all = torch.cat(pool_path, 1)  # [B, P, D]
 
     # the N best candidates (ties in pool order: a parent before its children), then in pool order (topological)
     sel = torch.sort(-score_all, dim=-1, stable=True).indices[:, :N].sort(dim=-1).values  # [B, N]
     node_of = torch.zeros_like(tok_all)  # pool id -> node index, 0 (the root) where not selected
     node_of.scatter_(1, sel, torch.arange(1, N + 1, device=device).expand(B, N))
-    par_pool = parent_all.gather(1, sel)
-    parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=device),
-                         torch.where(par_pool >= 0, node_of.gather(1, par_pool.clamp(min=0)), 0)], dim=1)
-    depth = torch.cat([torch.zeros((B, 1), dtype=torch.long, device=device), depth_all[sel]], dim=1)
+    depth_sel = depth_all[sel]  # [B, N]
+    depth = torch.cat([torch.zeros((B, 1), dtype=torch.long, device=device), depth_sel], dim=1)
     node_tokens = torch.cat([root_tokens[:, None], tok_all.gather(1, sel)], dim=1)
-    # ancestors: the nodes on each selected candidate's path (past its depth -1, taken as node 0: the root, which is
-    # everyone's ancestor anyway)
+    # the nodes on each selected candidate's path (past its depth -1, taken as node 0: the root, everyone's ancestor)
     path = path_all.gather(1, sel[:, :, None].expand(B, N, D)).flatten(1)  # [B, N*D] pool ids
     on_path = torch.where(path >= 0, node_of.gather(1, path.clamp(min=0)), 0).view(B, N, D)
+    # a node's parent: the node one level up its path (depth 1: the root)
+    up = on_path.gather(2, (depth_sel - 2).clamp(min=0)[:, :, None])[:, :, 0]
+    parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=device),
+                         torch.where(depth_sel > 1, up, 0)], dim=1)
     ancestors = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=device)
     ancestors[:, :, 0] = True
     ancestors[:, 1:].scatter_(2, on_path, True)
