@@ -7,10 +7,13 @@ import torch
 
 from eyas import LLM, SamplingParams
 from eyas.engine.runner import ModelRunner
+from eyas.spec import dynamic_tree as dyn_mod
 from eyas.spec import step as step_mod
 from eyas.spec.dynamic_tree import DynamicTree
 from eyas.spec.tree import resolve_tree
 from helpers import write_random_draft, write_tiny_llama
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton selection: on the GPU, or interpreted on the CPU
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +116,78 @@ def test_trees_are_eagle2s_selection(pair, monkeypatch, spec):
             checked += 1
     assert checked >= 8
     assert sum(sum(o.stats.accepted_by_depth) for o in outs) > 0  # some draft tokens were accepted
+
+
+@pytest.mark.parametrize("spec", ["dyn:k3d4n10", "dyn:k6d8n30"])  # pools of 30 and 258: one block, and several
+def test_the_one_launch_selection_equals_the_torch_one(pair, monkeypatch, spec):
+    """The Triton selection (`eyas.kernels.select_tree`, under the interpreter on the CPU) gives every output of
+    `select_tree_torch` on the pools of real steps (batch 3), and again with their scores rounded to a few values, so
+    that many candidates tie and the pool order must break the ties (rounding keeps a child at or below its parent), and
+    with the best path ending at the pool's last candidate."""
+    from eyas.kernels.select_tree import select_tree_triton
+    target_dir, draft_dir = pair
+    pools = []
+    select = dyn_mod.select_tree
+
+    def spy(*args):
+        pools.append(args)
+        return select(*args)
+
+    monkeypatch.setattr(dyn_mod, "select_tree", spy)
+    llm = LLM(str(target_dir), device="cpu", dtype="float32", draft=str(draft_dir), speculation=spec)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 29, (k,), generator=g).tolist() for k in (4, 9, 2)]
+    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(pools) >= 3 and pools[0][0].shape[0] == 3
+    ties = 0
+    for args in pools[:3]:
+        rounded = (torch.round(args[0] * 2) / 2,) + args[1:]
+        ties += int((rounded[0][:, :, None] == rounded[0][:, None, :]).sum()) - rounded[0].numel()
+        last = args[0].clone()  # the path to the pool's last candidate scores 0: the best of all, at the pool's end
+        for b in range(last.shape[0]):
+            last[b, args[2][b, -1]] = 0.0
+        for a in (args, rounded, (last,) + args[1:]):
+            want = dyn_mod.select_tree_torch(*a)
+            got = select_tree_triton(*(x.to(DEV) if isinstance(x, torch.Tensor) else x for x in a))
+            for w, o in zip(want, got):
+                assert o.dtype == w.dtype and torch.equal(o.cpu(), w)
+    assert ties > 100
+
+
+@pytest.mark.parametrize("spec", ["dyn:k3d4n10", "dyn:k6d4n30"])
+def test_the_one_launch_beam_level_equals_the_torch_one(pair, monkeypatch, spec):
+    """The Triton beam level (`eyas.kernels.dyn_beam`, interpreted on the CPU) writes the pool and returns the next
+    beam as `grow_pool_torch` does, on the levels of real steps (batch 3), and with the beam's scores and the
+    children's log-probabilities rounded, or all 0, so that children tie and the earlier one must win."""
+    from eyas.kernels.dyn_beam import grow_pool_triton
+    target_dir, draft_dir = pair
+    levels = []
+    grow = dyn_mod.grow_pool
+
+    def spy(*args, **kw):
+        levels.append((tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args), kw))
+        return grow(*args, **kw)
+
+    monkeypatch.setattr(dyn_mod, "grow_pool", spy)
+    llm = LLM(str(target_dir), device="cpu", dtype="float32", draft=str(draft_dir), speculation=spec)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 29, (k,), generator=g).tolist() for k in (5, 2, 11)]
+    llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(levels) >= 6 and {kw["next_beam"] for _, kw in levels} == {True, False}
+    for args, kw in levels[:6]:
+        rounded = (torch.round(args[0]), torch.round(args[1])) + args[2:]
+        flat = (torch.zeros_like(args[0]), torch.zeros_like(args[1])) + args[2:]  # every child ties
+        for a in (args, rounded, flat):
+            want_pool = [x.clone() for x in a[6:9]]
+            want = dyn_mod.grow_pool_torch(*a[:6], *want_pool, *a[9:], **kw)
+            got_pool = [x.clone().to(DEV) for x in a[6:9]]
+            got = grow_pool_triton(*(x.to(DEV) for x in a[:6]), *got_pool, *a[9:], **kw)
+            off, KK = a[9], a[0].shape[1] ** 2
+            for w, o in zip(want_pool, got_pool):  # the level's slice of the pool (the rest is not written)
+                assert torch.equal(o[:, off:off + KK].cpu(), w[:, off:off + KK])
+            assert (got is None) == (want is None)
+            for w, o in zip(want or (), got or ()):
+                assert o.dtype == w.dtype and torch.equal(o.cpu(), w)
 
 
 def test_a_dynamic_tree_is_refused_where_it_cannot_run(pair):

@@ -78,3 +78,32 @@ def test_argmax_is_the_first_maximum():
     wide = torch.randn(3, 5000).to(DEV)
     wide[1, 4999] = wide[1, 17] = 50.0
     assert torch.equal(argmax(wide), wide.argmax(-1)) and argmax(wide)[1].item() == 17
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.sampled_from([16, 1000, 4097, 6144]), st.integers(1, 3), st.integers(1, 16), st.booleans(),
+       st.integers(0, 10**6))
+def test_triton_topk_logp_equals_log_softmax(V, rows, k, masked, seed):
+    """The fused top-k with log-probabilities (a dynamic tree's scores): the indices are the stable sort's first k
+    and the values log_softmax's there, in float32 and bf16, also where whole chunks are -inf (a masked vocabulary)
+    and the top k sit in one chunk at the row's end. The PyTorch reference (`topk_logp_torch`, CPU) is held to the
+    same, where ties may come in another order (`topk_indices`)."""
+    from eyas.kernels.chunk_topk import topk_logp_triton
+    from eyas.layers.topk import topk_logp_torch
+    k = min(k, V)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, V, generator=g) * 4
+    if masked:
+        x[:, : V // 2] = float("-inf")
+    x[0, V - k:] = 10 + torch.arange(k, dtype=torch.float32)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        want_i = _stable_topk(xd.float(), k)
+        want_v = torch.log_softmax(xd.float(), dim=-1).gather(-1, want_i)
+        for fn, dev in ((topk_logp_triton, DEV), (topk_logp_torch, "cpu")):
+            v, i = fn(xd.view(rows, 1, V).to(dev), k)
+            assert i.shape == v.shape == (rows, 1, k) and v.dtype == torch.float32
+            i = i.cpu().view(rows, k)
+            assert torch.equal(i, want_i) if fn is topk_logp_triton else torch.equal(xd.gather(-1, i),
+                                                                                      xd.gather(-1, want_i))
+            torch.testing.assert_close(v.cpu().view(rows, k), want_v.clamp(max=0.0), atol=1e-5, rtol=1e-5)

@@ -11,6 +11,11 @@ tree level after the draft forward itself (session 6 profile, docs/benchmarks.md
 Values are compared in float32 (exact for bf16/fp16 inputs). Among equal values the lower index comes first, so
 k = 1 is `argmax` (its first maximum) and the result is `torch.topk(x, k).indices` whenever the top values do not
 tie. NaN is not supported. The reference is `eyas.layers.topk.topk_indices` (torch.topk).
+
+`topk_logp_triton` also gives the k winners' log-softmax values (a dynamic tree scores its candidates by them) in the
+same two launches: pass 1 keeps each chunk's maximum and sum of exponentials beside its winners, pass 2 merges them
+into the row's log-sum-exp. PyTorch's float32 `logsumexp` over a 49k row took ~17 kernels (~45 us) a tree level on
+the H200 (session 29). The reference is `eyas.layers.topk.topk_logp_torch`.
 """
 from __future__ import annotations
 
@@ -24,13 +29,19 @@ BLOCK = 2048  # entries per chunk (pass 1)
 
 
 @triton.jit
-def _chunk_topk_kernel(X, VOUT, IOUT, V, n_chunks, stride_xr, K: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_topk_kernel(X, VOUT, IOUT, STATS, V, n_chunks, stride_xr, K: tl.constexpr, BLOCK: tl.constexpr,
+                       LSE: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     ok = offs < V
     x = tl.load(X + r * stride_xr + offs, mask=ok, other=float("-inf")).to(tl.float32)
     out = (r * n_chunks + c) * K
+    if LSE:  # the chunk's maximum and its sum of exp(x - maximum) (0 for a chunk of -inf)
+        cm = tl.max(x, axis=0)
+        shift = tl.where(cm == float("-inf"), 0.0, cm)
+        tl.store(STATS + (r * n_chunks + c) * 2, cm)
+        tl.store(STATS + (r * n_chunks + c) * 2 + 1, tl.sum(tl.where(ok, tl.exp(x - shift), 0.0), axis=0))
     for j in tl.static_range(K):
         m = tl.max(x, axis=0)
         idx = tl.min(tl.where((x == m) & ok, offs, 2147483647), axis=0)  # the first of the maxima
@@ -41,16 +52,28 @@ def _chunk_topk_kernel(X, VOUT, IOUT, V, n_chunks, stride_xr, K: tl.constexpr, B
 
 
 @triton.jit
-def _merge_topk_kernel(VIN, IIN, OUT, n_cand, K: tl.constexpr, BLOCK: tl.constexpr):
+def _merge_topk_kernel(VIN, IIN, OUT, STATS, LOGP, n_cand, n_chunks, K: tl.constexpr, BLOCK: tl.constexpr,
+                       LSE: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < n_cand
     v = tl.load(VIN + r * n_cand + offs, mask=ok, other=float("-inf"))
     ids = tl.load(IIN + r * n_cand + offs, mask=ok, other=2147483647)
+    lse = 0.0
+    if LSE:  # the row's log-sum-exp from its chunks' (maximum, sum of exponentials)
+        oc = tl.arange(0, BLOCK_C)
+        okc = oc < n_chunks
+        cm = tl.load(STATS + (r * n_chunks + oc) * 2, mask=okc, other=float("-inf"))
+        cs = tl.load(STATS + (r * n_chunks + oc) * 2 + 1, mask=okc, other=0.0)
+        mx = tl.max(cm, axis=0)
+        shift = tl.where(mx == float("-inf"), 0.0, mx)
+        lse = shift + tl.log(tl.sum(tl.where(cm == float("-inf"), 0.0, cs * tl.exp(cm - shift)), axis=0))
     for j in tl.static_range(K):
         m = tl.max(v, axis=0)
         idx = tl.min(tl.where((v == m) & ok, ids, 2147483647), axis=0)
         tl.store(OUT + r * K + j, idx.to(tl.int64))
+        if LSE:
+            tl.store(LOGP + r * K + j, tl.minimum(m - lse, 0.0))
         hit = ids == idx
         v = tl.where(hit, float("-inf"), v)
         ok = ok & (~hit)
@@ -59,6 +82,16 @@ def _merge_topk_kernel(VIN, IIN, OUT, n_cand, K: tl.constexpr, BLOCK: tl.constex
 def topk_indices_triton(x: torch.Tensor, k: int) -> torch.Tensor:
     """Indices [..., k] (int64) of the k largest entries of x [..., V] along the last dimension, largest first (ties:
     lower index first). k <= 16 and V >= k."""
+    return _topk(x, k, lse=False)[1]
+
+
+def topk_logp_triton(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_softmax(x)'s k largest values [..., k] in float32, clamped to <= 0; their indices [..., k] int64), as
+    `topk_indices_triton` orders them."""
+    return _topk(x, k, lse=True)
+
+
+def _topk(x: torch.Tensor, k: int, lse: bool):
     V = x.shape[-1]
     if not 1 <= k <= min(MAX_K, V):
         raise ValueError(f"k must be in [1, {min(MAX_K, V)}], got {k}")
@@ -68,11 +101,15 @@ def topk_indices_triton(x: torch.Tensor, k: int) -> torch.Tensor:
         x2 = x2.contiguous()
     R = x2.shape[0]
     out = torch.empty((R, k), dtype=torch.long, device=x.device)
-    if R == 0:
-        return out.view(*lead, k)
-    n = triton.cdiv(V, BLOCK)
-    vals = torch.empty((R, n, k), dtype=torch.float32, device=x.device)
-    ids = torch.empty((R, n, k), dtype=torch.int32, device=x.device)
-    _chunk_topk_kernel[(R, n)](x2, vals, ids, V, n, x2.stride(0), K=k, BLOCK=BLOCK, num_warps=4)
-    _merge_topk_kernel[(R,)](vals, ids, out, n * k, K=k, BLOCK=triton.next_power_of_2(n * k), num_warps=4)
-    return out.view(*lead, k)
+    logp = torch.empty((R, k), dtype=torch.float32, device=x.device) if lse else None
+    if R > 0:
+        n = triton.cdiv(V, BLOCK)
+        vals = torch.empty((R, n, k), dtype=torch.float32, device=x.device)
+        ids = torch.empty((R, n, k), dtype=torch.int32, device=x.device)
+        stats = torch.empty((R, n, 2), dtype=torch.float32, device=x.device) if lse else vals
+        _chunk_topk_kernel[(R, n)](x2, vals, ids, stats, V, n, x2.stride(0), K=k, BLOCK=BLOCK, LSE=lse,
+                                   num_warps=4)
+        _merge_topk_kernel[(R,)](vals, ids, out, stats, logp if lse else vals, n * k, n, K=k,
+                                 BLOCK=triton.next_power_of_2(n * k), LSE=lse, BLOCK_C=triton.next_power_of_2(n),
+                                 num_warps=4)
+    return (logp.view(*lead, k) if lse else None), out.view(*lead, k)

@@ -45,6 +45,24 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     return topk_indices_torch(x, k)
 
 
+def topk_logp(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities [..., k] in float32, indices [..., k]) of the k largest entries of logits x [..., V]: the
+    values of `log_softmax(x.float())` at `topk_indices(x, k)`, clamped to <= 0. On CUDA the same two Triton launches
+    as `topk_indices`, which also merge the row's log-sum-exp; elsewhere, and as their reference, `topk_logp_torch`."""
+    V = x.shape[-1]
+    if x.is_cuda and k <= MAX_K and V >= k:
+        from eyas.kernels.chunk_topk import topk_logp_triton
+        return topk_logp_triton(x, k)
+    return topk_logp_torch(x, k)
+
+
+def topk_logp_torch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`topk_logp` in PyTorch."""
+    idx = topk_indices_torch(x, k)
+    val = x.gather(-1, idx).float() - torch.logsumexp(x.float(), dim=-1, keepdim=True)
+    return val.clamp(max=0.0), idx
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x [..., V] -> the index of the first maximum along the last dimension (as `x.argmax(-1)`). On CUDA the Triton
     top-1 (~2 short launches, where one 49k-wide row is ~13 us in PyTorch's single-block reduction)."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from eyas.layers.attention import MetaBuilder, Stash
-from eyas.layers.topk import topk_indices
+from eyas.layers.topk import topk_logp
 from eyas.spec.draft_vocab import draft_logits
 from eyas.spec.drafter import draft_pairs
 
@@ -100,11 +100,10 @@ class StepTree:
 def draft_topk_logp(draft, target, h: torch.Tensor, k: int):
     """The draft's top-k from features h [..., H]: (log-probabilities [..., k] in float32, target token ids [..., k]),
     over the draft vocabulary when one is attached (`draft_logits`)."""
-    logits = draft_logits(draft, target, h)
-    idx = topk_indices(logits, k)  # on CUDA two Triton launches, where torch.topk over a 49k row takes ~20 kernels
-    val = logits.gather(-1, idx).float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+    # on CUDA two Triton launches, where torch.topk and a float32 logsumexp over a 49k row take ~35 kernels
+    logp, idx = topk_logp(draft_logits(draft, target, h), k)
     ids = getattr(draft, "vocab_ids", None)
-    return val.clamp(max=0.0), (idx if ids is None else ids[idx])
+    return logp, (idx if ids is None else ids[idx])
 
 
 def expand_dynamic(draft, target, draft_cache, dyn: DynamicTree, root_h: torch.Tensor, root_tokens: torch.Tensor,
@@ -114,15 +113,20 @@ def expand_dynamic(draft, target, draft_cache, dyn: DynamicTree, root_h: torch.T
     B, H = root_h.shape
     K, D, N = dyn.topk, dyn.depth, dyn.num_nodes
     device = root_h.device
-    rank_all, depth_all, eye_k, first_path, child_ids, at_depth = _constants(K, D, str(device))
+    rank_all, depth_all, eye_k, first_path = _constants(K, D, str(device))
 
     # the candidate pool, depth by depth: token, score and path (the pool ids of its ancestors below the root and of
     # itself, by depth, -1 below it)
+    P = dyn.pool_size
+    pool_score = torch.empty((B, P), dtype=torch.float32, device=device)
+    pool_tok = torch.empty((B, P), dtype=torch.long, device=device)
+    pool_path = torch.empty((B, P, D), dtype=torch.long, device=device)
     logp, tok = draft_topk_logp(draft, target, root_h, K)  # [B, K]
-    pool_tok, pool_score = [tok], [logp]
-    pool_path = [first_path.expand(B, K, D)]
+    pool_score[:, :K] = logp
+    pool_tok[:, :K] = tok
+    pool_path[:, :K] = first_path
 
-    beam_tok, beam_score, beam_feat, beam_path = tok, logp, root_h[:, None].expand(B, K, H), pool_path[0]
+    beam_tok, beam_score, beam_feat, beam_path = tok, logp, root_h[:, None].expand(B, K, H), first_path.expand(B, K, D)
     stash = Stash.like(draft_cache, B, 1 + (D - 1) * K) if D > 1 else None
     anc = eye_k.expand(B, K, K)  # the beam's ancestors among the stash rows 1.. (the beams so far), itself included
     positions = (n - 1)[:, None].expand(B, K)
@@ -131,25 +135,71 @@ def expand_dynamic(draft, target, draft_cache, dyn: DynamicTree, root_h: torch.T
         m = meta(n, anc, stash=stash, stash_at=1 + (d - 1) * K, suffix_from=1)
         h = draft.forward_pairs(pairs, positions + d, m, draft_cache)  # [B, K, H]
         logp, tok = draft_topk_logp(draft, target, h, K)  # [B, K, K]
-        score = (beam_score[:, :, None] + logp).flatten(1)  # [B, K*K]
-        path = torch.where(at_depth[d], child_ids[d - 1][:, None],  # the beam's paths, and the children's pool ids
-                           beam_path[:, :, None, :].expand(B, K, K, D).reshape(B, K * K, D))
-        pool_tok.append(tok.flatten(1))
-        pool_score.append(score)
-        pool_path.append(path)
-        if d + 1 < D:  # the next beam: the K best children
-            best = topk_indices(score, K)  # [B, K]
-            par = best // K  # their parents within this beam
-            beam_tok = tok.flatten(1).gather(1, best)
-            beam_score = score.gather(1, best)
-            beam_feat = h.gather(1, par[:, :, None].expand(B, K, H))
-            beam_path = path.gather(1, best[:, :, None].expand(B, K, D))
-            prev = anc.gather(1, par[:, :, None].expand(B, K, anc.shape[-1]))
-            anc = torch.cat([prev, eye_k.expand(B, K, K)], dim=-1)
+        beam = grow_pool(beam_score, logp, tok, beam_path, h, anc, pool_score, pool_tok, pool_path,
+                         K + (d - 1) * K * K, d, next_beam=d + 1 < D)
+        if beam is not None:
+            beam_tok, beam_score, beam_feat, beam_path, anc = beam
 
-    tok_all, score_all = torch.cat(pool_tok, 1), torch.cat(pool_score, 1)  # [B, P]
-    path_all = torch.cat(pool_path, 1)  # [B, P, D]
+    node_tokens, parents, depth, ancestors, children = select_tree(
+        pool_score, pool_tok, pool_path, depth_all, rank_all, root_tokens, N, K)
+    return node_tokens, StepTree(parents, depth, ancestors, children, D)
 
+
+def grow_pool(beam_score, logp, tok, beam_path, feat, anc, pool_score, pool_tok, pool_path, off: int, d: int,
+              next_beam: bool):
+    """One level of the beam: the depth-d beam's K nodes (beam_score [B, K], beam_path [B, K, D], their draft
+    features feat [B, K, H] and ancestor rows anc [B, K, A] among the stash's beams) have children logp, tok
+    [B, K, K] (each node's top K). Writes the K*K children's scores, tokens and paths (the parent's path, the child's
+    own pool id at column d) to the pool (pool_score [B, P], pool_tok [B, P], pool_path [B, P, D]) from `off`.
+    With next_beam, returns the next beam: the K best children (largest score first, ties to the earlier child) as
+    (tokens [B, K], scores, their parents' features [B, K, H], paths [B, K, D], ancestor rows [B, K, A+K]); else
+    None. On CUDA one Triton launch (`eyas.kernels.dyn_beam`); elsewhere, and as its reference, `grow_pool_torch`."""
+    if beam_score.is_cuda:
+        from eyas.kernels.dyn_beam import grow_pool_triton
+        return grow_pool_triton(beam_score, logp, tok, beam_path, feat, anc, pool_score, pool_tok, pool_path, off,
+                                d, next_beam)
+    return grow_pool_torch(beam_score, logp, tok, beam_path, feat, anc, pool_score, pool_tok, pool_path, off, d,
+                           next_beam)
+
+
+def grow_pool_torch(beam_score, logp, tok, beam_path, feat, anc, pool_score, pool_tok, pool_path, off: int, d: int,
+                    next_beam: bool):
+    """`grow_pool` in PyTorch."""
+    B, K = beam_score.shape
+    D, H = pool_path.shape[-1], feat.shape[-1]
+    KK = K * K
+    score = (beam_score[:, :, None] + logp).flatten(1)  # [B, K*K]
+    path = beam_path[:, :, None, :].expand(B, K, K, D).reshape(B, KK, D).clone()
+    path[:, :, d] = off + torch.arange(KK, device=path.device)
+    pool_score[:, off:off + KK] = score
+    pool_tok[:, off:off + KK] = tok.flatten(1)
+    pool_path[:, off:off + KK] = path
+    if not next_beam:
+        return None
+    best = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :K]  # [B, K]
+    par = best // K  # their parents within this beam
+    prev = anc.gather(1, par[:, :, None].expand(B, K, anc.shape[-1]))
+    eye = torch.eye(K, dtype=torch.bool, device=anc.device).expand(B, K, K)
+    return (tok.flatten(1).gather(1, best), score.gather(1, best), feat.gather(1, par[:, :, None].expand(B, K, H)),
+            path.gather(1, best[:, :, None].expand(B, K, D)), torch.cat([prev, eye], dim=-1))
+
+
+def select_tree(score_all, tok_all, path_all, depth_all, rank_all, root_tokens, N: int, K: int):
+    """The step's trees from the scored pools: score_all [B, P] float32, tok_all [B, P], path_all [B, P, D] (the
+    pool ids along each candidate's path, -1 below its depth), depth_all and rank_all [P] (a candidate's depth and
+    rank among its siblings), root_tokens [B]. Returns (node_tokens [B, N+1], parents, depth, ancestors [B, N+1,
+    N+1], children [B, N+1, K]). On CUDA one Triton launch (`eyas.kernels.select_tree`); elsewhere, and as its
+    reference, `select_tree_torch`."""
+    if score_all.is_cuda:
+        from eyas.kernels.select_tree import select_tree_triton
+        return select_tree_triton(score_all, tok_all, path_all, depth_all, rank_all, root_tokens, N, K)
+    return select_tree_torch(score_all, tok_all, path_all, depth_all, rank_all, root_tokens, N, K)
+
+
+def select_tree_torch(score_all, tok_all, path_all, depth_all, rank_all, root_tokens, N: int, K: int):
+    """`select_tree` in PyTorch."""
+    B, D = score_all.shape[0], path_all.shape[-1]
+    device = score_all.device
     # the N best candidates (ties in pool order: a parent before its children), then in pool order (topological)
     sel = torch.sort(-score_all, dim=-1, stable=True).indices[:, :N].sort(dim=-1).values  # [B, N]
     node_of = torch.zeros_like(tok_all)  # pool id -> node index, 0 (the root) where not selected
@@ -170,18 +220,15 @@ def expand_dynamic(draft, target, draft_cache, dyn: DynamicTree, root_h: torch.T
     children = torch.full((B, N + 1, K), -1, dtype=torch.long, device=device)
     rows = torch.arange(B, device=device)[:, None]
     children[rows, parents[:, 1:], rank_all[sel]] = torch.arange(1, N + 1, device=device).expand(B, N)
-    return node_tokens, StepTree(parents, depth, ancestors, children, D)
+    return node_tokens, parents, depth, ancestors, children
 
 
 @functools.cache
 def _constants(K: int, D: int, device: str):
-    """The pool's ranks among siblings and depths [P], eye(K)[None], the depth-1 candidates' paths [1, K, D], each
-    deeper level's pool ids [D-1, K*K] and one-hot depth masks [D, D]: made once per (K, D, device), outside any CUDA
-    graph capture (a graph's warm-up runs the step eagerly first)."""
+    """The pool's ranks among siblings and depths [P], eye(K)[None] and the depth-1 candidates' paths [1, K, D]: made
+    once per (K, D, device), outside any CUDA graph capture (a graph's warm-up runs the step eagerly first)."""
     rank = torch.cat([torch.arange(K)] + [torch.arange(K).repeat(K)] * (D - 1))
     depth = torch.cat([torch.ones(K, dtype=torch.long)] + [torch.full((K * K,), d + 1) for d in range(1, D)])
     path = torch.full((1, K, D), -1, dtype=torch.long)
     path[0, :, 0] = torch.arange(K)
-    child_ids = K + torch.arange((D - 1) * K * K).view(D - 1, K * K)
-    return (rank.to(device), depth.to(device), torch.eye(K, dtype=torch.bool, device=device)[None], path.to(device),
-            child_ids.to(device), torch.eye(D, dtype=torch.bool, device=device))
+    return rank.to(device), depth.to(device), torch.eye(K, dtype=torch.bool, device=device)[None], path.to(device)
