@@ -10,7 +10,8 @@ from eyas.layers.attention import slots_for
 from eyas.loader.eagle import load_draft
 from helpers import write_mirror_pair, write_random_draft, write_tiny_llama
 
-SPECS = ["chain:1", "chain:4", "tree:8", "tree:mc_sim_7b_63", "dyn:k3d4n8"]
+SPECS = ["chain:1", "chain:4", "tree:8", "tree:mc_sim_7b_63", "dyn:k3d4n8",
+         "dispatch:2=tree:8,4=dyn:k3d4n8,64=chain:2"]  # static, dynamic and chain steps by batch size, as shipped
 
 
 @pytest.fixture(scope="module")
@@ -414,5 +415,7 @@ def test_the_draft_chooses_the_default_speculation(tmp_path):
     assert default_speculation(holder, "cuda").startswith("dispatch:")
     from eyas.spec.tree import resolve_tree
     shipped_dispatch = resolve_tree(default_speculation(holder, "cuda"))
-    # its fitted tree up to 4 requests, tree:8 to 32, chain:3 beyond (session 21's batch sweep on the H200)
-    assert [shipped_dispatch.tree_for(b).num_nodes for b in (1, 4, 5, 32, 33, 512)] == [48, 48, 8, 8, 3, 3]
+    # its fitted tree up to 2 requests, a dynamic tree of 8 to 16, tree:8 to 32, chain:3 beyond (the batch sweeps of
+    # sessions 21 and 29 on the H200)
+    assert [shipped_dispatch.tree_for(b).name for b in (1, 2, 3, 16, 17, 32, 33, 512)] == [
+        "tree:smollm2_48d5", "tree:smollm2_48d5", "dyn:k4d3n8", "dyn:k4d3n8", "tree:8", "tree:8", "chain:3", "chain:3"]
