@@ -100,8 +100,8 @@ def compose_dispatch(choices: dict[int, str]) -> str:
 
 def default_speculation(draft, device) -> str:
     """The speculation to use with `draft` when none is asked: the draft's own choice for this device type
-    (config.json `eyas_speculation`, e.g. {"cuda": "dispatch:4=tree:smollm2_48d5,32=tree:8,256=chain:3", "cpu":
-    "chain:3"}: trees fitted to that draft, batch bounds measured with it on that device), else `chain:3`."""
+    (config.json `eyas_speculation`, e.g. {"cuda": "dispatch:2=tree:smollm2_48d5,16=dyn:k4d3n8,32=tree:8,256=chain:3",
+    "cpu": "chain:3"}: trees fitted to that draft, batch bounds measured with it on that device), else `chain:3`."""
     choice = getattr(getattr(draft, "config", None), "speculation", None) or {}
     kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     return choice.get(kind, choice.get("default", "chain:3"))
