@@ -135,7 +135,7 @@ def test_smollm2_graphs_equal_eager():
     ref = [o.token_ids for o in eager.generate(prompts, params)]
     graphed = LLM("smollm2", device="cuda", dtype="float32", draft=draft, speculation=spec, cuda_graphs=True)
     assert [o.token_ids for o in graphed.generate(prompts, params)] == ref
-    if draft:  # the shipped draft's own GPU default: a dispatch (tree:8 for 5 requests, its fitted tree for one)
+    if draft:  # the shipped draft's own GPU default: a dispatch (dyn:k4d3n8 for 5 requests, its fitted tree for one)
         auto = LLM("smollm2", device="cuda", dtype="float32", draft=draft, cuda_graphs=True)
         assert auto.engine.tree.name.startswith("dispatch:")
         assert [o.token_ids for o in auto.generate(prompts, params)] == ref
