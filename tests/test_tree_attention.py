@@ -93,7 +93,10 @@ def test_resolve_tree_specs(tmp_path):
     f.write_text("[[0], [1], [0, 0], [0, 1], [0, 0, 0]]")
     t = resolve_tree(str(f))
     assert t.num_nodes == 5 and t.max_depth == 3 and t.topk_per_level == [2, 2, 1, 0]
-    for bad, msg in (("chain:x", "integer"), ("tree:nope", "preset"), (str(tmp_path / "missing.json"), "exist")):
+    # the file as tree:PATH too (what a preset's spelling suggests)
+    assert resolve_tree(f"tree:{f}").paths == t.paths
+    for bad, msg in (("chain:x", "integer"), ("tree:nope", "preset"), (str(tmp_path / "missing.json"), "exist"),
+                     (f"tree:{tmp_path / 'missing.json'}", "exist")):
         with pytest.raises(ValueError, match=msg):
             resolve_tree(bad)
     f.write_text("{not json")

@@ -125,9 +125,10 @@ class Tree:
 
 
 def resolve_tree(spec: str | None):
-    """`None`, `chain:K`, `tree:NAME` (mc_sim_7b_63, 8, 16), the path of a JSON list of paths, `dyn:kKdDnN` (a tree
-    grown per step from the draft's confidence: `eyas.spec.dynamic_tree`), or `dispatch:B1=SPEC1,...` (a tree per
-    batch size: `eyas.spec.dispatch`). -> Tree | DynamicTree | TreeDispatch | None"""
+    """`None`, `chain:K`, `tree:NAME` (mc_sim_7b_63, 8, 16), the path of a JSON list of paths (bare or as
+    `tree:PATH`), `dyn:kKdDnN` (a tree grown per step from the draft's confidence: `eyas.spec.dynamic_tree`), or
+    `dispatch:B1=SPEC1,...` (a tree per batch size: `eyas.spec.dispatch`). -> Tree | DynamicTree | TreeDispatch |
+    None"""
     if spec is None:
         return None
     if spec.startswith("dyn:"):
@@ -144,9 +145,11 @@ def resolve_tree(spec: str | None):
         return Tree.chain(k)
     if spec.startswith("tree:"):
         name = spec.split(":", 1)[1]
-        if name not in PRESETS:
-            raise ValueError(f"unknown tree preset {name!r}; presets: {', '.join(PRESETS)}")
-        return Tree.from_paths(PRESETS[name], name=spec)
+        if name in PRESETS:
+            return Tree.from_paths(PRESETS[name], name=spec)
+        if not (name.endswith(".json") or Path(name).is_file()):
+            raise ValueError(f"unknown tree preset {name!r}; presets: {', '.join(PRESETS)} (or a JSON file of paths)")
+        spec = name  # `tree:PATH`, as a bare PATH
     path = Path(spec)
     if path.suffix == ".json" or path.exists():
         if not path.is_file():
