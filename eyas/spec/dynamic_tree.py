@@ -188,7 +188,7 @@ def select_tree(score_all, tok_all, path_all, depth_all, rank_all, root_tokens, 
     """The step's trees from the scored pools: score_all [B, P] float32, tok_all [B, P], path_all [B, P, D] (the
     pool ids along each candidate's path, -1 below its depth), depth_all and rank_all [P] (a candidate's depth and
     rank among its siblings), root_tokens [B]. Returns (node_tokens [B, N+1], parents, depth, ancestors [B, N+1,
-    N+1], children [B, N+1, K]). On CUDA one Triton launch (`eyas.kernels.select_tree`); elsewhere, and as its
+    N+1], children [B, N+1, K]). On CUDA two Triton launches (`eyas.kernels.select_tree`); elsewhere, and as its
     reference, `select_tree_torch`."""
     if score_all.is_cuda:
         from eyas.kernels.select_tree import select_tree_triton
