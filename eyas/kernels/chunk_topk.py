@@ -67,7 +67,7 @@ def _merge_topk_kernel(VIN, IIN, OUT, STATS, LOGP, n_cand, n_chunks, K: tl.const
         cs = tl.load(STATS + (r * n_chunks + oc) * 2 + 1, mask=okc, other=0.0)
         mx = tl.max(cm, axis=0)
         shift = tl.where(mx == float("-inf"), 0.0, mx)
-        lse = shift + tl.log(tl.sum(tl.where(cm == float("-inf"), 0.0, cs * tl.exp(cm - shift)), axis=0))
+        lse = shift + tl.log(tl.sum(cs * tl.exp(cm - shift), axis=0))  # a -inf chunk: cs = 0 (pass 1), exp -> 0
     for j in tl.static_range(K):
         m = tl.max(v, axis=0)
         idx = tl.min(tl.where((v == m) & ok, ids, 2147483647), axis=0)
