@@ -17,10 +17,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 import pytest  # noqa: E402
 
+import eyas.kernels.decode_linear as dl  # noqa: E402
 from eyas import LLM, SamplingParams  # noqa: E402
 from eyas.kernels.decode_linear import (DecodeLinearConfig, TileConfig, decode_linear,  # noqa: E402
                                         decode_linear_reference, decode_qkv_rope, decode_qkv_rope_reference,
-                                        default_decode_config, default_tile_config)
+                                        default_decode_config, default_tile_config, k_parts)
 from eyas.layers.rotary import RotaryEmbedding  # noqa: E402
 from eyas.models.fused import enable_fast_path  # noqa: E402
 from helpers import write_random_draft, write_tiny_llama  # noqa: E402
@@ -62,12 +63,12 @@ def _check(out, ref, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("N,K,block_n", [(24, 64, 4), (13, 48, 4), (10, 100, 2), (6, 40, 16)])
+@pytest.mark.parametrize("N,K,block_n", [(24, 64, 4), (13, 48, 4), (10, 100, 2), (6, 40, 16), (9, 90, 4)])
 @pytest.mark.parametrize("kind", ["plain", "norm", "residual", "norm+swiglu", "norm+residual"])
 @pytest.mark.parametrize("M", [1, 3, 8])
 def test_decode_linear_matches_reference(dtype, N, K, block_n, kind, M):
-    """Every prologue/epilogue, 1 to 8 rows, K not a power of two, N not a multiple of the rows per program (the
-    tail program)."""
+    """Every prologue/epilogue, 1 to 8 rows, K not a power of two (48 and 40 held as two exact parts, 90 as 64 +
+    a masked 32, 100 as one padded part), N not a multiple of the rows per program (the tail program)."""
     if "swiglu" in kind:
         N *= 2  # N gate rows and N up rows: N not a multiple of the pairs per program
     x, w, g, r = _inputs(N, K, dtype, DEV, seed=N * K + M, M=M)
@@ -89,6 +90,23 @@ def test_tile_linear_matches_reference(dtype, N, K, block_n, block_k, kind, M):
     kw = _kind_kwargs(kind, g, r)
     cfg = TileConfig(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=2, num_stages=2)
     _check(decode_linear(x, w, config=cfg, **kw), decode_linear_reference(x, w, **kw), dtype)
+
+
+def test_k_parts():
+    """The register kernel's row parts: two powers of two where they hold fewer lanes than one padded part."""
+    assert [k_parts(k) for k in (576, 1536, 4096, 14336, 48, 90, 100, 1)] == \
+        [(512, 64), (1024, 512), (4096, 0), (16384, 0), (32, 16), (64, 32), (128, 0), (1, 0)]
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("kind", ["norm", "norm+swiglu"])
+def test_decode_linear_k_parts_modes(monkeypatch, exact, kind):
+    """One padded part (EXACT_K off) and two parts give the reference at SmolLM2's K (576 = 512 + 64), 2 rows."""
+    monkeypatch.setattr(dl, "EXACT_K", exact)
+    x, w, g, r = _inputs(32, 576, torch.float32, DEV, seed=5, M=2)
+    kw = _kind_kwargs(kind, g, r)
+    _check(decode_linear(x, w, config=DecodeLinearConfig(BLOCK_N=4, num_warps=4), **kw),
+           decode_linear_reference(x, w, **kw), torch.float32)
 
 
 def test_default_kernel_by_rows():

@@ -133,8 +133,9 @@ def _pair_rows(pid, N, P: tl.constexpr, PAIR: tl.constexpr, HD: tl.constexpr):
 @triton.jit
 def _decode_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r, stride_o, COS, SIN, POS, DST, KC,
                           VC, stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, SCALE,
-                          KP: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, NORM: tl.constexpr,
-                          ADD_RES: tl.constexpr, PAIR: tl.constexpr, HD: tl.constexpr, HAS_DST: tl.constexpr,
+                          KA: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr,
+                          NORM: tl.constexpr, ADD_RES: tl.constexpr, PAIR: tl.constexpr, HD: tl.constexpr,
+                          HAS_DST: tl.constexpr,
                           USE_GDC: tl.constexpr, TRIGGER: tl.constexpr, UNIFORM: tl.constexpr,
                           PRELOAD: tl.constexpr, HAS_SCALE: tl.constexpr):
     """M <= M_PAD rows of x against one weight tile held in registers. PAIR 0: BLOCK_N weight rows n of N.
@@ -143,10 +144,14 @@ def _decode_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride
     Q_ROWS are q (rotated, to OUT), then k (rotated) and v (as they are) to the row stores KC / VC at row DST[m]
     (HAS_DST; skipped when negative) or at a stash's row (`_store_pairs`), KV_ROW elements a row, at position
     POS[m]. HAS_SCALE: W holds FP8 codes (float8_e4m3fn) and SCALE a float32 scale per weight row; each row's sum
-    of products with the codes is multiplied by its scale (`eyas.layers.linear_fp8`: w ~= q * scale)."""
+    of products with the codes is multiplied by its scale (`eyas.layers.linear_fp8`: w ~= q * scale).
+    A row of K is held in two parts whose widths are powers of two, [0, KA) and [KA, KA + KB) (`k_parts`: 576 as
+    512 + 64; KB 0 for one part), so that few of the tile's lanes are masked padding."""
     pid = tl.program_id(0)
-    offs_k = tl.arange(0, KP)
+    offs_k = tl.arange(0, KA)
     k_ok = offs_k < K
+    offs_k2 = KA + tl.arange(0, KB if KB > 0 else 1)
+    k2_ok = offs_k2 < K
     offs_m = tl.arange(0, M_PAD)
     sc = 1.0
     if PAIR > 0:
@@ -154,6 +159,8 @@ def _decode_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride
         j, j_ok, jj, first, second = _pair_rows(pid, N, P, PAIR, HD)
         rows = tl.join(first, second).to(tl.int64)                                             # [P, 2]
         w = tl.load(W + rows[:, :, None] * K + offs_k[None, None, :], mask=k_ok[None, None, :], other=0.0)
+        if KB > 0:
+            w2 = tl.load(W + rows[:, :, None] * K + offs_k2[None, None, :], mask=k2_ok[None, None, :], other=0.0)
         if HAS_SCALE:
             sc = tl.load(SCALE + rows)[:, None, :]                                             # [P, 1, 2]
         acc = tl.zeros((P, M_PAD, 2), dtype=tl.float32)
@@ -162,6 +169,8 @@ def _decode_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride
         n_ok = n < N
         rows = tl.where(n_ok, n, 0).to(tl.int64)  # the tail program re-reads row 0 (never stored): no predicates
         w = tl.load(W + rows[:, None] * K + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+        if KB > 0:
+            w2 = tl.load(W + rows[:, None] * K + offs_k2[None, :], mask=k2_ok[None, :], other=0.0)
         if HAS_SCALE:
             sc = tl.load(SCALE + rows)[:, None]                                                # [BLOCK_N, 1]
         acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
@@ -177,23 +186,40 @@ def _decode_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride
             tl.extra.cuda.gdc_launch_dependents()
     if NORM:
         g = tl.load(NORM_W + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        if KB > 0:
+            g2 = tl.load(NORM_W + offs_k2, mask=k2_ok, other=0.0).to(tl.float32)
     wf = w.to(tl.float32)
+    if KB > 0:
+        wf2 = w2.to(tl.float32)
     # one x row at a time against the register tile; the results gather in acc (no store inside the loop, so the
     # rows' loads need not wait for one another)
     for m in tl.static_range(M_PAD):
         lim = tl.minimum(K, (M - m) * K)                      # K for a row of x, <= 0 for a padding row
         x = tl.load(X + m * stride_x + offs_k, mask=offs_k < lim, other=0.0)
+        if KB > 0:
+            x2 = tl.load(X + m * stride_x + offs_k2, mask=offs_k2 < lim, other=0.0)
         if NORM:
             xf = x.to(tl.float32)
-            var = tl.sum(xf * xf, axis=0) / K
-            y = (xf * tl.math.rsqrt(var + eps)).to(X.dtype.element_ty)
+            ss = tl.sum(xf * xf, axis=0)
+            if KB > 0:
+                xf2 = x2.to(tl.float32)
+                ss += tl.sum(xf2 * xf2, axis=0)
+            r = tl.math.rsqrt(ss / K + eps)
+            y = (xf * r).to(X.dtype.element_ty)
             x = (g * y.to(tl.float32)).to(X.dtype.element_ty)
+            if KB > 0:
+                y2 = (xf2 * r).to(X.dtype.element_ty)
+                x2 = (g2 * y2.to(tl.float32)).to(X.dtype.element_ty)
         xf = x.to(tl.float32)
         if PAIR > 0:
             part = tl.sum(wf * xf[None, None, :], axis=2)                                     # [P, 2]
+            if KB > 0:
+                part += tl.sum(wf2 * x2.to(tl.float32)[None, None, :], axis=2)
             acc = tl.where((offs_m == m)[None, :, None], part[:, None, :], acc)
         else:
             part = tl.sum(wf * xf[None, :], axis=1)                                           # [BLOCK_N]
+            if KB > 0:
+                part += tl.sum(wf2 * x2.to(tl.float32)[None, :], axis=1)
             acc = tl.where((offs_m == m)[None, :], part[:, None], acc)
     if HAS_SCALE:
         acc = acc * sc
@@ -371,6 +397,22 @@ UNIFORM_PAIRS = True
 PRELOAD_ROPE = True
 
 MAX_ROWS = 64        # the tile kernel's limit (x padded to a power of two >= 16 rows)
+EXACT_K = True  # the register kernel holds K as two power-of-two parts (`k_parts`); False: one padded part
+
+
+def k_parts(K: int) -> tuple[int, int]:
+    """The register kernel's row widths (KA, KB): with EXACT_K, KA the largest power of two <= K and KB the next
+    power of two >= the rest, where the two hold fewer lanes than one padded part: 576 -> (512, 64),
+    1536 -> (1024, 512); else (next_pow2(K), 0): 4096 -> (4096, 0), 14336 -> (16384, 0) (8192 + 8192 would be no
+    fewer)."""
+    kp = triton.next_power_of_2(K)
+    if not EXACT_K or K == kp:
+        return kp, 0
+    ka = kp // 2
+    kb = triton.next_power_of_2(K - ka)
+    return (ka, kb) if ka + kb < kp else (kp, 0)
+
+
 REGISTER_ROWS = 8    # the register kernel's limit (it re-reads x per program: meant for one row)
 
 
@@ -481,8 +523,9 @@ def _launch(x2, M, K, weight, cfg, pdl, n_out, out2, *, norm_weight=None, eps=1e
     uniform = UNIFORM_PAIRS and pair == 2 and hd % per_prog == 0  # a program's RoPE rows in one half of one head
     seq_q, seq_rows, row_offset = stash or (1, 0, 0)
     if isinstance(cfg, DecodeLinearConfig):
+        ka, kb = k_parts(K)
         _decode_linear_kernel[grid](
-            *common, seq_q, seq_rows, row_offset, scale if scale is not None else x2, KP=triton.next_power_of_2(K),
+            *common, seq_q, seq_rows, row_offset, scale if scale is not None else x2, KA=ka, KB=kb,
             BLOCK_N=cfg.BLOCK_N, M_PAD=triton.next_power_of_2(M), NORM=norm_weight is not None,
             ADD_RES=res2 is not None, PAIR=pair, HD=hd, HAS_DST=dst is not None, USE_GDC=use_gdc,
             TRIGGER=TRIGGERS.index(cfg.trigger), UNIFORM=uniform, PRELOAD=PRELOAD_ROPE, HAS_SCALE=scale is not None,
