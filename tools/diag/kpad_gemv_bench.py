@@ -2,15 +2,15 @@
 
     PYTHONPATH=. python3 tools/diag/kpad_gemv_bench.py --out /tmp/kpad.json
 
-`decode_linear`'s register kernel holds a [BLOCK_N, next_pow2(K)] weight tile: SmolLM2's K = 576 becomes 1024, so
-44% of the tile's lanes are masked and their threads idle. Its LM head (49,152 x 576) runs at ~2.8 TB/s at one
-row (20.3 us; cuBLAS reads it at ~4 TB/s at 8 rows). This times y = x W^T for one row x (no norm, no epilogue):
+Until session 31 `decode_linear`'s register kernel held a [BLOCK_N, next_pow2(K)] weight tile: SmolLM2's K = 576
+became 1024, so 44% of the tile's lanes were masked and their threads idle, and its LM head (49,152 x 576) ran at
+~2.8 TB/s at one row in the engine (20.3 us; cuBLAS reads it at ~4 TB/s at 8 rows). This times y = x W^T for one row x (no norm, no epilogue):
 
 * `cublas`: F.linear;
 * `decode_linear`: the register kernel at its default config, and at BLOCK_N x warps of `--configs`;
-* `pad` / `two`: a minimal register GEMV, the same tile held as one padded [BLOCK_N, KP] load (`pad`, what
-  decode_linear does) or as two loads whose widths are powers of two that sum to K exactly (`two`: 512 + 64 for
-  576, 1024 + 512 for 1536), at the same configs;
+* `decode_linear one part`: the same with `EXACT_K` off (one padded part, as before session 31);
+* `pad` / `two`: a minimal register GEMV, the same tile held as one padded [BLOCK_N, KP] load (`pad`) or as
+  decode_linear's two parts (`two`, `k_parts`: 512 + 64 for 576, 1024 + 512 for 1536), at the same configs;
 * `tile`: decode_linear's tile kernel (`tl.dot` over BLOCK_K-wide steps, the row padded to 16).
 
 Weights: distinct copies per kind (>= 3 and > 150 MB) so that L2 holds none between launches, cycled through in
@@ -56,16 +56,9 @@ def _gemv_kernel(X, W, OUT, N, K, KA: tl.constexpr, KB: tl.constexpr, BLOCK_N: t
     tl.store(OUT + n, acc.to(OUT.dtype.element_ty), mask=n < N)
 
 
-def split_pow2(K):
-    """K as KA + KB, KA the largest power of two <= K, KB the next power of two >= the rest (0 when none)."""
-    ka = 1 << (K.bit_length() - 1)
-    rest = K - ka
-    return ka, (triton.next_power_of_2(rest) if rest else 0)
-
-
 def gemv(x, w, out, block_n, warps, two):
     N, K = w.shape
-    ka, kb = split_pow2(K) if two else (triton.next_power_of_2(K), 0)
+    ka, kb = dl.k_parts(K) if two else (triton.next_power_of_2(K), 0)
     _gemv_kernel[(triton.cdiv(N, block_n),)](x, w, out, N, K, KA=ka, KB=kb, BLOCK_N=block_n, num_warps=warps)
 
 
@@ -107,9 +100,9 @@ def main():
 
         run("cublas", lambda w: torch.matmul(x, w.T, out=out))
         run("decode_linear", lambda w: decode_linear(x, w, out=out))
-        dl.EXACT_K = False
+        exact, dl.EXACT_K = dl.EXACT_K, False
         run("decode_linear one part", lambda w: decode_linear(x, w, out=out))
-        dl.EXACT_K = True
+        dl.EXACT_K = exact
         for c in args.configs.split(","):
             b, wp = map(int, c.split("x"))
             cfg = DecodeLinearConfig(BLOCK_N=b, num_warps=wp, trigger="end")
