@@ -21,8 +21,13 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/eyas generate --model smollm2 --chat --prompt "Explain speculative decoding in two sentences." --max-tokens 64 --device cpu
 
+# The suite in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process), then the sm_90 compile of
+# every Triton launch they recorded (tests/test_zz_sm90.py). Plain `pytest tests` runs it all in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x --durations=15 tests
+	rec=$$(mktemp -d) && export EYAS_SM90_RECORD=$$rec && \
+	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15 --ignore=tests/test_zz_sm90.py tests && \
+	$(BIN)/python -m pytest -q tests/test_zz_sm90.py; s=$$?; rm -rf $$rec; exit $$s
 
 clean:
 	rm -rf $(VENV)

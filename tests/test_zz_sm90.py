@@ -2,22 +2,24 @@
 with the ptxas inside the triton wheel: the interpreter accepts kernels that ptxas rejects (session 10's
 `.evict_last` load failed only on the GPU). tests/conftest.py records the launches (a few variants per kernel:
 argument types, constexprs, warps, stages); this file, collected last, compiles them (`helpers.compile_for_sm90`).
-Run alone, it has nothing to compile and skips."""
+`make test` runs the rest in parallel processes, which write their records to EYAS_SM90_RECORD, then this file alone
+(`conftest.recorded_launches`). Run alone without records, it has nothing to compile and skips."""
 import pytest
 
-from conftest import TRITON_LAUNCHES
+from conftest import recorded_launches
 from helpers import compile_for_sm90
 
 
 def test_recorded_triton_kernels_compile_for_sm90():
-    if not TRITON_LAUNCHES:
+    launches = recorded_launches()
+    if not launches:
         pytest.skip("no interpreted Triton launch was recorded in this session (a GPU machine, or run alone)")
     try:
         import triton.backends.compiler  # noqa: F401
         import triton.compiler  # noqa: F401
     except ImportError as e:
         pytest.skip(f"this triton has no offline compiler: {e}")
-    variants = list(TRITON_LAUNCHES.values())
+    variants = list(launches.values())
     # kernels with programmatic dependent launch: each also as the GPU launches it (tests/conftest.py adds these)
     pdl = {v[1] for v in variants if "USE_GDC" in v[3]}
     assert pdl == {v[1] for v in variants if v[3].get("USE_GDC") is True}, "a PDL kernel without its PDL variant"
