@@ -28,6 +28,7 @@ import triton.language as tl
 sys.path.insert(0, ".")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import graph_edges as ge  # noqa: E402
+from l2_prefetch_bench import time_graph  # noqa: E402
 
 
 @triton.jit
@@ -183,16 +184,7 @@ def chain(layers: int, M: int, variant: str, reps: int, cfg=None) -> float:
     if variant == "cublas_prog":
         ge.make_programmatic(g.raw_cuda_graph(), lambda u, v: ge.is_cublas(v))
     g.instantiate()
-    for _ in range(20):
-        g.replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(reps):
-        g.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) / reps
+    return time_graph(g, reps)
 
 
 def main():
