@@ -99,13 +99,22 @@ def _note_launch(fn, args, kwargs):
         return  # e.g. a dtype as a constexpr: not recorded
     name = f"{fn.fn.__module__}.{fn.fn.__qualname__}"
     key = (name, tuple(sig.items()), tuple((k, repr(v)) for k, v in constexprs.items()))
-    same_kernel = sum(1 for k in TRITON_LAUNCHES if k[0] == name)
-    if key not in TRITON_LAUNCHES and same_kernel < 3:  # a few variants per kernel
+    if _admits(TRITON_LAUNCHES, key):
         TRITON_LAUNCHES[key] = (fn.fn.__module__, fn.fn.__qualname__, sig, constexprs, options)
     # the interpreter never takes programmatic dependent launch (USE_GDC), the GPU does: one such variant too
-    if constexprs.get("USE_GDC") is False and not any(k[0] == name and k[3:] == ("gdc",) for k in TRITON_LAUNCHES):
+    if constexprs.get("USE_GDC") is False and _admits(TRITON_LAUNCHES, key + ("gdc",)):
         gdc = dict(constexprs, USE_GDC=True)
         TRITON_LAUNCHES[key + ("gdc",)] = (fn.fn.__module__, fn.fn.__qualname__, sig, gdc, options)
+
+
+def _admits(launches: dict, key: tuple) -> bool:
+    """The recording's bound: a few variants per kernel (3, its PDL variant among them), and one PDL variant."""
+    if key in launches:
+        return False
+    same = [k for k in launches if k[0] == key[0]]
+    if key[3:] == ("gdc",):
+        return not any(k[3:] == ("gdc",) for k in same)
+    return len(same) < 3
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -131,16 +140,13 @@ def _frozen(x):
 
 
 def recorded_launches() -> dict:
-    """This process's recorded launches, and those the processes of an earlier run wrote to EYAS_SM90_RECORD, with
-    the same bound per kernel as the recording (a few variants, and the PDL one)."""
+    """This process's recorded launches, and those the processes of an earlier run wrote to EYAS_SM90_RECORD, under
+    the recording's own bound per kernel (`_admits`)."""
     launches = dict(TRITON_LAUNCHES)
     files = sorted(Path(SM90_RECORD).glob("launches-*.json")) if SM90_RECORD else []
     for f in files:
         for key, value in json.loads(f.read_text()):
             key = _frozen(key)
-            gdc = key[3:] == ("gdc",)
-            if key in launches or (not gdc and sum(1 for k in launches if k[0] == key[0] and k[3:] != ("gdc",)) >= 3) \
-                    or (gdc and any(k[0] == key[0] and k[3:] == ("gdc",) for k in launches)):
-                continue
-            launches[key] = tuple(value)
+            if _admits(launches, key):
+                launches[key] = tuple(value)
     return launches
