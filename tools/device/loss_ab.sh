@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue #4, session 33: two loss-side levers the draft-training table had not tried, each against a control trained
+# beside it. EAGLE-3 drops the feature-regression term (the draft's hidden state is free, and the unrolled steps
+# train what it feeds back) and drops the feature noise (the unrolled steps replace it as the robustness device).
+# Variants, all continuing the shipped draft 1,500 steps on run P B's data (opening-led prompts, ShareGPT first turns
+# and passage tasks, answered by SmolLM2 in session 28 and kept in .stage/d), with mix_ab.sh's base arguments:
+#   b: the control (--w-l1 0.1, uniform noise 0.2, as every run since G);
+#   w: --w-l1 0 (CE only);
+#   n: --noise none.
+# Then MT-Bench TPC (80 first turns x 128, T=0) of the three, `chain:3` and the default tree.
+# One call does it all after the GGUF's first two thirds were copied (mix_ab.sh's header, calls 1-2):
+#   carry .stage/c .stage/d:  bash tools/device/loss_ab.sh
+# Env: STEPS (1500), TB (training seconds, 300), TPC_S (260), VARIANTS ("b=;w=--w-l1 0;n=--noise none").
+# A CPU dry run:
+#   STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o STEPS=2 TB=60 TPC_S=120 EXTRA="--limit 20 --batch-tokens 2048 --device cpu" \
+#     TPC_EXTRA="--limit 2 --max-tokens 8 --device cpu" bash tools/device/loss_ab.sh
+set -u
+export OUT
+source tools/device/thirds_lib.sh
+stage_thirds || exit 1
+D=${D:-.stage/d}
+DATA="$D/starts12.jsonl.xz $D/sg.jsonl.xz $D/ctx.jsonl.xz"
+BASE="--layers 1 --unroll 3 --init eyas/drafts/smollm2 --feature-layers 3 15 --lr 3e-4 --w-ce 1.0 --w-l1 0.1 \
+  --answer-tokens 128"
+COMMON="--target smollm2 $BASE --epochs 100 --max-steps ${STEPS:-1500} --time-budget ${TB:-300} --heldout 64 \
+  --tpc-prompts 0 --no-progress ${EXTRA:-}"
+names=()
+IFS=';' read -ra vs <<< "${VARIANTS:-b=;w=--w-l1 0;n=--noise none}"
+echo "== train ${#vs[@]} variants [t=$(el)]"
+for v in "${vs[@]}"; do
+  name=${v%%=*}; args=${v#*=}; names+=($name)
+  python3 -m eyas.train.trainer --data $DATA $COMMON $args --out $W/$name > $W/$name.log 2>&1 &
+done
+wait
+for x in "${names[@]}"; do
+  echo "-- $x"; grep -a '"steps"\|tokens_per_second\|acc_by_depth' -A3 $W/$x.log | tr -d ' \n' | head -c 400; echo
+  tail -n 2 $W/$x.log | cut -c1-300
+done
+files=(); for x in "${names[@]}"; do files+=($x/model.safetensors $x/config.json $x/training.json); done
+(cd $W && tar cf - "${files[@]}" | split -b ${PART_SIZE:-15M} -d - $OUT/loss_ab.tar.part)
+echo "== tpc [t=$(el)]"
+dirs=(); for x in "${names[@]}"; do dirs+=($W/$x); done
+timeout ${TPC_S:-260} python3 -m eyas.bench.tpc --model smollm2 --draft "${dirs[@]}" --speculation chain:3 \
+  --speculation tree:smollm2_48d5 --temperature 0 --max-tokens 128 --prompts $S/question.jsonl ${TPC_EXTRA:-} \
+  --out $W/tpc 2>&1 | grep "^|"
+cp $W/tpc/tpc.json $W/tpc/tpc.md $OUT/ 2>/dev/null
+echo "== end [t=$(el)]"
