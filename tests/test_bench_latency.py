@@ -170,6 +170,26 @@ def test_bench_latency_repeat_interleaves_the_modes(tmp_path, monkeypatch):
     assert "TTIT of the runs" in md and "vs plain (median of the rounds)" in md
 
 
+def test_bench_latency_max_model_len_widens_the_block_tables(tmp_path):
+    """--max-model-len sets the engine's context bound as a server would (the block tables, and with them the
+    attention's split count, are sized by it); one shorter than the prompts plus --max-tokens is refused."""
+    from eyas.bench.latency import build_engine, load_models, make_prompts
+    target, draft = write_mirror_pair(tmp_path / "pair", vocab=24, layers=2)
+    tgt, tok, dr, _ = load_models(str(target), str(draft), torch.device("cpu"), torch.float32)
+    prompts = make_prompts(tok, tgt.config.vocab_size, 2, 5, None)
+    tight = build_engine(tgt, tok, dr, "chain:2", 1, prompts, 6, None, False)
+    wide = build_engine(tgt, tok, dr, "chain:2", 1, prompts, 6, None, False, max_model_len=300)
+    assert tight.max_model_len == 5 + 6 + 64 and wide.max_model_len == 300
+    assert wide.runner.width > tight.runner.width
+    with pytest.raises(ValueError, match="shorter than the longest prompt"):
+        build_engine(tgt, tok, dr, "chain:2", 1, prompts, 6, None, False, max_model_len=10)
+    out = tmp_path / "lat"
+    assert main(["bench", "latency", "--model", str(target), "--draft", str(draft), "--modes", "chain:2",
+                 "--batch-sizes", "1", "--max-tokens", "6", "--context", "5", "--num-prompts", "1", "--device", "cpu",
+                 "--max-model-len", "300", "--out", str(out)]) == 0
+    assert json.loads((out / "latency.json").read_text())["meta"]["max_model_len"] == 300
+
+
 def test_speedup_over_plain_is_the_median_of_the_rounds_ratios():
     """With repeats, a round's plain and speculative runs ran back to back: the speed-up is the median of the
     per-round ratios (here 2.0), not the ratio of the two medians (1.0 / 0.6); one run each: the plain ratio;
@@ -193,7 +213,8 @@ def test_speedup_over_plain_is_the_median_of_the_rounds_ratios():
 
 @pytest.mark.parametrize("bad", [["--modes", "tree:nope"], ["--modes", "dispatch:4=chain:3,2=plain"],
                                  ["--batch-sizes", "0"], ["--batch-sizes", "x"], ["--accept-rates", "high"],
-                                 ["--num-prompts", "0"], ["--draft-vocab", "-1"], ["--repeat", "0"]])
+                                 ["--num-prompts", "0"], ["--draft-vocab", "-1"], ["--repeat", "0"],
+                                 ["--max-model-len", "1"]])
 def test_bench_latency_refuses_bad_input(bad, tmp_path):
     with pytest.raises(SystemExit, match="eyas bench latency"):
         main(["bench", "latency", "--model", "no-such-model", "--out", str(tmp_path)] + bad)

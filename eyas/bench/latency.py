@@ -180,15 +180,21 @@ def simulates(mode: str, simulated_rates) -> bool:
 
 def build_engine(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
                  graphs: bool, block_size: int = 16, one_row: bool = True, few_rows: bool = True,
-                 fold_norms: bool = True, overlap: bool = True) -> LLMEngine:
+                 fold_norms: bool = True, overlap: bool = True, max_model_len: int | None = None) -> LLMEngine:
     """An engine for one (mode, batch) row, warmed up: kernels compiled and, with `graphs`, the graphs of every batch
-    bucket it will pass through captured."""
+    bucket it will pass through captured. `max_model_len`: the engine's context bound (default: the longest prompt
+    plus max_tokens plus 64, the least that fits; a server keeps the model's whole context, which widens the block
+    tables that the graphs and the attention's split count are sized by)."""
     tree = None if mode == "plain" else resolve_tree(mode)
     longest = max(len(p) for p in prompts)
+    need = longest + max_tokens + 64
+    if max_model_len is not None and max_model_len < longest + max_tokens:
+        raise ValueError(f"--max-model-len {max_model_len} is shorter than the longest prompt ({longest} tokens) "
+                         f"plus --max-tokens {max_tokens}")
     cfg = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, longest), cuda_graphs=graphs,
                        block_size=block_size, max_model_len=min(target.config.max_position_embeddings,
-                                                                longest + max_tokens + 64),
-                       num_blocks=batch * (-(-(longest + max_tokens + 64) // block_size)) + 8, one_row=one_row,
+                                                                max_model_len or need),
+                       num_blocks=batch * (-(-need // block_size)) + 8, one_row=one_row,
                        few_rows=few_rows, fold_norms=fold_norms, overlap=overlap and graphs)
     engine = LLMEngine(target, tokenizer, draft if tree is not None else None, tree, cfg)
     if tree is not None and simulates(mode, simulated_rates):
@@ -343,10 +349,10 @@ def write_kernel_timeline(kernels, path: str) -> None:
 def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
              graphs: bool, block_size: int = 16, profile: bool = False, num_prompts: int = 1,
              verbose: bool = True, one_row: bool = True, few_rows: bool = True, fold_norms: bool = True,
-             kernels_out: str | None = None, overlap: bool = True) -> dict:
+             kernels_out: str | None = None, overlap: bool = True, max_model_len: int | None = None) -> dict:
     """One (mode, batch) row: `build_engine`, `time_row`, and with `profile` `profile_steps`."""
     engine = build_engine(target, tokenizer, draft, mode, batch, prompts, max_tokens, simulated_rates, graphs,
-                          block_size, one_row, few_rows, fold_norms, overlap)
+                          block_size, one_row, few_rows, fold_norms, overlap, max_model_len)
     row = time_row(engine, mode, batch, prompts, max_tokens, num_prompts, simulates(mode, simulated_rates))
     if profile:
         profile_steps(engine, mode, batch, prompts, verbose, kernels_out)
@@ -482,6 +488,8 @@ def _parse(args):
             raise ValueError("--num-prompts must be >= 1")
         if args.repeat < 1:
             raise ValueError("--repeat must be >= 1")
+        if args.max_model_len is not None and args.max_model_len < 2:
+            raise ValueError("--max-model-len must be >= 2")
         if args.draft_vocab < 0:
             raise ValueError("--draft-vocab must be >= 1 (or 0: the whole vocabulary)")
         if args.tensor_parallel < 1:
@@ -526,7 +534,8 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
                            args.prompts)
     graphs = args.cuda_graphs and device.type == "cuda"
     rows = []
-    paths = dict(one_row=args.one_row, few_rows=args.few_rows, fold_norms=args.fold_norms, overlap=args.overlap)
+    paths = dict(one_row=args.one_row, few_rows=args.few_rows, fold_norms=args.fold_norms, overlap=args.overlap,
+                 max_model_len=args.max_model_len)
 
     def timeline(mode: str, b: int) -> str | None:  # --profile's kernel list, beside the outputs
         if not (args.profile and args.out and rank == 0):
@@ -561,6 +570,7 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
             "accept_rates": None if isinstance(rates, torch.Tensor) else rates,
             "accept_ranks": args.accept_ranks if simulated and args.accept_ranks else None,
             "context": args.context, "max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
+            "max_model_len": args.max_model_len,
             "draft_vocab": args.draft_vocab or None, "draft_quant": getattr(draft, "quant", None),
             "int4_kernel": args.int4_kernel if args.draft_quant else None, "cuda_graphs": graphs,
             "one_row": args.one_row and device.type == "cuda", "few_rows": args.few_rows and device.type == "cuda",
@@ -631,6 +641,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                         "of one process move by several percent run to run on a GPU, and interleaving spreads that "
                         "over the modes compared")
     p.add_argument("--context", type=int, default=1024, help="prompt length for random-weight models")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the engine's context bound, as a server sets it (default: the longest prompt + "
+                        "--max-tokens + 64; the model's own context at most)")
     p.add_argument("--prompts", default=None, help="MT-Bench question.jsonl (first turns) for real models")
     p.add_argument("--accept-rates", default="0.8",
                    help="simulated acceptance (random weights): per-depth conditional rates, comma-separated, or "
