@@ -326,6 +326,54 @@ def test_split_tree_attention_matches_reference_and_oracle(B, Q, H, KVH, D, page
     torch.testing.assert_close(o, dense_oracle(q, ks, vs, kc, vc, bt, cl, mask, scale), **TOL)
 
 
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("tree", [False, True])
+def test_splits_without_keys_store_no_o_and_are_not_read(monkeypatch, tree, skip):
+    """A graph fixes the split count by the widest context it may see, so a short context leaves most splits
+    without keys. Where the partials are large (SKIP_EMPTY_BYTES; here 0), those splits store only their lse (-inf)
+    and the reduction reads no o of theirs; else every split stores its o and the reduction reads them all. The
+    partials' buffer is filled with NaN: the output must equal the reference (no NaN read), and exactly the empty
+    splits' o must still be NaN (not written) where they skip."""
+    import eyas.kernels.tree_attention as ta
+    monkeypatch.setattr(ta, "SKIP_EMPTY_BYTES", 0 if skip else 1 << 62)
+    bufs = []
+
+    def nan_partials(shape, dtype, device):
+        bufs.append(torch.full(shape, float("nan"), dtype=dtype, device=device))
+        return bufs[-1]
+
+    monkeypatch.setattr(ta, "_partials", nan_partials)
+    g = torch.Generator().manual_seed(11)
+    B, Q, H, KVH, D, page, S = 3, 3, 4, 2, 32, 16, 8
+    ctx = [20, 0, 130]  # short contexts for 8 splits: most splits hold no key
+    kc, vc, bt, cl = make_cache(B, KVH, D, page, ctx, gen=g)
+    q = torch.randn(B, Q, H, D, generator=g).to(DEV)
+    scale = D ** -0.5
+    if tree:
+        k_new = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
+        v_new = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
+        mask = tree_mask(B, Q, g)
+        o = split_tree_attention_triton(q, k_new, v_new, kc, vc, bt, cl, mask, scale, num_splits=S)
+        meta = SimpleNamespace(use_triton=False, block_tables=bt, context_lens=cl, suffix_mask=mask,
+                               max_context_len=int(cl.max()), block_size=page)
+        torch.testing.assert_close(o, split_tree_attention(q, k_new, v_new, kc, vc, meta, scale), **TOL)
+    else:
+        o, lse = paged_prefix_attention(q, kc, vc, bt, cl, scale, num_splits=S)
+        ro, rlse = ref_prefix(q, kc, vc, bt, cl, scale)
+        torch.testing.assert_close(o, ro, **TOL)
+        finite_close(lse, rlse, **TOL)
+    part = bufs[0]  # [B, S (+ 1 for the suffix), Q, H, D]
+    tile = ta._tiles(Q * H // KVH, D, kc.dtype)[1]  # the prefix's key tile (no wider tile: S > 1)
+    for b, c in enumerate(ctx):  # whole tiles cut into S equal runs: splits 0 .. n-1 hold the keys
+        tiles = -(-c // tile)
+        n = -(-tiles // -(-tiles // S)) if tiles else 0
+        assert n < S
+        assert not part[b, :n].isnan().any()
+        assert part[b, n:S].isnan().all() if skip else not part[b, n:S].isnan().any()
+        if tree:
+            assert not part[b, S].isnan().any()  # the suffix's partial
+
+
 def test_split_tree_attention_on_the_largest_fitted_tree():
     """The 128-node fitted tree (129 query rows with the root: several row tiles per head) through the Triton
     kernels, against the reference and the dense oracle."""

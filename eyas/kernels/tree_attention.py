@@ -43,6 +43,23 @@ _DOT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # against 4.146); `eyas.kernels.tree_attention.PDL = False` to compare.
 PDL = True
 
+# A graph fixes the prefix's split count by the widest context it may see (the block table's width, from
+# max_model_len), so a short context leaves most splits without keys. Where the splits' partial o take more than
+# SKIP_EMPTY_BYTES, such a split stores only its lse (-inf), not its o (`_split_has_keys`), and the reduction reads
+# only the o of partials whose lse is finite (its o loads then wait for the lse). Below that, every split stores
+# its o and the reduction loads them all at once, as before session 33: there the wait costs more than the reads
+# it saves, and reading o that was not just written misses the L2. Measured on the H200 in session 33
+# (tools/diag/empty_splits_bench.py, SmolLM2's shapes, docs/benchmarks.md): the default tree's step 2-3% faster
+# in a table 8192 tokens wide (59 splits, 6.8 MB of partials); slower with 8 splits (0.9 MB) and for one-token
+# decoding (0.15 MB). SKIP_EMPTY_SPLITS = False turns it off everywhere (for comparing).
+SKIP_EMPTY_SPLITS = True
+SKIP_EMPTY_BYTES = 2 << 20
+
+
+def _skip_empty(o_part: torch.Tensor) -> bool:
+    """Whether the splits behind the partials `o_part` skip their empty o (and the reduction reads the seen)."""
+    return SKIP_EMPTY_SPLITS and o_part.numel() * o_part.element_size() > SKIP_EMPTY_BYTES
+
 
 def _gdc(pdl: bool) -> tuple[bool, dict]:
     """(USE_GDC for a kernel, its launch keywords): PDL where asked, switched on, and not under the interpreter."""
@@ -86,9 +103,10 @@ def _program_rows(Q, K, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh, s
 
 @triton.jit
 def _store_rows(O, LSE, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i, G: tl.constexpr, HEAD_D: tl.constexpr,
-                stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh):
-    """Normalise an online-softmax state (m_i in log2 units) and store o and the natural-log lse; empty rows get
-    o = 0 and lse = -inf."""
+                stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh, o_rows):
+    """Normalise an online-softmax state (m_i in log2 units) and store the natural-log lse of the first n_rows rows
+    and o of the first o_rows (n_rows, or 0 for a split that saw no key, whose o the reduction skips); empty rows
+    get o = 0 and lse = -inf."""
     qi = rows // G
     h = kvh * G + rows % G
     has = l_i > 0.0
@@ -97,7 +115,7 @@ def _store_rows(O, LSE, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i, G: tl.const
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     row_ok = rows < n_rows
     o_ptrs = O + b * stride_ob + qi[:, None] * stride_oq + h[:, None] * stride_oh + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D))
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(rows < o_rows)[:, None] & (offs_d[None, :] < HEAD_D))
     tl.store(LSE + b * stride_lb + qi * stride_lq + h * stride_lh, lse, mask=row_ok)
 
 
@@ -122,6 +140,14 @@ def _accumulate_tile(acc, alpha, p, v, DOT_PREC: tl.constexpr, UPCAST: tl.conste
     if UPCAST:
         v = v.to(tl.float32)
     return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _split_has_keys(ctx, split, num_splits, BLOCK_N: tl.constexpr):
+    """Whether split `split` of `_walk_prefix`'s cut of a ctx-key context holds any key. A graph's split count is
+    fixed by the widest context it may see (the block table), so most splits of a short context hold none."""
+    tiles_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), num_splits)
+    return split * tiles_per_split * BLOCK_N < ctx
 
 
 @triton.jit
@@ -198,18 +224,24 @@ def _paged_prefix_kernel(
     stride_lb, stride_ls, stride_lq, stride_lh,
     G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, USE_GDC: tl.constexpr = False,
+    UPCAST: tl.constexpr, USE_GDC: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False,
 ):
+    """SKIP_EMPTY: a split without keys stores its lse (-inf) but not its o, to which `_reduce_splits_kernel` gives
+    no weight; for the partials of a reduction only."""
     gdc_prologue(USE_GDC)
     pid_s = tl.program_id(2)
     b, kvh, rows, offs_d, d_ok, q = _program_rows(Q, K, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh,
                                                   stride_qd, G, HEAD_D, BLOCK_M, BLOCK_D, UPCAST)
+    ctx = tl.load(CL + b).to(tl.int32)
     m_i, l_i, acc = _walk_prefix(q, K + kvh * stride_kh, V + kvh * stride_vh, BT + b * stride_btb,
-                                 tl.load(CL + b).to(tl.int32), pid_s, num_splits, offs_d, d_ok, qk_scale,
+                                 ctx, pid_s, num_splits, offs_d, d_ok, qk_scale,
                                  stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_btn,
                                  PAGE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
+    o_rows = n_rows
+    if SKIP_EMPTY:
+        o_rows = tl.where(_split_has_keys(ctx, pid_s, num_splits, BLOCK_N), n_rows, 0)
     _store_rows(O + pid_s * stride_os, LSE + pid_s * stride_ls, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i,
-                G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
+                G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh, o_rows)
 
 
 @triton.jit
@@ -221,8 +253,11 @@ def _reduce_splits_kernel(
     stride_ob, stride_oq, stride_oh, stride_od,
     stride_lb, stride_lq, stride_lh,
     BLOCK_S: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr = False,
+    READ_SEEN: tl.constexpr = False,
 ):
-    """One program per (b, q, h) row: o = sum_s o_s exp(lse_s - lse), lse = logsumexp_s lse_s."""
+    """One program per (b, q, h) row: o = sum_s o_s exp(lse_s - lse), lse = logsumexp_s lse_s. The o of a partial
+    whose lse is -inf (it saw no key) gets no weight; READ_SEEN (where the splits skipped storing such o,
+    SKIP_EMPTY) loads none of them, and the o loads wait for the lse; otherwise every o is loaded at once."""
     gdc_prologue(USE_GDC)
     pid = tl.program_id(0)
     h = pid % num_heads
@@ -237,8 +272,11 @@ def _reduce_splits_kernel(
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse_s - m_safe)  # 0 for empty splits
     total = tl.sum(w, axis=0)
+    seen = s_ok
+    if READ_SEEN:
+        seen = s_ok & (lse_s > float("-inf"))
     o_s = tl.load(O_part + b * stride_pb + offs_s[:, None] * stride_ps + qi * stride_pq + h * stride_ph
-                  + offs_d[None, :] * stride_pd, mask=s_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
+                  + offs_d[None, :] * stride_pd, mask=seen[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
     has = total > 0.0
     denom = tl.where(has, total, 1.0)
     o = tl.sum(o_s * w[:, None], axis=0) / denom
@@ -277,7 +315,7 @@ def _tree_suffix_kernel(
                                  stride_kl, stride_kd, stride_vl, stride_vd, stride_ml,
                                  BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
     _store_rows(O, LSE, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i, G, HEAD_D,
-                stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
+                stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh, n_rows)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -303,8 +341,9 @@ def _split_tree_kernel(
     stride_lb, stride_ls, stride_lq, stride_lh,
     G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NS: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, USE_GDC: tl.constexpr = False,
+    UPCAST: tl.constexpr, USE_GDC: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False,
 ):
+    """SKIP_EMPTY: as `_paged_prefix_kernel`'s (the suffix's program always stores its o)."""
     gdc_prologue(USE_GDC)
     pid_s = tl.program_id(2)
     b, kvh, rows, offs_d, d_ok, q = _program_rows(Q, KC, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh,
@@ -312,9 +351,13 @@ def _split_tree_kernel(
     row_ok = rows < n_rows
     qi = rows // G
 
+    ctx = tl.load(CL + b).to(tl.int32)
+    o_rows = n_rows
+    if SKIP_EMPTY:
+        o_rows = tl.where((pid_s >= num_splits) | _split_has_keys(ctx, pid_s, num_splits, BLOCK_N), n_rows, 0)
     if pid_s < num_splits:  # a split of the prefix, as `_paged_prefix_kernel` walks it
         m_i, l_i, acc = _walk_prefix(q, KC + kvh * stride_kch, VC + kvh * stride_vch, BT + b * stride_btb,
-                                     tl.load(CL + b).to(tl.int32), pid_s, num_splits, offs_d, d_ok, qk_scale,
+                                     ctx, pid_s, num_splits, offs_d, d_ok, qk_scale,
                                      stride_kcb, stride_kcs, stride_kcd, stride_vcb, stride_vcs, stride_vcd,
                                      stride_btn, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
     else:  # the suffix keys under the mask
@@ -323,7 +366,7 @@ def _split_tree_kernel(
                                      stride_knl, stride_knd, stride_vnl, stride_vnd, stride_ml,
                                      BLOCK_M, BLOCK_NS, BLOCK_D, DOT_PREC, UPCAST)
     _store_rows(O + pid_s * stride_os, LSE + pid_s * stride_ls, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i,
-                G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
+                G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh, o_rows)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -442,6 +485,12 @@ def _prefix_block_n(block_m: int, block_n: int, block_d: int, splits: int, dtype
     return block_n
 
 
+def _partials(shape, dtype, device) -> torch.Tensor:
+    """The buffer of the splits' partial o, left unwritten where a split saw no key (SKIP_EMPTY); the tests fill
+    it with NaN to show that nothing reads those rows."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None,
                            max_context_len=None, block_n=None, reduce=True, out_dtype=torch.float32, pdl=False):
     """Attention of every new token over its sequence's first `context_lens[b]` cache entries, without mask.
@@ -482,8 +531,7 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
                   torch.full((B, NQ, H), float("-inf"), dtype=torch.float32, device=q.device))
         return (o, lse) if reduce else (o.unsqueeze(1), lse.unsqueeze(1))
     # one split reduced is the split itself: written in the output dtype at once
-    o_part = torch.empty((B, S, NQ, H, D), dtype=out_dtype if (reduce and S == 1) else torch.float32,
-                         device=q.device)
+    o_part = _partials((B, S, NQ, H, D), out_dtype if (reduce and S == 1) else torch.float32, q.device)
     lse_part = torch.empty((B, S, NQ, H), dtype=torch.float32, device=q.device)
     use_gdc, launch = _gdc(pdl)
     _paged_prefix_kernel[(B * KVH, m_tiles, S)](
@@ -492,8 +540,8 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *o_part.stride(), *lse_part.stride(),
         G=G, HEAD_D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), USE_GDC=use_gdc, num_warps=4,
-        num_stages=2, **launch,
+        DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), USE_GDC=use_gdc,
+        SKIP_EMPTY=reduce and S > 1 and _skip_empty(o_part), num_warps=4, num_stages=2, **launch,
     )
     if not reduce:
         return o_part, lse_part
@@ -512,7 +560,8 @@ def _reduce_splits(o_part, lse_part, out_dtype, pdl=False):
     _reduce_splits_kernel[(B * NQ * H,)](
         o_part, lse_part, o, lse, NQ, H, S,
         *o_part.stride(), *lse_part.stride(), *o.stride(), *lse.stride(),
-        BLOCK_S=max(2, _next_pow2(S)), HEAD_D=D, BLOCK_D=_next_pow2(D), USE_GDC=use_gdc, num_warps=1, **launch,
+        BLOCK_S=max(2, _next_pow2(S)), HEAD_D=D, BLOCK_D=_next_pow2(D), USE_GDC=use_gdc,
+        READ_SEEN=_skip_empty(o_part), num_warps=1, **launch,
     )
     return o, lse
 
@@ -615,7 +664,7 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
     BLOCK_N = _prefix_block_n(BLOCK_M, BLOCK_N, BLOCK_D, S, k_cache.dtype, int(bound))
     if B == 0 or NQ == 0:
         return torch.zeros((B, NQ, H, D), dtype=out_dtype, device=q.device)
-    o_part = torch.empty((B, S + 1, NQ, H, D), dtype=torch.float32, device=q.device)
+    o_part = _partials((B, S + 1, NQ, H, D), torch.float32, q.device)
     lse_part = torch.empty((B, S + 1, NQ, H), dtype=torch.float32, device=q.device)
     use_gdc, launch = _gdc(pdl)
     _split_tree_kernel[(B * KVH, m_tiles, S + 1)](
@@ -624,7 +673,7 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *k_new.stride(), *v_new.stride(), *suffix_mask.stride(), *o_part.stride(), *lse_part.stride(),
         G=G, HEAD_D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_NS=BLOCK_NS,
-        DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), USE_GDC=use_gdc, num_warps=4,
-        num_stages=2, **launch,
+        DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), USE_GDC=use_gdc,
+        SKIP_EMPTY=_skip_empty(o_part), num_warps=4, num_stages=2, **launch,
     )
     return _reduce_splits(o_part, lse_part, out_dtype, pdl)[0]

@@ -1,0 +1,109 @@
+"""The split attention's empty splits at SmolLM2's shapes (9 query / 3 kv heads, D = 64, bf16): us per layer call of
+the default tree's verify attention (49 new tokens, `split_tree_attention_triton`) and of plain decoding's
+(`paged_prefix_attention`, one token), over contexts and block-table widths, two ways: every split stores its o
+and the reduction reads them all (`all`, as before session 33), or splits without keys store no o and the reduction
+reads only the seen ones (`seen`). The default takes `seen` where the partials exceed SKIP_EMPTY_BYTES (`rule`).
+(Session 33's call 5 also timed a third way that the code no longer has: splits without keys storing no o and the
+reduction loading every o at once, zeroing theirs; it read o that was not just written and lost to `all`.)
+
+A CUDA graph fixes the split count by the block table's width (max_model_len), as the engine's graphs do, so a short
+context in a wide table leaves most splits without keys. 30 layers of separate caches are captured in one graph,
+launches with PDL as the engine's fused path makes them.
+  PYTHONPATH=. python3 tools/diag/empty_splits_bench.py [--out FILE.json]"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import eyas.kernels.tree_attention as ta
+
+H, KVH, D, LAYERS, PAGE = 9, 3, 64, 30, 16
+
+
+VARIANTS = {"all": (False, 0), "seen": (True, 0)}  # SKIP_EMPTY_SPLITS, SKIP_EMPTY_BYTES
+
+
+def bench(mode: str, ctx: int, width_tokens: int, variant: str, reps: int = 50) -> tuple[float, int]:
+    """(us per layer call, splits) for `mode` ("tree": 49 tokens, "plain": 1) at `ctx` cached tokens in block
+    tables `width_tokens` wide."""
+    ta.SKIP_EMPTY_SPLITS, ta.SKIP_EMPTY_BYTES = VARIANTS[variant]
+    dev = torch.device("cuda")
+    blocks = -(-width_tokens // PAGE)
+    caches = [(torch.randn(blocks, PAGE, KVH, D, device=dev, dtype=torch.bfloat16),
+               torch.randn(blocks, PAGE, KVH, D, device=dev, dtype=torch.bfloat16)) for _ in range(LAYERS)]
+    bt = torch.arange(blocks, device=dev, dtype=torch.int32).view(1, blocks)
+    cl = torch.full((1,), ctx, device=dev, dtype=torch.int32)
+    nq = 49 if mode == "tree" else 1
+    q = torch.randn(1, nq, H, D, device=dev, dtype=torch.bfloat16)
+    kn = torch.randn(1, nq, KVH, D, device=dev, dtype=torch.bfloat16)
+    vn = torch.randn(1, nq, KVH, D, device=dev, dtype=torch.bfloat16)
+    mask = torch.tril(torch.ones(1, nq, nq, device=dev, dtype=torch.bool))
+    m_tiles = -(-nq * H // KVH // ta._tiles(nq * H // KVH, D, torch.bfloat16)[0])
+    splits = ta.choose_num_splits(KVH * m_tiles, blocks * PAGE, ta.device_sm_count(dev))
+
+    def run():
+        for k, v in caches:
+            if mode == "tree":
+                ta.split_tree_attention_triton(q, kn, vn, k, v, bt, cl, mask, D ** -0.5, out_dtype=torch.bfloat16,
+                                               pdl=True)
+            else:
+                ta.paged_prefix_attention(q, k, v, bt, cl, D ** -0.5, out_dtype=torch.bfloat16, pdl=True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    for _ in range(3):
+        g.replay()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    e0.record()
+    for _ in range(reps):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    us = e0.elapsed_time(e1) * 1000 / reps / LAYERS
+    del g, caches
+    torch.cuda.empty_cache()
+    return us, splits
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="150,400,1500")
+    ap.add_argument("--widths", default="512,2112,8256", help="block-table widths in tokens (max_model_len + ~64)")
+    ap.add_argument("--rounds", type=int, default=2, help="on/off alternated this many times")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    default_bytes = ta.SKIP_EMPTY_BYTES
+    for mode in ("tree", "plain"):
+        for width in map(int, args.widths.split(",")):
+            for ctx in map(int, args.contexts.split(",")):
+                if ctx > width:
+                    continue
+                runs = {v: [] for v in VARIANTS}
+                for _ in range(args.rounds):
+                    for v in VARIANTS:
+                        us, splits = bench(mode, ctx, width, v)
+                        runs[v].append(us)
+                best = {v: min(r) for v, r in runs.items()}
+                nq = 49 if mode == "tree" else 1
+                rule = "seen" if (splits + (mode == "tree")) * nq * H * D * 4 > default_bytes else "all"
+                print(f"{mode:5s} width {width:5d} ctx {ctx:5d} splits {splits:2d} | " + ", ".join(
+                    f"{v} {u:6.2f}" for v, u in best.items()) + f" us a layer (the default: {rule})", flush=True)
+                rows.append({"mode": mode, "width_tokens": width, "ctx": ctx, "splits": splits, "rule": rule,
+                             **{f"{v}_us": r for v, r in runs.items()}})
+    if args.out:
+        json.dump(rows, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
