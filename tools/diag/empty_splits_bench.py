@@ -2,7 +2,8 @@
 the default tree's verify attention (49 new tokens, `split_tree_attention_triton`) and of plain decoding's
 (`paged_prefix_attention`, one token), over contexts and block-table widths, two ways: every split stores its o
 and the reduction reads them all (`all`, as before session 33), or splits without keys store no o and the reduction
-reads only the seen ones (`seen`). The default takes `seen` where the partials exceed SKIP_EMPTY_BYTES (`rule`).
+reads only the seen ones (`seen`); `rule` is the default (`seen` where the partials exceed SKIP_EMPTY_BYTES).
+`--bounds` adds rows whose split count comes from min(width, bound) tokens instead of the width.
 (Session 33's call 5 also timed a third way that the code no longer has: splits without keys storing no o and the
 reduction loading every o at once, zeroing theirs; it read o that was not just written and lost to `all`.)
 
@@ -25,9 +26,10 @@ H, KVH, D, LAYERS, PAGE = 9, 3, 64, 30, 16
 VARIANTS = {"all": (False, 0), "seen": (True, 0)}  # SKIP_EMPTY_SPLITS, SKIP_EMPTY_BYTES
 
 
-def bench(mode: str, ctx: int, width_tokens: int, variant: str, reps: int = 50) -> tuple[float, int]:
+def bench(mode: str, ctx: int, width_tokens: int, variant: str, reps: int = 50,
+          bound: int | None = None) -> tuple[float, int]:
     """(us per layer call, splits) for `mode` ("tree": 49 tokens, "plain": 1) at `ctx` cached tokens in block
-    tables `width_tokens` wide."""
+    tables `width_tokens` wide; `bound`: the split count from min(width, bound) tokens instead of the width."""
     ta.SKIP_EMPTY_SPLITS, ta.SKIP_EMPTY_BYTES = VARIANTS[variant]
     dev = torch.device("cuda")
     blocks = -(-width_tokens // PAGE)
@@ -41,15 +43,17 @@ def bench(mode: str, ctx: int, width_tokens: int, variant: str, reps: int = 50) 
     vn = torch.randn(1, nq, KVH, D, device=dev, dtype=torch.bfloat16)
     mask = torch.tril(torch.ones(1, nq, nq, device=dev, dtype=torch.bool))
     m_tiles = -(-nq * H // KVH // ta._tiles(nq * H // KVH, D, torch.bfloat16)[0])
-    splits = ta.choose_num_splits(KVH * m_tiles, blocks * PAGE, ta.device_sm_count(dev))
+    split_tokens = blocks * PAGE if bound is None else min(blocks * PAGE, bound)
+    splits = ta.choose_num_splits(KVH * m_tiles, split_tokens, ta.device_sm_count(dev))
 
     def run():
         for k, v in caches:
             if mode == "tree":
-                ta.split_tree_attention_triton(q, kn, vn, k, v, bt, cl, mask, D ** -0.5, out_dtype=torch.bfloat16,
-                                               pdl=True)
+                ta.split_tree_attention_triton(q, kn, vn, k, v, bt, cl, mask, D ** -0.5, num_splits=splits,
+                                               out_dtype=torch.bfloat16, pdl=True)
             else:
-                ta.paged_prefix_attention(q, k, v, bt, cl, D ** -0.5, out_dtype=torch.bfloat16, pdl=True)
+                ta.paged_prefix_attention(q, k, v, bt, cl, D ** -0.5, num_splits=splits, max_context_len=split_tokens,
+                                          out_dtype=torch.bfloat16, pdl=True)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -79,28 +83,32 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="150,400,1500")
     ap.add_argument("--widths", default="512,2112,8256", help="block-table widths in tokens (max_model_len + ~64)")
-    ap.add_argument("--rounds", type=int, default=2, help="on/off alternated this many times")
+    ap.add_argument("--rounds", type=int, default=2, help="the variants alternated this many times")
+    ap.add_argument("--variants", default="all,seen", help=f"of {', '.join(VARIANTS)} and rule (the default)")
+    ap.add_argument("--bounds", default="", help="split counts from min(width, B) tokens too, for each B: "
+                                                  "rows VARIANT/bB")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    VARIANTS["rule"] = (True, ta.SKIP_EMPTY_BYTES)
+    keys = [(v, None) for v in args.variants.split(",")]
+    keys += [(v, int(b)) for b in args.bounds.split(",") if b for v in args.variants.split(",")]
     rows = []
-    default_bytes = ta.SKIP_EMPTY_BYTES
     for mode in ("tree", "plain"):
         for width in map(int, args.widths.split(",")):
             for ctx in map(int, args.contexts.split(",")):
                 if ctx > width:
                     continue
-                runs = {v: [] for v in VARIANTS}
+                runs, splits = {k: [] for k in keys}, {}
                 for _ in range(args.rounds):
-                    for v in VARIANTS:
-                        us, splits = bench(mode, ctx, width, v)
-                        runs[v].append(us)
-                best = {v: min(r) for v, r in runs.items()}
-                nq = 49 if mode == "tree" else 1
-                rule = "seen" if (splits + (mode == "tree")) * nq * H * D * 4 > default_bytes else "all"
-                print(f"{mode:5s} width {width:5d} ctx {ctx:5d} splits {splits:2d} | " + ", ".join(
-                    f"{v} {u:6.2f}" for v, u in best.items()) + f" us a layer (the default: {rule})", flush=True)
-                rows.append({"mode": mode, "width_tokens": width, "ctx": ctx, "splits": splits, "rule": rule,
-                             **{f"{v}_us": r for v, r in runs.items()}})
+                    for v, b in keys:
+                        us, splits[(v, b)] = bench(mode, ctx, width, v, bound=b)
+                        runs[(v, b)].append(us)
+                name = {k: k[0] if k[1] is None else f"{k[0]}/b{k[1]}" for k in keys}
+                print(f"{mode:5s} width {width:5d} ctx {ctx:5d} | " + ", ".join(
+                    f"{name[k]} ({splits[k]}) {min(r):6.2f}" for k, r in runs.items()) + " us a layer", flush=True)
+                rows.append({"mode": mode, "width_tokens": width, "ctx": ctx,
+                             **{f"{name[k]}_us": r for k, r in runs.items()},
+                             **{f"{name[k]}_splits": splits[k] for k in keys}})
     if args.out:
         json.dump(rows, open(args.out, "w"), indent=1)
 
