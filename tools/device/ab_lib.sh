@@ -48,3 +48,24 @@ main()"
     python3 -c "$run" $v "$@" --out ${out}_$i 2>&1 | grep "$pattern" | sed "s/^/$i $name=$v /"
   done
 }
+
+# switch_run TAG MODULE LINE EYAS_ARGS...: one process that imports MODULE as m, runs LINE (a switch, e.g.
+# "m.EXACT_K = True"), then `eyas EYAS_ARGS --out $OUT/TAG`; its output goes to $OUT/TAG.log, whose tail is printed
+# if it fails.
+switch_run() {
+  local tag=$1 mod=$2 line=$3
+  shift 3
+  python3 -c "import sys; import $mod as m; $line; from eyas.cli import main; sys.exit(main(sys.argv[1:]))" \
+    "$@" --out $OUT/$tag > $OUT/$tag.log 2>&1 || tail -n 5 $OUT/$tag.log
+}
+
+# latency_rows: one line for each row of every $OUT/*/latency.json (its folder, mode, batch, TTIT, ms a step, TPC).
+latency_rows() {
+  python3 - <<'PY'
+import glob, json, os
+for f in sorted(glob.glob(os.environ["OUT"] + "/*/latency.json")):
+    for r in json.load(open(f)).get("results", []):
+        print(f.split("/")[-2], r["mode"], r["batch"], "ttit", round(r["ttit_ms"], 4), "step",
+              round(r["ms_per_decode_step"], 4), "tpc", round(r["tpc"], 3))
+PY
+}

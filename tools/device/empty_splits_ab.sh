@@ -1,14 +1,13 @@
 # Session 33: where the splits' partials are large (tree_attention.SKIP_EMPTY_BYTES), splits without keys store no o
 # and the reduction reads only the seen partials (`skip`, the default), against every split storing its o and the
-# reduction reading them all (`all`: SKIP_EMPTY_SPLITS = False). A graph fixes the split count by the block table's width, which
-# a server sizes by max_model_len (SmolLM2: 8192), so short contexts leave most splits empty. One call, no staging
-# (smollm2-shape, run N A's bf16 rank paths replayed):
+# reduction reading them all (`all`: SKIP_EMPTY_SPLITS = False). A graph fixes the split count by the block table's
+# width, which a server sizes by max_model_len (SmolLM2: 8192), so short contexts leave most splits empty. One call,
+# no staging (smollm2-shape, run N A's bf16 rank paths replayed):
 #   bash tools/device/empty_splits_ab.sh     (TESTS=0 skips the GPU tests; BENCH=0 the kernels alone; ROUNDS=2;
 #                                             WIDE=8192 the engine's --max-model-len for the wide rows)
 set -u
-mkdir -p $OUT
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
-export PYTHONPATH=$PWD
+source tools/device/ab_lib.sh
+begin empty_splits   # eyas on the path, $OUT made, the clock (el)
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== gpu tests [t=$(el)]"
   timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "${TESTS_K:-prefix or split or keys or gpu}" 2>&1 | tail -n 4
@@ -19,9 +18,8 @@ if [ "${BENCH:-1}" = 1 ]; then
 fi
 AB() {  # tag, SKIP_EMPTY_SPLITS, bench latency arguments...
   local tag=$1 on=$2; shift 2
-  python3 -c "import sys; import eyas.kernels.tree_attention as t; t.SKIP_EMPTY_SPLITS = $on; from eyas.cli import main; sys.exit(main(sys.argv[1:]))" \
-    bench latency --model smollm2-shape --context 128 --accept-ranks docs/bench/ranks_smollm2_runNa_bf16_gpu.safetensors \
-    "$@" --out $OUT/$tag > $OUT/$tag.log 2>&1 || tail -n 5 $OUT/$tag.log
+  switch_run $tag eyas.kernels.tree_attention "m.SKIP_EMPTY_SPLITS = $on" bench latency --model smollm2-shape \
+    --context 128 --accept-ranks docs/bench/ranks_smollm2_runNa_bf16_gpu.safetensors "$@"
 }
 for r in $(seq ${ROUNDS:-2}); do
   echo "== engine A/B round $r [t=$(el)]"
@@ -33,10 +31,4 @@ for r in $(seq ${ROUNDS:-2}); do
   done
 done
 echo "== rows [t=$(el)]"
-python3 - <<'PY'
-import glob, json, os
-for f in sorted(glob.glob(os.environ["OUT"] + "/*/latency.json")):
-    d = json.load(open(f))
-    for r in d.get("results", []):
-        print(f.split("/")[-2], r["mode"], r["batch"], "ttit", round(r["ttit_ms"], 4), "step", round(r["ms_per_decode_step"], 4), "tpc", round(r["tpc"], 3))
-PY
+latency_rows

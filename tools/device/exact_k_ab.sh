@@ -3,9 +3,8 @@
 # N A's bf16 rank paths replayed):
 #   bash tools/device/exact_k_ab.sh            (TESTS=0 skips the GPU tests; ROUNDS=2 A/B rounds)
 set -u
-mkdir -p $OUT
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
-export PYTHONPATH=$PWD
+source tools/device/ab_lib.sh
+begin exact_k   # eyas on the path, $OUT made, the clock (el)
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== gpu tests [t=$(el)]"
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_decode_linear.py -k "gpu or k_parts" 2>&1 | tail -n 4
@@ -17,9 +16,8 @@ if [ "${KPAD:-1}" = 1 ]; then
 fi
 AB() {  # tag, EXACT_K, bench latency arguments...
   local tag=$1 on=$2; shift 2
-  python3 -c "import sys; import eyas.kernels.decode_linear as d; d.EXACT_K = $on; from eyas.cli import main; sys.exit(main(sys.argv[1:]))" \
-    bench latency --model smollm2-shape --context 128 --accept-ranks docs/bench/ranks_smollm2_runNa_bf16_gpu.safetensors \
-    "$@" --out $OUT/$tag > $OUT/$tag.log 2>&1 || tail -n 5 $OUT/$tag.log
+  switch_run $tag eyas.kernels.decode_linear "m.EXACT_K = $on" bench latency --model smollm2-shape --context 128 \
+    --accept-ranks docs/bench/ranks_smollm2_runNa_bf16_gpu.safetensors "$@"
 }
 for r in $(seq ${ROUNDS:-2}); do
   echo "== engine A/B round $r [t=$(el)]"
@@ -33,10 +31,4 @@ if [ "${FP8:-1}" = 1 ]; then  # the step's cost with an FP8 draft (its TPC on th
   AB fp8_b1 True --batch-sizes 1 --num-prompts 8 --max-tokens 64 --modes chain:3,tree:smollm2_48d5 --draft-quant fp8
 fi
 echo "== rows [t=$(el)]"
-python3 - <<'PY'
-import glob, json, os
-for f in sorted(glob.glob(os.environ["OUT"] + "/*/latency.json")):
-    d = json.load(open(f))
-    for r in d.get("results", []):
-        print(f.split("/")[-2], r["mode"], r["batch"], "ttit", round(r["ttit_ms"], 4), "step", round(r["ms_per_decode_step"], 4), "tpc", round(r["tpc"], 3))
-PY
+latency_rows

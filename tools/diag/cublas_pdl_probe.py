@@ -28,7 +28,7 @@ import triton.language as tl
 sys.path.insert(0, ".")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import graph_edges as ge  # noqa: E402
-from l2_prefetch_bench import time_graph  # noqa: E402
+from l2_prefetch_bench import capture_graph, time_graph  # noqa: E402
 
 
 @triton.jit
@@ -110,15 +110,7 @@ def race(consumer: str, shape: str, spins: int, trials: int) -> dict:
             return S.float() + A.float() @ W.float().t()
         return (R.float() if kind == "addmm" else 0) + S.float() @ W.float().t()
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(g):
-        body()
+    g = capture_graph(body, keep_graph=True)
     raw = g.raw_cuda_graph()
     nodes = ge.kernel_nodes(raw)
     changed = ge.make_programmatic(raw, lambda u, v: "_spin_write" in u.name)
@@ -173,14 +165,7 @@ def chain(layers: int, M: int, variant: str, reps: int, cfg=None) -> float:
             else:
                 res.addmm_(gu[:, :F], wd.t())
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(g):
-        body()
+    g = capture_graph(body, keep_graph=True)
     if variant == "cublas_prog":
         ge.make_programmatic(g.raw_cuda_graph(), lambda u, v: ge.is_cublas(v))
     g.instantiate()

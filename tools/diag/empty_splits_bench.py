@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
 import eyas.kernels.tree_attention as ta
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from l2_prefetch_bench import capture_graph, time_graph  # noqa: E402
 
 H, KVH, D, LAYERS, PAGE = 9, 3, 64, 30, 16
 
@@ -55,25 +60,8 @@ def bench(mode: str, ctx: int, width_tokens: int, variant: str, reps: int = 50,
                 ta.paged_prefix_attention(q, k, v, bt, cl, D ** -0.5, num_splits=splits, max_context_len=split_tokens,
                                           out_dtype=torch.bfloat16, pdl=True)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    for _ in range(3):
-        g.replay()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    e0.record()
-    for _ in range(reps):
-        g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    us = e0.elapsed_time(e1) * 1000 / reps / LAYERS
+    g = capture_graph(run)
+    us = time_graph(g, reps) * 1000 / LAYERS
     del g, caches
     torch.cuda.empty_cache()
     return us, splits

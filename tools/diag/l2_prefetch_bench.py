@@ -100,6 +100,21 @@ def sleep_cycles_per_us() -> float:
     return 20000 / (time_graph(g) * 1e3 / 100)
 
 
+def capture_graph(body, **graph_kwargs) -> torch.cuda.CUDAGraph:
+    """`body` run once on a side stream (compiles, allocator warm-up), then captured into a graph
+    (`graph_kwargs`: e.g. keep_graph=True, to edit it before `instantiate()`)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph(**graph_kwargs)
+    with torch.cuda.graph(g):
+        body()
+    return g
+
+
 def time_graph(g: torch.cuda.CUDAGraph, reps: int = 20) -> float:
     """ms per replay."""
     for _ in range(3):
