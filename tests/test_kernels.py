@@ -374,6 +374,38 @@ def test_splits_without_keys_store_no_o_and_are_not_read(monkeypatch, tree, skip
             assert not part[b, S].isnan().any()  # the suffix's partial
 
 
+def test_split_bound_caps_the_split_count_of_a_wide_table(monkeypatch):
+    """SPLIT_BOUND_TOKENS: without max_context_len the split count is chosen for the block table's width, capped at
+    the bound where it is set; the output equals the reference either way."""
+    import eyas.kernels.tree_attention as ta
+    shapes = []
+
+    def partials(shape, dtype, device):
+        shapes.append(shape)
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    monkeypatch.setattr(ta, "_partials", partials)
+    g = torch.Generator().manual_seed(5)
+    B, Q, H, KVH, D, page = 1, 2, 4, 2, 32, 16
+    kc, vc, bt, cl = make_cache(B, KVH, D, page, [70], gen=g)
+    bt = torch.cat([bt, torch.zeros(B, 40, dtype=bt.dtype, device=bt.device)], 1)  # a wide table: 45 blocks
+    q = torch.randn(B, Q, H, D, generator=g).to(DEV)
+    k_new = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
+    v_new = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
+    mask = tree_mask(B, Q, g)
+    meta = SimpleNamespace(use_triton=False, block_tables=bt, context_lens=cl, suffix_mask=mask, max_context_len=70,
+                           block_size=page)
+    ref = split_tree_attention(q, k_new, v_new, kc, vc, meta, 0.2)
+    m_tiles = -(-Q * H // KVH // ta._tiles(Q * H // KVH, D, kc.dtype)[0])
+    for bound, tokens in ((None, bt.shape[1] * page), (128, 128)):
+        monkeypatch.setattr(ta, "SPLIT_BOUND_TOKENS", bound)
+        o = split_tree_attention_triton(q, k_new, v_new, kc, vc, bt, cl, mask, 0.2)
+        torch.testing.assert_close(o, ref, **TOL)
+        want = choose_num_splits(B * KVH * m_tiles, tokens, ta.device_sm_count(q.device))
+        assert shapes[-1][1] == want + 1  # S prefix splits and the suffix
+    assert shapes[0][1] > shapes[1][1]
+
+
 def test_split_tree_attention_on_the_largest_fitted_tree():
     """The 128-node fitted tree (129 query rows with the root: several row tiles per head) through the Triton
     kernels, against the reference and the dense oracle."""

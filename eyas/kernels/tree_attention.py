@@ -56,6 +56,23 @@ SKIP_EMPTY_SPLITS = True
 SKIP_EMPTY_BYTES = 2 << 20
 
 
+# The split count of a call without max_context_len (a graph's) is chosen for the block table's width; set, this caps
+# it at SPLIT_BOUND_TOKENS, so that a wide table (a server's max_model_len) gets the splits of a shorter context:
+# fewer idle programs and partials at a chat's few hundred tokens, more key tiles a split for a long one. None (the
+# default): the width, as before. Not measured in the engine yet (session 33 ran out of device time); the probe is
+# `tools/diag/empty_splits_bench.py --bounds`.
+SPLIT_BOUND_TOKENS: int | None = None
+
+
+def _split_bound(max_context_len, block_tables: torch.Tensor, page: int) -> int:
+    """The context the split count is chosen for: `max_context_len` where the caller gives it, else the block
+    table's width (capped at SPLIT_BOUND_TOKENS where that is set)."""
+    if max_context_len is not None:
+        return int(max_context_len)
+    width = block_tables.shape[1] * page
+    return min(width, SPLIT_BOUND_TOKENS) if SPLIT_BOUND_TOKENS else width
+
+
 def _skip_empty(o_part: torch.Tensor) -> bool:
     """Whether the splits behind the partials `o_part` skip their empty o (and the reduction reads the seen)."""
     return SKIP_EMPTY_SPLITS and o_part.numel() * o_part.element_size() > SKIP_EMPTY_BYTES
@@ -519,7 +536,7 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     if block_n is not None:
         BLOCK_N = max(16, _next_pow2(block_n))
     m_tiles = triton.cdiv(n_rows, BLOCK_M)
-    bound = max_context_len if max_context_len is not None else block_tables.shape[1] * page
+    bound = _split_bound(max_context_len, block_tables, page)
     if num_splits is None:
         num_splits = choose_num_splits(B * KVH * m_tiles, int(bound), device_sm_count(q.device))
     S = max(1, int(num_splits))
@@ -657,7 +674,7 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
     BLOCK_M, BLOCK_N, BLOCK_D = _tiles(n_rows, D, k_cache.dtype)
     BLOCK_NS = _tiles(n_rows, D, k_cache.dtype, kv_len=L)[1]
     m_tiles = triton.cdiv(n_rows, BLOCK_M)
-    bound = max_context_len if max_context_len is not None else block_tables.shape[1] * page
+    bound = _split_bound(max_context_len, block_tables, page)
     if num_splits is None:
         num_splits = choose_num_splits(B * KVH * m_tiles, int(bound), device_sm_count(q.device))
     S = max(1, int(num_splits))
