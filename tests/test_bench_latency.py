@@ -188,6 +188,10 @@ def test_bench_latency_max_model_len_widens_the_block_tables(tmp_path):
                  "--batch-sizes", "1", "--max-tokens", "6", "--context", "5", "--num-prompts", "1", "--device", "cpu",
                  "--max-model-len", "300", "--out", str(out)]) == 0
     assert json.loads((out / "latency.json").read_text())["meta"]["max_model_len"] == 300
+    with pytest.raises(SystemExit, match="shorter than the longest prompt"):
+        main(["bench", "latency", "--model", str(target), "--draft", str(draft), "--modes", "chain:2",
+              "--batch-sizes", "1", "--max-tokens", "6", "--context", "5", "--num-prompts", "1", "--device", "cpu",
+              "--max-model-len", "10", "--out", str(out)])
 
 
 def test_speedup_over_plain_is_the_median_of_the_rounds_ratios():

@@ -532,6 +532,10 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
         modes = [m for m in modes if m == "plain"]
     prompts = make_prompts(tokenizer, target.config.vocab_size, max(max(batches), args.num_prompts), args.context,
                            args.prompts)
+    longest = max(len(p) for p in prompts)
+    if args.max_model_len is not None and args.max_model_len < longest + args.max_tokens:
+        raise SystemExit(f"eyas bench latency: --max-model-len {args.max_model_len} is shorter than the longest "
+                         f"prompt ({longest} tokens) plus --max-tokens {args.max_tokens}")
     graphs = args.cuda_graphs and device.type == "cuda"
     rows = []
     paths = dict(one_row=args.one_row, few_rows=args.few_rows, fold_norms=args.fold_norms, overlap=args.overlap,
