@@ -178,6 +178,14 @@ def simulates(mode: str, simulated_rates) -> bool:
     return simulated_rates is not None and not mode.startswith("dyn:")
 
 
+def check_max_model_len(max_model_len: int | None, prompts, max_tokens: int) -> None:
+    """A `max_model_len` must hold the longest prompt and `max_tokens` after it (ValueError)."""
+    longest = max(len(p) for p in prompts)
+    if max_model_len is not None and max_model_len < longest + max_tokens:
+        raise ValueError(f"--max-model-len {max_model_len} is shorter than the longest prompt ({longest} tokens) "
+                         f"plus --max-tokens {max_tokens}")
+
+
 def build_engine(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
                  graphs: bool, block_size: int = 16, one_row: bool = True, few_rows: bool = True,
                  fold_norms: bool = True, overlap: bool = True, max_model_len: int | None = None) -> LLMEngine:
@@ -188,9 +196,7 @@ def build_engine(target, tokenizer, draft, mode: str, batch: int, prompts, max_t
     tree = None if mode == "plain" else resolve_tree(mode)
     longest = max(len(p) for p in prompts)
     need = longest + max_tokens + 64
-    if max_model_len is not None and max_model_len < longest + max_tokens:
-        raise ValueError(f"--max-model-len {max_model_len} is shorter than the longest prompt ({longest} tokens) "
-                         f"plus --max-tokens {max_tokens}")
+    check_max_model_len(max_model_len, prompts, max_tokens)
     cfg = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, longest), cuda_graphs=graphs,
                        block_size=block_size, max_model_len=min(target.config.max_position_embeddings,
                                                                 max_model_len or need),
@@ -532,10 +538,10 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
         modes = [m for m in modes if m == "plain"]
     prompts = make_prompts(tokenizer, target.config.vocab_size, max(max(batches), args.num_prompts), args.context,
                            args.prompts)
-    longest = max(len(p) for p in prompts)
-    if args.max_model_len is not None and args.max_model_len < longest + args.max_tokens:
-        raise SystemExit(f"eyas bench latency: --max-model-len {args.max_model_len} is shorter than the longest "
-                         f"prompt ({longest} tokens) plus --max-tokens {args.max_tokens}")
+    try:  # before any engine is built
+        check_max_model_len(args.max_model_len, prompts, args.max_tokens)
+    except ValueError as e:
+        raise SystemExit(f"eyas bench latency: {e}") from None
     graphs = args.cuda_graphs and device.type == "cuda"
     rows = []
     paths = dict(one_row=args.one_row, few_rows=args.few_rows, fold_norms=args.fold_norms, overlap=args.overlap,

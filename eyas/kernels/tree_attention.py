@@ -551,6 +551,7 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     o_part = _partials((B, S, NQ, H, D), out_dtype if (reduce and S == 1) else torch.float32, q.device)
     lse_part = torch.empty((B, S, NQ, H), dtype=torch.float32, device=q.device)
     use_gdc, launch = _gdc(pdl)
+    skip = reduce and S > 1 and _skip_empty(o_part)
     _paged_prefix_kernel[(B * KVH, m_tiles, S)](
         q, k_cache, v_cache, block_tables, context_lens, o_part, lse_part,
         float(scale) * LOG2E, n_rows, KVH, S,
@@ -558,18 +559,19 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         *o_part.stride(), *lse_part.stride(),
         G=G, HEAD_D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), USE_GDC=use_gdc,
-        SKIP_EMPTY=reduce and S > 1 and _skip_empty(o_part), num_warps=4, num_stages=2, **launch,
+        SKIP_EMPTY=skip, num_warps=4, num_stages=2, **launch,
     )
     if not reduce:
         return o_part, lse_part
     if S == 1:
         return o_part[:, 0], lse_part[:, 0]
-    return _reduce_splits(o_part, lse_part, out_dtype, pdl)
+    return _reduce_splits(o_part, lse_part, out_dtype, pdl, read_seen=skip)
 
 
-def _reduce_splits(o_part, lse_part, out_dtype, pdl=False):
+def _reduce_splits(o_part, lse_part, out_dtype, pdl=False, read_seen=False):
     """Merge partial results o_part [B, S, Q, H, D], lse_part [B, S, Q, H] (float32) by log-sum-exp: one launch.
-    Returns o [B, Q, H, D] in `out_dtype` and lse [B, Q, H] float32."""
+    Returns o [B, Q, H, D] in `out_dtype` and lse [B, Q, H] float32. `read_seen`: the splits skipped the o of those
+    without keys (SKIP_EMPTY), so only partials with a finite lse are read."""
     B, S, NQ, H, D = o_part.shape
     o = torch.empty((B, NQ, H, D), dtype=out_dtype, device=o_part.device)
     lse = torch.empty((B, NQ, H), dtype=torch.float32, device=o_part.device)
@@ -578,7 +580,7 @@ def _reduce_splits(o_part, lse_part, out_dtype, pdl=False):
         o_part, lse_part, o, lse, NQ, H, S,
         *o_part.stride(), *lse_part.stride(), *o.stride(), *lse.stride(),
         BLOCK_S=max(2, _next_pow2(S)), HEAD_D=D, BLOCK_D=_next_pow2(D), USE_GDC=use_gdc,
-        READ_SEEN=_skip_empty(o_part), num_warps=1, **launch,
+        READ_SEEN=read_seen, num_warps=1, **launch,
     )
     return o, lse
 
@@ -684,6 +686,7 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
     o_part = _partials((B, S + 1, NQ, H, D), torch.float32, q.device)
     lse_part = torch.empty((B, S + 1, NQ, H), dtype=torch.float32, device=q.device)
     use_gdc, launch = _gdc(pdl)
+    skip = _skip_empty(o_part)
     _split_tree_kernel[(B * KVH, m_tiles, S + 1)](
         q, k_cache, v_cache, block_tables, context_lens, k_new, v_new, suffix_mask, o_part, lse_part,
         float(scale) * LOG2E, n_rows, L, KVH, S,
@@ -691,6 +694,6 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
         *k_new.stride(), *v_new.stride(), *suffix_mask.stride(), *o_part.stride(), *lse_part.stride(),
         G=G, HEAD_D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_NS=BLOCK_NS,
         DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), USE_GDC=use_gdc,
-        SKIP_EMPTY=_skip_empty(o_part), num_warps=4, num_stages=2, **launch,
+        SKIP_EMPTY=skip, num_warps=4, num_stages=2, **launch,
     )
-    return _reduce_splits(o_part, lse_part, out_dtype, pdl)[0]
+    return _reduce_splits(o_part, lse_part, out_dtype, pdl, read_seen=skip)[0]
