@@ -48,10 +48,10 @@ PDL = True
 # SKIP_EMPTY_BYTES, such a split stores only its lse (-inf), not its o (`_split_has_keys`), and the reduction reads
 # only the o of partials whose lse is finite (its o loads then wait for the lse). Below that, every split stores
 # its o and the reduction loads them all at once, as before session 33: there the wait costs more than the reads
-# it saves, and reading o that was not just written misses the L2. Measured on the H200 in session 33
-# (tools/diag/empty_splits_bench.py, SmolLM2's shapes, docs/benchmarks.md): the default tree's step 2-3% faster
-# in a table 8192 tokens wide (59 splits, 6.8 MB of partials); slower with 8 splits (0.9 MB) and for one-token
-# decoding (0.15 MB). SKIP_EMPTY_SPLITS = False turns it off everywhere (for comparing).
+# it saves, and reading o that was not just written misses the L2. Measured on the H200 in session 33 at SmolLM2's
+# shapes (docs/benchmarks.md, "Session 33"): the default tree's step 2-3% faster in a table 8192 tokens wide (59
+# splits, 6.8 MB of partials; the engine, tools/device/empty_splits_ab.sh); the kernels alone slower with 8 splits
+# (0.9 MB) and for one-token decoding (0.15 MB) (tools/diag/empty_splits_bench.py). SKIP_EMPTY_SPLITS = False turns it off everywhere (for comparing).
 SKIP_EMPTY_SPLITS = True
 SKIP_EMPTY_BYTES = 2 << 20
 
