@@ -326,16 +326,20 @@ def test_split_tree_attention_matches_reference_and_oracle(B, Q, H, KVH, D, page
     torch.testing.assert_close(o, dense_oracle(q, ks, vs, kc, vc, bt, cl, mask, scale), **TOL)
 
 
-@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("skip,suffix_first", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("tree", [False, True])
-def test_splits_without_keys_store_no_o_and_are_not_read(monkeypatch, tree, skip):
-    """A graph fixes the split count by the widest context it may see, so a short context leaves most splits
-    without keys. Where the partials are large (SKIP_EMPTY_BYTES; here 0), those splits store only their lse (-inf)
-    and the reduction reads no o of theirs; else every split stores its o and the reduction reads them all. The
-    partials' buffer is filled with NaN: the output must equal the reference (no NaN read), and exactly the empty
-    splits' o must still be NaN (not written) where they skip."""
+def test_splits_without_keys_store_nothing_and_are_not_read(monkeypatch, tree, skip, suffix_first):
+    """A graph fixes the split count by the widest context it may see, so a shorter context leaves splits without
+    keys. Where the partials are large (SKIP_EMPTY_BYTES; here 0), those splits store nothing and the reduction
+    reads only the splits that the context gives keys; else every split stores its o and lse and the reduction
+    reads them all. The partials' buffers are filled with NaN: the output must equal the reference (no NaN read),
+    and exactly the empty splits' o and lse must still be NaN (not written) where they skip. SUFFIX_FIRST moves the
+    tree's suffix programs to the front of the grid, not their partial."""
     import eyas.kernels.tree_attention as ta
     monkeypatch.setattr(ta, "SKIP_EMPTY_BYTES", 0 if skip else 1 << 62)
+    monkeypatch.setattr(ta, "SUFFIX_FIRST", suffix_first)
+    if suffix_first and not tree:
+        pytest.skip("SUFFIX_FIRST is the tree grid's")
     bufs = []
 
     def nan_partials(shape, dtype, device):
@@ -362,26 +366,28 @@ def test_splits_without_keys_store_no_o_and_are_not_read(monkeypatch, tree, skip
         ro, rlse = ref_prefix(q, kc, vc, bt, cl, scale)
         torch.testing.assert_close(o, ro, **TOL)
         finite_close(lse, rlse, **TOL)
-    part = bufs[0]  # [B, S (+ 1 for the suffix), Q, H, D]
+    part, lse_part = bufs  # [B, S (+ 1 for the suffix), Q, H, D], [B, S (+ 1), Q, H]
     tile = ta._tiles(Q * H // KVH, D, kc.dtype)[1]  # the prefix's key tile (no wider tile: S > 1)
     for b, c in enumerate(ctx):  # whole tiles cut into S equal runs: splits 0 .. n-1 hold the keys
         tiles = -(-c // tile)
         n = -(-tiles // -(-tiles // S)) if tiles else 0
         assert n < S
-        assert not part[b, :n].isnan().any()
-        assert part[b, n:S].isnan().all() if skip else not part[b, n:S].isnan().any()
+        assert not part[b, :n].isnan().any() and not lse_part[b, :n].isnan().any()
+        for x in (part, lse_part):
+            assert x[b, n:S].isnan().all() if skip else not x[b, n:S].isnan().any()
         if tree:
-            assert not part[b, S].isnan().any()  # the suffix's partial
+            assert not part[b, S].isnan().any() and not lse_part[b, S].isnan().any()  # the suffix's partial
 
 
-def test_split_bound_caps_the_split_count_of_a_wide_table(monkeypatch):
-    """SPLIT_BOUND_TOKENS: without max_context_len the split count is chosen for the block table's width, capped at
-    the bound where it is set; the output equals the reference either way."""
+def test_max_context_len_chooses_the_split_count_else_the_table_width(monkeypatch):
+    """The split count is chosen for `max_context_len` where the caller gives it (the engine's graphs: their
+    context bucket), else for the block table's width; the output equals the reference either way."""
     import eyas.kernels.tree_attention as ta
     shapes = []
 
     def partials(shape, dtype, device):
-        shapes.append(shape)
+        if len(shape) == 5:  # the o partials (the lse's are [B, S, Q, H])
+            shapes.append(shape)
         return torch.empty(shape, dtype=dtype, device=device)
 
     monkeypatch.setattr(ta, "_partials", partials)
@@ -398,8 +404,7 @@ def test_split_bound_caps_the_split_count_of_a_wide_table(monkeypatch):
     ref = split_tree_attention(q, k_new, v_new, kc, vc, meta, 0.2)
     m_tiles = -(-Q * H // KVH // ta._tiles(Q * H // KVH, D, kc.dtype)[0])
     for bound, tokens in ((None, bt.shape[1] * page), (128, 128)):
-        monkeypatch.setattr(ta, "SPLIT_BOUND_TOKENS", bound)
-        o = split_tree_attention_triton(q, k_new, v_new, kc, vc, bt, cl, mask, 0.2)
+        o = split_tree_attention_triton(q, k_new, v_new, kc, vc, bt, cl, mask, 0.2, max_context_len=bound)
         torch.testing.assert_close(o, ref, **TOL)
         want = choose_num_splits(B * KVH * m_tiles, tokens, ta.device_sm_count(q.device))
         assert shapes[-1][1] == want + 1  # S prefix splits and the suffix

@@ -43,34 +43,29 @@ _DOT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # against 4.146); `eyas.kernels.tree_attention.PDL = False` to compare.
 PDL = True
 
-# A graph fixes the prefix's split count by the widest context it may see (the block table's width, from
-# max_model_len), so a short context leaves most splits without keys. Where the splits' partial o take more than
-# SKIP_EMPTY_BYTES, such a split stores only its lse (-inf), not its o (`_split_has_keys`), and the reduction reads
-# only the o of partials whose lse is finite (its o loads then wait for the lse). Below that, every split stores
-# its o and the reduction loads them all at once, as before session 33: there the wait costs more than the reads
-# it saves, and reading o that was not just written misses the L2. Measured on the H200 in session 33 at SmolLM2's
-# shapes (docs/benchmarks.md, "Session 33"): the default tree's step 2-3% faster in a table 8192 tokens wide (59
-# splits, 6.8 MB of partials; the engine, tools/device/empty_splits_ab.sh); the kernels alone slower with 8 splits
-# (0.9 MB) and for one-token decoding (0.15 MB) (tools/diag/empty_splits_bench.py). SKIP_EMPTY_SPLITS = False turns it off everywhere (for comparing).
+# A graph fixes the prefix's split count by the widest context it may see (its max_context_len: the engine's graphs
+# take it from their context bucket, `eyas.engine.cuda_graph.CONTEXT_BUCKETS`; without one, the block table's
+# width), so a shorter context leaves splits without keys. Where the splits' partial o take more than
+# SKIP_EMPTY_BYTES, such a split exits after loading its queries and stores nothing, neither o nor lse; the
+# reduction computes from the context length which splits saw keys (`_splits_with_keys`) and reads only theirs. And
+# the tree grid's suffix programs then take the first index of the split axis (dispatched before the prefix splits
+# rather than after them: SUFFIX_FIRST). Below that line every split stores its o and lse and the reduction reads
+# them all at once, as before session 33: there the reads it saves cost less than the work added to the critical
+# path. Measured on the H200 at SmolLM2's shapes (docs/benchmarks.md, "Session 34"; tools/diag/empty_splits_bench.py,
+# 30 layers in a graph, 59 splits of a table 8256 tokens wide): the tree's verify attention 6.57 us a layer at 150
+# keys against 8.33 with session 33's skip (splits that stored their lse, a reduction whose o loads waited for it)
+# and 8.94 with every split stored; level at 7,000 keys (14.6). With 8 splits (a 512-token bucket, 0.9 MB) and for
+# one-token decoding (0.15 MB) skipping loses: 6.34 against 5.61 us, 3.77 against 3.41.
+# SKIP_EMPTY_SPLITS = False turns it off everywhere (for comparing).
 SKIP_EMPTY_SPLITS = True
 SKIP_EMPTY_BYTES = 2 << 20
-
-
-# The split count of a call without max_context_len (a graph's) is chosen for the block table's width; set, this caps
-# it at SPLIT_BOUND_TOKENS, so that a wide table (a server's max_model_len) gets the splits of a shorter context:
-# fewer idle programs and partials at a chat's few hundred tokens, more key tiles a split for a long one. None (the
-# default): the width, as before. Not measured in the engine yet (session 33 ran out of device time); the probe is
-# `tools/diag/empty_splits_bench.py --bounds`.
-SPLIT_BOUND_TOKENS: int | None = None
+SUFFIX_FIRST = True
 
 
 def _split_bound(max_context_len, block_tables: torch.Tensor, page: int) -> int:
     """The context the split count is chosen for: `max_context_len` where the caller gives it, else the block
-    table's width (capped at SPLIT_BOUND_TOKENS where that is set)."""
-    if max_context_len is not None:
-        return int(max_context_len)
-    width = block_tables.shape[1] * page
-    return min(width, SPLIT_BOUND_TOKENS) if SPLIT_BOUND_TOKENS else width
+    table's width."""
+    return int(max_context_len) if max_context_len is not None else block_tables.shape[1] * page
 
 
 def _skip_empty(o_part: torch.Tensor) -> bool:
@@ -120,10 +115,9 @@ def _program_rows(Q, K, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh, s
 
 @triton.jit
 def _store_rows(O, LSE, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i, G: tl.constexpr, HEAD_D: tl.constexpr,
-                stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh, o_rows):
-    """Normalise an online-softmax state (m_i in log2 units) and store the natural-log lse of the first n_rows rows
-    and o of the first o_rows (n_rows, or 0 for a split that saw no key, whose o the reduction skips); empty rows
-    get o = 0 and lse = -inf."""
+                stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh):
+    """Normalise an online-softmax state (m_i in log2 units) and store the natural-log lse and o of the first n_rows
+    rows; empty rows get o = 0 and lse = -inf."""
     qi = rows // G
     h = kvh * G + rows % G
     has = l_i > 0.0
@@ -132,7 +126,7 @@ def _store_rows(O, LSE, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i, G: tl.const
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     row_ok = rows < n_rows
     o_ptrs = O + b * stride_ob + qi[:, None] * stride_oq + h[:, None] * stride_oh + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(rows < o_rows)[:, None] & (offs_d[None, :] < HEAD_D))
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D))
     tl.store(LSE + b * stride_lb + qi * stride_lq + h * stride_lh, lse, mask=row_ok)
 
 
@@ -160,11 +154,12 @@ def _accumulate_tile(acc, alpha, p, v, DOT_PREC: tl.constexpr, UPCAST: tl.conste
 
 
 @triton.jit
-def _split_has_keys(ctx, split, num_splits, BLOCK_N: tl.constexpr):
-    """Whether split `split` of `_walk_prefix`'s cut of a ctx-key context holds any key. A graph's split count is
-    fixed by the widest context it may see (the block table), so most splits of a short context hold none."""
-    tiles_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), num_splits)
-    return split * tiles_per_split * BLOCK_N < ctx
+def _splits_with_keys(ctx, num_splits, BLOCK_N: tl.constexpr):
+    """How many splits of `_walk_prefix`'s cut of a ctx-key context hold keys: splits 0 .. n-1 (ctx may be a
+    tensor of contexts)."""
+    tiles = tl.cdiv(ctx, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(tiles, num_splits), 1)
+    return tl.cdiv(tiles, tiles_per_split)
 
 
 @triton.jit
@@ -243,22 +238,23 @@ def _paged_prefix_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, USE_GDC: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False,
 ):
-    """SKIP_EMPTY: a split without keys stores its lse (-inf) but not its o, to which `_reduce_splits_kernel` gives
-    no weight; for the partials of a reduction only."""
+    """SKIP_EMPTY: a split without keys stores nothing (`_reduce_splits_kernel` with KEYED reads only the splits
+    with keys); for the partials of a reduction only. It exits after its query load, which so stays off the critical
+    path of the splits with keys (loaded before their context length is known, as without SKIP_EMPTY)."""
     gdc_prologue(USE_GDC)
     pid_s = tl.program_id(2)
     b, kvh, rows, offs_d, d_ok, q = _program_rows(Q, K, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh,
                                                   stride_qd, G, HEAD_D, BLOCK_M, BLOCK_D, UPCAST)
     ctx = tl.load(CL + b).to(tl.int32)
+    if SKIP_EMPTY:
+        if pid_s >= _splits_with_keys(ctx, num_splits, BLOCK_N):
+            return  # no key: nothing stored; the reduction knows
     m_i, l_i, acc = _walk_prefix(q, K + kvh * stride_kh, V + kvh * stride_vh, BT + b * stride_btb,
                                  ctx, pid_s, num_splits, offs_d, d_ok, qk_scale,
                                  stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_btn,
                                  PAGE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
-    o_rows = n_rows
-    if SKIP_EMPTY:
-        o_rows = tl.where(_split_has_keys(ctx, pid_s, num_splits, BLOCK_N), n_rows, 0)
     _store_rows(O + pid_s * stride_os, LSE + pid_s * stride_ls, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i,
-                G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh, o_rows)
+                G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
 
 
 @triton.jit
@@ -270,11 +266,12 @@ def _reduce_splits_kernel(
     stride_ob, stride_oq, stride_oh, stride_od,
     stride_lb, stride_lq, stride_lh,
     BLOCK_S: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr = False,
-    READ_SEEN: tl.constexpr = False,
+    KEYED: tl.constexpr = False, CL=None, num_prefix=0, BLOCK_N: tl.constexpr = 1,
 ):
     """One program per (b, q, h) row: o = sum_s o_s exp(lse_s - lse), lse = logsumexp_s lse_s. The o of a partial
-    whose lse is -inf (it saw no key) gets no weight; READ_SEEN (where the splits skipped storing such o,
-    SKIP_EMPTY) loads none of them, and the o loads wait for the lse; otherwise every o is loaded at once."""
+    whose lse is -inf (it saw no key) gets no weight. KEYED (SKIP_EMPTY's splits, which store nothing without keys):
+    partial s is read only where it is a prefix split with keys (`_splits_with_keys` of the context CL[b],
+    num_prefix splits of BLOCK_N-key tiles) or past the prefix's splits (the suffix's)."""
     gdc_prologue(USE_GDC)
     pid = tl.program_id(0)
     h = pid % num_heads
@@ -283,17 +280,17 @@ def _reduce_splits_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < num_splits
+    if KEYED:
+        ctx = tl.load(CL + b).to(tl.int32)
+        s_ok = s_ok & ((offs_s < _splits_with_keys(ctx, num_prefix, BLOCK_N)) | (offs_s >= num_prefix))
     lse_s = tl.load(LSE_part + b * stride_plb + offs_s * stride_pls + qi * stride_plq + h * stride_plh,
                     mask=s_ok, other=float("-inf"))
     m = tl.max(lse_s, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse_s - m_safe)  # 0 for empty splits
     total = tl.sum(w, axis=0)
-    seen = s_ok
-    if READ_SEEN:
-        seen = s_ok & (lse_s > float("-inf"))
     o_s = tl.load(O_part + b * stride_pb + offs_s[:, None] * stride_ps + qi * stride_pq + h * stride_ph
-                  + offs_d[None, :] * stride_pd, mask=seen[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
+                  + offs_d[None, :] * stride_pd, mask=s_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
     has = total > 0.0
     denom = tl.where(has, total, 1.0)
     o = tl.sum(o_s * w[:, None], axis=0) / denom
@@ -332,7 +329,7 @@ def _tree_suffix_kernel(
                                  stride_kl, stride_kd, stride_vl, stride_vd, stride_ml,
                                  BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
     _store_rows(O, LSE, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i, G, HEAD_D,
-                stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh, n_rows)
+                stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -359,19 +356,24 @@ def _split_tree_kernel(
     G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NS: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, USE_GDC: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False,
+    SUFFIX_FIRST: tl.constexpr = False,
 ):
-    """SKIP_EMPTY: as `_paged_prefix_kernel`'s (the suffix's program always stores its o)."""
+    """SKIP_EMPTY: as `_paged_prefix_kernel`'s (the suffix's program always stores its partial). SUFFIX_FIRST: grid
+    index 0 of the split axis takes the suffix and index s + 1 split s (the partials keep their places: the
+    suffix's is S)."""
     gdc_prologue(USE_GDC)
     pid_s = tl.program_id(2)
+    if SUFFIX_FIRST:
+        pid_s = tl.where(pid_s == 0, num_splits, pid_s - 1)
     b, kvh, rows, offs_d, d_ok, q = _program_rows(Q, KC, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh,
                                                   stride_qd, G, HEAD_D, BLOCK_M, BLOCK_D, UPCAST)
+    ctx = tl.load(CL + b).to(tl.int32)
+    if SKIP_EMPTY:
+        if pid_s < num_splits and pid_s >= _splits_with_keys(ctx, num_splits, BLOCK_N):
+            return  # no key: nothing stored; the reduction knows
     row_ok = rows < n_rows
     qi = rows // G
 
-    ctx = tl.load(CL + b).to(tl.int32)
-    o_rows = n_rows
-    if SKIP_EMPTY:
-        o_rows = tl.where((pid_s >= num_splits) | _split_has_keys(ctx, pid_s, num_splits, BLOCK_N), n_rows, 0)
     if pid_s < num_splits:  # a split of the prefix, as `_paged_prefix_kernel` walks it
         m_i, l_i, acc = _walk_prefix(q, KC + kvh * stride_kch, VC + kvh * stride_vch, BT + b * stride_btb,
                                      ctx, pid_s, num_splits, offs_d, d_ok, qk_scale,
@@ -383,7 +385,7 @@ def _split_tree_kernel(
                                      stride_knl, stride_knd, stride_vnl, stride_vnd, stride_ml,
                                      BLOCK_M, BLOCK_NS, BLOCK_D, DOT_PREC, UPCAST)
     _store_rows(O + pid_s * stride_os, LSE + pid_s * stride_ls, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i,
-                G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh, o_rows)
+                G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -503,8 +505,8 @@ def _prefix_block_n(block_m: int, block_n: int, block_d: int, splits: int, dtype
 
 
 def _partials(shape, dtype, device) -> torch.Tensor:
-    """The buffer of the splits' partial o, left unwritten where a split saw no key (SKIP_EMPTY); the tests fill
-    it with NaN to show that nothing reads those rows."""
+    """A buffer of the splits' partial o (or lse), left unwritten where a split saw no key (SKIP_EMPTY); the tests
+    fill it with NaN to show that nothing reads those rows."""
     return torch.empty(shape, dtype=dtype, device=device)
 
 
@@ -549,7 +551,7 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         return (o, lse) if reduce else (o.unsqueeze(1), lse.unsqueeze(1))
     # one split reduced is the split itself: written in the output dtype at once
     o_part = _partials((B, S, NQ, H, D), out_dtype if (reduce and S == 1) else torch.float32, q.device)
-    lse_part = torch.empty((B, S, NQ, H), dtype=torch.float32, device=q.device)
+    lse_part = _partials((B, S, NQ, H), torch.float32, q.device)
     use_gdc, launch = _gdc(pdl)
     skip = reduce and S > 1 and _skip_empty(o_part)
     _paged_prefix_kernel[(B * KVH, m_tiles, S)](
@@ -565,22 +567,24 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         return o_part, lse_part
     if S == 1:
         return o_part[:, 0], lse_part[:, 0]
-    return _reduce_splits(o_part, lse_part, out_dtype, pdl, read_seen=skip)
+    return _reduce_splits(o_part, lse_part, out_dtype, pdl, keyed=(context_lens, S, BLOCK_N) if skip else None)
 
 
-def _reduce_splits(o_part, lse_part, out_dtype, pdl=False, read_seen=False):
+def _reduce_splits(o_part, lse_part, out_dtype, pdl=False, keyed=None):
     """Merge partial results o_part [B, S, Q, H, D], lse_part [B, S, Q, H] (float32) by log-sum-exp: one launch.
-    Returns o [B, Q, H, D] in `out_dtype` and lse [B, Q, H] float32. `read_seen`: the splits skipped the o of those
-    without keys (SKIP_EMPTY), so only partials with a finite lse are read."""
+    Returns o [B, Q, H, D] in `out_dtype` and lse [B, Q, H] float32. `keyed` (context_lens, prefix splits, key
+    tile): the splits without keys stored nothing (SKIP_EMPTY), so only those with keys and any partial past the
+    prefix's are read."""
     B, S, NQ, H, D = o_part.shape
     o = torch.empty((B, NQ, H, D), dtype=out_dtype, device=o_part.device)
     lse = torch.empty((B, NQ, H), dtype=torch.float32, device=o_part.device)
     use_gdc, launch = _gdc(pdl)
+    cl, num_prefix, block_n = keyed if keyed is not None else (None, 0, 1)
     _reduce_splits_kernel[(B * NQ * H,)](
         o_part, lse_part, o, lse, NQ, H, S,
         *o_part.stride(), *lse_part.stride(), *o.stride(), *lse.stride(),
         BLOCK_S=max(2, _next_pow2(S)), HEAD_D=D, BLOCK_D=_next_pow2(D), USE_GDC=use_gdc,
-        READ_SEEN=read_seen, num_warps=1, **launch,
+        KEYED=keyed is not None, CL=cl, num_prefix=num_prefix, BLOCK_N=block_n, num_warps=1, **launch,
     )
     return o, lse
 
@@ -684,7 +688,7 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
     if B == 0 or NQ == 0:
         return torch.zeros((B, NQ, H, D), dtype=out_dtype, device=q.device)
     o_part = _partials((B, S + 1, NQ, H, D), torch.float32, q.device)
-    lse_part = torch.empty((B, S + 1, NQ, H), dtype=torch.float32, device=q.device)
+    lse_part = _partials((B, S + 1, NQ, H), torch.float32, q.device)
     use_gdc, launch = _gdc(pdl)
     skip = _skip_empty(o_part)
     _split_tree_kernel[(B * KVH, m_tiles, S + 1)](
@@ -694,6 +698,6 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
         *k_new.stride(), *v_new.stride(), *suffix_mask.stride(), *o_part.stride(), *lse_part.stride(),
         G=G, HEAD_D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_NS=BLOCK_NS,
         DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), USE_GDC=use_gdc,
-        SKIP_EMPTY=skip, num_warps=4, num_stages=2, **launch,
+        SKIP_EMPTY=skip, SUFFIX_FIRST=skip and SUFFIX_FIRST, num_warps=4, num_stages=2, **launch,
     )
-    return _reduce_splits(o_part, lse_part, out_dtype, pdl, read_seen=skip)[0]
+    return _reduce_splits(o_part, lse_part, out_dtype, pdl, keyed=(context_lens, S, BLOCK_N) if skip else None)[0]

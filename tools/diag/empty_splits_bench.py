@@ -1,11 +1,15 @@
 """The split attention's empty splits at SmolLM2's shapes (9 query / 3 kv heads, D = 64, bf16): us per layer call of
 the default tree's verify attention (49 new tokens, `split_tree_attention_triton`) and of plain decoding's
-(`paged_prefix_attention`, one token), over contexts and block-table widths, two ways: every split stores its o
-and the reduction reads them all (`all`, as before session 33), or splits without keys store no o and the reduction
-reads only the seen ones (`seen`); `rule` is the default (`seen` where the partials exceed SKIP_EMPTY_BYTES).
-`--bounds` adds rows whose split count comes from min(width, bound) tokens instead of the width.
-(Session 33's call 5 also timed a third way that the code no longer has: splits without keys storing no o and the
-reduction loading every o at once, zeroing theirs; it read o that was not just written and lost to `all`.)
+(`paged_prefix_attention`, one token), over contexts and block-table widths: every split stores its o and lse and
+the reduction reads them all (`all`), or splits without keys store nothing and the reduction reads only the splits
+the context gives keys (`skip`), with the tree's suffix programs first in the grid (`skip_sf`); `rule` is the
+module's defaults (skip and suffix first where the partials exceed SKIP_EMPTY_BYTES).
+`--bounds` adds rows whose split count comes from min(width, bound) tokens instead of the width (a context bucket
+of that many tokens, `eyas.engine.cuda_graph.CONTEXT_BUCKETS`).
+Ways the code no longer has: session 33's skip (splits without keys storing their lse, the reduction's o loads
+waiting for it: 8.33 us a tree layer at 150 keys in a table 8256 tokens wide, against 6.57 for `skip_sf`, session
+34's call 7), the same with the exit before the query load (6.90-6.93), and splits without keys storing no o with
+the reduction loading every o at once (session 33's call 5: it read o that was not just written and lost to `all`).
 
 A CUDA graph fixes the split count by the block table's width (max_model_len), as the engine's graphs do, so a short
 context in a wide table leaves most splits without keys. 30 layers of separate caches are captured in one graph,
@@ -28,14 +32,21 @@ from l2_prefetch_bench import capture_graph, time_graph  # noqa: E402
 H, KVH, D, LAYERS, PAGE = 9, 3, 64, 30, 16
 
 
-VARIANTS = {"all": (False, 0), "seen": (True, 0)}  # SKIP_EMPTY_SPLITS, SKIP_EMPTY_BYTES
+# each variant's settings of eyas.kernels.tree_attention; "rule" (added in main) is the module's defaults
+VARIANTS = {
+    "all": dict(SKIP_EMPTY_SPLITS=False),
+    "skip": dict(SKIP_EMPTY_SPLITS=True, SKIP_EMPTY_BYTES=0, SUFFIX_FIRST=False),
+    "skip_sf": dict(SKIP_EMPTY_SPLITS=True, SKIP_EMPTY_BYTES=0, SUFFIX_FIRST=True),
+}
+DEFAULTS = {k: getattr(ta, k) for k in ("SKIP_EMPTY_SPLITS", "SKIP_EMPTY_BYTES", "SUFFIX_FIRST")}
 
 
 def bench(mode: str, ctx: int, width_tokens: int, variant: str, reps: int = 50,
           bound: int | None = None) -> tuple[float, int]:
     """(us per layer call, splits) for `mode` ("tree": 49 tokens, "plain": 1) at `ctx` cached tokens in block
     tables `width_tokens` wide; `bound`: the split count from min(width, bound) tokens instead of the width."""
-    ta.SKIP_EMPTY_SPLITS, ta.SKIP_EMPTY_BYTES = VARIANTS[variant]
+    for k, v in {**DEFAULTS, **VARIANTS[variant]}.items():
+        setattr(ta, k, v)
     dev = torch.device("cuda")
     blocks = -(-width_tokens // PAGE)
     caches = [(torch.randn(blocks, PAGE, KVH, D, device=dev, dtype=torch.bfloat16),
@@ -72,12 +83,12 @@ def main():
     ap.add_argument("--contexts", default="150,400,1500")
     ap.add_argument("--widths", default="512,2112,8256", help="block-table widths in tokens (max_model_len + ~64)")
     ap.add_argument("--rounds", type=int, default=2, help="the variants alternated this many times")
-    ap.add_argument("--variants", default="all,seen", help=f"of {', '.join(VARIANTS)} and rule (the default)")
+    ap.add_argument("--variants", default="all,skip_sf", help=f"of {', '.join(VARIANTS)} and rule (the default)")
     ap.add_argument("--bounds", default="", help="split counts from min(width, B) tokens too, for each B: "
                                                   "rows VARIANT/bB")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    VARIANTS["rule"] = (True, ta.SKIP_EMPTY_BYTES)
+    VARIANTS["rule"] = {}
     keys = [(v, None) for v in args.variants.split(",")]
     keys += [(v, int(b)) for b in args.bounds.split(",") if b for v in args.variants.split(",")]
     rows = []
