@@ -82,11 +82,32 @@ def test_capture_all_covers_every_bucket_a_shrinking_batch_needs(pair):
     ref = [o.token_ids for o in eager.generate(prompts, params)]
     graphed = LLM(str(target), cuda_graphs=True, **kw)
     g = graphed.engine.runner.graphs
-    # buckets 1 (chain:4), 2 and 4 (tree:8), 8 (plain: n = 5..8)
-    assert g.capture_all(8, greedy=(True,)) == 4
+    # buckets 1 (chain:4), 2 and 4 (tree:8), 8 (plain: n = 5..8), each per context bucket (512 and the table's
+    # width: max_model_len is 512)
+    assert g.context_buckets == (512, g.width * graphed.engine.runner.block_size)
+    assert g.capture_all(8, greedy=(True,)) == 4 * 2
     assert g.capture_all(8, greedy=(True,)) == 0
     assert [o.token_ids for o in graphed.generate(prompts, params)] == ref
-    assert len(g.graphs) == 4  # nothing was captured while decoding
+    assert len(g.graphs) == 4 * 2  # nothing was captured while decoding
+
+
+@pytest.mark.parametrize("spec", [None, "tree:8"])
+def test_graphs_across_context_buckets_equal_eager(pair, spec, monkeypatch):
+    """Context buckets of 16 and 32 tokens, which the prompts' contexts cross while decoding: each step replays its
+    bucket's graph (their attention's split counts differ), overlapped successors are carried from one bucket's
+    graph into the next's, and the output equals the eager reference's."""
+    import eyas.engine.cuda_graph as cg
+    monkeypatch.setattr(cg, "CONTEXT_BUCKETS", (16, 32))
+    ref, graphed = eager_reference_and_graphed(*pair, spec)
+    runner = graphed.engine.runner
+    handles, launch = [], runner.launch
+    runner.launch = lambda seqs, after=None: (handles.append((after, launch(seqs, after))), handles[-1][1])[1]
+    assert [graphed.generate([p], PARAMS)[0].token_ids for p in PROMPTS] == ref
+    assert [o.token_ids for o in graphed.generate(PROMPTS, PARAMS)] == ref
+    full = runner.graphs.context_buckets[-1]
+    assert {k[3] for k in runner.graphs.graphs} == {16, 32, full}
+    crossed = [a.graph_key[3] != h.graph_key[3] for a, h in handles if a is not None]
+    assert any(crossed)  # a carried step went on in the next bucket's graph
 
 
 @pytest.mark.parametrize("spec", [None, "chain:4", "dispatch:1=tree:mc_sim_7b_63,2=tree:8,8=plain", "dyn:k3d4n8"])

@@ -120,3 +120,22 @@ def test_cuda_graphs_auto_follows_the_device(tiny_dir):
     assert llm.engine.config.cuda_graphs is False and llm.engine.runner.graphs is None
     with pytest.raises(ValueError, match="CUDA graphs need"):
         LLM(str(tiny_dir), device="cpu", dtype="float32", cuda_graphs=True)
+
+
+def test_context_buckets_steer_the_triton_steps_bound(tiny_dir, monkeypatch):
+    """On the Triton kernels a decode step's max_context_len (which there only steers the attention's split count)
+    is the context bucket above the longest committed length plus the lookahead, the same for an eager step as for
+    its graph (`eyas.engine.cuda_graph.context_bucket`); the reference keeps the exact bound it gathers keys by."""
+    from types import SimpleNamespace
+
+    import eyas.engine.cuda_graph as cg
+    monkeypatch.setattr(cg, "CONTEXT_BUCKETS", (16, 32))
+    assert [cg.context_bucket(n, 48) for n in (0, 16, 17, 32, 33, 48, 99)] == [16, 16, 32, 32, 48, 48, 48]
+    assert cg.context_bucket(20, 32) == 32 and cg.context_bucket(5, 16) == 16 and cg.context_bucket(5, 8) == 8
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32", max_model_len=200)
+    r = llm.engine.runner
+    full = r.width * r.block_size
+    seqs = [SimpleNamespace(num_cached=n) for n in (3, 14, 40)]
+    la = r.lookahead
+    assert [r.context_bound(seqs[:k]) for k in (1, 2, 3)] == [cg.context_bucket(n + la, full) for n in (3, 14, 40)]
+    assert r.context_bound(seqs[:1]) == 16 and r.context_bound(seqs) == full

@@ -1,5 +1,5 @@
-"""CUDA graphs of the whole speculative step, one per (batch-size bucket, all-greedy, tree); a tree dispatcher
-(`eyas.spec.dispatch`) picks the tree by batch size.
+"""CUDA graphs of the whole speculative step, one per (batch-size bucket, all-greedy, tree, context bucket); a tree
+dispatcher (`eyas.spec.dispatch`) picks the tree by batch size.
 
 The graph replays `spec_step` (draft catch-up, every tree level, verification, acceptance and sampling, and the KV
 commit) from static input buffers: the device side of the runner's packed step inputs (`StepPacker`), so filling them
@@ -18,15 +18,31 @@ import torch
 from eyas.spec.step import DecodeInputs, DecodeOutputs, spec_step
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Context buckets (tokens), for the Triton attention only. A graph bakes in the attention's split count, chosen for
+# the longest context the graph may see (`max_context_len` of its static inputs); sized for max_model_len, a chat's
+# few hundred tokens leave most splits idle (session 33: at SmolLM2's 8192 the default tree's step 7-9% slower and
+# plain decoding's 5-8% than at the benchmark's width). So each step graph exists per bucket too, and a step takes
+# the smallest bucket above its sequences' longest context; a context past the bucket is still exact (the kernels
+# read the lengths on the device; the bucket only steers the split count). The reference attention gathers
+# max_context_len keys, so without Triton there is one bucket, the block table's width.
+CONTEXT_BUCKETS = (512, 2048)
+
+
+def context_bucket(need: int, full: int) -> int:
+    """The smallest context bucket (CONTEXT_BUCKETS, then `full`: the block table's width in tokens) >= `need`."""
+    return next((c for c in CONTEXT_BUCKETS if need <= c < full), full)
 
 
 class GraphedStep:
     def __init__(self, runner, max_model_len: int):
         self.runner = runner
         self.width = runner.width  # block-table width covering any sequence (max_model_len + lookahead + 1 slots)
-        # one graph per (bucket, all requests greedy, tree: a dispatcher picks the tree by batch size)
-        self.graphs: dict[tuple[int, bool, str], tuple[torch.cuda.CUDAGraph, DecodeInputs, DecodeOutputs]] = {}
-        self.carries: dict[tuple[int, bool, str], torch.cuda.CUDAGraph] = {}  # overlapped steps' input carries
+        full = self.width * runner.block_size
+        self.context_buckets = tuple(c for c in CONTEXT_BUCKETS if c < full) + (full,) if runner.use_triton else (full,)
+        # one graph per (bucket, all requests greedy, tree: a dispatcher picks the tree by batch size, context
+        # bucket)
+        self.graphs: dict[tuple[int, bool, str, int], tuple[torch.cuda.CUDAGraph, DecodeInputs, DecodeOutputs]] = {}
+        self.carries: dict[tuple[int, bool, str, int], torch.cuda.CUDAGraph] = {}  # overlapped steps' input carries
         self.pool = None
 
     def bucket(self, n: int) -> int | None:
@@ -35,21 +51,22 @@ class GraphedStep:
     def can_run(self, seqs) -> bool:
         return self.bucket(len(seqs)) is not None and all(len(s.block_table) <= self.width for s in seqs)
 
-    def _static_inputs(self, B: int) -> DecodeInputs:
-        """The graph's static inputs: the device views of the runner's B-row packer (filled by one copy per step),
-        with the reference attention's gather width fixed at the widest block table."""
+    def _static_inputs(self, B: int, context: int) -> DecodeInputs:
+        """The graph's static inputs: the device views of the runner's B-row packer (filled by one copy per step;
+        the graphs of every context bucket share them), with max_context_len fixed at the context bucket (the
+        reference attention's gather width: the widest block table)."""
         r = self.runner
         r.decode_inputs([], B)  # all rows padding: the warm-up and capture runs write only to the scratch block/slot
-        return dataclasses.replace(r.packer(B).inputs, max_context_len=self.width * r.block_size)
+        return dataclasses.replace(r.packer(B).inputs, max_context_len=context)
 
     def _step(self, inp: DecodeInputs, greedy: bool, tree) -> DecodeOutputs:
         r = self.runner
         return spec_step(r.target, r.draft, tree, r.cache, r.draft_cache, inp, r.block_size, r.use_triton,
                          r.simulated_accept, greedy, r.draft_hidden)
 
-    def _capture(self, key: tuple[int, bool, str], tree):
-        B, greedy, _ = key
-        static = self._static_inputs(B)
+    def _capture(self, key: tuple[int, bool, str, int], tree):
+        B, greedy, _, context = key
+        static = self._static_inputs(B, context)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -67,8 +84,9 @@ class GraphedStep:
     def capture_all(self, max_batch: int, greedy: tuple[bool, ...] = (True, False)) -> int:
         """Capture, ahead of time, every graph a batch of up to `max_batch` sequences can need: one per bucket (as
         sequences finish, a batch shrinks through the smaller buckets), per tree the dispatcher picks inside that
-        bucket, per greedy flag. Otherwise the first step at each new bucket pays for a capture (two eager warm-up
-        steps plus the capture itself) in the middle of decoding. Returns how many graphs were captured."""
+        bucket, per greedy flag, per context bucket. Otherwise the first step at each new bucket pays for a capture
+        (two eager warm-up steps plus the capture itself) in the middle of decoding. Returns how many graphs were
+        captured."""
         top = self.bucket(min(max_batch, BUCKETS[-1]))
         new, lo = 0, 1
         for b in BUCKETS:
@@ -81,28 +99,39 @@ class GraphedStep:
             lo = b + 1
             for g in greedy:
                 for name, t in trees.items():
-                    if (b, g, name) not in self.graphs:
-                        self._capture((b, g, name), t)
-                        new += 1
+                    for c in self.context_buckets:
+                        if (b, g, name, c) not in self.graphs:
+                            self._capture((b, g, name, c), t)
+                            new += 1
         return new
 
     @torch.inference_mode()
-    def launch(self, seqs, tree, carried: bool = False) -> tuple[int, DecodeOutputs]:
-        """Replay the step of `tree` for `seqs` (inputs packed from the host), or, `carried`, for the step after the
-        last one replayed for them (overlapped decoding: the inputs are carried on the device by a small captured
-        graph of `eyas.spec.carry.carry_inputs` from that step's outputs). Returns (bucket, the static outputs)."""
+    def launch(self, seqs, tree, carried_from: tuple | None = None) -> tuple[tuple, DecodeOutputs]:
+        """Replay the step of `tree` for `seqs` (inputs packed from the host), or, `carried_from` (the key of the
+        graph replayed last for them), for the step after that one (overlapped decoding: the inputs are carried on
+        the device by a small captured graph of `eyas.spec.carry.carry_inputs` from that step's outputs; the
+        context may have crossed into the next bucket's graph, which reads the same static inputs). Returns (the
+        graph's key: (bucket, greedy, tree, context bucket), its static outputs)."""
         from eyas.engine.runner import all_greedy
-        key = (self.bucket(len(seqs)), all_greedy(seqs), tree.name)
-        if carried:
-            graph, static, out = self.graphs[key]  # the step before was this graph's
-            self.carries[key].replay()
+        r = self.runner
+        context = r.context_bound(seqs) if r.use_triton else self.context_buckets[-1]
+        key = (self.bucket(len(seqs)), all_greedy(seqs), tree.name, context)
+        if carried_from is not None:
+            if carried_from[:3] != key[:3]:
+                raise ValueError(f"a carried step must replay the graph of the same batch and tree: {carried_from} "
+                                 f"then {key}")
+            graph, static, out = self.graphs[key]  # captured with the step before's (below)
+            self.carries[carried_from].replay()
         else:
-            if key not in self.graphs:
-                self._capture(key, tree)
+            # the graphs of every context bucket at once: a capture pads the static inputs, which an overlapped
+            # successor (its inputs carried, its tables refreshed) must find as they are
+            for c in self.context_buckets:
+                if key[:3] + (c,) not in self.graphs:
+                    self._capture(key[:3] + (c,), tree)
             graph, static, out = self.graphs[key]
             self.runner.decode_inputs(seqs, key[0])  # one host->device copy into the static buffers
         graph.replay()
-        return key[0], out
+        return key, out
 
     def _capture_carry(self, static: DecodeInputs, out: DecodeOutputs) -> torch.cuda.CUDAGraph:
         """A graph of `carry_inputs` (static outputs -> static inputs, in place), warmed up on copies: of the inputs

@@ -379,8 +379,16 @@ class ModelRunner:
             a["catchup_slots"][:] = np.where(valid, flat_slots(tables, pos, self.block_size, pk.row_offsets), -1)
             a["catchup_positions"][:] = np.where(valid, pos, 0)
         pk.send()
-        pk.inputs.max_context_len = max(ncs)
+        pk.inputs.max_context_len = self.context_bound(seqs) if self.use_triton and seqs else max(ncs)
         return pk.inputs
+
+    def context_bound(self, seqs: list[Sequence]) -> int:
+        """The max_context_len of a decode step of `seqs` on the Triton kernels, where it only steers the
+        attention's split count: the context bucket (`eyas.engine.cuda_graph.context_bucket`) above the host's
+        longest committed length plus the at most `lookahead` tokens a step still in flight commits. A graph and
+        an eager step of the same sequences so choose the same splits, and compute the same."""
+        from eyas.engine.cuda_graph import context_bucket
+        return context_bucket(max(s.num_cached for s in seqs) + self.lookahead, self.width * self.block_size)
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[int]]:
@@ -403,8 +411,10 @@ class ModelRunner:
             if after.seqs != seqs or after.graphed != graphed or after.tree is not tree:
                 raise ValueError("an overlapped step must follow a step of the same sequences")
             self._refresh_tables(seqs, after.B)
+        graph_key = None
         if graphed:
-            B, out = self.graphs.launch(seqs, tree, carried=after is not None)
+            graph_key, out = self.graphs.launch(seqs, tree, carried_from=None if after is None else after.graph_key)
+            B = graph_key[0]
         else:
             B = len(seqs)
             if after is None:
@@ -414,11 +424,12 @@ class ModelRunner:
                 from eyas.spec.carry import carry_inputs
                 carry_inputs(inp, after.out, self.block_size, self.num_slots, self.use_triton)
                 # S's num_cached <= the host's + the in-flight step's commits (at most `lookahead`)
-                inp.max_context_len = max(s.num_cached for s in seqs) + self.lookahead
+                inp.max_context_len = (self.context_bound(seqs) if self.use_triton
+                                       else max(s.num_cached for s in seqs) + self.lookahead)
             out = spec_step(self.target, self.draft, tree, self.cache, self.draft_cache, inp, self.block_size,
                             self.use_triton, self.simulated_accept, all_greedy(seqs), self.draft_hidden)
         host, done = self.packer(B).readback(out.packed)
-        return StepHandle(list(seqs), B, tree, graphed, out, host, done)
+        return StepHandle(list(seqs), B, tree, graphed, out, host, done, graph_key)
 
     def _grow_slot_tables(self, seqs: list[Sequence]) -> None:
         """Copy the blocks a sequence's table gained into its slot's host row (blocks are only appended while a
@@ -480,3 +491,4 @@ class StepHandle:
     out: DecodeOutputs  # its device outputs (a graph's static ones: the next replay overwrites them)
     host: torch.Tensor  # out.packed as copied to the host (pinned on CUDA; complete once `done` has passed)
     done: torch.cuda.Event | None
+    graph_key: tuple | None = None  # the replayed graph's (`GraphedStep.launch`)

@@ -155,7 +155,7 @@ def prefix_only_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
     if meta.use_triton:
         from eyas.kernels import paged_prefix_attention
         return paged_prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                      out_dtype=out_dtype, pdl=pdl)[0]
+                                      max_context_len=meta.max_context_len, out_dtype=out_dtype, pdl=pdl)[0]
     return prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_context_len,
                             meta.block_size, scale)[0]
 
@@ -169,7 +169,8 @@ def split_tree_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetad
     if meta.use_triton:
         from eyas.kernels import split_tree_attention_triton
         return split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                           meta.suffix_mask, scale, out_dtype=out_dtype, pdl=pdl)
+                                           meta.suffix_mask, scale, max_context_len=meta.max_context_len,
+                                           out_dtype=out_dtype, pdl=pdl)
     o_p, lse_p = prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                   meta.max_context_len, meta.block_size, scale)
     o_s, lse_s = attend(q, k_new, v_new, meta.suffix_mask, scale)
