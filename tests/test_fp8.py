@@ -159,6 +159,22 @@ def test_quantize_draft_fp8(mirror_pair):
         quantize_draft(draft, target, "fp8")
 
 
+def test_quantize_draft_fp8_head_only(mirror_pair):
+    """`fp8-head`: the draft's layers stay as they are (bf16 here float32 nn.Linear), only its head's copy is FP8
+    (of the draft vocabulary's rows), and the draft scores its candidates with it."""
+    target, draft = load_mirror_pair(mirror_pair)
+    ids = torch.tensor([1, 4, 5, 8, 11, 13, 20, 23])
+    attach_draft_vocab(draft, target, ids)
+    fc = draft.fc.weight.clone()
+    quantize_draft(draft, target, "fp8-head")
+    assert draft.quant == "fp8-head" and isinstance(draft.fc, torch.nn.Linear) and torch.equal(draft.fc.weight, fc)
+    assert not any(isinstance(m, Fp8Linear) for m in draft.layers.modules())
+    assert isinstance(draft.head_quant, Fp8Linear) and draft.head_quant.out_features == 8
+    h = torch.randn(2, 3, target.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    w = draft.head_quant.dequantized()
+    assert torch.equal(draft_topk(draft, target, h, 2), ids[(h @ w.t()).topk(2, dim=-1).indices])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("graphs", [False, True])
 def test_gpu_engine_exact_with_fp8_draft_levels_on_rows(mirror_pair, graphs):
@@ -172,11 +188,12 @@ def test_gpu_engine_exact_with_fp8_draft_levels_on_rows(mirror_pair, graphs):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     kw = dict(device="cuda", dtype="float32", cuda_graphs=graphs)
     ref = [o.token_ids for o in LLM(str(target), **kw).generate(prompts, params)]
-    for spec in ("chain:3", "tree:8"):
-        llm = LLM(str(target), draft=str(draft), speculation=spec, draft_quant="fp8", **kw)
-        assert llm.draft.few_rows and llm.draft.few_rows_max == 8
+    for spec, quant in (("chain:3", "fp8"), ("tree:8", "fp8"), ("tree:8", "fp8-head")):
+        llm = LLM(str(target), draft=str(draft), speculation=spec, draft_quant=quant, **kw)
+        if quant == "fp8":
+            assert llm.draft.few_rows and llm.draft.few_rows_max == 8
         outs = llm.generate(prompts, params)
-        assert [o.token_ids for o in outs] == ref, spec
+        assert [o.token_ids for o in outs] == ref, (spec, quant)
         assert sum(o.stats.committed for o in outs) > 1.5 * sum(o.stats.target_calls for o in outs)
 
 

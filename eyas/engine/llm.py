@@ -44,8 +44,9 @@ class CompletionOutput:
 class LLM:
     """model: "smollm2" | HF directory | .gguf file. draft: EAGLE checkpoint directory, "default" (the draft shipped
     for smollm2) or None. speculation: None | "chain:K" | "tree:NAME" | a JSON file of paths | "dispatch:B1=SPEC,..."
-    (a tree per batch size). draft_quant: None | "int4" | "int4-ffn" | "int4-head" | "fp8" (`eyas.spec.draft_quant`:
-    the draft's FFN and/or its own LM head copy in INT4, or all its weights in FP8). Engine settings
+    (a tree per batch size). draft_quant: None | "int4" | "int4-ffn" | "int4-head" | "fp8" | "fp8-head"
+    (`eyas.spec.draft_quant`: the draft's FFN and/or its own LM head copy in INT4, or all its weights in FP8, or only
+    its head's copy). Engine settings
     (`EngineConfig`) go as keywords; `cuda_graphs="auto"` turns CUDA graphs on where the model runs on a GPU."""
 
     def __init__(self, model: str = "smollm2", device: str = "auto", dtype: str = "auto",

@@ -12,7 +12,10 @@ read once per level. Modes:
 * `int4`: both;
 * `fp8`: every linear layer of the draft (fc and its decoder layers' attention and FFN projections, fused first) and
   its own copy of the head (of its draft vocabulary's rows, when it has one) as FP8 codes with a scale per output
-  row: half the bytes of bf16, read by `eyas.kernels.gemv`'s FP8 path at up to 16 rows on CUDA.
+  row: half the bytes of bf16, read by `eyas.kernels.gemv`'s FP8 path at up to 16 rows on CUDA;
+* `fp8-head` (session 34): only the head's copy in FP8, the draft's layers as they are. On SmolLM2 the head (57 MB in
+  bf16, a fifth of the target's bytes) is read once per tree level, ~15-18 us of a ~55 us level on the H200, while
+  the whole FP8 draft made the default tree's step slower (its small layers' FP8 GEMVs lose to the tile kernels).
 
 Exactness is untouched: the target verifies every guess with the same acceptance rule. Only the acceptance rate can
 change, so measure it (`eyas bench tpc --draft-quant int4`) before counting on the bytes saved.
@@ -25,15 +28,15 @@ from torch import nn
 from eyas.layers.linear_fp8 import Fp8Linear
 from eyas.layers.linear_int4 import Int4Linear
 
-QUANT_MODES = ("int4", "int4-ffn", "int4-head", "fp8")
+QUANT_MODES = ("int4", "int4-ffn", "int4-head", "fp8", "fp8-head")
 
 
 def add_draft_quant_arg(p, help: str | None = None) -> None:
     """`--draft-quant MODE` on an argparse parser (generate, serve, bench tpc/latency, make-tree)."""
     p.add_argument("--draft-quant", default=None, choices=QUANT_MODES,
                    help=help or "quantize the draft: its FFN and its own copy of the LM head in INT4 (int4), or one "
-                                "of them, or all its weights in FP8 (fp8); the target verifies as before, so the "
-                                "output keeps the target's distribution")
+                                "of them, or all its weights in FP8 (fp8), or only its head's copy (fp8-head); the "
+                                "target verifies as before, so the output keeps the target's distribution")
 
 
 def check_quant_mode(mode: str | None) -> str | None:
@@ -63,14 +66,14 @@ def quantize_draft(draft, target, mode: str | None, group_size: int = 128, cuda_
             mlp.down_proj = Int4Linear.from_linear(mlp.down_proj, group_size)
     if mode == "fp8":
         fp8_linears(draft)
-    if mode in ("int4", "int4-head", "fp8"):
+    if mode in ("int4", "int4-head", "fp8", "fp8-head"):
         head = getattr(draft, "vocab_head", None)  # the draft vocabulary's rows, or the whole head
         if head is None:
             head = target.lm_head.weight
             if head.shape[0] != target.config.vocab_size:
                 raise ValueError("a quantized draft head needs the target's whole LM head on this rank (not "
                                  "vocabulary-parallel)")
-        draft.head_quant = Fp8Linear(head) if mode == "fp8" else Int4Linear(head, None, group_size)
+        draft.head_quant = Fp8Linear(head) if mode.startswith("fp8") else Int4Linear(head, None, group_size)
     for m in draft.modules():
         if isinstance(m, Int4Linear):
             m.cuda_kernel = cuda_kernel
