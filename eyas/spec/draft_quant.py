@@ -16,6 +16,8 @@ read once per level. Modes:
 * `fp8-head` (session 34): only the head's copy in FP8, the draft's layers as they are. On SmolLM2 the head (57 MB in
   bf16, a fifth of the target's bytes) is read once per tree level, ~15-18 us of a ~55 us level on the H200, while
   the whole FP8 draft made the default tree's step slower (its small layers' FP8 GEMVs lose to the tile kernels).
+  Its acceptance: MT-Bench TPC 3.852 against 3.826 in bf16 (the default tree, T=0, CPU replay, docs/benchmarks.md
+  "Session 34"); its step time is not measured yet (tools/device/one_pass_ab.sh).
 
 Exactness is untouched: the target verifies every guess with the same acceptance rule. Only the acceptance rate can
 change, so measure it (`eyas bench tpc --draft-quant int4`) before counting on the bytes saved.
