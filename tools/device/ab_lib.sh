@@ -59,6 +59,18 @@ switch_run() {
     "$@" --out $OUT/$tag > $OUT/$tag.log 2>&1 || tail -n 5 $OUT/$tag.log
 }
 
+# s2_run TAG LINES EYAS_ARGS...: `switch_run` of `eyas bench latency` on smollm2-shape (run N A's bf16 rank paths
+# replayed; batch 1, 8 prompts x 64 tokens, plain and the default tree unless EYAS_ARGS says otherwise), LINES run
+# first with eyas.kernels.tree_attention as m and eyas.engine.cuda_graph as cg; prints the seconds it took.
+s2_run() {
+  local tag=$1 line=$2 t0=$(date +%s)
+  shift 2
+  switch_run $tag eyas.kernels.tree_attention "import eyas.engine.cuda_graph as cg; $line" bench latency \
+    --model smollm2-shape --accept-ranks docs/bench/ranks_smollm2_runNa_bf16_gpu.safetensors \
+    --batch-sizes 1 --num-prompts 8 --max-tokens 64 --modes plain,tree:smollm2_48d5 "$@"
+  echo "$tag $(( $(date +%s) - t0 )) s"
+}
+
 # latency_rows: one line for each row of every $OUT/*/latency.json (its folder, mode, batch, TTIT, ms a step, TPC).
 latency_rows() {
   python3 - <<'PY'

@@ -19,22 +19,14 @@ if [ "${BENCH:-1}" = 1 ]; then
   timeout ${BENCH_S:-150} python3 tools/diag/empty_splits_bench.py --widths 8256 --contexts 150,1500,7000 \
     --variants ${KVARIANTS:-all,skip,skip_sf} --out $OUT/kernels.json 2>&1 | tail -n 8
 fi
-AB() {  # tag, switch lines, bench latency arguments...
-  local tag=$1 line=$2 t0; shift 2
-  t0=$(el)
-  switch_run $tag eyas.kernels.tree_attention "import eyas.engine.cuda_graph as cg; $line" bench latency \
-    --model smollm2-shape --accept-ranks docs/bench/ranks_smollm2_runNa_bf16_gpu.safetensors \
-    --batch-sizes 1 --num-prompts 8 --max-tokens 64 --modes plain,tree:smollm2_48d5 "$@"
-  echo "$tag $(( $(el) - t0 )) s"
-}
 for r in $(seq ${ROUNDS:-2}); do
   echo "== engine A/B round $r [t=$(el)]"
   for ctx in ${CONTEXTS:-128 1024}; do
     for v in ${VARIANTS:-buck nob tight}; do
       case $v in
-        buck) AB ${v}_c${ctx}_$r "pass" --context $ctx --max-model-len 8192 ;;
-        nob) AB ${v}_c${ctx}_$r "cg.CONTEXT_BUCKETS = ()" --context $ctx --max-model-len 8192 ;;
-        tight) AB ${v}_c${ctx}_$r "pass" --context $ctx ;;
+        buck) s2_run ${v}_c${ctx}_$r "pass" --context $ctx --max-model-len 8192 ;;
+        nob) s2_run ${v}_c${ctx}_$r "cg.CONTEXT_BUCKETS = ()" --context $ctx --max-model-len 8192 ;;
+        tight) s2_run ${v}_c${ctx}_$r "pass" --context $ctx ;;
       esac
     done
   done

@@ -17,21 +17,15 @@ if [ "${TESTS:-1}" = 1 ]; then
   timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda_graph.py tests/test_fp8.py \
     -k "${TESTS_K:-one_pass or context_buckets or keys or fp8_draft_levels}" 2>&1 | tail -n 6
 fi
-AB() {  # tag, switch lines, bench latency arguments...
-  local tag=$1 line=$2; shift 2
-  switch_run $tag eyas.kernels.tree_attention "import eyas.engine.cuda_graph as cg; $line" bench latency \
-    --model smollm2-shape --accept-ranks docs/bench/ranks_smollm2_runNa_bf16_gpu.safetensors \
-    --batch-sizes 1 --num-prompts 8 --max-tokens 64 --modes plain,tree:smollm2_48d5 "$@"
-}
 for r in $(seq ${ROUNDS:-2}); do
   echo "== engine A/B round $r [t=$(el)]"
   for ctx in ${CONTEXTS:-64 128}; do
     for v in ${VARIANTS:-onepass b256 main}; do
       case $v in
-        onepass) AB ${v}_c${ctx}_$r "cg.CONTEXT_BUCKETS = (256, 512, 2048); m.ONE_PASS_TOKENS = 257" --context $ctx ;;
-        b256) AB ${v}_c${ctx}_$r "cg.CONTEXT_BUCKETS = (256, 512, 2048)" --context $ctx ;;
-        main) AB ${v}_c${ctx}_$r "pass" --context $ctx ;;
-        fp8head) AB ${v}_c${ctx}_$r "pass" --context $ctx --draft-quant fp8-head ;;
+        onepass) s2_run ${v}_c${ctx}_$r "cg.CONTEXT_BUCKETS = (256, 512, 2048); m.ONE_PASS_TOKENS = 257" --context $ctx ;;
+        b256) s2_run ${v}_c${ctx}_$r "cg.CONTEXT_BUCKETS = (256, 512, 2048)" --context $ctx ;;
+        main) s2_run ${v}_c${ctx}_$r "pass" --context $ctx ;;
+        fp8head) s2_run ${v}_c${ctx}_$r "pass" --context $ctx --draft-quant fp8-head ;;
       esac
     done
   done
