@@ -28,9 +28,14 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONTEXT_BUCKETS = (512, 2048)
 
 
+def context_buckets(full: int) -> tuple[int, ...]:
+    """The context buckets of a block table `full` tokens wide: CONTEXT_BUCKETS below it, then `full`."""
+    return tuple(c for c in CONTEXT_BUCKETS if c < full) + (full,)
+
+
 def context_bucket(need: int, full: int) -> int:
-    """The smallest context bucket (CONTEXT_BUCKETS, then `full`: the block table's width in tokens) >= `need`."""
-    return next((c for c in CONTEXT_BUCKETS if need <= c < full), full)
+    """The smallest of `context_buckets(full)` >= `need` (`full` where none is)."""
+    return next((c for c in context_buckets(full) if c >= need), full)
 
 
 class GraphedStep:
@@ -38,7 +43,7 @@ class GraphedStep:
         self.runner = runner
         self.width = runner.width  # block-table width covering any sequence (max_model_len + lookahead + 1 slots)
         full = self.width * runner.block_size
-        self.context_buckets = tuple(c for c in CONTEXT_BUCKETS if c < full) + (full,) if runner.use_triton else (full,)
+        self.context_buckets = context_buckets(full) if runner.use_triton else (full,)
         # one graph per (bucket, all requests greedy, tree: a dispatcher picks the tree by batch size, context
         # bucket)
         self.graphs: dict[tuple[int, bool, str, int], tuple[torch.cuda.CUDAGraph, DecodeInputs, DecodeOutputs]] = {}
@@ -98,11 +103,19 @@ class GraphedStep:
                 trees[t.name] = t
             lo = b + 1
             for g in greedy:
-                for name, t in trees.items():
-                    for c in self.context_buckets:
-                        if (b, g, name, c) not in self.graphs:
-                            self._capture((b, g, name, c), t)
-                            new += 1
+                for t in trees.values():
+                    new += self._capture_buckets(b, g, t)
+        return new
+
+    def _capture_buckets(self, B: int, greedy: bool, tree) -> int:
+        """Capture the graphs of every context bucket of (B, greedy, tree) not captured yet; returns how many. They
+        are captured together: a capture pads the static inputs, which an overlapped successor (its inputs carried,
+        its tables refreshed) must find as they are, whichever bucket it moves to."""
+        new = 0
+        for c in self.context_buckets:
+            if (B, greedy, tree.name, c) not in self.graphs:
+                self._capture((B, greedy, tree.name, c), tree)
+                new += 1
         return new
 
     @torch.inference_mode()
@@ -123,11 +136,7 @@ class GraphedStep:
             graph, static, out = self.graphs[key]  # captured with the step before's (below)
             self.carries[carried_from].replay()
         else:
-            # the graphs of every context bucket at once: a capture pads the static inputs, which an overlapped
-            # successor (its inputs carried, its tables refreshed) must find as they are
-            for c in self.context_buckets:
-                if key[:3] + (c,) not in self.graphs:
-                    self._capture(key[:3] + (c,), tree)
+            self._capture_buckets(key[0], key[1], tree)
             graph, static, out = self.graphs[key]
             self.runner.decode_inputs(seqs, key[0])  # one host->device copy into the static buffers
         graph.replay()
