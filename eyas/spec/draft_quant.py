@@ -14,8 +14,9 @@ read once per level. Modes:
   its own copy of the head (of its draft vocabulary's rows, when it has one) as FP8 codes with a scale per output
   row: half the bytes of bf16, read by `eyas.kernels.gemv`'s FP8 path at up to 16 rows on CUDA;
 * `fp8-head` (session 34): only the head's copy in FP8, the draft's layers as they are. On SmolLM2 the head (57 MB in
-  bf16, a fifth of the target's bytes) is read once per tree level, ~15-18 us of a ~55 us level on the H200, while
-  the whole FP8 draft made the default tree's step slower (its small layers' FP8 GEMVs lose to the tile kernels).
+  bf16, a fifth of the target's bytes) is read once per tree level, 14-17 us of a ~55 us level on the H200 (session
+  31's profile, docs/benchmarks.md), while the whole FP8 draft made the default tree's step slower (its small
+  layers' FP8 GEMVs lose to the tile kernels).
   Its acceptance: MT-Bench TPC 3.852 against 3.826 in bf16 (the default tree, T=0, CPU replay, docs/benchmarks.md
   "Session 34"); its step time is not measured yet (tools/device/one_pass_ab.sh).
 
