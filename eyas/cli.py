@@ -64,7 +64,8 @@ def cmd_generate(args) -> int:
     if args.tensor_parallel > 1:
         import torch
         from eyas.dist.launch import run_ranks
-        if args.draft_quant:
+        from eyas.spec.draft_quant import asks_quant
+        if asks_quant(args.draft_quant):
             raise SystemExit("eyas generate: --draft-quant does not combine with --tensor-parallel yet")
         cpu = args.device == "cpu" or not torch.cuda.is_available()
         run_ranks(_tp_generate, args.tensor_parallel, args, on_gpu=not cpu)

@@ -35,6 +35,9 @@ class ModelConfig:
     # any other): trees fitted to this draft, with batch bounds measured with it (`eyas.spec.dispatch.
     # default_speculation`). None: chain:3
     speculation: dict[str, str] | None = None
+    # EAGLE drafts only: the quantization to apply when none is asked, per device type as `speculation`
+    # (`eyas.spec.draft_quant.resolve_draft_quant`; SmolLM2's draft: {"cuda": "fp8-head"}). None: none
+    draft_quant: dict[str, str] | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -79,6 +82,7 @@ class ModelConfig:
             feature_layers=(tuple(int(i) for i in cfg["eyas_feature_layers"])
                             if cfg.get("eyas_feature_layers") is not None else None),
             speculation=dict(cfg["eyas_speculation"]) if cfg.get("eyas_speculation") else None,
+            draft_quant=dict(cfg["eyas_draft_quant"]) if cfg.get("eyas_draft_quant") else None,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -109,6 +113,8 @@ class ModelConfig:
             d["eyas_feature_layers"] = list(self.feature_layers)
         if self.speculation:
             d["eyas_speculation"] = dict(self.speculation)
+        if self.draft_quant:
+            d["eyas_draft_quant"] = dict(self.draft_quant)
         return d
 
     def asdict(self) -> dict[str, Any]:

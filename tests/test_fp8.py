@@ -175,6 +175,54 @@ def test_quantize_draft_fp8_head_only(mirror_pair):
     assert torch.equal(draft_topk(draft, target, h, 2), ids[(h @ w.t()).topk(2, dim=-1).indices])
 
 
+def test_the_draft_chooses_its_default_quantization(tmp_path, monkeypatch):
+    """Without a draft_quant, a draft's config.json `eyas_draft_quant` picks the quantization for the device type;
+    "none" turns it off, an explicit mode wins, the choice survives a save and reload, FP8 is not chosen on a GPU
+    without it (before sm_89), and the shipped SmolLM2 draft asks fp8-head on the GPU and nothing on the CPU. The
+    output stays non-speculative decoding's."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from eyas import LLM, SamplingParams
+    from eyas.config import ModelConfig
+    from eyas.spec.draft_quant import asks_quant, check_quant_mode, resolve_draft_quant
+    target, draft = write_mirror_pair(tmp_path, vocab=24, layers=2)
+    cfg = json.loads((draft / "config.json").read_text())
+    assert "eyas_draft_quant" not in cfg
+    kw = dict(device="cpu", dtype="float32", speculation="tree:8")
+    assert getattr(LLM(str(target), draft=str(draft), **kw).draft, "quant", None) is None  # no choice: none
+    chosen = tmp_path / "chosen"
+    shutil.copytree(draft, chosen)
+    cfg["eyas_draft_quant"] = {"cpu": "fp8-head", "cuda": "int4-head"}
+    (chosen / "config.json").write_text(json.dumps(cfg))
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(str(target), device="cpu", dtype="float32").generate(prompts, params)]
+    llm = LLM(str(target), draft=str(chosen), **kw)
+    assert llm.draft.quant == "fp8-head" and isinstance(llm.draft.head_quant, Fp8Linear)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    assert ModelConfig.from_hf(llm.draft.config.to_hf()).draft_quant == cfg["eyas_draft_quant"]
+    assert getattr(LLM(str(target), draft=str(chosen), draft_quant="none", **kw).draft, "quant", None) is None
+    assert LLM(str(target), draft=str(chosen), draft_quant="int4-head", **kw).draft.quant == "int4-head"
+    assert resolve_draft_quant(llm.draft, None, "cuda") == "int4-head"  # (no GPU needed: not an FP8 mode)
+    assert not asks_quant(None) and not asks_quant("none") and asks_quant("fp8-head")
+    with pytest.raises(ValueError, match="must be one of"):
+        check_quant_mode("fp4")
+    LLM(str(target), draft_quant="none", device="cpu", dtype="float32")  # "none" needs no draft
+    with pytest.raises(ValueError, match="needs a draft"):
+        LLM(str(target), draft_quant="fp8-head", device="cpu", dtype="float32")
+    shipped = type("D", (), {"config": ModelConfig.from_hf(json.loads(
+        (Path(__file__).parents[1] / "eyas/drafts/smollm2/config.json").read_text()))})
+    assert resolve_draft_quant(shipped, None, "cpu") is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_draft_quant(shipped, None, "cuda") == "fp8-head"
+    assert resolve_draft_quant(shipped, "none", "cuda") is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100: no FP8
+    assert resolve_draft_quant(shipped, None, "cuda") is None
+    assert resolve_draft_quant(shipped, "fp8-head", "cuda") == "fp8-head"  # asked: as asked
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("graphs", [False, True])
 def test_gpu_engine_exact_with_fp8_draft_levels_on_rows(mirror_pair, graphs):

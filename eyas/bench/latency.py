@@ -28,6 +28,7 @@ import torch
 from eyas.engine.engine import EngineConfig, LLMEngine
 from eyas.engine.sequence import Status
 from eyas.sampling_params import SamplingParams
+from eyas.spec.draft_quant import asks_quant
 from eyas.spec.tree import resolve_tree
 
 
@@ -503,7 +504,7 @@ def _parse(args):
         if args.tensor_parallel > 1 and args.draft_vocab:
             raise ValueError("--draft-vocab does not combine with --tensor-parallel (the draft vocabulary slices the "
                              "LM head, which tensor parallelism shards by vocabulary)")
-        if args.tensor_parallel > 1 and args.draft_quant:
+        if args.tensor_parallel > 1 and asks_quant(args.draft_quant):
             raise ValueError("--draft-quant does not combine with --tensor-parallel yet")
     except ValueError as e:
         raise SystemExit(f"eyas bench latency: {e}") from None
@@ -526,11 +527,11 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
                              "its own draft_vocab.safetensors)")
         from eyas.spec.draft_vocab import attach_draft_vocab
         attach_draft_vocab(draft, target, torch.arange(min(args.draft_vocab, target.config.vocab_size)))
-    if args.draft_quant:
-        if draft is None:
-            raise SystemExit("eyas bench latency: --draft-quant needs a draft")
-        from eyas.spec.draft_quant import quantize_draft
-        quantize_draft(draft, target, args.draft_quant, cuda_kernel=args.int4_kernel)
+    if asks_quant(args.draft_quant) and draft is None:
+        raise SystemExit("eyas bench latency: --draft-quant needs a draft")
+    if draft is not None and world_size == 1:  # as asked, or the draft's own choice (SmolLM2's: fp8-head on a GPU)
+        from eyas.spec.draft_quant import quantize_draft, resolve_draft_quant
+        quantize_draft(draft, target, resolve_draft_quant(draft, args.draft_quant, device), cuda_kernel=args.int4_kernel)
     rates = accept if simulated else None
     if draft is None and any(m != "plain" for m in modes):
         if rank == 0:
@@ -582,7 +583,7 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
             "context": args.context, "max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
             "max_model_len": args.max_model_len,
             "draft_vocab": args.draft_vocab or None, "draft_quant": getattr(draft, "quant", None),
-            "int4_kernel": args.int4_kernel if args.draft_quant else None, "cuda_graphs": graphs,
+            "int4_kernel": args.int4_kernel if getattr(draft, "quant", None) else None, "cuda_graphs": graphs,
             "one_row": args.one_row and device.type == "cuda", "few_rows": args.few_rows and device.type == "cuda",
             "fold_norms": bool(getattr(target, "norms_folded", False)),  # as the runners left it (not under TP)
             "overlap": args.overlap and graphs,

@@ -11,7 +11,7 @@ from eyas.loader.eagle import load_draft
 from eyas.loader.resolve import draft_dir, load_target
 from eyas.sampling_params import SamplingParams
 from eyas.spec.dispatch import default_speculation
-from eyas.spec.draft_quant import check_quant_mode, quantize_draft
+from eyas.spec.draft_quant import asks_quant, quantize_draft, resolve_draft_quant
 from eyas.spec.tree import resolve_tree
 
 
@@ -44,20 +44,22 @@ class CompletionOutput:
 class LLM:
     """model: "smollm2" | HF directory | .gguf file. draft: EAGLE checkpoint directory, "default" (the draft shipped
     for smollm2) or None. speculation: None | "chain:K" | "tree:NAME" | a JSON file of paths | "dispatch:B1=SPEC,..."
-    (a tree per batch size). draft_quant: None | "int4" | "int4-ffn" | "int4-head" | "fp8" | "fp8-head"
+    (a tree per batch size). draft_quant: "int4" | "int4-ffn" | "int4-head" | "fp8" | "fp8-head" | "none" | None
     (`eyas.spec.draft_quant`: the draft's FFN and/or its own LM head copy in INT4, or all its weights in FP8, or only
-    its head's copy). Engine settings
+    its head's copy; None: the draft's own choice for the device, fp8-head for SmolLM2's on a GPU). Engine settings
     (`EngineConfig`) go as keywords; `cuda_graphs="auto"` turns CUDA graphs on where the model runs on a GPU."""
 
     def __init__(self, model: str = "smollm2", device: str = "auto", dtype: str = "auto",
                  draft: str | None = None, speculation: str | None = None, draft_quant: str | None = None,
                  **engine_kwargs):
-        if check_quant_mode(draft_quant) is not None and draft is None:
+        if asks_quant(draft_quant) and draft is None:
             raise ValueError(f"draft_quant={draft_quant!r} needs a draft (draft=...)")
         self.target, self.tokenizer = load_target(model, device, dtype)
         tree = resolve_tree(speculation)  # a bad name fails before the draft loads
         self.draft = load_draft(draft_dir(model, draft), self.target) if draft is not None else None
-        quantize_draft(self.draft, self.target, draft_quant)  # INT4 draft FFN / head (eyas.spec.draft_quant)
+        if self.draft is not None:  # INT4 / FP8 draft weights (eyas.spec.draft_quant), as asked or the draft's own
+            quant = resolve_draft_quant(self.draft, draft_quant, next(self.target.parameters()).device)
+            quantize_draft(self.draft, self.target, quant)
         self.engine = build_engine(self.target, self.tokenizer, self.draft, tree, speculation, **engine_kwargs)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

@@ -529,7 +529,8 @@ def run_serve(args) -> int:
     if args.tensor_parallel > 1:
         import torch
         from eyas.dist.launch import run_ranks
-        if getattr(args, "draft_quant", None):
+        from eyas.spec.draft_quant import asks_quant
+        if asks_quant(getattr(args, "draft_quant", None)):
             raise ValueError("--draft-quant does not combine with --tensor-parallel yet")
         on_gpu = args.device != "cpu" and torch.cuda.is_available()
         try:

@@ -18,7 +18,12 @@ read once per level. Modes:
   31's profile, docs/benchmarks.md), while the whole FP8 draft made the default tree's step slower (its small
   layers' FP8 GEMVs lose to the tile kernels).
   Its acceptance: MT-Bench TPC 3.852 against 3.826 in bf16 (the default tree, T=0, CPU replay, docs/benchmarks.md
-  "Session 34"); its step time is not measured yet (tools/device/one_pass_ab.sh).
+  "Session 34"). On the H200 (session 35) the default tree's step is 2.5-3% shorter (1.151-1.154 ms against
+  1.190) and `tree:8`'s at batch 8 and 32 2-3%, so it is the shipped SmolLM2 draft's default on GPUs (below).
+
+The default: with no mode asked (`draft_quant=None`, no `--draft-quant`) a draft gets its own choice for the device
+type, config.json `eyas_draft_quant` (SmolLM2's draft: {"cuda": "fp8-head"}), where the device runs it (FP8 needs
+sm_89 or later); `none` asks for no quantization whatever the draft's config says (`resolve_draft_quant`).
 
 Exactness is untouched: the target verifies every guess with the same acceptance rule. Only the acceptance rate can
 change, so measure it (`eyas bench tpc --draft-quant int4`) before counting on the bytes saved.
@@ -32,20 +37,45 @@ from eyas.layers.linear_fp8 import Fp8Linear
 from eyas.layers.linear_int4 import Int4Linear
 
 QUANT_MODES = ("int4", "int4-ffn", "int4-head", "fp8", "fp8-head")
+OFF = "none"  # no quantization, whatever the draft's config.json asks
 
 
 def add_draft_quant_arg(p, help: str | None = None) -> None:
     """`--draft-quant MODE` on an argparse parser (generate, serve, bench tpc/latency, make-tree)."""
-    p.add_argument("--draft-quant", default=None, choices=QUANT_MODES,
-                   help=help or "quantize the draft: its FFN and its own copy of the LM head in INT4 (int4), or one "
-                                "of them, or all its weights in FP8 (fp8), or only its head's copy (fp8-head); the "
-                                "target verifies as before, so the output keeps the target's distribution")
+    p.add_argument("--draft-quant", default=None, choices=QUANT_MODES + (OFF,),
+                   help=(help or "quantize the draft: its FFN and its own copy of the LM head in INT4 (int4), or one "
+                                 "of them, or all its weights in FP8 (fp8), or only its head's copy (fp8-head); the "
+                                 "target verifies as before, so the output keeps the target's distribution")
+                   + f"; {OFF}: no quantization; default: the draft's own choice for the device (the SmolLM2 "
+                     "draft's: fp8-head on GPUs with FP8)")
 
 
 def check_quant_mode(mode: str | None) -> str | None:
-    if mode is not None and mode not in QUANT_MODES:
-        raise ValueError(f"draft quantization must be one of {', '.join(QUANT_MODES)} (or none), got {mode!r}")
+    if mode is not None and mode not in QUANT_MODES + (OFF,):
+        raise ValueError(f"draft quantization must be one of {', '.join(QUANT_MODES + (OFF,))} (or None: the "
+                         f"draft's own choice), got {mode!r}")
     return mode
+
+
+def asks_quant(mode: str | None) -> bool:
+    """Whether `mode` explicitly asks for a quantization (not None, the draft's default, nor "none")."""
+    return check_quant_mode(mode) not in (None, OFF)
+
+
+def resolve_draft_quant(draft, mode: str | None, device) -> str | None:
+    """The quantization to apply to `draft` on `device`: `mode` when one is asked; None for "none"; for None the
+    draft's own choice for the device type (its config's `draft_quant`, config.json `eyas_draft_quant`, e.g.
+    {"cuda": "fp8-head"}) where the device can run it (an FP8 mode needs sm_89 or later on CUDA), else None.
+    ValueError: an unknown mode."""
+    if check_quant_mode(mode) is not None:
+        return None if mode == OFF else mode
+    choice = getattr(getattr(draft, "config", None), "draft_quant", None) or {}
+    device = torch.device(device)
+    auto = choice.get(device.type)
+    if auto is not None and auto.startswith("fp8") and device.type == "cuda" \
+            and torch.cuda.get_device_capability(device) < (8, 9):
+        return None
+    return None if check_quant_mode(auto) == OFF else auto
 
 
 @torch.no_grad()
@@ -56,7 +86,7 @@ def quantize_draft(draft, target, mode: str | None, group_size: int = 128, cuda_
     cannot take."""
     if cuda_kernel not in ("torch", "triton"):
         raise ValueError(f"the INT4 CUDA kernel must be 'torch' or 'triton', got {cuda_kernel!r}")
-    if check_quant_mode(mode) is None:
+    if not asks_quant(mode):  # None or "none" here: a default is resolved first (resolve_draft_quant)
         return draft
     if getattr(draft, "quant", None) is not None:
         raise ValueError(f"this draft is quantized already ({draft.quant})")
