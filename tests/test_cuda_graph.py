@@ -91,17 +91,13 @@ def test_capture_all_covers_every_bucket_a_shrinking_batch_needs(pair):
     assert len(g.graphs) == 4 * 2  # nothing was captured while decoding
 
 
-@pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("spec", [None, "tree:8"])
-def test_graphs_across_context_buckets_equal_eager(pair, spec, one_pass, monkeypatch):
+def test_graphs_across_context_buckets_equal_eager(pair, spec, monkeypatch):
     """Context buckets of 16 and 32 tokens, which the prompts' contexts cross while decoding: each step replays its
     bucket's graph (their attention's split counts differ), overlapped successors are carried from one bucket's
-    graph into the next's, and the output equals the eager reference's. `one_pass`: the 16-token bucket's steps
-    take the one-launch attention (tree_attention.ONE_PASS_TOKENS)."""
+    graph into the next's, and the output equals the eager reference's."""
     import eyas.engine.cuda_graph as cg
-    import eyas.kernels.tree_attention as ta
     monkeypatch.setattr(cg, "CONTEXT_BUCKETS", (16, 32))
-    monkeypatch.setattr(ta, "ONE_PASS_TOKENS", 17 if one_pass else 0)  # plain decoding's bound is the bucket + 1
     ref, graphed = eager_reference_and_graphed(*pair, spec)
     runner = graphed.engine.runner
     handles, launch = [], runner.launch

@@ -326,47 +326,6 @@ def test_split_tree_attention_matches_reference_and_oracle(B, Q, H, KVH, D, page
     torch.testing.assert_close(o, dense_oracle(q, ks, vs, kc, vc, bt, cl, mask, scale), **TOL)
 
 
-@pytest.mark.parametrize("B,Q,H,KVH,D,page,ctx,splits,P", COMPOSED_CASES)
-def test_one_pass_equals_reference_and_oracle(monkeypatch, B, Q, H, KVH, D, page, ctx, splits, P):
-    """ONE_PASS_TOKENS: a context bound within it (and the split count left to the heuristic) takes the one-launch
-    kernel, prefix and suffix merged in registers, with no partials at all; its output equals the reference and the
-    dense oracle. One-token decoding takes one split, which is its own result (no reduction)."""
-    import eyas.kernels.tree_attention as ta
-    monkeypatch.setattr(ta, "ONE_PASS_TOKENS", 256)
-    monkeypatch.setattr(ta, "ONE_PASS_BLOCK_M", 16)
-    shapes = []
-
-    def partials(shape, dtype, device):
-        shapes.append(shape)
-        return torch.empty(shape, dtype=dtype, device=device)
-
-    monkeypatch.setattr(ta, "_partials", partials)
-    g = torch.Generator().manual_seed(Q * 37 + D + P)
-    kc, vc, bt, cl = make_cache(B, KVH, D, page, ctx, gen=g)
-    q = torch.randn(B, Q, H, D, generator=g).to(DEV)
-    ks = torch.randn(B, P + Q, KVH, D, generator=g).to(DEV)
-    vs = torch.randn(B, P + Q, KVH, D, generator=g).to(DEV)
-    mask = tree_mask(B, P + Q, g)[:, P:, :].contiguous()
-    scale = D ** -0.5
-    bound = int(cl.max()) + 8
-    o = split_tree_attention_triton(q, ks, vs, kc, vc, bt, cl, mask, scale, max_context_len=bound)
-    assert shapes == []  # one pass: no partials
-    meta = SimpleNamespace(use_triton=False, block_tables=bt, context_lens=cl, suffix_mask=mask, max_context_len=bound,
-                           block_size=page)
-    torch.testing.assert_close(o, split_tree_attention(q, ks, vs, kc, vc, meta, scale), **TOL)
-    torch.testing.assert_close(o, dense_oracle(q, ks, vs, kc, vc, bt, cl, mask, scale), **TOL)
-    # beyond the bound: the split kernels (partials made)
-    o2 = split_tree_attention_triton(q, ks, vs, kc, vc, bt, cl, mask, scale, max_context_len=257)
-    assert shapes and shapes[0][1] >= 2
-    torch.testing.assert_close(o2, o, **TOL)
-    shapes.clear()
-    po, plse = paged_prefix_attention(q, kc, vc, bt, cl, scale, max_context_len=bound)
-    assert shapes[0][1] == 1  # one split: no reduction
-    ro, rlse = ref_prefix(q, kc, vc, bt, cl, scale)
-    torch.testing.assert_close(po, ro, **TOL)
-    finite_close(plse, rlse, **TOL)
-
-
 @pytest.mark.parametrize("skip,suffix_first", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("tree", [False, True])
 def test_splits_without_keys_store_nothing_and_are_not_read(monkeypatch, tree, skip, suffix_first):

@@ -61,16 +61,12 @@ SKIP_EMPTY_SPLITS = True
 SKIP_EMPTY_BYTES = 2 << 20
 SUFFIX_FIRST = True
 
-# One pass for short contexts (session 34; off until measured in the engine). Where the context the split count is
-# chosen for (a graph's context bucket, e.g. 256 tokens in `eyas.engine.cuda_graph.CONTEXT_BUCKETS`) is at most
-# ONE_PASS_TOKENS and the caller leaves the split count to the heuristic, a tree program walks the whole prefix,
-# then the suffix, and merges the two in registers: no partials, no reduction launch (`_one_pass_tree_kernel`,
-# query tiles of ONE_PASS_BLOCK_M rows, so that a 49-token tree still fills 30 programs); one-token decoding takes
-# one split, which needs no reduction either. Session 17 timed a first version alone on the H200 (docs/benchmarks.md,
-# "Session 17"): 4.93 us a layer at 128 tokens against 6.10 for split + reduction, 6.21 against 6.52 at 256, slower
-# beyond; it was not kept because one graph then served every context. `tools/device/one_pass_ab.sh` is its A/B.
-ONE_PASS_TOKENS = 0
-ONE_PASS_BLOCK_M = 16
+# One pass for short contexts: not kept (session 35). Session 34 rebuilt session 17's one-launch attention for a
+# 256-token context bucket (a tree program walked the whole prefix, then the suffix, merging the two in registers;
+# one-token decoding took one split). In the engine on the H200 (smollm2-shape, batch 1, docs/benchmarks.md,
+# "Session 35") it lost: plain decoding 0.490 / 0.545 ms a step against 0.459 / 0.460 at 64 / 128-token prompts,
+# the default tree 1.192 / 1.261 against 1.166 / 1.179. Its grid was too small: 3 programs (one per KV head) for a
+# decode step, 12 for the 49-row tree, on 132 SMs. The code is in git history (0a3c6a1..d2e21f4).
 
 
 def _split_bound(max_context_len, block_tables: torch.Tensor, page: int) -> int:
@@ -399,50 +395,6 @@ def _split_tree_kernel(
                 G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
 
 
-@triton.jit
-def _one_pass_tree_kernel(
-    Q, KC, VC, BT, CL, KN, VN, MASK, O, LSE,
-    qk_scale,
-    n_rows,  # Q * G
-    kv_len,  # L: suffix keys
-    num_kv_heads,
-    stride_qb, stride_qq, stride_qh, stride_qd,
-    stride_kcb, stride_kcs, stride_kch, stride_kcd,
-    stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    stride_btb, stride_btn,
-    stride_knb, stride_knl, stride_knh, stride_knd,
-    stride_vnb, stride_vnl, stride_vnh, stride_vnd,
-    stride_mb, stride_mq, stride_ml,
-    stride_ob, stride_oq, stride_oh, stride_od,
-    stride_lb, stride_lq, stride_lh,
-    G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NS: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, USE_GDC: tl.constexpr = False,
-):
-    """A query tile's whole attention in one program (ONE_PASS_TOKENS): the prefix in one split, the suffix under
-    its mask, and the two online-softmax states merged in registers (log2 units) before the final o is stored."""
-    gdc_prologue(USE_GDC)
-    b, kvh, rows, offs_d, d_ok, q = _program_rows(Q, KC, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh,
-                                                  stride_qd, G, HEAD_D, BLOCK_M, BLOCK_D, UPCAST)
-    row_ok = rows < n_rows
-    qi = rows // G
-    ctx = tl.load(CL + b).to(tl.int32)
-    m1, l1, a1 = _walk_prefix(q, KC + kvh * stride_kch, VC + kvh * stride_vch, BT + b * stride_btb,
-                              ctx, 0, 1, offs_d, d_ok, qk_scale,
-                              stride_kcb, stride_kcs, stride_kcd, stride_vcb, stride_vcs, stride_vcd,
-                              stride_btn, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
-    m2, l2, a2 = _walk_suffix(q, KN + b * stride_knb + kvh * stride_knh, VN + b * stride_vnb + kvh * stride_vnh,
-                              MASK + b * stride_mb + qi * stride_mq, kv_len, row_ok, offs_d, d_ok, qk_scale,
-                              stride_knl, stride_knd, stride_vnl, stride_vnd, stride_ml,
-                              BLOCK_M, BLOCK_NS, BLOCK_D, DOT_PREC, UPCAST)
-    m = tl.maximum(m1, m2)
-    m = tl.where(m == float("-inf"), 0.0, m)  # a row that saw no key: both weights 0, l = 0
-    w1 = tl.exp2(m1 - m)
-    w2 = tl.exp2(m2 - m)
-    _store_rows(O, LSE, b, kvh, rows, offs_d, n_rows, a1 * w1[:, None] + a2 * w2[:, None], m, l1 * w1 + l2 * w2,
-                G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Standalone merge
 
@@ -559,11 +511,6 @@ def _prefix_block_n(block_m: int, block_n: int, block_d: int, splits: int, dtype
     return block_n
 
 
-def _one_pass(bound: int) -> bool:
-    """Whether a call whose split count is left to the heuristic, for a context of `bound` tokens, takes one pass."""
-    return 0 < bound <= ONE_PASS_TOKENS
-
-
 def _partials(shape, dtype, device) -> torch.Tensor:
     """A buffer of the splits' partial o (or lse), left unwritten where a split saw no key (SKIP_EMPTY); the tests
     fill it with NaN to show that nothing reads those rows."""
@@ -600,8 +547,7 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     m_tiles = triton.cdiv(n_rows, BLOCK_M)
     bound = _split_bound(max_context_len, block_tables, page)
     if num_splits is None:
-        num_splits = (1 if _one_pass(bound) else
-                      choose_num_splits(B * KVH * m_tiles, int(bound), device_sm_count(q.device)))
+        num_splits = choose_num_splits(B * KVH * m_tiles, int(bound), device_sm_count(q.device))
     S = max(1, int(num_splits))
     if block_n is None:
         BLOCK_N = _prefix_block_n(BLOCK_M, BLOCK_N, BLOCK_D, S, k_cache.dtype, int(bound))
@@ -739,9 +685,6 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
     G = H // KVH
     n_rows = NQ * G
     bound = _split_bound(max_context_len, block_tables, page)
-    if num_splits is None and _one_pass(bound):
-        return _one_pass_tree_attention(q, k_new, v_new, k_cache, v_cache, block_tables, context_lens, suffix_mask,
-                                        scale, out_dtype, pdl)
     BLOCK_M, BLOCK_N, BLOCK_D = _tiles(n_rows, D, k_cache.dtype)
     BLOCK_NS = _tiles(n_rows, D, k_cache.dtype, kv_len=L)[1]
     m_tiles = triton.cdiv(n_rows, BLOCK_M)
@@ -765,31 +708,3 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
         SKIP_EMPTY=skip, SUFFIX_FIRST=skip and SUFFIX_FIRST, num_warps=4, num_stages=2, **launch,
     )
     return _reduce_splits(o_part, lse_part, out_dtype, pdl, keyed=(context_lens, S, BLOCK_N) if skip else None)[0]
-
-
-def _one_pass_tree_attention(q, k_new, v_new, k_cache, v_cache, block_tables, context_lens, suffix_mask, scale,
-                             out_dtype, pdl):
-    """`split_tree_attention_triton` in one launch (ONE_PASS_TOKENS; the arguments checked by the caller): o
-    [B, Q, H, D] in `out_dtype`."""
-    B, NQ, H, D = q.shape
-    _, page, KVH, _ = k_cache.shape
-    L = k_new.shape[1]
-    n_rows = NQ * (H // KVH)
-    rows = min(n_rows, ONE_PASS_BLOCK_M)
-    BLOCK_M, BLOCK_N, BLOCK_D = _tiles(rows, D, k_cache.dtype)
-    BLOCK_NS = _tiles(rows, D, k_cache.dtype, kv_len=L)[1]
-    o = torch.empty((B, NQ, H, D), dtype=out_dtype, device=q.device)
-    if B == 0 or NQ == 0:
-        return o
-    lse = torch.empty((B, NQ, H), dtype=torch.float32, device=q.device)
-    use_gdc, launch = _gdc(pdl)
-    _one_pass_tree_kernel[(B * KVH, triton.cdiv(n_rows, BLOCK_M))](
-        q, k_cache, v_cache, block_tables, context_lens, k_new, v_new, suffix_mask, o, lse,
-        float(scale) * LOG2E, n_rows, L, KVH,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
-        *k_new.stride(), *v_new.stride(), *suffix_mask.stride(), *o.stride(), *lse.stride(),
-        G=H // KVH, HEAD_D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_NS=BLOCK_NS,
-        DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), USE_GDC=use_gdc,
-        num_warps=4, num_stages=2, **launch,
-    )
-    return o
