@@ -307,6 +307,21 @@ def test_bench_latency_times_an_int4_draft(tmp_path):
         main(args[:-2] + ["--draft-quant", "int4", "--tensor-parallel", "2", "--out", str(tmp_path / "tp")])
 
 
+def test_bench_latency_takes_the_drafts_own_quantization(tmp_path):
+    """A checkpoint's draft whose config.json asks a quantization for the device (`eyas_draft_quant`, as the shipped
+    SmolLM2 draft asks fp8-head on a GPU) is timed quantized so, once; `--draft-quant none` times it as it is."""
+    target, draft = write_mirror_pair(tmp_path / "pair", vocab=24, layers=2)
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["eyas_draft_quant"] = {"cpu": "fp8-head"}
+    (draft / "config.json").write_text(json.dumps(cfg))
+    args = ["bench", "latency", "--model", str(target), "--draft", str(draft), "--modes", "chain:2", "--batch-sizes",
+            "1", "--max-tokens", "6", "--context", "4", "--num-prompts", "1", "--device", "cpu", "--dtype", "float32"]
+    assert main(args + ["--out", str(tmp_path / "auto")]) == 0
+    assert json.loads((tmp_path / "auto" / "latency.json").read_text())["meta"]["draft_quant"] == "fp8-head"
+    assert main(args + ["--draft-quant", "none", "--out", str(tmp_path / "none")]) == 0
+    assert json.loads((tmp_path / "none" / "latency.json").read_text())["meta"]["draft_quant"] is None
+
+
 def test_bench_latency_tensor_parallel_equals_tp1(tmp_path):
     """`--tensor-parallel 2` (2 gloo ranks on the CPU) on a random shape built sharded: the same decode steps and TPC
     as TP = 1 (simulated acceptance draws from each request's explicit seed, identically on every rank), with the

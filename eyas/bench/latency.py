@@ -49,7 +49,8 @@ def load_models(model: str, draft: str | None, device, dtype, rank: int = 0, wor
                                       shard_draft=shard_draft)
         return target, tok, d, False
     from eyas.engine.llm import LLM
-    llm = LLM(model, device=str(device), dtype=str(dtype).removeprefix("torch."), draft=resolve_draft_arg(model, draft))
+    llm = LLM(model, device=str(device), dtype=str(dtype).removeprefix("torch."), draft=resolve_draft_arg(model, draft),
+              draft_quant="none")  # quantized by `measure`, as asked or as the draft's config says
     return llm.target, llm.tokenizer, llm.draft, False
 
 
