@@ -18,8 +18,9 @@ read once per level. Modes:
   31's profile, docs/benchmarks.md), while the whole FP8 draft made the default tree's step slower (its small
   layers' FP8 GEMVs lose to the tile kernels).
   Its acceptance: MT-Bench TPC 3.852 against 3.826 in bf16 (the default tree, T=0, CPU replay, docs/benchmarks.md
-  "Session 34"). On the H200 (session 35) the default tree's step is 2.5-3% shorter (1.151-1.154 ms against
-  1.190) and `tree:8`'s at batch 8 and 32 2-3%, so it is the shipped SmolLM2 draft's default on GPUs (below).
+  "Session 34"). On the H200 (session 35, docs/benchmarks.md) the default tree's step is 1.8-2.5% shorter in the
+  `smollm2-shape` A/B and 3% on the real model (1.154 against 1.190 ms in one call), `tree:8`'s at batch 8 and 32
+  2-3%, so it is the shipped SmolLM2 draft's default on GPUs (below).
 
 The default: with no mode asked (`draft_quant=None`, no `--draft-quant`) a draft gets its own choice for the device
 type, config.json `eyas_draft_quant` (SmolLM2's draft: {"cuda": "fp8-head"}), where the device runs it (FP8 needs
