@@ -65,8 +65,9 @@ SUFFIX_FIRST = True
 # 256-token context bucket (a tree program walked the whole prefix, then the suffix, merging the two in registers;
 # one-token decoding took one split). In the engine on the H200 (smollm2-shape, batch 1, docs/benchmarks.md,
 # "Session 35") it lost: plain decoding 0.490 / 0.545 ms a step against 0.459 / 0.460 at 64 / 128-token prompts,
-# the default tree 1.192 / 1.261 against 1.166 / 1.179. Its grid was too small: 3 programs (one per KV head) for a
-# decode step, 12 for the 49-row tree, on 132 SMs. The code is in git history (0a3c6a1..d2e21f4).
+# the default tree 1.192 / 1.261 against 1.166 / 1.179. Its grid was small: 3 programs (one per KV head) for a
+# decode step and 30 for the 49-token tree, where the split kernels launch 24 and 81 in a 512-token bucket (8
+# splits). The code is in git history (added in 0f18f8d, removed after d2e21f4).
 
 
 def _split_bound(max_context_len, block_tables: torch.Tensor, page: int) -> int:
