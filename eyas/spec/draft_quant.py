@@ -24,7 +24,8 @@ read once per level. Modes:
 
 The default: with no mode asked (`draft_quant=None`, no `--draft-quant`) a draft gets its own choice for the device
 type, config.json `eyas_draft_quant` (SmolLM2's draft: {"cuda": "fp8-head"}), where the device runs it (FP8 needs
-sm_89 or later); `none` asks for no quantization whatever the draft's config says (`resolve_draft_quant`).
+sm_89 or later); `none` asks for no quantization whatever the draft's config says (`resolve_draft_quant`). Under
+tensor parallelism no default applies (the ranks load the draft as it is; `--draft-quant` is refused there).
 
 Exactness is untouched: the target verifies every guess with the same acceptance rule. Only the acceptance rate can
 change, so measure it (`eyas bench tpc --draft-quant int4`) before counting on the bytes saved.
