@@ -218,6 +218,10 @@ def test_the_draft_chooses_its_default_quantization(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert resolve_draft_quant(shipped, None, "cuda") == "fp8-head"
     assert resolve_draft_quant(shipped, "none", "cuda") is None
+    from eyas.bench.shapes import SHAPES  # the benchmarks' random SmolLM2-shaped draft asks what the shipped one does
+    shape = type("D", (), {"config": SHAPES["smollm2-shape"]})
+    assert resolve_draft_quant(shape, None, "cuda") == "fp8-head"
+    assert resolve_draft_quant(type("D", (), {"config": SHAPES["llama-3.1-8b-shape"]}), None, "cuda") is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100: no FP8
     assert resolve_draft_quant(shipped, None, "cuda") is None
     assert resolve_draft_quant(shipped, "fp8-head", "cuda") == "fp8-head"  # asked: as asked

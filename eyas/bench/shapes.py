@@ -6,11 +6,13 @@ never exists whole anywhere. `llama-tiny-shape` is for tests and smoke runs."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import torch
 
 from eyas.config import ModelConfig
 from eyas.dist.tp import apply_tensor_parallel
+from eyas.loader.resolve import DRAFTS_DIR
 from eyas.layers.rotary import RotaryEmbedding
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
@@ -30,7 +32,10 @@ SHAPES = {
                                     max_position_embeddings=2048),
     "smollm2-shape": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                  num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
-                                 max_position_embeddings=8192, tie_word_embeddings=True),
+                                 max_position_embeddings=8192, tie_word_embeddings=True,
+                                 # its random draft quantized as the shipped SmolLM2 draft asks (fp8-head on a GPU)
+                                 draft_quant=json.loads((DRAFTS_DIR / "smollm2" / "config.json").read_text())
+                                 .get("eyas_draft_quant")),
 }
 
 
