@@ -532,7 +532,8 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
         raise SystemExit("eyas bench latency: --draft-quant needs a draft")
     if draft is not None and world_size == 1:  # as asked, or the draft's own choice (SmolLM2's: fp8-head on a GPU)
         from eyas.spec.draft_quant import quantize_draft, resolve_draft_quant
-        quantize_draft(draft, target, resolve_draft_quant(draft, args.draft_quant, device), cuda_kernel=args.int4_kernel)
+        quantize_draft(draft, target, resolve_draft_quant(draft, args.draft_quant, device),
+                       cuda_kernel=args.int4_kernel)
     rates = accept if simulated else None
     if draft is None and any(m != "plain" for m in modes):
         if rank == 0:

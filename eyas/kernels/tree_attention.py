@@ -50,12 +50,13 @@ PDL = True
 # reduction computes from the context length which splits saw keys (`_splits_with_keys`) and reads only theirs. And
 # the tree grid's suffix programs then take the first index of the split axis (dispatched before the prefix splits
 # rather than after them: SUFFIX_FIRST). Below that line every split stores its o and lse and the reduction reads
-# them all at once, as before session 33: there skipping loses (the figures below). Measured on the H200 at SmolLM2's shapes (docs/benchmarks.md, "Session 34"; tools/diag/empty_splits_bench.py,
-# 30 layers in a graph, 59 splits of a table 8256 tokens wide, session 34's call 8): the tree's verify attention
-# 6.51 us a layer at 150 keys against 8.76 with every split stored (session 33's skip, splits that stored their lse
-# and a reduction whose o loads waited for it: 8.33 in call 7), 7.94 against 9.96 at 1,500 keys, 14.60 against 14.46
-# at 7,000. Where it loses (call 1, the first form, which exited before its query load): with 8 splits (a 512-token
-# bucket, 0.9 MB) 6.34 against 5.61 us, and one-token decoding (0.15 MB) 3.77 against 3.41.
+# them all at once, as before session 33: there skipping loses (the figures below). Measured on the H200 at
+# SmolLM2's shapes (docs/benchmarks.md, "Session 34"; tools/diag/empty_splits_bench.py, 30 layers in a graph, 59
+# splits of a table 8256 tokens wide, session 34's call 8): the tree's verify attention 6.51 us a layer at 150 keys
+# against 8.76 with every split stored (session 33's skip, splits that stored their lse and a reduction whose o
+# loads waited for it: 8.33 in call 7), 7.94 against 9.96 at 1,500 keys, 14.60 against 14.46 at 7,000. Where it loses
+# (call 1, the first form, which exited before its query load): with 8 splits (a 512-token bucket, 0.9 MB) 6.34
+# against 5.61 us, and one-token decoding (0.15 MB) 3.77 against 3.41.
 # SKIP_EMPTY_SPLITS = False turns it off everywhere (for comparing).
 SKIP_EMPTY_SPLITS = True
 SKIP_EMPTY_BYTES = 2 << 20

@@ -26,7 +26,8 @@ for f in $TREES/fit-*.json; do
   n=$(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))))" $f)
   if [ $n -le 15 ]; then small=$small,$f; else wide=$wide,$f; fi
 done
-lat() {  # TAG LINE MODES: one process of `eyas bench latency` on the real model, LINE run first (eyas.models.one_row as m)
+# lat TAG LINE MODES: one process of `eyas bench latency` on the real model, LINE run first (eyas.models.one_row as m)
+lat() {
   switch_run $1 eyas.models.one_row "$2" bench latency --model smollm2 --draft default --max-tokens 128 \
     --prompts $S/question.jsonl --batch-sizes 1 --num-prompts $NP --repeat $REPEAT --modes $3
   echo "$1 done [t=$(el)]"
