@@ -1,7 +1,8 @@
 # Session 35, for the next session (issue #5 point 2a): trees small enough for the few-rows verify pass.
 # The verify pass takes the tile kernels with their fused epilogues up to FEW_ROWS_MAX (16) tokens and cuBLAS beyond;
-# the default tree verifies 49 tokens on cuBLAS (0.82 ms of its 1.15 ms step). No tree fitted to the draft with at
-# most 15 nodes (16 tokens with the root) was ever timed at batch 1 (session 17's refit tried 48-128 nodes). The
+# the default tree verifies 49 tokens on cuBLAS (0.821 of 1.178 ms a step in session 31's H200 profile). No tree
+# fitted to the draft with at most 15 nodes (16 tokens with the root) was ever timed at batch 1 (session 17's refit
+# tried 48-128 nodes). The
 # candidates are `eyas make-tree` fits to the shipped draft on SmolLM2's float32 answers (CPU, session 35) to 199
 # ShareGPT first turns that runs P and Q's data (.stage/d) did not answer: docs/bench/trees_s35/fit-*.json (the
 # paths of one tree each; make_tree.json there has the commands and the TPC each replays on those answers).
