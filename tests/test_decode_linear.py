@@ -653,10 +653,12 @@ def test_few_rows_equal_the_fused_path(tiny, prompts, spec):
     kernel; tree:8 at batch 2: 18 rows; the
     default tree: 49 rows) on the tile kernels, the most rows the path takes raised to the kernel's 64: the fused
     path's tokens and the logits of every target call."""
-    n = 3 if spec and spec.startswith("tree") else 4  # (the trees' verify passes are slow in the interpreter)
+    # the trees' verify passes are slow in the interpreter: tree:8 two of them, the default tree's 49 rows one (the
+    # second took 11-25 s of CI's slowest test; tree:8 holds a verify pass after a commit on these kernels)
+    n = {"tree:8": 3, "tree:smollm2_48d5": 2}.get(spec, 4)
     ref = _run_recording(tiny, False, prompts, n, tiny[1] if spec else None, spec, triton_attention=False)
     got = _run_recording(tiny, True, prompts, n, tiny[1] if spec else None, spec, few_rows=64)
-    assert ref[2] == 0 and got[2] >= 2
+    assert ref[2] == 0 and got[2] >= (1 if n == 2 else 2)
     _same(got, ref)
 
 
