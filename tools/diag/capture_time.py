@@ -1,0 +1,72 @@
+"""How long `eyas serve` spends at startup capturing its CUDA graphs (`CUDAGraphs.capture_all`, which the server
+runs before its first request), with the context buckets as shipped (`eyas.engine.cuda_graph.CONTEXT_BUCKETS`) or
+without them (`--buckets none`: one graph per batch bucket, greedy flag and tree, for the whole context).
+
+The model is a random-weight shape (`smollm2-shape` by default: SmolLM2's sizes and the shipped draft's
+quantization), its random draft, and the shipped SmolLM2 draft's dispatcher for CUDA; the engine has the server's
+defaults (64 sequences, the shape's 8192-token context). Run one process per variant: the first process of a
+machine also compiles the kernels, so alternate the order. Prints one JSON line.
+
+    PYTHONPATH=. python3 tools/diag/capture_time.py [--buckets default|none] [--max-num-seqs 64]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import eyas.engine.cuda_graph as cg
+from eyas.bench.shapes import SHAPES, random_draft, random_target
+from eyas.engine.engine import EngineConfig, LLMEngine
+from eyas.loader.resolve import DRAFTS_DIR
+from eyas.spec.draft_quant import quantize_draft, resolve_draft_quant
+from eyas.spec.tree import resolve_tree
+
+
+def shipped_dispatch(device_type: str) -> str:
+    cfg = json.loads((DRAFTS_DIR / "smollm2" / "config.json").read_text())
+    return cfg["eyas_speculation"][device_type]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="smollm2-shape", choices=sorted(SHAPES))
+    p.add_argument("--buckets", default="default", choices=("default", "none"))
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the shape's context")
+    p.add_argument("--speculation", default=None, help="default: the shipped SmolLM2 draft's for the device type")
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    if args.buckets == "none":
+        cg.CONTEXT_BUCKETS = ()
+    device = torch.device(args.device)
+    t0 = time.perf_counter()
+    target = random_target(args.shape, device)
+    draft = random_draft(target, config=SHAPES[args.shape])
+    quant = resolve_draft_quant(draft, None, device)
+    quantize_draft(draft, target, quant)
+    spec = args.speculation or shipped_dispatch(device.type)
+    engine = LLMEngine(target, None, draft, resolve_tree(spec),
+                       EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                                    cuda_graphs=device.type == "cuda"))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    graphs = engine.runner.graphs
+    before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    n = graphs.capture_all(args.max_num_seqs) if graphs is not None else 0
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    print(json.dumps({
+        "shape": args.shape, "buckets": args.buckets, "context_buckets": list(graphs.context_buckets) if graphs else [],
+        "max_num_seqs": args.max_num_seqs, "max_model_len": engine.max_model_len, "speculation": spec,
+        "draft_quant": quant, "build_s": round(t1 - t0, 2), "graphs": n, "capture_s": round(t2 - t1, 2),
+        "capture_mib": round(((torch.cuda.memory_reserved(device) if device.type == "cuda" else 0) - before) / 2**20),
+    }))
+
+
+if __name__ == "__main__":
+    main()
