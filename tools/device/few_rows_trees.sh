@@ -1,4 +1,5 @@
 # Session 35, for the next session (issue #5 point 2a): trees small enough for the few-rows verify pass.
+# Ran in session 36 (call 3, 385 s): none beat the default tree on MT-Bench; docs/benchmarks.md, "Session 36".
 # The verify pass takes the tile kernels with their fused epilogues up to FEW_ROWS_MAX (16) tokens and cuBLAS beyond;
 # the default tree verifies 49 tokens on cuBLAS (0.821 of 1.178 ms a step in session 31's H200 profile). No tree
 # fitted to the draft with at most 15 nodes (16 tokens with the root) was ever timed at batch 1 (session 17's refit
