@@ -1,4 +1,4 @@
-"""How long `eyas serve` spends at startup capturing its CUDA graphs (`CUDAGraphs.capture_all`, which the server
+"""How long `eyas serve` spends at startup capturing its CUDA graphs (`GraphedStep.capture_all`, which the server
 runs before its first request), with the context buckets as shipped (`eyas.engine.cuda_graph.CONTEXT_BUCKETS`) or
 without them (`--buckets none`: one graph per batch bucket, greedy flag and tree, for the whole context).
 
