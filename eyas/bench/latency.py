@@ -28,7 +28,7 @@ import torch
 from eyas.engine.engine import EngineConfig, LLMEngine
 from eyas.engine.sequence import Status
 from eyas.sampling_params import SamplingParams
-from eyas.spec.draft_quant import asks_quant
+from eyas.spec.draft_quant import apply_draft_quant, asks_quant
 from eyas.spec.tree import resolve_tree
 
 
@@ -531,9 +531,7 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
     if asks_quant(args.draft_quant) and draft is None:
         raise SystemExit("eyas bench latency: --draft-quant needs a draft")
     if draft is not None and world_size == 1:  # as asked, or the draft's own choice (SmolLM2's: fp8-head on a GPU)
-        from eyas.spec.draft_quant import quantize_draft, resolve_draft_quant
-        quantize_draft(draft, target, resolve_draft_quant(draft, args.draft_quant, device),
-                       cuda_kernel=args.int4_kernel)
+        apply_draft_quant(draft, target, args.draft_quant, cuda_kernel=args.int4_kernel)
     rates = accept if simulated else None
     if draft is None and any(m != "plain" for m in modes):
         if rank == 0:

@@ -110,7 +110,7 @@ def bench_tpc(model: str, drafts: list[str], speculations: list[str], prompts_pa
               kv_cache_bytes: int | None = None, log=print, draft_quant: str | None = None) -> dict:
     from eyas.loader.eagle import load_draft
     from eyas.loader.resolve import draft_dir, load_target
-    from eyas.spec.draft_quant import check_quant_mode, quantize_draft, resolve_draft_quant
+    from eyas.spec.draft_quant import apply_draft_quant, check_quant_mode
 
     check_quant_mode(draft_quant)
 
@@ -121,8 +121,7 @@ def bench_tpc(model: str, drafts: list[str], speculations: list[str], prompts_pa
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": r["text"]}])) for r in records]
     results = []
     for dname in drafts:
-        draft = load_draft(draft_dir(model, dname), target)
-        draft = quantize_draft(draft, target, resolve_draft_quant(draft, draft_quant, next(target.parameters()).device))
+        draft = apply_draft_quant(load_draft(draft_dir(model, dname), target), target, draft_quant)
         for temp in temperatures:  # every speculation at the first temperature first
             for spec in speculations:
                 r = run_one(target, tok, draft, spec, prompts, temp, max_tokens, batch_size, seed, kv_cache_bytes,

@@ -11,7 +11,7 @@ from eyas.loader.eagle import load_draft
 from eyas.loader.resolve import draft_dir, load_target
 from eyas.sampling_params import SamplingParams
 from eyas.spec.dispatch import default_speculation
-from eyas.spec.draft_quant import asks_quant, quantize_draft, resolve_draft_quant
+from eyas.spec.draft_quant import apply_draft_quant, asks_quant
 from eyas.spec.tree import resolve_tree
 
 
@@ -58,8 +58,7 @@ class LLM:
         tree = resolve_tree(speculation)  # a bad name fails before the draft loads
         self.draft = load_draft(draft_dir(model, draft), self.target) if draft is not None else None
         if self.draft is not None:  # INT4 / FP8 draft weights (eyas.spec.draft_quant), as asked or the draft's own
-            quant = resolve_draft_quant(self.draft, draft_quant, next(self.target.parameters()).device)
-            quantize_draft(self.draft, self.target, quant)
+            apply_draft_quant(self.draft, self.target, draft_quant)
         self.engine = build_engine(self.target, self.tokenizer, self.draft, tree, speculation, **engine_kwargs)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

@@ -80,6 +80,14 @@ def resolve_draft_quant(draft, mode: str | None, device) -> str | None:
     return None if check_quant_mode(auto) == OFF else auto
 
 
+def apply_draft_quant(draft, target, mode: str | None, cuda_kernel: str = "torch"):
+    """`quantize_draft` with `mode` resolved on the target's device (`resolve_draft_quant`): as asked, nothing for
+    "none", or for None the draft's own choice. What `LLM`, `eyas bench tpc / latency` and `eyas make-tree` apply;
+    returns the draft."""
+    mode = resolve_draft_quant(draft, mode, next(target.parameters()).device)
+    return quantize_draft(draft, target, mode, cuda_kernel=cuda_kernel)
+
+
 @torch.no_grad()
 def quantize_draft(draft, target, mode: str | None, group_size: int = 128, cuda_kernel: str = "torch"):
     """Quantize `draft` (an EagleDraft, loaded; any draft vocabulary already attached) in place as `mode` says;

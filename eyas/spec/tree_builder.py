@@ -222,7 +222,7 @@ def make_tree(model: str, draft: str, data: list[str], out: str, nodes: list[int
     to `out` itself (the others as OUT_STEM-N[dD].json): chosen on the fit data, never on `eval_data`.
     `draft_quant`: fit and replay the draft quantized so (`eyas.spec.draft_quant`), e.g. to record its rank paths."""
     from eyas.loader.eagle import load_draft
-    from eyas.spec.draft_quant import check_quant_mode, quantize_draft, resolve_draft_quant
+    from eyas.spec.draft_quant import apply_draft_quant, check_quant_mode
     from eyas.loader.resolve import draft_dir, load_target, resolve_device, resolve_dtype
     from eyas.spec.tree import resolve_tree
     from eyas.train.data import load_examples
@@ -230,8 +230,7 @@ def make_tree(model: str, draft: str, data: list[str], out: str, nodes: list[int
     check_quant_mode(draft_quant)
     dev = resolve_device(device)
     target, tok = load_target(model, dev, resolve_dtype(dtype, dev))
-    d = load_draft(draft_dir(model, draft), target).to(dev).eval()
-    d = quantize_draft(d, target, resolve_draft_quant(d, draft_quant, dev))  # asked, or the draft's own choice
+    d = apply_draft_quant(load_draft(draft_dir(model, draft), target).to(dev).eval(), target, draft_quant)
     exs = load_examples(data, tok, limit=limit, workers=1)
     if not exs:
         raise ValueError(f"no usable conversations in {data}")

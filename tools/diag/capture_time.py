@@ -21,7 +21,7 @@ import eyas.engine.cuda_graph as cg
 from eyas.bench.shapes import SHAPES, random_draft, random_target
 from eyas.engine.engine import EngineConfig, LLMEngine
 from eyas.loader.resolve import DRAFTS_DIR
-from eyas.spec.draft_quant import quantize_draft, resolve_draft_quant
+from eyas.spec.draft_quant import apply_draft_quant
 from eyas.spec.tree import resolve_tree
 
 
@@ -45,8 +45,7 @@ def main() -> None:
     t0 = time.perf_counter()
     target = random_target(args.shape, device)
     draft = random_draft(target, config=SHAPES[args.shape])
-    quant = resolve_draft_quant(draft, None, device)
-    quantize_draft(draft, target, quant)
+    quant = getattr(apply_draft_quant(draft, target, None), "quant", None)
     spec = args.speculation or shipped_dispatch(device.type)
     engine = LLMEngine(target, None, draft, resolve_tree(spec),
                        EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
