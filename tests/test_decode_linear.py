@@ -92,6 +92,38 @@ def test_tile_linear_matches_reference(dtype, N, K, block_n, block_k, kind, M):
     _check(decode_linear(x, w, config=cfg, **kw), decode_linear_reference(x, w, **kw), dtype)
 
 
+@pytest.mark.parametrize("kind", ["plain", "norm", "residual", "norm+swiglu"])
+@pytest.mark.parametrize("M", [17, 49])
+def test_tile_linear_blocks_of_rows(kind, M):
+    """`TileConfig.BLOCK_M`: the rows split over a second grid dimension (the last block ragged), every prologue
+    and epilogue, in float32 (each block's rows are its own: a block that read another's rows, or stored them,
+    fails)."""
+    N, K = (80, 100) if "swiglu" in kind else (40, 100)
+    x, w, g, r = _inputs(N, K, torch.float32, DEV, seed=N * K + M, M=M)
+    kw = _kind_kwargs(kind, g, r)
+    cfg = TileConfig(BLOCK_N=16, BLOCK_K=32, num_warps=2, num_stages=2, BLOCK_M=16)
+    _check(decode_linear(x, w, config=cfg, **kw), decode_linear_reference(x, w, **kw), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["plain", "norm", "residual", "norm+swiglu"])
+@pytest.mark.parametrize("M,K,block_m", [(5, 100, 0), (17, 40, 16), (49, 72, 16), (33, 10, 32)])
+@pytest.mark.parametrize("joined", [True, False])
+def test_tile_whole_k_matches_reference(monkeypatch, dtype, kind, M, K, block_m, joined):
+    """`TileConfig.BLOCK_K = 0`: the whole row of K in one step (two parts when K is not a power of two: 40 = 32 +
+    16 (8 padded to 16), 72 = 64 + 16; 100 and 10 in one padded part), every prologue and epilogue, with and
+    without blocks of rows; SwiGLU's pairs as one interleaved tile (`JOINED_PAIRS`) or two."""
+    import eyas.kernels.decode_linear as dl
+    if not joined and "swiglu" not in kind:
+        pytest.skip("JOINED_PAIRS changes pairs only")
+    monkeypatch.setattr(dl, "JOINED_PAIRS", joined)
+    N = 80 if "swiglu" in kind else 40
+    x, w, g, r = _inputs(N, K, dtype, DEV, seed=N * K + M, M=M)
+    kw = _kind_kwargs(kind, g, r)
+    cfg = TileConfig(BLOCK_N=32 if "swiglu" in kind else 16, BLOCK_K=0, num_warps=2, num_stages=1, BLOCK_M=block_m)
+    _check(decode_linear(x, w, config=cfg, **kw), decode_linear_reference(x, w, **kw), dtype)
+
+
 def test_k_parts():
     """The register kernel's row parts: two powers of two where they hold fewer lanes than one padded part."""
     assert [k_parts(k) for k in (576, 1536, 4096, 14336, 48, 90, 100, 1)] == \
@@ -178,6 +210,8 @@ def test_errors():
         DecodeLinearConfig(trigger="never")
     with pytest.raises(ValueError, match="power of two >= 16"):
         TileConfig(BLOCK_N=8)
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        TileConfig(BLOCK_M=8)
 
 
 def test_default_configs_fit_registers():
@@ -338,7 +372,10 @@ def test_decode_qkv_rope_errors():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("NQ,KVH,D,K", [(4, 2, 16, 48), (3, 1, 32, 40)])
 @pytest.mark.parametrize("M,where,kernel", [(3, [5, -1, 2], "tile"), (6, (2, 4, 1), "tile"), (20, (1, 24, 3), "tile"),
-                                            (40, (4, 12, 2), "tile"), (2, (1, 5, 3), "register"),
+                                            (40, (4, 12, 2), "tile"), (40, (4, 12, 2), "tile_m16"),
+                                            (20, [3, -1, 7, 17, 5, 6, 2, 1, 4, -1, 9, 8, 11, 10, 12, 13, 14, 15, -1,
+                                                  16], "tile_m16"), (40, (4, 12, 2), "tile_whole_k"),
+                                            (3, [5, -1, 2], "tile_whole_k"), (2, (1, 5, 3), "register"),
                                             (6, (3, 4, 2), "register"), (1, (1, 3, 2), "register")])
 @pytest.mark.parametrize("norm", [True, False])
 def test_stash_qkv_rope_matches_reference(dtype, NQ, KVH, D, K, M, where, kernel, norm):
@@ -354,11 +391,13 @@ def test_stash_qkv_rope_matches_reference(dtype, NQ, KVH, D, K, M, where, kernel
         written = {b * seq_rows + row_offset + i for b in range(where[0]) for i in range(seq_q)}
         n_rows = where[0] * seq_rows
     else:
-        written, n_rows = {d for d in dst if d >= 0}, 8
+        written, n_rows = {d for d in dst if d >= 0}, max(8, max(dst) + 1)
     g = torch.Generator(device=DEV).manual_seed(1)
     kd, vd = (torch.randn(n_rows, KVH, D, generator=g, device=DEV).to(dtype) for _ in range(2))
     kd_ref, vd_ref, keep_k, keep_v = kd.clone(), vd.clone(), kd.clone(), vd.clone()
     cfg = (TileConfig(BLOCK_N=32, BLOCK_K=32, num_warps=2, num_stages=2) if kernel == "tile"
+           else TileConfig(BLOCK_N=32, BLOCK_K=32, num_warps=2, num_stages=2, BLOCK_M=16) if kernel == "tile_m16"
+           else TileConfig(BLOCK_N=32, BLOCK_K=0, num_warps=2, num_stages=1, BLOCK_M=16) if kernel == "tile_whole_k"
            else DecodeLinearConfig(BLOCK_N=4, num_warps=2))
     if not norm:
         args = (args[0], args[1], None, *args[3:])
@@ -701,13 +740,22 @@ def test_other_steps_keep_the_fused_path(tiny):
 
 
 # ---- GPU ------------------------------------------------------------------------------------------------------
+@pytest.fixture(params=[0, 64], ids=["loop_k", "whole_k"])
+def whole_k(request, monkeypatch):
+    """The tile launches' default configs with the K loop (WHOLE_K_ROWS 0) or the whole-K tile (up to 64 rows)."""
+    import eyas.kernels.decode_linear as dl
+    monkeypatch.setattr(dl, "WHOLE_K_ROWS", request.param)
+    return request.param
+
+
 @gpu
 @pytest.mark.parametrize("N,K,kind", [(6144, 4096, "norm"), (4096, 4096, "residual"), (28672, 4096, "norm+swiglu"),
                                       (4096, 14336, "residual"), (960, 576, "norm"), (3072, 576, "norm+swiglu"),
                                       (576, 1536, "residual"), (49152, 576, "plain")])
 @pytest.mark.parametrize("pdl,M", [(False, 1), (True, 1), (True, 4), (False, 4), (True, 16), (True, 49)])
-def test_gpu_bf16_shapes(N, K, kind, pdl, M):
-    """One row: the register kernel; 4 to 49: the tile kernel (default configs)."""
+def test_gpu_bf16_shapes(N, K, kind, pdl, M, whole_k):
+    """One row: the register kernel; 4 to 49: the tile kernel (default configs, with and without the whole-K
+    tile)."""
     x, w, g, r = _inputs(N, K, torch.bfloat16, "cuda", seed=N, M=M)
     kw = _kind_kwargs(kind, g, r)
     _check(decode_linear(x, w, pdl=pdl, **kw), decode_linear_reference(x, w, **kw), torch.bfloat16)
@@ -743,7 +791,7 @@ def test_gpu_bf16_qkv_rope(NQ, KVH, D, K):
 @gpu
 @pytest.mark.parametrize("NQ,KVH,D,K", [(32, 8, 128, 4096), (9, 3, 64, 576)])
 @pytest.mark.parametrize("M", [4, 49])
-def test_gpu_bf16_qkv_rope_stash(NQ, KVH, D, K, M):
+def test_gpu_bf16_qkv_rope_stash(NQ, KVH, D, K, M, whole_k):
     """The tile kernel's RoPE + store into a stash (a verify pass's rows 1 .. M of M + 3)."""
     args, _ = _qkv_case(NQ, KVH, D, K, torch.bfloat16, "cuda", None, M=M)
     kd = torch.zeros(M + 3, KVH, D, device="cuda", dtype=torch.bfloat16)
@@ -797,7 +845,7 @@ def test_gpu_one_row_under_graphs_equals_fused_path(tiny, attn_pdl, monkeypatch)
 @gpu
 @pytest.mark.parametrize("attn_pdl", [False, True])
 @pytest.mark.parametrize("spec,prompts", [("chain:3", [[1, 2, 3, 4], [7, 3]]), ("tree:smollm2_48d5", [[1, 2, 3, 4]])])
-def test_gpu_few_rows_under_graphs_equals_fused_path(tiny, spec, prompts, attn_pdl, monkeypatch):
+def test_gpu_few_rows_under_graphs_equals_fused_path(tiny, spec, prompts, attn_pdl, whole_k, monkeypatch):
     """bf16 on the GPU, CUDA graphs, speculative decoding: verify passes on the tile kernels (chain:3 at batch 2: 8
     rows; the default tree at batch 1: 49, the most rows raised to the kernel's 64) give the fused path's greedy
     tokens. The fused path runs unfolded (`fold=False`): with the norms folded into the projections

@@ -29,7 +29,9 @@ pass of `chain:3` ran at half the speed of cuBLAS plus the fused kernels (sessio
 that reads only its slice of x was as slow (session 26), which points to each row's products and sums against the
 tile rather than x's reads. `_tile_linear_kernel` takes 2 to MAX_ROWS (64) rows the tensor-core way (weight tiles
 streamed through `tl.dot` against x padded to 16-64 rows, as gemv's USE_DOT path), with the same prologue and
-epilogues (`_store_rows`, `_store_pairs`). By default one or two rows take the register kernel, more the tile kernel.
+epilogues (`_store_rows`, `_store_pairs`); `_tile_whole_k_kernel` is its variant without a K loop, whose programs load
+their whole weight rows before the PDL wait (the default for up to 16 rows of small K: SmolLM2's `chain:3` step 8.5%
+shorter, session 37). By default one or two rows take the register kernel, more the tile kernels.
 Measured on the H200 (docs/bench/one_row_s14.json, few_rows_s15.json): a synthetic 8B forward's linears with their
 small kernels take 3.81-3.84 ms at one row here against 4.25-4.44 for cuBLAS and the fused kernels, and PDL itself
 pays little (0.01-0.04 ms a step); at 4 rows the tile kernel loses to cuBLAS on the 8B shapes (4.68 ms at its best
@@ -333,7 +335,7 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
     next_pow2(K), so that its loads can be in flight together; as a loop the 8B forward of 4 rows took 7.19 ms,
     unrolled 6.46), the second applies the norm tile by tile with rms_norm's roundings."""
     pid = tl.program_id(0)
-    offs_m = tl.arange(0, M_PAD)
+    offs_m = tl.program_id(1) * M_PAD + tl.arange(0, M_PAD)         # this program's block of x rows (BLOCK_M)
     m_ok = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = X + tl.where(m_ok, offs_m, 0)[:, None] * stride_x + offs_k[None, :]   # padding rows re-read row 0
@@ -389,6 +391,117 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
         _store_rows(acc_a, n, n_ok, offs_m, m_ok, RES, OUT, stride_r, stride_o, ADD_RES)
 
 
+@triton.jit
+def _whole_k_dot(acc, w1, w2, x1, x2, KB: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    if UPCAST:  # the Triton interpreter's bf16 tl.dot is wrong: do its dots in float32 (exact products)
+        w1 = w1.to(tl.float32)
+        x1 = x1.to(tl.float32)
+    acc = tl.dot(w1, tl.trans(x1), acc, input_precision=DOT_PREC)
+    if KB > 0:
+        if UPCAST:
+            w2 = w2.to(tl.float32)
+            x2 = x2.to(tl.float32)
+        acc = tl.dot(w2, tl.trans(x2), acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
+def _tile_whole_k_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r, stride_o, COS, SIN, POS, DST, KC,
+                         VC, stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, KA: tl.constexpr,
+                         KB: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, NORM: tl.constexpr,
+                         ADD_RES: tl.constexpr, PAIR: tl.constexpr, HD: tl.constexpr, HAS_DST: tl.constexpr,
+                         USE_GDC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, UNIFORM: tl.constexpr,
+                         PRELOAD: tl.constexpr, JOINED: tl.constexpr):
+    """The tile kernel without a K loop (`TileConfig.BLOCK_K = 0`): a program loads its whole weight rows, as two
+    parts of KA and KB columns (`_tile_k_parts`), *before* its wait on the previous launch (as the register kernel
+    does: with PDL their latency overlaps the previous kernel's end), then its rows of x once, the norm's sums of
+    squares from those same loads, and one or two tl.dot per accumulator. Prologue, pairs and epilogues as
+    `_tile_linear_kernel`'s. JOINED (pairs): the P pairs' 2P rows are loaded as one interleaved tile (first, second,
+    first, ...) against one accumulator, split into the two halves after the dot; else two tiles, two
+    accumulators."""
+    pid = tl.program_id(0)
+    offs_m = tl.program_id(1) * M_PAD + tl.arange(0, M_PAD)
+    m_ok = offs_m < M
+    xrow = tl.where(m_ok, offs_m, 0)[:, None] * stride_x                    # padding rows re-read row 0
+    ka = tl.arange(0, KA)
+    ka_ok = ka < K
+    kb = KA + tl.arange(0, KB if KB > 0 else 16)
+    kb_ok = kb < K
+    wb1 = 0
+    wb2 = 0
+    wa2 = 0
+    if PAIR > 0 and JOINED:
+        P: tl.constexpr = BLOCK_N // 2
+        j, j_ok, jj, first, second = _pair_rows(pid, N, P, PAIR, HD)
+        ra = tl.reshape(tl.join(first, second), (BLOCK_N,)).to(tl.int64)[:, None] * K
+        wa1 = tl.load(W + ra + ka[None, :], mask=ka_ok[None, :], other=0.0)
+        if KB > 0:
+            wa2 = tl.load(W + ra + kb[None, :], mask=kb_ok[None, :], other=0.0)
+        acc_a = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    elif PAIR > 0:
+        P: tl.constexpr = BLOCK_N // 2
+        j, j_ok, jj, first, second = _pair_rows(pid, N, P, PAIR, HD)
+        ra = first.to(tl.int64)[:, None] * K
+        rb = second.to(tl.int64)[:, None] * K
+        wa1 = tl.load(W + ra + ka[None, :], mask=ka_ok[None, :], other=0.0)
+        wb1 = tl.load(W + rb + ka[None, :], mask=ka_ok[None, :], other=0.0)
+        if KB > 0:
+            wa2 = tl.load(W + ra + kb[None, :], mask=kb_ok[None, :], other=0.0)
+            wb2 = tl.load(W + rb + kb[None, :], mask=kb_ok[None, :], other=0.0)
+        acc_a = tl.zeros((P, M_PAD), dtype=tl.float32)
+        acc_b = tl.zeros((P, M_PAD), dtype=tl.float32)
+    else:
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        ra = tl.where(n_ok, n, 0).to(tl.int64)[:, None] * K
+        wa1 = tl.load(W + ra + ka[None, :], mask=ka_ok[None, :], other=0.0)
+        if KB > 0:
+            wa2 = tl.load(W + ra + kb[None, :], mask=kb_ok[None, :], other=0.0)
+        acc_a = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    tables = 0
+    if PAIR == 2 and PRELOAD:
+        tables = _rope_tables(jj, offs_m, m_ok, COS, SIN, POS, DST, stride_cos, SEQ_Q, SEQ_ROWS, ROW_OFF, HD, HAS_DST)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    x1 = tl.load(X + xrow + ka[None, :], mask=ka_ok[None, :], other=0.0)
+    x2 = 0
+    if KB > 0:
+        x2 = tl.load(X + xrow + kb[None, :], mask=kb_ok[None, :], other=0.0)
+    if NORM:
+        xf1 = x1.to(tl.float32)
+        ss = tl.sum(xf1 * xf1, axis=1)
+        if KB > 0:
+            xf2 = x2.to(tl.float32)
+            ss += tl.sum(xf2 * xf2, axis=1)
+        rstd = tl.math.rsqrt(ss / K + eps)[:, None]
+        g1 = tl.load(NORM_W + ka, mask=ka_ok, other=0.0).to(tl.float32)
+        x1 = (g1[None, :] * (xf1 * rstd).to(X.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty)
+        if KB > 0:
+            g2 = tl.load(NORM_W + kb, mask=kb_ok, other=0.0).to(tl.float32)
+            x2 = (g2[None, :] * (xf2 * rstd).to(X.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty)
+    acc_a = _whole_k_dot(acc_a, wa1, wa2, x1, x2, KB, UPCAST, DOT_PREC)
+    if PAIR > 0 and JOINED:
+        acc_a, acc_b = tl.split(tl.permute(tl.reshape(acc_a, (P, 2, M_PAD)), (0, 2, 1)))
+    elif PAIR > 0:
+        acc_b = _whole_k_dot(acc_b, wb1, wb2, x1, x2, KB, UPCAST, DOT_PREC)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PAIR == 2 and not PRELOAD:
+        tables = _rope_tables(jj, offs_m, m_ok, COS, SIN, POS, DST, stride_cos, SEQ_Q, SEQ_ROWS, ROW_OFF, HD, HAS_DST)
+    if PAIR > 0:
+        _store_pairs(acc_a, acc_b, j, j_ok, first, offs_m, m_ok, OUT, stride_o, KC, VC, Q_ROWS, QK_ROWS, KV_ROW, tables,
+                     PAIR, HD, UNIFORM)
+    else:
+        _store_rows(acc_a, n, n_ok, offs_m, m_ok, RES, OUT, stride_r, stride_o, ADD_RES)
+
+
+def _tile_k_parts(K: int) -> tuple[int, int]:
+    """The whole-K tile's row parts: `k_parts`, each at least 16 wide (tl.dot's least K)."""
+    ka, kb = k_parts(K)
+    ka = max(16, ka)
+    return ka, (max(16, kb) if kb and ka < K else 0)
+
+
 # RoPE launches whose programs' rows lie in one half of one head store to one place (`_store_pairs`' UNIFORM);
 # False: every program takes the masked stores to q, k and v. PRELOAD_ROPE: the RoPE epilogue's positions, cos/sin
 # and destination rows are loaded before the kernel's wait on the previous launch (`_rope_tables`); False: after
@@ -396,6 +509,11 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
 UNIFORM_PAIRS = True
 PRELOAD_ROPE = True
 
+# `default_tile_config` gives launches of at most WHOLE_K_ROWS rows whose K fits WHOLE_K_MAX_K (the two parts'
+# widths) the whole-K tile (BLOCK_K = 0); 0: never.
+WHOLE_K_ROWS = 16
+WHOLE_K_MAX_K = 1024
+JOINED_PAIRS = True  # the whole-K tile loads a program's pairs as one interleaved tile (False: two tiles)
 MAX_ROWS = 64        # the tile kernel's limit (x padded to a power of two >= 16 rows)
 EXACT_K = True  # the register kernel holds K as two power-of-two parts (`k_parts`); False: one padded part
 
@@ -420,17 +538,24 @@ REGISTER_ROWS = 8    # the register kernel's limit (it re-reads x per program: m
 class TileConfig:
     """The tile kernel (`_tile_linear_kernel`, 2 to MAX_ROWS rows): BLOCK_N weight rows per program (for pairs,
     BLOCK_N / 2 of each half; tl.dot wants >= 16 a half), streamed in BLOCK_K-wide tiles through num_stages
-    shared-memory buffers."""
+    shared-memory buffers. BLOCK_K = 0: the whole-K tile (`_tile_whole_k_kernel`: the whole rows loaded before the
+    PDL wait, no K loop; num_stages unused). BLOCK_M: x's rows a program takes (0: all)."""
     BLOCK_N: int = 32
     BLOCK_K: int = 256
     num_warps: int = 4
     num_stages: int = 4
+    BLOCK_M: int = 0     # x rows per program: 0 = all of them (padded to a power of two >= 16); else a power of
+    #                      two >= 16, and a second grid dimension over the blocks of rows
 
     def __post_init__(self):
         for name in ("BLOCK_N", "BLOCK_K"):
             v = getattr(self, name)
+            if name == "BLOCK_K" and v == 0:  # the whole row of K at once, the weights loaded before the wait
+                continue
             if v < 16 or v & (v - 1):
                 raise ValueError(f"TileConfig.{name} must be a power of two >= 16, got {v}")
+        if self.BLOCK_M and (self.BLOCK_M < 16 or self.BLOCK_M & (self.BLOCK_M - 1)):
+            raise ValueError(f"TileConfig.BLOCK_M must be 0 or a power of two >= 16, got {self.BLOCK_M}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"TileConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
         if self.num_stages < 1:
@@ -441,7 +566,15 @@ def default_tile_config(M: int, N: int, K: int, pairs: bool = False) -> TileConf
     """16 weight rows per accumulator (32 for pairs: 16 of each half), so that even N = 4096 gives 256 programs;
     tiles 256 wide at 16 padded rows, 128 at 32, 64 at 64 (the x tile and its pointers live in registers: sm_90
     offline compiles spill from 64 x 128 at 4 warps), 4 stages (3 at 64 rows), 4 warps. A first guess;
-    tools/diag/tile_chain_bench.py sweeps it."""
+    tools/diag/tile_chain_bench.py sweeps it. Up to WHOLE_K_ROWS rows and K parts up to WHOLE_K_MAX_K wide: the
+    whole-K tile, which beat these loop tiles at 8 and 16 rows on SmolLM2's shapes (docs/kernels.md, session 37)."""
+    if M <= WHOLE_K_ROWS:
+        width = sum(_tile_k_parts(K))
+        if M <= 16 and width <= WHOLE_K_MAX_K:
+            return TileConfig(BLOCK_N=32 if pairs else 16, BLOCK_K=0, num_warps=4, num_stages=1, BLOCK_M=16)
+        if M > 16 and width <= 2 * WHOLE_K_MAX_K:
+            return TileConfig(BLOCK_N=64, BLOCK_K=0, num_warps=4, num_stages=1, BLOCK_M=16) if pairs else \
+                TileConfig(BLOCK_N=16, BLOCK_K=0, num_warps=4, num_stages=1, BLOCK_M=32)
     m_pad = max(16, triton.next_power_of_2(M))
     block_k = min(4096 // m_pad, max(16, triton.next_power_of_2(K)))
     return TileConfig(BLOCK_N=32 if pairs else 16, BLOCK_K=block_k, num_warps=4, num_stages=4 if m_pad <= 32 else 3)
@@ -532,9 +665,20 @@ def _launch(x2, M, K, weight, cfg, pdl, n_out, out2, *, norm_weight=None, eps=1e
             num_warps=cfg.num_warps, enable_fp_fusion=False, **kwargs)
         return
     upcast = x2.dtype != torch.float32 and interpreting()
+    m_pad = cfg.BLOCK_M or max(16, triton.next_power_of_2(M))
+    grid = (grid[0], triton.cdiv(M, m_pad))
+    dot_prec = "ieee" if (x2.dtype == torch.float32 or upcast) else "tf32"
+    if cfg.BLOCK_K == 0:
+        ka, kb = _tile_k_parts(K)
+        _tile_whole_k_kernel[grid](
+            *common, seq_q, seq_rows, row_offset, KA=ka, KB=kb, BLOCK_N=cfg.BLOCK_N, M_PAD=m_pad,
+            NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair, HD=hd, HAS_DST=dst is not None,
+            USE_GDC=use_gdc, UPCAST=upcast, DOT_PREC=dot_prec, UNIFORM=uniform, PRELOAD=PRELOAD_ROPE,
+            JOINED=JOINED_PAIRS, num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False, **kwargs)
+        return
     _tile_linear_kernel[grid](
         *common, seq_q, seq_rows, row_offset, KP=triton.next_power_of_2(K), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-        M_PAD=max(16, triton.next_power_of_2(M)), NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair,
+        M_PAD=m_pad, NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair,
         HD=hd, HAS_DST=dst is not None, USE_GDC=use_gdc, UPCAST=upcast,
         DOT_PREC="ieee" if (x2.dtype == torch.float32 or upcast) else "tf32", UNIFORM=uniform,
         PRELOAD=PRELOAD_ROPE, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **kwargs)

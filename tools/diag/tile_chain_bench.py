@@ -15,7 +15,7 @@ top of every variant alike.
   results (docs/bench/few_rows_s15.json) name these rows "tile (...)": at that time, before the two-row rule, only
   one row took the register kernel;
 * `--per-kind`: each linear kind alone (32 launches over the layers' weights) for cuBLAS and every config of
-  `--configs` (BLOCK_NxBLOCK_KxWARPSxSTAGES; rBLOCK_NxWARPS: the register kernel, up to 8 rows); then the
+  `--configs` (BLOCK_NxBLOCK_KxWARPSxSTAGES[xBLOCK_M]; rBLOCK_NxWARPS: the register kernel, up to 8 rows); then the
   chain again with each kind's best.
 """
 from __future__ import annotations
@@ -80,18 +80,18 @@ def fwd_tile(x, ws, H, attn, bufs, pdl, cfgs):
 
 
 def parse_cfg(text):
-    """"BxKxWxS" -> TileConfig; "rBxW" -> the register kernel, DecodeLinearConfig(B, W) (up to 8 rows)."""
+    """"BxKxWxS[xM]" -> TileConfig (M: BLOCK_M, rows per program; none: all); "rBxW" -> the register kernel,
+    DecodeLinearConfig(B, W) (up to 8 rows)."""
     if text.startswith("r"):
         bn, w = (int(v) for v in text[1:].split("x"))
         return DecodeLinearConfig(BLOCK_N=bn, num_warps=w, trigger="end")
-    bn, bk, w, st = (int(v) for v in text.split("x"))
-    return TileConfig(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+    return TileConfig(*(int(v) for v in text.split("x")))
 
 
 def cfg_name(c):
     if isinstance(c, DecodeLinearConfig):
         return f"r{c.BLOCK_N}x{c.num_warps}"
-    return f"{c.BLOCK_N}x{c.BLOCK_K}x{c.num_warps}x{c.num_stages}"
+    return f"{c.BLOCK_N}x{c.BLOCK_K}x{c.num_warps}x{c.num_stages}" + (f"x{c.BLOCK_M}" if c.BLOCK_M else "")
 
 
 def usable(cfg, M, K, swiglu):
@@ -181,8 +181,13 @@ def main():
     ap.add_argument("--per-kind", action="store_true")
     ap.add_argument("--configs", default="16x128x4x4,16x256x4x4,32x128x4x4,32x256x4x3,64x128x4x3,64x128x8x3,"
                                           "16x512x4x3,32x64x4x5")
+    ap.add_argument("--separate-pairs", action="store_true",
+                    help="whole-K tiles (BLOCK_K 0) load SwiGLU's pairs as two tiles (JOINED_PAIRS = False)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.separate_pairs:
+        import eyas.kernels.decode_linear as dl
+        dl.JOINED_PAIRS = False
     dev = torch.device("cuda")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": [], "per_kind": []}
