@@ -351,6 +351,7 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
         n_ok = n < N
         wa_ptrs = W + tl.where(n_ok, n, 0).to(tl.int64)[:, None] * K + offs_k[None, :]
         acc_a = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+        j, j_ok, jj, first, acc_b = n, n_ok, n, n, acc_a            # (`_tile_end`'s names; acc_b unused)
     tables = 0
     if PAIR == 2 and PRELOAD:  # (step inputs and constant tables: loaded before the wait)
         tables = _rope_tables(jj, offs_m, m_ok, COS, SIN, POS, DST, stride_cos, SEQ_Q, SEQ_ROWS, ROW_OFF, HD, HAS_DST)
@@ -380,6 +381,18 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
             if UPCAST:
                 wb = wb.to(tl.float32)
             acc_b = tl.dot(wb, tl.trans(x), acc_b, input_precision=DOT_PREC)
+    _tile_end(acc_a, acc_b, j, j_ok, jj, first, offs_m, m_ok, RES, OUT, stride_r, stride_o, COS, SIN, POS, DST, KC, VC,
+              stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, tables, ADD_RES, PAIR, HD, HAS_DST, USE_GDC,
+              UNIFORM, PRELOAD)
+
+
+@triton.jit
+def _tile_end(acc_a, acc_b, j, j_ok, jj, first, offs_m, m_ok, RES, OUT, stride_r, stride_o, COS, SIN, POS, DST, KC, VC,
+              stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, tables, ADD_RES: tl.constexpr,
+              PAIR: tl.constexpr, HD: tl.constexpr, HAS_DST: tl.constexpr, USE_GDC: tl.constexpr,
+              UNIFORM: tl.constexpr, PRELOAD: tl.constexpr):
+    """The tile kernels' end: let the next launch in (PDL), then the epilogue's stores. Pairs: `_store_pairs` of
+    pair j (`_pair_rows`' j, j_ok, jj, first); rows: `_store_rows` of weight rows j (j_ok; jj and first unused)."""
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
     if PAIR == 2 and not PRELOAD:
@@ -388,7 +401,7 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
         _store_pairs(acc_a, acc_b, j, j_ok, first, offs_m, m_ok, OUT, stride_o, KC, VC, Q_ROWS, QK_ROWS, KV_ROW, tables,
                      PAIR, HD, UNIFORM)
     else:
-        _store_rows(acc_a, n, n_ok, offs_m, m_ok, RES, OUT, stride_r, stride_o, ADD_RES)
+        _store_rows(acc_a, j, j_ok, offs_m, m_ok, RES, OUT, stride_r, stride_o, ADD_RES)
 
 
 @triton.jit
@@ -458,6 +471,7 @@ def _tile_whole_k_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_
         if KB > 0:
             wa2 = tl.load(W + ra + kb[None, :], mask=kb_ok[None, :], other=0.0)
         acc_a = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+        j, j_ok, jj, first, acc_b = n, n_ok, n, n, acc_a            # (`_tile_end`'s names; acc_b unused)
     tables = 0
     if PAIR == 2 and PRELOAD:
         tables = _rope_tables(jj, offs_m, m_ok, COS, SIN, POS, DST, stride_cos, SEQ_Q, SEQ_ROWS, ROW_OFF, HD, HAS_DST)
@@ -484,15 +498,9 @@ def _tile_whole_k_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_
         acc_a, acc_b = tl.split(tl.permute(tl.reshape(acc_a, (P, 2, M_PAD)), (0, 2, 1)))
     elif PAIR > 0:
         acc_b = _whole_k_dot(acc_b, wb1, wb2, x1, x2, KB, UPCAST, DOT_PREC)
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-    if PAIR == 2 and not PRELOAD:
-        tables = _rope_tables(jj, offs_m, m_ok, COS, SIN, POS, DST, stride_cos, SEQ_Q, SEQ_ROWS, ROW_OFF, HD, HAS_DST)
-    if PAIR > 0:
-        _store_pairs(acc_a, acc_b, j, j_ok, first, offs_m, m_ok, OUT, stride_o, KC, VC, Q_ROWS, QK_ROWS, KV_ROW, tables,
-                     PAIR, HD, UNIFORM)
-    else:
-        _store_rows(acc_a, n, n_ok, offs_m, m_ok, RES, OUT, stride_r, stride_o, ADD_RES)
+    _tile_end(acc_a, acc_b, j, j_ok, jj, first, offs_m, m_ok, RES, OUT, stride_r, stride_o, COS, SIN, POS, DST, KC, VC,
+              stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, tables, ADD_RES, PAIR, HD, HAS_DST, USE_GDC,
+              UNIFORM, PRELOAD)
 
 
 def _tile_k_parts(K: int) -> tuple[int, int]:
