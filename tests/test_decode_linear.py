@@ -124,6 +124,19 @@ def test_tile_whole_k_matches_reference(monkeypatch, dtype, kind, M, K, block_m,
     _check(decode_linear(x, w, config=cfg, **kw), decode_linear_reference(x, w, **kw), dtype)
 
 
+@pytest.mark.parametrize("kind,N", [("norm", 40), ("residual", 24), ("norm+swiglu", 80), ("norm+swiglu", 2100)])
+def test_wide_whole_k_defaults(monkeypatch, kind, N):
+    """`WHOLE_K_ROWS` above 16 (not the default): 49 rows on the whole-K tile's configs for launches of more than 16
+    rows (pairs: 64-row tiles from 1024 pairs, 32-row ones below), against the reference."""
+    import eyas.kernels.decode_linear as dl
+    monkeypatch.setattr(dl, "WHOLE_K_ROWS", 64)
+    x, w, g, r = _inputs(N, 24, torch.float32, DEV, seed=N, M=49)
+    kw = _kind_kwargs(kind, g, r)
+    cfg = dl.default_tile_config(49, N // 2 if "swiglu" in kind else N, 24, pairs="swiglu" in kind)
+    assert cfg.BLOCK_K == 0 and cfg.BLOCK_N == (64 if N > 2048 else 32 if "swiglu" in kind else 16)
+    _check(decode_linear(x, w, **kw), decode_linear_reference(x, w, **kw), torch.float32)
+
+
 def test_k_parts():
     """The register kernel's row parts: two powers of two where they hold fewer lanes than one padded part."""
     assert [k_parts(k) for k in (576, 1536, 4096, 14336, 48, 90, 100, 1)] == \

@@ -580,9 +580,11 @@ def default_tile_config(M: int, N: int, K: int, pairs: bool = False) -> TileConf
         width = sum(_tile_k_parts(K))
         if M <= 16 and width <= WHOLE_K_MAX_K:
             return TileConfig(BLOCK_N=32 if pairs else 16, BLOCK_K=0, num_warps=4, num_stages=1, BLOCK_M=16)
-        if M > 16 and width <= 2 * WHOLE_K_MAX_K:
-            return TileConfig(BLOCK_N=64, BLOCK_K=0, num_warps=4, num_stages=1, BLOCK_M=16) if pairs else \
-                TileConfig(BLOCK_N=16, BLOCK_K=0, num_warps=4, num_stages=1, BLOCK_M=32)
+        if M > 16 and width <= 2 * WHOLE_K_MAX_K:  # (session 37's 49-row sweep; not the default: WHOLE_K_ROWS)
+            if pairs:  # many pairs (SwiGLU's 1536): 64-row tiles; few (RoPE's 480): smaller ones, more programs
+                return TileConfig(BLOCK_N=64, BLOCK_K=0, num_warps=4, num_stages=1, BLOCK_M=32) if N >= 1024 else \
+                    TileConfig(BLOCK_N=32, BLOCK_K=0, num_warps=4, num_stages=1, BLOCK_M=16)
+            return TileConfig(BLOCK_N=16, BLOCK_K=0, num_warps=4, num_stages=1, BLOCK_M=32)
     m_pad = max(16, triton.next_power_of_2(M))
     block_k = min(4096 // m_pad, max(16, triton.next_power_of_2(K)))
     return TileConfig(BLOCK_N=32 if pairs else 16, BLOCK_K=block_k, num_warps=4, num_stages=4 if m_pad <= 32 else 3)

@@ -14,7 +14,8 @@ top of every variant alike.
   configs (`default_config`: the register kernel for 1-2 rows, the tile kernel for more). Session 15's raw
   results (docs/bench/few_rows_s15.json) name these rows "tile (...)": at that time, before the two-row rule, only
   one row took the register kernel;
-* `--per-kind`: each linear kind alone (32 launches over the layers' weights) for cuBLAS and every config of
+* `--per-kind`: each linear kind alone (32 launches over the layers' weights; `qkv_rope` is decode_qkv_rope with its
+  RoPE epilogue into a stash, a verify pass's launch, beside cuBLAS's bare qkv GEMM) for cuBLAS and every config of
   `--configs` (BLOCK_NxBLOCK_KxWARPSxSTAGES[xBLOCK_M]; rBLOCK_NxWARPS: the register kernel, up to 8 rows); then the
   chain again with each kind's best.
 """
@@ -30,15 +31,16 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from eyas.kernels.decode_linear import REGISTER_ROWS, DecodeLinearConfig, TileConfig, decode_linear, default_config
+from eyas.kernels.decode_linear import (REGISTER_ROWS, DecodeLinearConfig, TileConfig, decode_linear, decode_qkv_rope,
+                                       default_config)
 from eyas.kernels.fused_norm import add_rms_norm_triton
 from eyas.kernels.swiglu import swiglu_triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_chain_bench import fits, layer_errors, time_fn  # noqa: E402
 
-SHAPES = {"8b": dict(H=4096, QKV=6144, I=14336, V=128256, L=32),
-          "smollm2": dict(H=576, QKV=960, I=1536, V=49152, L=30)}
+SHAPES = {"8b": dict(H=4096, QKV=6144, I=14336, V=128256, L=32, NQ=32, KVH=8, D=128),
+          "smollm2": dict(H=576, QKV=960, I=1536, V=49152, L=30, NQ=9, KVH=3, D=64)}
 
 
 def make_weights(dev, s, layers):
@@ -132,18 +134,27 @@ def bench(shape, M, args, dev, result):
     chain_row("decode_linear (default configs), no PDL", lambda: fwd_tile(x, ws, H, attn, bufs, False, {}))
     if not args.per_kind:
         return
-    kinds = {"qkv": dict(norm=True), "o": dict(res=True), "gu": dict(norm=True, swiglu=True), "down": dict(res=True)}
-    xin = {"qkv": bufs[0], "o": attn, "gu": bufs[0], "down": bufs[2]}
+    kinds = {"qkv": dict(norm=True), "o": dict(res=True), "gu": dict(norm=True, swiglu=True), "down": dict(res=True),
+             "qkv_rope": dict(norm=True, swiglu=True)}   # (qkv_rope: pairs, as SwiGLU's, for `usable`)
+    # qkv_rope: the verify pass's launch, decode_qkv_rope into a stash (one sequence of M tokens at rows 1 .. M)
+    D, KVH, NQ = s["D"], s["KVH"], s["NQ"]
+    t = torch.arange(4096, device=dev, dtype=torch.float32)[:, None] / 10000 ** (
+        torch.arange(0, D, 2, device=dev, dtype=torch.float32) / D)
+    cos, sin = (torch.cat([f(t), f(t)], dim=-1).contiguous() for f in (torch.cos, torch.sin))
+    pos = torch.arange(100, 100 + M, device=dev)
+    kd, vd = (torch.zeros(M + 2, KVH, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    xin = {"qkv": bufs[0], "o": attn, "gu": bufs[0], "down": bufs[2], "qkv_rope": bufs[0]}
     outs = {"qkv": bufs[1], "o": bufs[0], "gu": bufs[2], "down": bufs[0]}
     best = {}
     for kind, opt in kinds.items():
-        kb = sum(L[kind].numel() * 2 for L in ws)
+        wk = "qkv" if kind == "qkv_rope" else kind
+        kb = sum(L[wk].numel() * 2 for L in ws)
 
         def cub(kind=kind):
             for L in ws:
-                F.linear(xin[kind], L[kind])
+                F.linear(xin[kind], L[wk])
         ms = time_fn(cub, args.reps)
-        N, K = ws[0][kind].shape
+        N, K = ws[0][wk].shape
         dflt = default_config(M, N // 2 if opt.get("swiglu") else N, K, pairs=opt.get("swiglu", False))
         rec = {**{k: v for k, v in tag.items() if k != "max_abs_err"}, "kind": kind,
                "cublas_us": ms * 1e3 / len(ws), "cublas_tb_s": kb / ms / 1e9, "default": cfg_name(dflt)}
@@ -153,6 +164,11 @@ def bench(shape, M, args, dev, result):
                 continue
 
             def run(kind=kind, cfg=cfg):
+                if kind == "qkv_rope":
+                    for L in ws:
+                        decode_qkv_rope(xin[kind], L["qkv"], L["n1"], 1e-5, pos, None, cos, sin, kd, vd, NQ,
+                                        seq_rows=M + 2, row_offset=1, seq_q=M, pdl=pdl, config=cfg)
+                    return
                 for L in ws:
                     decode_linear(xin[kind], L[kind], norm_weight=L["n1"] if opt.get("norm") else None,
                                   residual=bufs[0] if opt.get("res") else None, swiglu=opt.get("swiglu", False),
