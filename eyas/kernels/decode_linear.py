@@ -689,8 +689,7 @@ def _launch(x2, M, K, weight, cfg, pdl, n_out, out2, *, norm_weight=None, eps=1e
     _tile_linear_kernel[grid](
         *common, seq_q, seq_rows, row_offset, KP=triton.next_power_of_2(K), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         M_PAD=m_pad, NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair,
-        HD=hd, HAS_DST=dst is not None, USE_GDC=use_gdc, UPCAST=upcast,
-        DOT_PREC="ieee" if (x2.dtype == torch.float32 or upcast) else "tf32", UNIFORM=uniform,
+        HD=hd, HAS_DST=dst is not None, USE_GDC=use_gdc, UPCAST=upcast, DOT_PREC=dot_prec, UNIFORM=uniform,
         PRELOAD=PRELOAD_ROPE, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **kwargs)
 
 
