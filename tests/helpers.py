@@ -177,7 +177,7 @@ for mod, name, sig, constexprs, options in json.load(sys.stdin):
             f.flush()
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
                                    check=True).stdout
-    results.append({"error": None, "usage": usage})
+    results.append({"error": None, "usage": usage, "shared": compiled.metadata.shared})
 print(json.dumps(results))
 """
 
@@ -186,7 +186,8 @@ def compile_for_sm90(variants) -> list[dict]:
     """Compile Triton kernels for sm_90 (the H200) without a GPU, with the ptxas inside the triton wheel, in a fresh
     process: after interpreted runs (TRITON_INTERPRET=1) the `tl` module of this one is the interpreter's. `variants`:
     (module, kernel name, signature, constexprs, options) each. Returns per variant {"error": text or None, "usage":
-    cuobjdump's resource usage (registers, local memory) or None}."""
+    cuobjdump's resource usage (registers, stack, static shared memory) or None, "shared": the launch's dynamic
+    shared memory in bytes}."""
     import os
     import subprocess
     import sys

@@ -1,0 +1,85 @@
+"""Registers and spills of the tile kernels at SmolLM2's verify-pass shapes, compiled offline for sm_90 (no GPU:
+the ptxas and cuobjdump inside the triton wheel, `tests/helpers.compile_for_sm90`). For choosing the configs a
+device sweep tries: a whole-K tile that spills (local memory) is slow however it is launched.
+
+    PYTHONPATH=.:tests python3 tools/diag/tile_regs.py --rows 16,49 --configs 16x0x4x1x16,16x0x8x1x32
+
+Each row: kind (qkv_rope: RoPE pairs into a stash; gu: SwiGLU pairs with the norm; o and down: residual), rows,
+config (BLOCK_NxBLOCK_KxWARPSxSTAGES[xBLOCK_M], BLOCK_K 0 = whole K), registers a thread, stack bytes a thread
+(ptxas's spills; 0 is what we want), dynamic shared memory (bytes a program).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+import triton
+
+from eyas.kernels.decode_linear import JOINED_PAIRS, TileConfig, _tile_k_parts
+
+SHAPES = {"qkv_rope": dict(N=480, K=576, pair=2, norm=True, res=False, hd=32),
+          "gu": dict(N=1536, K=576, pair=1, norm=True, res=False, hd=1),
+          "o": dict(N=576, K=576, pair=0, norm=False, res=True, hd=1),
+          "down": dict(N=576, K=1536, pair=0, norm=False, res=True, hd=1)}
+PTRS = ["X", "W", "NORM_W", "RES", "OUT"]
+INTS = ["M", "N", "K"]
+
+
+def variant(kind: str, M: int, cfg: TileConfig):
+    s = SHAPES[kind]
+    whole = cfg.BLOCK_K == 0
+    m_pad = cfg.BLOCK_M or max(16, triton.next_power_of_2(M))
+    sig = {p: "*bf16" for p in PTRS}
+    sig.update({p: "i32" for p in INTS})
+    sig.update(eps="fp32", stride_x="i32", stride_r="i32", stride_o="i32", COS="*fp32", SIN="*fp32", POS="*i64",
+               DST="*i64", KC="*bf16", VC="*bf16", stride_cos="i32", Q_ROWS="i32", QK_ROWS="i32", KV_ROW="i32",
+               SEQ_Q="i32", SEQ_ROWS="i32", ROW_OFF="i32")
+    per_prog = cfg.BLOCK_N // 2 if s["pair"] else cfg.BLOCK_N
+    const = dict(BLOCK_N=cfg.BLOCK_N, M_PAD=m_pad, NORM=s["norm"], ADD_RES=s["res"], PAIR=s["pair"], HD=s["hd"],
+                 HAS_DST=False, USE_GDC=True, UPCAST=False, DOT_PREC="tf32",
+                 UNIFORM=s["pair"] == 2 and s["hd"] % per_prog == 0, PRELOAD=True)
+    if whole:
+        ka, kb = _tile_k_parts(s["K"])
+        const.update(KA=ka, KB=kb, JOINED=JOINED_PAIRS)
+        name = "_tile_whole_k_kernel"
+    else:
+        const.update(KP=triton.next_power_of_2(s["K"]), BLOCK_K=cfg.BLOCK_K)
+        name = "_tile_linear_kernel"
+    for k in const:
+        sig[k] = "constexpr"
+    return ("eyas.kernels.decode_linear", name, sig, const,
+            {"num_warps": cfg.num_warps, "num_stages": 1 if whole else cfg.num_stages})
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kinds", default=",".join(SHAPES))
+    ap.add_argument("--rows", default="16,49")
+    ap.add_argument("--configs", default="16x0x4x1x16,16x0x8x1x16,32x0x4x1x16,32x0x8x1x16,16x0x4x1x32,"
+                                         "16x0x8x1x32,64x0x4x1x32,64x0x8x1x32,64x0x4x1x16")
+    args = ap.parse_args(argv)
+    from helpers import compile_for_sm90
+    todo = []
+    for kind in args.kinds.split(","):
+        for M in (int(m) for m in args.rows.split(",")):
+            for c in args.configs.split(","):
+                cfg = TileConfig(*(int(v) for v in c.split("x")))
+                if SHAPES[kind]["pair"] and cfg.BLOCK_N < 32:
+                    continue
+                todo.append((kind, M, c, variant(kind, M, cfg)))
+    results = compile_for_sm90([t[3] for t in todo])
+    for (kind, M, c, _), r in zip(todo, results):
+        if r["error"]:
+            print(kind, M, c, "error:", r["error"][-200:])
+            continue
+        u = r["usage"] or ""
+        reg = re.search(r"REG:(\d+)", u)
+        lmem = re.search(r"STACK:(\d+)", u)  # ptxas's spills (and local arrays) land on the stack
+        print(f"{kind:9s} {M:3d} {c:14s} regs {reg.group(1) if reg else '?':>4s} spill {lmem.group(1) if lmem else '?':>5s}"
+              f" shared {r.get('shared')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
