@@ -124,6 +124,19 @@ def test_tile_whole_k_matches_reference(monkeypatch, dtype, kind, M, K, block_m,
     _check(decode_linear(x, w, config=cfg, **kw), decode_linear_reference(x, w, **kw), dtype)
 
 
+@pytest.mark.parametrize("kind", ["plain", "norm", "residual", "norm+swiglu"])
+@pytest.mark.parametrize("M,K,block_m", [(5, 100, 0), (17, 40, 16), (49, 72, 32)])
+def test_tile_first_w_matches_reference(kind, M, K, block_m):
+    """`TileConfig.first_w`: the K loop's first weight tile loaded before the wait and taken in its first step
+    (several steps, a ragged last one), every prologue and epilogue, with and without blocks of rows."""
+    N = 80 if "swiglu" in kind else 40
+    x, w, g, r = _inputs(N, K, torch.float32, DEV, seed=N * K + M, M=M)
+    kw = _kind_kwargs(kind, g, r)
+    cfg = TileConfig(BLOCK_N=32 if "swiglu" in kind else 16, BLOCK_K=16, num_warps=2, num_stages=2, BLOCK_M=block_m,
+                     first_w=True)
+    _check(decode_linear(x, w, config=cfg, **kw), decode_linear_reference(x, w, **kw), torch.float32)
+
+
 @pytest.mark.parametrize("kind,N", [("norm", 40), ("residual", 24), ("norm+swiglu", 80), ("norm+swiglu", 2100)])
 def test_wide_whole_k_defaults(monkeypatch, kind, N):
     """`WHOLE_K_ROWS` above 16 (not the default): 49 rows on the whole-K tile's configs for launches of more than 16
@@ -225,6 +238,8 @@ def test_errors():
         TileConfig(BLOCK_N=8)
     with pytest.raises(ValueError, match="BLOCK_M"):
         TileConfig(BLOCK_M=8)
+    with pytest.raises(ValueError, match="first_w"):
+        TileConfig(BLOCK_K=0, first_w=True)
 
 
 def test_default_configs_fit_registers():
@@ -388,7 +403,8 @@ def test_decode_qkv_rope_errors():
                                             (40, (4, 12, 2), "tile"), (40, (4, 12, 2), "tile_m16"),
                                             (20, [3, -1, 7, 17, 5, 6, 2, 1, 4, -1, 9, 8, 11, 10, 12, 13, 14, 15, -1,
                                                   16], "tile_m16"), (40, (4, 12, 2), "tile_whole_k"),
-                                            (3, [5, -1, 2], "tile_whole_k"), (2, (1, 5, 3), "register"),
+                                            (3, [5, -1, 2], "tile_whole_k"), (40, (4, 12, 2), "tile_first_w"),
+                                            (2, (1, 5, 3), "register"),
                                             (6, (3, 4, 2), "register"), (1, (1, 3, 2), "register")])
 @pytest.mark.parametrize("norm", [True, False])
 def test_stash_qkv_rope_matches_reference(dtype, NQ, KVH, D, K, M, where, kernel, norm):
@@ -411,6 +427,7 @@ def test_stash_qkv_rope_matches_reference(dtype, NQ, KVH, D, K, M, where, kernel
     cfg = (TileConfig(BLOCK_N=32, BLOCK_K=32, num_warps=2, num_stages=2) if kernel == "tile"
            else TileConfig(BLOCK_N=32, BLOCK_K=32, num_warps=2, num_stages=2, BLOCK_M=16) if kernel == "tile_m16"
            else TileConfig(BLOCK_N=32, BLOCK_K=0, num_warps=2, num_stages=1, BLOCK_M=16) if kernel == "tile_whole_k"
+           else TileConfig(BLOCK_N=32, BLOCK_K=16, num_warps=2, num_stages=2, first_w=True) if kernel == "tile_first_w"
            else DecodeLinearConfig(BLOCK_N=4, num_warps=2))
     if not norm:
         args = (args[0], args[1], None, *args[3:])

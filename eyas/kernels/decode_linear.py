@@ -327,13 +327,15 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, NORM: tl.constexpr,
                         ADD_RES: tl.constexpr, PAIR: tl.constexpr, HD: tl.constexpr, HAS_DST: tl.constexpr,
                         USE_GDC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, UNIFORM: tl.constexpr,
-                        PRELOAD: tl.constexpr):
+                        PRELOAD: tl.constexpr, FIRST_W: tl.constexpr):
     """Several rows of x (M <= M_PAD, M_PAD >= 16) against BLOCK_N weight rows streamed in [rows, BLOCK_K] tiles
     through the tensor cores (acc[rows, M_PAD] += w @ x^T, as gemv's USE_DOT path): each program reads its weight
     rows once and all of x once (from L2), whatever M. Rows and pairs (PAIR, HD, the stores) as
     `_decode_linear_kernel`. NORM: a first pass over x gives each row's mean square (unrolled over KP =
     next_pow2(K), so that its loads can be in flight together; as a loop the 8B forward of 4 rows took 7.19 ms,
-    unrolled 6.46), the second applies the norm tile by tile with rms_norm's roundings."""
+    unrolled 6.46), the second applies the norm tile by tile with rms_norm's roundings. FIRST_W
+    (`TileConfig.first_w`): the first K tile's weights are loaded before the PDL wait (the whole-K tile's gain for
+    rows too wide to hold whole), and the loop's first step takes them instead of loading."""
     pid = tl.program_id(0)
     offs_m = tl.program_id(1) * M_PAD + tl.arange(0, M_PAD)         # this program's block of x rows (BLOCK_M)
     m_ok = offs_m < M
@@ -355,6 +357,12 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
     tables = 0
     if PAIR == 2 and PRELOAD:  # (step inputs and constant tables: loaded before the wait)
         tables = _rope_tables(jj, offs_m, m_ok, COS, SIN, POS, DST, stride_cos, SEQ_Q, SEQ_ROWS, ROW_OFF, HD, HAS_DST)
+    wa0 = 0
+    wb0 = 0
+    if FIRST_W:
+        wa0 = tl.load(wa_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+        if PAIR > 0:
+            wb0 = tl.load(wb_ptrs, mask=(offs_k < K)[None, :], other=0.0)
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     if NORM:
@@ -372,12 +380,18 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
             x = (g[None, :] * y.to(tl.float32)).to(X.dtype.element_ty)
         if UPCAST:  # the Triton interpreter's bf16 tl.dot is wrong: do its dots in float32 (exact products)
             x = x.to(tl.float32)
-        wa = tl.load(wa_ptrs + k0, mask=k_ok, other=0.0)
+        if FIRST_W:  # the first step's tile is loaded already: no load there, its registers taken instead
+            wa = tl.where(k0 == 0, wa0, tl.load(wa_ptrs + k0, mask=k_ok & (k0 > 0), other=0.0))
+        else:
+            wa = tl.load(wa_ptrs + k0, mask=k_ok, other=0.0)
         if UPCAST:
             wa = wa.to(tl.float32)
         acc_a = tl.dot(wa, tl.trans(x), acc_a, input_precision=DOT_PREC)
         if PAIR > 0:
-            wb = tl.load(wb_ptrs + k0, mask=k_ok, other=0.0)
+            if FIRST_W:
+                wb = tl.where(k0 == 0, wb0, tl.load(wb_ptrs + k0, mask=k_ok & (k0 > 0), other=0.0))
+            else:
+                wb = tl.load(wb_ptrs + k0, mask=k_ok, other=0.0)
             if UPCAST:
                 wb = wb.to(tl.float32)
             acc_b = tl.dot(wb, tl.trans(x), acc_b, input_precision=DOT_PREC)
@@ -554,6 +568,7 @@ class TileConfig:
     num_stages: int = 4
     BLOCK_M: int = 0     # x rows per program: 0 = all of them (padded to a power of two >= 16); else a power of
     #                      two >= 16, and a second grid dimension over the blocks of rows
+    first_w: bool = False  # the K loop's first weight tile loaded before the PDL wait (BLOCK_K > 0 only)
 
     def __post_init__(self):
         for name in ("BLOCK_N", "BLOCK_K"):
@@ -564,6 +579,9 @@ class TileConfig:
                 raise ValueError(f"TileConfig.{name} must be a power of two >= 16, got {v}")
         if self.BLOCK_M and (self.BLOCK_M < 16 or self.BLOCK_M & (self.BLOCK_M - 1)):
             raise ValueError(f"TileConfig.BLOCK_M must be 0 or a power of two >= 16, got {self.BLOCK_M}")
+        if self.first_w and self.BLOCK_K == 0:
+            raise ValueError("TileConfig.first_w is for the K loop (BLOCK_K > 0); the whole-K tile loads all of its "
+                             "weights before the wait already")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"TileConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
         if self.num_stages < 1:
@@ -690,7 +708,8 @@ def _launch(x2, M, K, weight, cfg, pdl, n_out, out2, *, norm_weight=None, eps=1e
         *common, seq_q, seq_rows, row_offset, KP=triton.next_power_of_2(K), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         M_PAD=m_pad, NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair,
         HD=hd, HAS_DST=dst is not None, USE_GDC=use_gdc, UPCAST=upcast, DOT_PREC=dot_prec, UNIFORM=uniform,
-        PRELOAD=PRELOAD_ROPE, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **kwargs)
+        PRELOAD=PRELOAD_ROPE, FIRST_W=bool(cfg.first_w), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_fp_fusion=False, **kwargs)
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,

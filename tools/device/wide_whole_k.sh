@@ -11,7 +11,7 @@ source tools/device/ab_lib.sh
 begin wide_whole_k
 echo "== sweep [t=$(el)]"
 timeout 300 python3 tools/diag/tile_chain_bench.py --shape smollm2 --rows 49 --per-kind --out $OUT/sweep.json \
-  --configs ${CONFIGS:-32x0x4x1x32,64x0x4x1x16,64x0x8x1x16,64x0x8x1x32,64x0x4x1x32,128x0x8x1x16,32x0x2x1x16,32x0x4x1x16,16x0x4x1x32,16x0x2x1x32,16x0x8x1x32,32x0x8x1x16,16x0x4x1x16,16x128x4x3x32,16x64x4x4x16,32x128x8x3x16,16x256x8x2x16,16x128x2x3x16,64x64x4x3x16,32x256x4x2x16,16x256x4x3x16} \
+  --configs ${CONFIGS:-32x0x4x1x32,64x0x4x1x16,64x0x8x1x16,64x0x8x1x32,64x0x4x1x32,128x0x8x1x16,32x0x2x1x16,32x0x4x1x16,16x0x4x1x32,16x0x2x1x32,16x0x8x1x32,32x0x8x1x16,16x0x4x1x16,16x128x4x3x32,16x64x4x4x16,32x128x8x3x16,16x256x8x2x16,16x128x2x3x16,64x64x4x3x16,32x256x4x2x16,16x256x4x3x16,16x256x4x4x0x1,16x128x4x4x16x1,16x128x4x3x32x1} \
   2>&1 | grep -v Warning | grep "'kind'\|variant" | cut -c1-400
 SET="import json, eyas.models.one_row as o, eyas.kernels.decode_linear as dl
 o.FEW_ROWS_MAX = 64

@@ -16,7 +16,7 @@ top of every variant alike.
   one row took the register kernel;
 * `--per-kind`: each linear kind alone (32 launches over the layers' weights; `qkv_rope` is decode_qkv_rope with its
   RoPE epilogue into a stash, a verify pass's launch, beside cuBLAS's bare qkv GEMM) for cuBLAS and every config of
-  `--configs` (BLOCK_NxBLOCK_KxWARPSxSTAGES[xBLOCK_M]; rBLOCK_NxWARPS: the register kernel, up to 8 rows); then the
+  `--configs` (BLOCK_NxBLOCK_KxWARPSxSTAGES[xBLOCK_M[x1]], x1: first_w; rBLOCK_NxWARPS: the register kernel, up to 8 rows); then the
   chain again with each kind's best.
 """
 from __future__ import annotations
@@ -82,7 +82,8 @@ def fwd_tile(x, ws, H, attn, bufs, pdl, cfgs):
 
 
 def parse_cfg(text):
-    """"BxKxWxS[xM]" -> TileConfig (M: BLOCK_M, rows per program; none: all); "rBxW" -> the register kernel,
+    """"BxKxWxS[xM[x1]]" -> TileConfig (M: BLOCK_M, rows per program, 0 or none: all; x1: first_w, the first K
+    tile's weights loaded before the PDL wait); "rBxW" -> the register kernel,
     DecodeLinearConfig(B, W) (up to 8 rows)."""
     if text.startswith("r"):
         bn, w = (int(v) for v in text[1:].split("x"))
@@ -93,7 +94,8 @@ def parse_cfg(text):
 def cfg_name(c):
     if isinstance(c, DecodeLinearConfig):
         return f"r{c.BLOCK_N}x{c.num_warps}"
-    return f"{c.BLOCK_N}x{c.BLOCK_K}x{c.num_warps}x{c.num_stages}" + (f"x{c.BLOCK_M}" if c.BLOCK_M else "")
+    return f"{c.BLOCK_N}x{c.BLOCK_K}x{c.num_warps}x{c.num_stages}" + (f"x{c.BLOCK_M}" if c.BLOCK_M or c.first_w else
+                                                                     "") + ("x1" if c.first_w else "")
 
 
 def usable(cfg, M, K, swiglu):

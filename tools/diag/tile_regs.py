@@ -44,7 +44,7 @@ def variant(kind: str, M: int, cfg: TileConfig):
         const.update(KA=ka, KB=kb, JOINED=JOINED_PAIRS)
         name = "_tile_whole_k_kernel"
     else:
-        const.update(KP=triton.next_power_of_2(s["K"]), BLOCK_K=cfg.BLOCK_K)
+        const.update(KP=triton.next_power_of_2(s["K"]), BLOCK_K=cfg.BLOCK_K, FIRST_W=bool(cfg.first_w))
         name = "_tile_linear_kernel"
     for k in const:
         sig[k] = "constexpr"
