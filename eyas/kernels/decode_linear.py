@@ -375,9 +375,7 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
         k_ok = (offs_k < K - k0)[None, :]
         x = tl.load(x_ptrs + k0, mask=k_ok, other=0.0)
         if NORM:
-            g = tl.load(NORM_W + k0 + offs_k, mask=offs_k < K - k0, other=0.0).to(tl.float32)
-            y = (x.to(tl.float32) * rstd).to(X.dtype.element_ty)
-            x = (g[None, :] * y.to(tl.float32)).to(X.dtype.element_ty)
+            x = _norm_tile(x, rstd, NORM_W, k0 + offs_k, offs_k < K - k0)
         if UPCAST:  # the Triton interpreter's bf16 tl.dot is wrong: do its dots in float32 (exact products)
             x = x.to(tl.float32)
         if FIRST_W:  # the first step's tile is loaded already: no load there, its registers taken instead
@@ -396,8 +394,18 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
                 wb = wb.to(tl.float32)
             acc_b = tl.dot(wb, tl.trans(x), acc_b, input_precision=DOT_PREC)
     _tile_end(acc_a, acc_b, j, j_ok, jj, first, offs_m, m_ok, RES, OUT, stride_r, stride_o, COS, SIN, POS, DST, KC, VC,
-              stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, tables, ADD_RES, PAIR, HD, HAS_DST, USE_GDC,
-              UNIFORM, PRELOAD)
+              stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, tables, ADD_RES, PAIR, HD, HAS_DST,
+              USE_GDC, UNIFORM, PRELOAD)
+
+
+@triton.jit
+def _norm_tile(x, rstd, NORM_W, offs, ok):
+    """The tile kernels' input norm of x [rows, k] (the model dtype) with each row's rstd [rows, 1]: x * rstd
+    rounded to the dtype, then times the norm weight at columns `offs` (`ok`: inside K), rounded again
+    (`eyas.layers.norm.rms_norm`'s roundings)."""
+    g = tl.load(NORM_W + offs, mask=ok, other=0.0).to(tl.float32)
+    y = (x.to(tl.float32) * rstd).to(x.dtype)
+    return (g[None, :] * y.to(tl.float32)).to(x.dtype)
 
 
 @triton.jit
@@ -502,19 +510,17 @@ def _tile_whole_k_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_
             xf2 = x2.to(tl.float32)
             ss += tl.sum(xf2 * xf2, axis=1)
         rstd = tl.math.rsqrt(ss / K + eps)[:, None]
-        g1 = tl.load(NORM_W + ka, mask=ka_ok, other=0.0).to(tl.float32)
-        x1 = (g1[None, :] * (xf1 * rstd).to(X.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty)
+        x1 = _norm_tile(x1, rstd, NORM_W, ka, ka_ok)
         if KB > 0:
-            g2 = tl.load(NORM_W + kb, mask=kb_ok, other=0.0).to(tl.float32)
-            x2 = (g2[None, :] * (xf2 * rstd).to(X.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty)
+            x2 = _norm_tile(x2, rstd, NORM_W, kb, kb_ok)
     acc_a = _whole_k_dot(acc_a, wa1, wa2, x1, x2, KB, UPCAST, DOT_PREC)
     if PAIR > 0 and JOINED:
         acc_a, acc_b = tl.split(tl.permute(tl.reshape(acc_a, (P, 2, M_PAD)), (0, 2, 1)))
     elif PAIR > 0:
         acc_b = _whole_k_dot(acc_b, wb1, wb2, x1, x2, KB, UPCAST, DOT_PREC)
     _tile_end(acc_a, acc_b, j, j_ok, jj, first, offs_m, m_ok, RES, OUT, stride_r, stride_o, COS, SIN, POS, DST, KC, VC,
-              stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, tables, ADD_RES, PAIR, HD, HAS_DST, USE_GDC,
-              UNIFORM, PRELOAD)
+              stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, tables, ADD_RES, PAIR, HD, HAS_DST,
+              USE_GDC, UNIFORM, PRELOAD)
 
 
 def _tile_k_parts(K: int) -> tuple[int, int]:
@@ -679,37 +685,44 @@ def _launch(x2, M, K, weight, cfg, pdl, n_out, out2, *, norm_weight=None, eps=1e
     common = (x2, weight, norm_weight if norm_weight is not None else x2, res2 if res2 is not None else out2, out2, M,
               N, K, eps, x2.stride(0), res2.stride(0) if res2 is not None else 0, out2.stride(0), cos, sin, pos,
               dst if dst is not None else pos, kc, vc, stride_cos, q_rows, qk_rows, kv_row)
-    per_prog = cfg.BLOCK_N // 2 if pair else cfg.BLOCK_N
-    grid = (triton.cdiv(n_out, per_prog),)
-    uniform = UNIFORM_PAIRS and pair == 2 and hd % per_prog == 0  # a program's RoPE rows in one half of one head
     seq_q, seq_rows, row_offset = stash or (1, 0, 0)
+    consts = _epilogue_constexprs(cfg, pair, hd, norm=norm_weight is not None, res=res2 is not None,
+                                  has_dst=dst is not None, use_gdc=use_gdc)
+    per_prog = cfg.BLOCK_N // 2 if pair else cfg.BLOCK_N
     if isinstance(cfg, DecodeLinearConfig):
         ka, kb = k_parts(K)
-        _decode_linear_kernel[grid](
+        _decode_linear_kernel[(triton.cdiv(n_out, per_prog),)](
             *common, seq_q, seq_rows, row_offset, scale if scale is not None else x2, KA=ka, KB=kb,
-            BLOCK_N=cfg.BLOCK_N, M_PAD=triton.next_power_of_2(M), NORM=norm_weight is not None,
-            ADD_RES=res2 is not None, PAIR=pair, HD=hd, HAS_DST=dst is not None, USE_GDC=use_gdc,
-            TRIGGER=TRIGGERS.index(cfg.trigger), UNIFORM=uniform, PRELOAD=PRELOAD_ROPE, HAS_SCALE=scale is not None,
-            num_warps=cfg.num_warps, enable_fp_fusion=False, **kwargs)
+            BLOCK_N=cfg.BLOCK_N, M_PAD=triton.next_power_of_2(M), TRIGGER=TRIGGERS.index(cfg.trigger),
+            HAS_SCALE=scale is not None, num_warps=cfg.num_warps, enable_fp_fusion=False, **consts, **kwargs)
         return
-    upcast = x2.dtype != torch.float32 and interpreting()
-    m_pad = cfg.BLOCK_M or max(16, triton.next_power_of_2(M))
-    grid = (grid[0], triton.cdiv(M, m_pad))
-    dot_prec = "ieee" if (x2.dtype == torch.float32 or upcast) else "tf32"
+    kernel, consts, options = _tile_launch(cfg, M, K, x2.dtype, consts)
+    grid = (triton.cdiv(n_out, per_prog), triton.cdiv(M, consts["M_PAD"]))
+    kernel[grid](*common, seq_q, seq_rows, row_offset, enable_fp_fusion=False, **consts, **options, **kwargs)
+
+
+def _epilogue_constexprs(cfg, pair: int, hd: int, *, norm: bool, res: bool, has_dst: bool, use_gdc: bool) -> dict:
+    """The constexprs every decode_linear kernel takes alike: prologue, epilogue, PDL. UNIFORM: a program's RoPE
+    rows lie in one half of one head (`_store_pairs`)."""
+    per_prog = cfg.BLOCK_N // 2 if pair else cfg.BLOCK_N
+    return dict(NORM=norm, ADD_RES=res, PAIR=pair, HD=hd, HAS_DST=has_dst, USE_GDC=use_gdc,
+                UNIFORM=UNIFORM_PAIRS and pair == 2 and hd % per_prog == 0, PRELOAD=PRELOAD_ROPE)
+
+
+def _tile_launch(cfg: TileConfig, M: int, K: int, dtype: torch.dtype, consts: dict):
+    """The tile kernel a TileConfig takes (the whole-K tile for BLOCK_K = 0, else the K loop), its constexprs
+    (`consts`, `_epilogue_constexprs`', and the tile's own) and launch options. Also what tools/diag/tile_regs.py
+    compiles."""
+    upcast = dtype != torch.float32 and interpreting()
+    tile = dict(consts, BLOCK_N=cfg.BLOCK_N, M_PAD=cfg.BLOCK_M or max(16, triton.next_power_of_2(M)), UPCAST=upcast,
+                DOT_PREC="ieee" if (dtype == torch.float32 or upcast) else "tf32")
     if cfg.BLOCK_K == 0:
         ka, kb = _tile_k_parts(K)
-        _tile_whole_k_kernel[grid](
-            *common, seq_q, seq_rows, row_offset, KA=ka, KB=kb, BLOCK_N=cfg.BLOCK_N, M_PAD=m_pad,
-            NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair, HD=hd, HAS_DST=dst is not None,
-            USE_GDC=use_gdc, UPCAST=upcast, DOT_PREC=dot_prec, UNIFORM=uniform, PRELOAD=PRELOAD_ROPE,
-            JOINED=JOINED_PAIRS, num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False, **kwargs)
-        return
-    _tile_linear_kernel[grid](
-        *common, seq_q, seq_rows, row_offset, KP=triton.next_power_of_2(K), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-        M_PAD=m_pad, NORM=norm_weight is not None, ADD_RES=res2 is not None, PAIR=pair,
-        HD=hd, HAS_DST=dst is not None, USE_GDC=use_gdc, UPCAST=upcast, DOT_PREC=dot_prec, UNIFORM=uniform,
-        PRELOAD=PRELOAD_ROPE, FIRST_W=bool(cfg.first_w), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        enable_fp_fusion=False, **kwargs)
+        return (_tile_whole_k_kernel, dict(tile, KA=ka, KB=kb, JOINED=JOINED_PAIRS),
+                dict(num_warps=cfg.num_warps, num_stages=1))
+    return (_tile_linear_kernel,
+            dict(tile, KP=triton.next_power_of_2(K), BLOCK_K=cfg.BLOCK_K, FIRST_W=bool(cfg.first_w)),
+            dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,

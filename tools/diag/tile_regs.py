@@ -14,9 +14,9 @@ import argparse
 import re
 import sys
 
-import triton
+import torch
 
-from eyas.kernels.decode_linear import JOINED_PAIRS, TileConfig, _tile_k_parts
+from eyas.kernels.decode_linear import TileConfig, _epilogue_constexprs, _tile_launch
 
 SHAPES = {"qkv_rope": dict(N=480, K=576, pair=2, norm=True, res=False, hd=32),
           "gu": dict(N=1536, K=576, pair=1, norm=True, res=False, hd=1),
@@ -27,29 +27,18 @@ INTS = ["M", "N", "K"]
 
 
 def variant(kind: str, M: int, cfg: TileConfig):
+    """(module, kernel name, signature, constexprs, options) for `compile_for_sm90`: the kernel and constexprs that
+    decode_linear's own launch takes (`_tile_launch`), bf16, with PDL."""
     s = SHAPES[kind]
-    whole = cfg.BLOCK_K == 0
-    m_pad = cfg.BLOCK_M or max(16, triton.next_power_of_2(M))
+    consts = _epilogue_constexprs(cfg, s["pair"], s["hd"], norm=s["norm"], res=s["res"], has_dst=False, use_gdc=True)
+    kernel, consts, options = _tile_launch(cfg, M, s["K"], torch.bfloat16, consts)
     sig = {p: "*bf16" for p in PTRS}
     sig.update({p: "i32" for p in INTS})
     sig.update(eps="fp32", stride_x="i32", stride_r="i32", stride_o="i32", COS="*fp32", SIN="*fp32", POS="*i64",
                DST="*i64", KC="*bf16", VC="*bf16", stride_cos="i32", Q_ROWS="i32", QK_ROWS="i32", KV_ROW="i32",
                SEQ_Q="i32", SEQ_ROWS="i32", ROW_OFF="i32")
-    per_prog = cfg.BLOCK_N // 2 if s["pair"] else cfg.BLOCK_N
-    const = dict(BLOCK_N=cfg.BLOCK_N, M_PAD=m_pad, NORM=s["norm"], ADD_RES=s["res"], PAIR=s["pair"], HD=s["hd"],
-                 HAS_DST=False, USE_GDC=True, UPCAST=False, DOT_PREC="tf32",
-                 UNIFORM=s["pair"] == 2 and s["hd"] % per_prog == 0, PRELOAD=True)
-    if whole:
-        ka, kb = _tile_k_parts(s["K"])
-        const.update(KA=ka, KB=kb, JOINED=JOINED_PAIRS)
-        name = "_tile_whole_k_kernel"
-    else:
-        const.update(KP=triton.next_power_of_2(s["K"]), BLOCK_K=cfg.BLOCK_K, FIRST_W=bool(cfg.first_w))
-        name = "_tile_linear_kernel"
-    for k in const:
-        sig[k] = "constexpr"
-    return ("eyas.kernels.decode_linear", name, sig, const,
-            {"num_warps": cfg.num_warps, "num_stages": 1 if whole else cfg.num_stages})
+    sig.update({k: "constexpr" for k in consts})
+    return ("eyas.kernels.decode_linear", kernel.__name__, sig, consts, options)
 
 
 def main(argv=None):
@@ -76,8 +65,8 @@ def main(argv=None):
         u = r["usage"] or ""
         reg = re.search(r"REG:(\d+)", u)
         lmem = re.search(r"STACK:(\d+)", u)  # ptxas's spills (and local arrays) land on the stack
-        print(f"{kind:9s} {M:3d} {c:14s} regs {reg.group(1) if reg else '?':>4s} spill {lmem.group(1) if lmem else '?':>5s}"
-              f" shared {r.get('shared')}")
+        print(f"{kind:9s} {M:3d} {c:14s} regs {reg.group(1) if reg else '?':>4s} "
+              f"spill {lmem.group(1) if lmem else '?':>5s} shared {r.get('shared')}")
     return 0
 
 
