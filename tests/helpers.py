@@ -182,6 +182,24 @@ print(json.dumps(results))
 """
 
 
+def tile_variant(M: int, cfg, dtype, N: int, K: int, pair: int = 0, norm: bool = False, res: bool = False,
+                 hd: int = 1, pdl: bool = True):
+    """A `compile_for_sm90` variant of decode_linear's tile kernels: the kernel, constexprs and options its own
+    launch takes for M rows of x [M, K] against weight [N, K] (pair: 0 plain, 1 SwiGLU, 2 RoPE with head dim hd; N
+    counts pairs then) in `dtype`, with PDL."""
+    from eyas.kernels.decode_linear import _epilogue_constexprs, _tile_launch
+    consts = _epilogue_constexprs(cfg, pair, hd, norm=norm, res=res, has_dst=False, use_gdc=pdl)
+    kernel, consts, options = _tile_launch(cfg, M, K, dtype, consts)
+    t = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
+    sig = {p: t for p in ("X", "W", "NORM_W", "RES", "OUT")}
+    sig.update({p: "i32" for p in ("M", "N", "K")})
+    sig.update(eps="fp32", stride_x="i32", stride_r="i32", stride_o="i32", COS="*fp32", SIN="*fp32", POS="*i64",
+               DST="*i64", KC=t, VC=t, stride_cos="i32", Q_ROWS="i32", QK_ROWS="i32", KV_ROW="i32",
+               SEQ_Q="i32", SEQ_ROWS="i32", ROW_OFF="i32")
+    sig.update({k: "constexpr" for k in consts})
+    return ("eyas.kernels.decode_linear", kernel.__name__, sig, consts, options)
+
+
 def compile_for_sm90(variants) -> list[dict]:
     """Compile Triton kernels for sm_90 (the H200) without a GPU, with the ptxas inside the triton wheel, in a fresh
     process: after interpreted runs (TRITON_INTERPRET=1) the `tl` module of this one is the interpreter's. `variants`:

@@ -139,7 +139,7 @@ def test_tile_first_w_matches_reference(kind, M, K, block_m):
 
 @pytest.mark.parametrize("kind,N", [("norm", 40), ("residual", 24), ("norm+swiglu", 80), ("norm+swiglu", 2100)])
 def test_wide_whole_k_defaults(monkeypatch, kind, N):
-    """`WHOLE_K_ROWS` above 16 (not the default): 49 rows on the whole-K tile's configs for launches of more than 16
+    """`WHOLE_K_ROWS` above 16 (the default since session 38): 49 rows on the whole-K tile's configs for launches of more than 16
     rows (pairs: 64-row tiles from 1024 pairs, 32-row ones below), against the reference."""
     import eyas.kernels.decode_linear as dl
     monkeypatch.setattr(dl, "WHOLE_K_ROWS", 64)
@@ -180,7 +180,12 @@ def test_default_kernel_by_rows():
     assert default_decode_config(576, 1536, M=2) == DecodeLinearConfig(2, 4, "end")
     assert default_decode_config(6144, 4096, M=2) == default_decode_config(6144, 4096)
     assert default_decode_config(960, 576) == DecodeLinearConfig(4, 4, "end")
-    assert default_tile_config(49, 1536, 576, pairs=True) == TileConfig(32, 64, 4, 3)
+    # 17-64 rows: the whole-K tile where it fits shared memory (bf16 SwiGLU at SmolLM2's gate/up; float32 at its
+    # down projection does not: 288 KB), else the K loop (the 8B shape's K = 4096 is too wide)
+    assert default_tile_config(49, 1536, 576, pairs=True) == TileConfig(64, 0, 4, 1, 32)
+    assert default_tile_config(49, 576, 1536) == TileConfig(16, 0, 4, 1, 32)
+    assert default_tile_config(49, 576, 1536, elem_bytes=4) == TileConfig(16, 64, 4, 3)
+    assert default_tile_config(49, 6144, 4096) == TileConfig(16, 64, 4, 3)
 
 
 def test_residual_in_place_and_shapes():
@@ -631,9 +636,9 @@ def test_draft_levels_on_rows_equal_the_fused_path(B, Q, layers, out, quant):
         fp8_linears(draft)
         draft.to(DEV)
     enable_fast_path(draft)
-    # a small draft: tree levels of 1 to 16 tokens; FP8 codes take the register kernel alone (no scales in the tile
-    # kernel): 1 to 8
-    assert draft.few_rows and draft.few_rows_max == (8 if quant else 16)
+    # a small draft: tree levels of 1 to FEW_ROWS_MAX (64) tokens; FP8 codes take the register kernel alone (no
+    # scales in the tile kernel): 1 to 8
+    assert draft.few_rows and draft.few_rows_max == (8 if quant else 64)
     cache = KVCache.allocate(cfg, layers, 6, 16, torch.float32, torch.device(DEV))
     for t in (cache.k, cache.v):
         t.normal_()
@@ -893,3 +898,21 @@ def test_gpu_few_rows_under_graphs_equals_fused_path(tiny, spec, prompts, attn_p
         llm.target.few_rows_max = 64
         return [o.token_ids for o in llm.generate(prompts, params)]
     assert run(True) == run(False)
+
+
+def test_default_tiles_fit_sm90_shared_memory():
+    """The default tile configs at SmolLM2's shapes (qkv + RoPE, o, gate/up, down; 16 and 49 rows; bf16 and
+    float32), compiled offline for sm_90 (`helpers.compile_for_sm90`: Triton's own count of a launch's dynamic shared
+    memory): each fits a block of the H200 (232,448 bytes, the limit its OutOfResources error names). Session 38's
+    GPU graph test on SmolLM2 in float32 failed there: the whole-K tile for down at 49 rows asked 294,912."""
+    pytest.importorskip("triton.compiler")
+    from helpers import compile_for_sm90, tile_variant
+    shapes = [dict(N=480, K=576, pair=2, norm=True, hd=32), dict(N=576, K=576, res=True),
+              dict(N=1536, K=576, pair=1, norm=True), dict(N=576, K=1536, res=True)]
+    todo = [(M, s, dtype, dl.default_tile_config(M, s["N"], s["K"], s.get("pair", 0) > 0,
+                                                 torch.empty(0, dtype=dtype).element_size()))
+            for dtype in (torch.bfloat16, torch.float32) for M in (16, 49) for s in shapes]
+    assert sum(c.BLOCK_K == 0 for *_, c in todo) >= 12  # mostly the whole-K tile
+    results = compile_for_sm90([tile_variant(M, cfg, dtype, **s) for M, s, dtype, cfg in todo])
+    for (M, s, dtype, cfg), r in zip(todo, results):
+        assert r["error"] is None and r["shared"] <= 232448, (M, s, dtype, cfg, r["error"], r.get("shared"))

@@ -685,7 +685,7 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                    help="keep batch-1 plain decode steps on the fused path (cuBLAS), without the one-row kernels "
                         "(eyas.models.one_row): to compare the two")
     p.add_argument("--no-few-rows", dest="few_rows", action="store_false",
-                   help="keep verify passes and plain steps of 2-16 tokens on the fused path (cuBLAS), without the "
+                   help="keep verify passes and plain steps of 2-64 tokens on the fused path (cuBLAS), without the "
                         "tile kernels (eyas.models.one_row; taken for small models only): to compare the two")
     p.add_argument("--no-fold-norms", dest="fold_norms", action="store_false",
                    help="keep the target's RMSNorm kernels (eyas.models.fused.fold_norms folds their weights into "

@@ -37,7 +37,7 @@ class EngineConfig:
     cuda_graphs: bool = False  # replay whole decode steps from CUDA graphs (device="cuda")
     # batch-1 plain decode steps on the one-row kernels where the target allows (eyas.models.one_row; with Triton)
     one_row: bool = True
-    # verify passes and plain steps of 2 to 16 tokens on the same path's tile kernels, for small models where they
+    # verify passes and plain steps of 2 to 64 tokens on the same path's tile kernels, for small models where they
     # pay (eyas.models.one_row.few_rows_pay)
     few_rows: bool = True
     # the target's RMSNorm weights folded into its projections, two launches a layer fewer on the steps that do not

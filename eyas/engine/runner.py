@@ -166,7 +166,7 @@ class ModelRunner:
             from eyas.models.fused import enable_fast_path
             for m in (target, draft):
                 if m is not None:
-                    # `one_row` / `few_rows`: the target's steps of one token / of 2 to 16 and the draft's tree levels
+                    # `one_row` / `few_rows`: the target's steps of one token / of 2 to 64 and the draft's tree levels
                     # (eyas.models.one_row); few rows on a GPU only: under the CPU's Triton interpreter their GEMVs
                     # made test_spec's greedy chain:4 test take 116 s, against < 8.4 s on torch's matmuls (tests
                     # switch them on themselves)

@@ -538,10 +538,17 @@ UNIFORM_PAIRS = True
 PRELOAD_ROPE = True
 
 # `default_tile_config` gives launches of at most WHOLE_K_ROWS rows whose K fits WHOLE_K_MAX_K (the two parts'
-# widths) the whole-K tile (BLOCK_K = 0); 0: never.
-WHOLE_K_ROWS = 16
+# widths; twice that above 16 rows) the whole-K tile (BLOCK_K = 0); 0: never. 64 since session 38 (16 in session 37),
+# with one_row.FEW_ROWS_MAX = 64: SmolLM2's default tree's 49-row verify pass on these tiles took its step from
+# 1.159 to 1.109 ms on the real model (docs/benchmarks.md, "Session 38").
+WHOLE_K_ROWS = 64
 WHOLE_K_MAX_K = 1024
 JOINED_PAIRS = True  # the whole-K tile loads a program's pairs as one interleaved tile (False: two tiles)
+# The whole-K tile holds its weight rows and its block of x in shared memory at once: (BLOCK_N + BLOCK_M) x the K
+# parts' width elements. sm_90 gives a block at most 227 KB; `default_tile_config` keeps the whole-K tile within it
+# (float32's down projection at 17-64 rows would need 288 KB, session 38's graph test on SmolLM2) and takes the K
+# loop where it does not fit.
+WHOLE_K_SHARED = 232448
 MAX_ROWS = 64        # the tile kernel's limit (x padded to a power of two >= 16 rows)
 EXACT_K = True  # the register kernel holds K as two power-of-two parts (`k_parts`); False: one padded part
 
@@ -594,39 +601,52 @@ class TileConfig:
             raise ValueError(f"TileConfig.num_stages must be >= 1, got {self.num_stages}")
 
 
-def default_tile_config(M: int, N: int, K: int, pairs: bool = False) -> TileConfig:
+def whole_k_shared_bytes(cfg: TileConfig, M: int, K: int, elem_bytes: int) -> int:
+    """The shared memory a whole-K tile (BLOCK_K = 0) asks for: its weight rows and its block of x, K wide."""
+    return (cfg.BLOCK_N + (cfg.BLOCK_M or max(16, triton.next_power_of_2(M)))) * sum(_tile_k_parts(K)) * elem_bytes
+
+
+def default_tile_config(M: int, N: int, K: int, pairs: bool = False, elem_bytes: int = 2) -> TileConfig:
     """16 weight rows per accumulator (32 for pairs: 16 of each half), so that even N = 4096 gives 256 programs;
     tiles 256 wide at 16 padded rows, 128 at 32, 64 at 64 (the x tile and its pointers live in registers: sm_90
     offline compiles spill from 64 x 128 at 4 warps), 4 stages (3 at 64 rows), 4 warps. A first guess;
     tools/diag/tile_chain_bench.py sweeps it. Up to WHOLE_K_ROWS rows and K parts up to WHOLE_K_MAX_K wide: the
-    whole-K tile, which beat these loop tiles at 8 and 16 rows on SmolLM2's shapes (docs/kernels.md, session 37)."""
+    whole-K tile, which beat these loop tiles at 8 and 16 rows on SmolLM2's shapes (docs/kernels.md, session 37);
+    above 16 rows, session 37's 49-row sweep's best per kind (session 38: the fastest there for every kind). The
+    whole-K tile only where its shared memory fits (`whole_k_shared_bytes` of `elem_bytes` elements:
+    WHOLE_K_SHARED)."""
+    whole = None
     if M <= WHOLE_K_ROWS:
         width = sum(_tile_k_parts(K))
         if M <= 16 and width <= WHOLE_K_MAX_K:
-            return TileConfig(BLOCK_N=32 if pairs else 16, BLOCK_K=0, num_warps=4, num_stages=1, BLOCK_M=16)
-        if M > 16 and width <= 2 * WHOLE_K_MAX_K:  # (session 37's 49-row sweep; not the default: WHOLE_K_ROWS)
+            whole = TileConfig(BLOCK_N=32 if pairs else 16, BLOCK_K=0, num_warps=4, num_stages=1, BLOCK_M=16)
+        elif M > 16 and width <= 2 * WHOLE_K_MAX_K:  # (the 49-row sweeps of sessions 37 and 38)
             if pairs:  # many pairs (SwiGLU's 1536): 64-row tiles; few (RoPE's 480): smaller ones, more programs
-                return TileConfig(BLOCK_N=64, BLOCK_K=0, num_warps=4, num_stages=1, BLOCK_M=32) if N >= 1024 else \
+                whole = TileConfig(BLOCK_N=64, BLOCK_K=0, num_warps=4, num_stages=1, BLOCK_M=32) if N >= 1024 else \
                     TileConfig(BLOCK_N=32, BLOCK_K=0, num_warps=4, num_stages=1, BLOCK_M=16)
-            return TileConfig(BLOCK_N=16, BLOCK_K=0, num_warps=4, num_stages=1, BLOCK_M=32)
+            else:
+                whole = TileConfig(BLOCK_N=16, BLOCK_K=0, num_warps=4, num_stages=1, BLOCK_M=32)
+    if whole is not None and whole_k_shared_bytes(whole, M, K, elem_bytes) <= WHOLE_K_SHARED:
+        return whole
     m_pad = max(16, triton.next_power_of_2(M))
     block_k = min(4096 // m_pad, max(16, triton.next_power_of_2(K)))
     return TileConfig(BLOCK_N=32 if pairs else 16, BLOCK_K=block_k, num_warps=4, num_stages=4 if m_pad <= 32 else 3)
 
 
-def default_config(M: int, N: int, K: int, pairs: bool = False) -> DecodeLinearConfig | TileConfig:
+def default_config(M: int, N: int, K: int, pairs: bool = False,
+                   elem_bytes: int = 2) -> DecodeLinearConfig | TileConfig:
     """The default for M rows, N outputs (pairs for SwiGLU / RoPE) over K: the register kernel for one or two rows
     (at two rows it reads x twice per program, still cheaper than the tile kernel's pipeline on SmolLM2's shapes),
-    the tile kernel for more."""
-    return default_decode_config(N, K, pairs, M) if M <= 2 else default_tile_config(M, N, K, pairs)
+    the tile kernel for more (`elem_bytes`: the weights' element size)."""
+    return default_decode_config(N, K, pairs, M) if M <= 2 else default_tile_config(M, N, K, pairs, elem_bytes)
 
 
-def _config(cfg, M: int, n_out: int, K: int, pairs: bool, fp8: bool = False):
+def _config(cfg, M: int, n_out: int, K: int, pairs: bool, fp8: bool = False, elem_bytes: int = 2):
     """The given config (checked), or `default_config` (for FP8 weights: the register kernel's, at up to
     REGISTER_ROWS rows)."""
     if cfg is None:
         cfg = default_decode_config(n_out, K, pairs, M, weight_bytes=1) if fp8 and M <= REGISTER_ROWS else \
-            default_config(M, n_out, K, pairs)
+            default_config(M, n_out, K, pairs, elem_bytes)
     if fp8 and not isinstance(cfg, DecodeLinearConfig):
         raise ValueError(f"FP8 weights (scale=) take the register kernel (DecodeLinearConfig) at 1 to "
                          f"{REGISTER_ROWS} rows, got {M} rows and {type(cfg).__name__}")
@@ -765,7 +785,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.T
         raise ValueError(f"out must be {M} x {n_out} contiguous {x.dtype} values, got {tuple(out.shape)}")
     elif _overlap(out, x2):
         raise ValueError("decode_linear: out overlaps x (every program reads all of x while others write out)")
-    cfg = _config(config, M, n_out, K, swiglu, fp8=scale is not None)
+    cfg = _config(config, M, n_out, K, swiglu, fp8=scale is not None, elem_bytes=weight.element_size())
     _launch(x2, M, K, weight, cfg, pdl, n_out, out.view(M, n_out), norm_weight=norm_weight, eps=eps, res2=res2,
             pair=1 if swiglu else 0, scale=scale)
     return out
@@ -805,7 +825,7 @@ def decode_qkv_rope(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Te
         raise ValueError(f"decode_qkv_rope takes a position and a destination row per token ({M}), got "
                          f"{positions.numel()} and {dst_rows.numel()}")
     n_pairs = weight.shape[0] // 2
-    cfg = _config(config, M, n_pairs, K, True, fp8=scale is not None)
+    cfg = _config(config, M, n_pairs, K, True, fp8=scale is not None, elem_bytes=weight.element_size())
     if dst_rows is None and (seq_q < 1 or M % seq_q or seq_rows < 0 or row_offset < 0
                              or row_offset + seq_q > seq_rows or M // seq_q * seq_rows > len(k_dst)):
         raise ValueError(f"decode_qkv_rope without dst_rows needs {M} tokens in sequences of seq_q = {seq_q} whose "

@@ -32,7 +32,7 @@ class EagleDraft(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, input_norm=i > 0) for i in range(cfg.num_hidden_layers))
         self.rope = RotaryEmbedding.for_config(cfg)
         self.fused_ops = False  # as LlamaForCausalLM.fused_ops: the Triton kernels, with autograd off only
-        # tree levels of 1-16 tokens on eyas.kernels.decode_linear (`eyas.models.one_row.forward_draft_rows`; set by
+        # tree levels of 1-64 tokens on eyas.kernels.decode_linear (`eyas.models.one_row.forward_draft_rows`; set by
         # enable_fast_path for small models)
         self.few_rows = False
         fl = cfg.feature_layers

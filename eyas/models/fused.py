@@ -83,8 +83,8 @@ def enable_fast_path(model: nn.Module, one_row: bool = True, few_rows: bool = Tr
                      fold: bool = True) -> nn.Module:
     """`fuse_projections` + `use_fused_ops(model, True)` (+ `fold_norms` for a target, with `fold`): what the runner
     does on CUDA. `one_row`: a target (LlamaForCausalLM) also takes `eyas.models.one_row` for batch-1 plain decode
-    steps where it can; `few_rows`: for verify passes and plain steps of 2 to 16 tokens (its tile kernels), where
-    they pay (small models: `few_rows_pay`); for an EagleDraft, `few_rows` puts its tree levels of 1 to 16 tokens on
+    steps where it can; `few_rows`: for verify passes and plain steps of 2 to 64 tokens (its tile kernels), where
+    they pay (small models: `few_rows_pay`); for an EagleDraft, `few_rows` puts its tree levels of 1 to 64 tokens on
     the same kernels (a large draft's of 1 or 2 tokens: `eyas.models.one_row.draft_rows_max`), FP8 drafts too."""
     use_fused_ops(fuse_projections(model), True)
     if fold:

@@ -319,7 +319,7 @@ class LlamaForCausalLM(nn.Module):
         self.fused_ops = False
         # batch-1 plain decode steps on eyas.kernels.decode_linear (`eyas.models.one_row`; set by enable_fast_path)
         self.one_row = False
-        # verify passes and plain steps of 2 to 16 tokens on its tile kernels (`eyas.models.one_row`; small models)
+        # verify passes and plain steps of 2 to 64 tokens on its tile kernels (`eyas.models.one_row`; small models)
         self.few_rows = False
         # the decoder layers' norm weights are folded into their projections (`eyas.models.fused.fold_norms`): the
         # fused forward runs `DecoderLayer.forward_folded`

@@ -1,5 +1,5 @@
 """The one-row decode step: batch-1 plain decoding on `eyas.kernels.decode_linear` (issue #5, point 1), and
-its few-rows sibling for steps of 2 to 16 tokens of small models.
+its few-rows sibling for steps of 2 to 64 tokens of small models.
 
 A batch-1 plain decode step is a chain of weight-streaming GEMVs with small kernels between them. On this path each
 decoder layer is five launches (four kernels and the prefix attention's split reduction) instead of ~12:
@@ -18,14 +18,15 @@ starts with the kernel before, and the attention kernels let the o projection's 
 H200 this took the 8B shape's plain step from 4.76-5.04 to 4.31-4.48 ms (same-call pairs) and SmolLM2's from 1.19
 to 0.75 ms (docs/benchmarks.md, "Session 14").
 
-Steps of 2 to 16 tokens (`takes_few_rows`: batched plain decoding, and verify passes, whose K/V go to the step's
+Steps of 2 to 64 tokens (`takes_few_rows`: batched plain decoding, and verify passes, whose K/V go to the step's
 stash and whose attention is the split tree attention) take the same five launches a layer on `decode_linear`'s
 tile kernel (two rows: its register kernel), for models where that pays: hidden size <= 1024 (`few_rows_pay`).
 Session 15 measured (docs/bench/few_rows_s15.json) SmolLM2's `chain:3` at 0.509-0.528 ms/token against
 0.565-0.603 without, and its plain decoding at batch 2 at 0.77-0.87 against 1.12-1.20; at the 8B shapes cuBLAS
 streams the weights faster than the tiles (4.68 ms against 4.13 for a synthetic 4-row forward), and at 49 rows
-(SmolLM2's default tree) the tiles lose too (0.82-0.93 against 0.75). `enable_fast_path(few_rows=True)` sets
-`model.few_rows`; `model.few_rows_max` (FEW_ROWS_MAX) bounds the rows. An EAGLE draft's tree levels of 1 to 16
+(SmolLM2's default tree) the tiles lost too (0.82-0.93 against 0.75) until session 37's whole-K tile; since session 38
+the path takes up to 64 tokens (FEW_ROWS_MAX). `enable_fast_path(few_rows=True)` sets
+`model.few_rows`; `model.few_rows_max` (FEW_ROWS_MAX) bounds the rows. An EAGLE draft's tree levels of 1 to 64
 tokens take the same kernels (`forward_draft_rows`; written after session 15's measurements, held to the fused
 path by the tests).
 
@@ -111,8 +112,12 @@ def use_pdl(device: torch.device) -> bool:
 # kernels; not at 49 rows (0.82 at the best configs against 0.74), and never at the 8B shapes (hidden 4096: 4.68 ms
 # at the best configs against 4.13 at 4 rows; cuBLAS streams these weights faster than the Triton tiles). A small
 # model's step is bound by its launches, a large one's by its weight bytes. Between 576 and 4096 it is unmeasured.
+# FEW_ROWS_MAX was 16 until session 38. With the whole-K tile up to 64 rows (decode_linear.WHOLE_K_ROWS), the default
+# tree's 49-row verify pass became faster on the tiles than on cuBLAS: on the real SmolLM2 (MT-Bench, batch 1) its
+# step took 1.107-1.111 ms against 1.159-1.160, and on the smollm2-shape replay `chain:3` at batch 16 (64 rows)
+# 1.134-1.143 against 1.169-1.191, with no batch size slower (docs/benchmarks.md, "Session 38").
 FEW_ROWS_MAX_HIDDEN = 1024
-FEW_ROWS_MAX = 16
+FEW_ROWS_MAX = 64
 
 
 def few_rows_pay(model: nn.Module) -> bool:

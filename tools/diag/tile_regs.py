@@ -16,29 +16,19 @@ import sys
 
 import torch
 
-from eyas.kernels.decode_linear import TileConfig, _epilogue_constexprs, _tile_launch
+from eyas.kernels.decode_linear import TileConfig
 
 SHAPES = {"qkv_rope": dict(N=480, K=576, pair=2, norm=True, res=False, hd=32),
           "gu": dict(N=1536, K=576, pair=1, norm=True, res=False, hd=1),
           "o": dict(N=576, K=576, pair=0, norm=False, res=True, hd=1),
           "down": dict(N=576, K=1536, pair=0, norm=False, res=True, hd=1)}
-PTRS = ["X", "W", "NORM_W", "RES", "OUT"]
-INTS = ["M", "N", "K"]
 
 
 def variant(kind: str, M: int, cfg: TileConfig):
     """(module, kernel name, signature, constexprs, options) for `compile_for_sm90`: the kernel and constexprs that
-    decode_linear's own launch takes (`_tile_launch`), bf16, with PDL."""
-    s = SHAPES[kind]
-    consts = _epilogue_constexprs(cfg, s["pair"], s["hd"], norm=s["norm"], res=s["res"], has_dst=False, use_gdc=True)
-    kernel, consts, options = _tile_launch(cfg, M, s["K"], torch.bfloat16, consts)
-    sig = {p: "*bf16" for p in PTRS}
-    sig.update({p: "i32" for p in INTS})
-    sig.update(eps="fp32", stride_x="i32", stride_r="i32", stride_o="i32", COS="*fp32", SIN="*fp32", POS="*i64",
-               DST="*i64", KC="*bf16", VC="*bf16", stride_cos="i32", Q_ROWS="i32", QK_ROWS="i32", KV_ROW="i32",
-               SEQ_Q="i32", SEQ_ROWS="i32", ROW_OFF="i32")
-    sig.update({k: "constexpr" for k in consts})
-    return ("eyas.kernels.decode_linear", kernel.__name__, sig, consts, options)
+    decode_linear's own launch takes, bf16, with PDL (`helpers.tile_variant`)."""
+    from helpers import tile_variant
+    return tile_variant(M, cfg, torch.bfloat16, **SHAPES[kind])
 
 
 def main(argv=None):
