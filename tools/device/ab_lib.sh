@@ -59,6 +59,19 @@ switch_run() {
     "$@" --out $OUT/$tag > $OUT/$tag.log 2>&1 || tail -n 5 $OUT/$tag.log
 }
 
+# main_vs NAME SET EYAS_ARGS...: for each value of ORDER (default "main NAME NAME main"), one `switch_run` tagged
+# <value>_<i> of `eyas EYAS_ARGS` with eyas.kernels.decode_linear as m, SET run first for NAME ("pass" for main).
+main_vs() {
+  local name=$1 set=$2 i=0 v line
+  shift 2
+  for v in ${ORDER:-main $name $name main}; do
+    i=$((i + 1))
+    echo "== $v [t=$(el)]"
+    if [ $v = main ]; then line="pass"; else line="$set"; fi
+    switch_run ${v}_$i eyas.kernels.decode_linear "$line" "$@"
+  done
+}
+
 # s2_run TAG LINES EYAS_ARGS...: `switch_run` of `eyas bench latency` on smollm2-shape (run N A's bf16 rank paths
 # replayed; batch 1, 8 prompts x 64 tokens, plain and the default tree unless EYAS_ARGS says otherwise), LINES run
 # first with eyas.kernels.tree_attention as m and eyas.engine.cuda_graph as cg; prints the seconds it took.

@@ -5,6 +5,8 @@
 # qkv_rope's; K = 1536: down's; else o's), alternated with main (49 rows on cuBLAS).
 # Session 37's run (call 5) had no qkv_rope kind and gave RoPE gate/up's 64-pair tiles (480 pairs: 30 programs); the
 # tree's step was no shorter (1.166-1.178 ms against 1.137-1.163). The qkv_rope kind was added after it.
+# Since session 38 main's defaults are that rule (WHOLE_K_ROWS = FEW_ROWS_MAX = 64): "wide" is each kind's best of
+# this run's sweep against them.
 #   bash tools/device/wide_whole_k.sh          (CONFIGS: the sweep's list; ORDER the processes)
 set -u
 source tools/device/ab_lib.sh
@@ -19,23 +21,17 @@ best = {r['kind']: r['best'] for r in json.load(open('$OUT/sweep.json'))['per_ki
 def cfg(name):
     return dl.TileConfig(*(int(v) for v in name.split('x')))
 base = dl.default_tile_config
-def wide(M, N, K, pairs=False):
-    if M <= 16:
-        return base(M, N, K, pairs)
+def wide(M, N, K, pairs=False, elem_bytes=2):
+    if M <= 16 or elem_bytes != 2:
+        return base(M, N, K, pairs, elem_bytes)
     if pairs:
         return cfg(best['gu'] if N >= 1024 else best.get('qkv_rope', best['gu']))
     return cfg(best['down'] if K > 1024 else best['o'])
 dl.default_tile_config = wide
 print('wide configs', best, flush=True)"
-i=0
-for v in ${ORDER:-main wide wide main}; do
-  i=$((i + 1))
-  echo "== $v [t=$(el)]"
-  if [ $v = main ]; then line="pass"; else line="$SET"; fi
-  switch_run ${v}_$i eyas.kernels.decode_linear "$line" bench latency --model smollm2-shape --context 128 \
-    --accept-ranks docs/bench/ranks_smollm2_runNa_bf16_gpu.safetensors --batch-sizes 1 --num-prompts 8 \
-    --max-tokens 64 --modes tree:smollm2_48d5
-  grep "wide configs" $OUT/${v}_$i.log
-done
+main_vs wide "$SET" bench latency --model smollm2-shape --context 128 \
+  --accept-ranks docs/bench/ranks_smollm2_runNa_bf16_gpu.safetensors --batch-sizes 1 --num-prompts 8 \
+  --max-tokens 64 --modes tree:smollm2_48d5
+grep -h "wide configs" $OUT/wide_*.log | head -n 1
 echo "== rows [t=$(el)]"
 latency_rows
