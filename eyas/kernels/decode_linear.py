@@ -544,10 +544,10 @@ PRELOAD_ROPE = True
 WHOLE_K_ROWS = 64
 WHOLE_K_MAX_K = 1024
 JOINED_PAIRS = True  # the whole-K tile loads a program's pairs as one interleaved tile (False: two tiles)
-# The whole-K tile holds its weight rows and its block of x in shared memory at once: (BLOCK_N + BLOCK_M) x the K
-# parts' width elements. sm_90 gives a block at most 227 KB; `default_tile_config` keeps the whole-K tile within it
-# (float32's down projection at 17-64 rows would need 288 KB, session 38's graph test on SmolLM2) and takes the K
-# loop where it does not fit.
+# The whole-K tile may stage its weight rows and its block of x in shared memory at once, (BLOCK_N + BLOCK_M) x the K
+# parts' width elements (`whole_k_shared_bytes`, a bound: float32's dot comes close, down at 49 rows asked 294,912
+# bytes on the H200 in session 38's graph test; bf16's asks far less, 32 KB offline). sm_90 gives a block at most
+# 227 KB; `default_tile_config` takes the K loop where the bound does not fit.
 WHOLE_K_SHARED = 232448
 MAX_ROWS = 64        # the tile kernel's limit (x padded to a power of two >= 16 rows)
 EXACT_K = True  # the register kernel holds K as two power-of-two parts (`k_parts`); False: one padded part
