@@ -721,15 +721,16 @@ def test_engine_config_switches_it(tiny):
 @pytest.mark.parametrize("prompts,spec", [([[1, 2, 3], [5, 6, 7, 8, 9, 10], [11]], None),
                                           ([[1, 2, 3, 4]], "chain:3"), ([[6, 2, 7]], "chain:1"),
                                           ([[1, 2, 3, 4], [9, 8]], "tree:8"),
-                                          ([[3, 1, 4, 1, 5]], "tree:smollm2_48d5")])
+                                          ([[3, 1, 4, 1, 5]], "tree:smollm2_48d5"),
+                                          ([[1, 2, 3, 4], [9, 8], [5, 5, 5]], "dyn:k4d3n8")])
 def test_few_rows_equal_the_fused_path(tiny, prompts, spec):
     """Batched plain decoding (3 rows a step) and verify passes (chain:3: 4 rows; chain:1: 2, on the register
-    kernel; tree:8 at batch 2: 18 rows; the
-    default tree: 49 rows) on the tile kernels, the most rows the path takes raised to the kernel's 64: the fused
-    path's tokens and the logits of every target call."""
+    kernel; tree:8 at batch 2: 18 rows; the default tree: 49 rows; the dispatcher's dynamic tree for 3 to 16
+    requests at batch 3: 27 rows) on the tile kernels, up to the kernel's 64 rows (FEW_ROWS_MAX since session 38):
+    the fused path's tokens and the logits of every target call."""
     # the trees' verify passes are slow in the interpreter: tree:8 two of them, the default tree's 49 rows one (the
     # second took 11-25 s of CI's slowest test; tree:8 holds a verify pass after a commit on these kernels)
-    n = {"tree:8": 3, "tree:smollm2_48d5": 2}.get(spec, 4)
+    n = {"tree:8": 3, "dyn:k4d3n8": 2, "tree:smollm2_48d5": 2}.get(spec, 4)
     ref = _run_recording(tiny, False, prompts, n, tiny[1] if spec else None, spec, triton_attention=False)
     got = _run_recording(tiny, True, prompts, n, tiny[1] if spec else None, spec, few_rows=64)
     assert ref[2] == 0 and got[2] >= (1 if n == 2 else 2)
