@@ -182,6 +182,14 @@ print(json.dumps(results))
 """
 
 
+# SmolLM2's tile launches in a verify pass (tile_variant's keywords): qkv + RoPE into a stash (480 pairs), o,
+# gate/up (SwiGLU's 1536 pairs), down. tools/diag/tile_regs.py compiles these too.
+SMOLLM2_TILE_SHAPES = {"qkv_rope": dict(N=480, K=576, pair=2, norm=True, res=False, hd=32),
+                       "gu": dict(N=1536, K=576, pair=1, norm=True, res=False, hd=1),
+                       "o": dict(N=576, K=576, pair=0, norm=False, res=True, hd=1),
+                       "down": dict(N=576, K=1536, pair=0, norm=False, res=True, hd=1)}
+
+
 def tile_variant(M: int, cfg, dtype, N: int, K: int, pair: int = 0, norm: bool = False, res: bool = False,
                  hd: int = 1, pdl: bool = True):
     """A `compile_for_sm90` variant of decode_linear's tile kernels: the kernel, constexprs and options its own

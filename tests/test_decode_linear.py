@@ -139,8 +139,8 @@ def test_tile_first_w_matches_reference(kind, M, K, block_m):
 
 @pytest.mark.parametrize("kind,N", [("norm", 40), ("residual", 24), ("norm+swiglu", 80), ("norm+swiglu", 2100)])
 def test_wide_whole_k_defaults(monkeypatch, kind, N):
-    """`WHOLE_K_ROWS` above 16 (the default since session 38): 49 rows on the whole-K tile's configs for launches of more than 16
-    rows (pairs: 64-row tiles from 1024 pairs, 32-row ones below), against the reference."""
+    """`WHOLE_K_ROWS` above 16 (the default since session 38): 49 rows on the whole-K tile's configs for launches
+    of more than 16 rows (pairs: 64-row tiles from 1024 pairs, 32-row ones below), against the reference."""
     import eyas.kernels.decode_linear as dl
     monkeypatch.setattr(dl, "WHOLE_K_ROWS", 64)
     x, w, g, r = _inputs(N, 24, torch.float32, DEV, seed=N, M=49)
@@ -907,12 +907,10 @@ def test_default_tiles_fit_sm90_shared_memory():
     memory): each fits a block of the H200 (232,448 bytes, the limit its OutOfResources error names). Session 38's
     GPU graph test on SmolLM2 in float32 failed there: the whole-K tile for down at 49 rows asked 294,912."""
     pytest.importorskip("triton.compiler")
-    from helpers import compile_for_sm90, tile_variant
-    shapes = [dict(N=480, K=576, pair=2, norm=True, hd=32), dict(N=576, K=576, res=True),
-              dict(N=1536, K=576, pair=1, norm=True), dict(N=576, K=1536, res=True)]
-    todo = [(M, s, dtype, dl.default_tile_config(M, s["N"], s["K"], s.get("pair", 0) > 0,
+    from helpers import SMOLLM2_TILE_SHAPES, compile_for_sm90, tile_variant
+    todo = [(M, s, dtype, dl.default_tile_config(M, s["N"], s["K"], s["pair"] > 0,
                                                  torch.empty(0, dtype=dtype).element_size()))
-            for dtype in (torch.bfloat16, torch.float32) for M in (16, 49) for s in shapes]
+            for dtype in (torch.bfloat16, torch.float32) for M in (16, 49) for s in SMOLLM2_TILE_SHAPES.values()]
     assert sum(c.BLOCK_K == 0 for *_, c in todo) >= 12  # mostly the whole-K tile
     results = compile_for_sm90([tile_variant(M, cfg, dtype, **s) for M, s, dtype, cfg in todo])
     for (M, s, dtype, cfg), r in zip(todo, results):

@@ -17,17 +17,12 @@ import sys
 import torch
 
 from eyas.kernels.decode_linear import TileConfig
-
-SHAPES = {"qkv_rope": dict(N=480, K=576, pair=2, norm=True, res=False, hd=32),
-          "gu": dict(N=1536, K=576, pair=1, norm=True, res=False, hd=1),
-          "o": dict(N=576, K=576, pair=0, norm=False, res=True, hd=1),
-          "down": dict(N=576, K=1536, pair=0, norm=False, res=True, hd=1)}
+from helpers import SMOLLM2_TILE_SHAPES as SHAPES, compile_for_sm90, tile_variant  # tests/ on the path
 
 
 def variant(kind: str, M: int, cfg: TileConfig):
     """(module, kernel name, signature, constexprs, options) for `compile_for_sm90`: the kernel and constexprs that
     decode_linear's own launch takes, bf16, with PDL (`helpers.tile_variant`)."""
-    from helpers import tile_variant
     return tile_variant(M, cfg, torch.bfloat16, **SHAPES[kind])
 
 
@@ -38,7 +33,6 @@ def main(argv=None):
     ap.add_argument("--configs", default="16x0x4x1x16,16x0x8x1x16,32x0x4x1x16,32x0x8x1x16,16x0x4x1x32,"
                                          "16x0x8x1x32,64x0x4x1x32,64x0x8x1x32,64x0x4x1x16")
     args = ap.parse_args(argv)
-    from helpers import compile_for_sm90
     todo = []
     for kind in args.kinds.split(","):
         for M in (int(m) for m in args.rows.split(",")):
