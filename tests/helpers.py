@@ -177,7 +177,9 @@ for mod, name, sig, constexprs, options in json.load(sys.stdin):
             f.flush()
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
                                    check=True).stdout
-    results.append({"error": None, "usage": usage, "shared": compiled.metadata.shared})
+    gdc = [l.strip().split(".")[1].split(";")[0].strip() for l in compiled.asm["ptx"].splitlines()
+           if l.strip().startswith("griddepcontrol.")]
+    results.append({"error": None, "usage": usage, "shared": compiled.metadata.shared, "gdc": gdc})
 print(json.dumps(results))
 """
 
@@ -198,14 +200,36 @@ def tile_variant(M: int, cfg, dtype, N: int, K: int, pair: int = 0, norm: bool =
     from eyas.kernels.decode_linear import _epilogue_constexprs, _tile_launch
     consts = _epilogue_constexprs(cfg, pair, hd, norm=norm, res=res, has_dst=False, use_gdc=pdl)
     kernel, consts, options = _tile_launch(cfg, M, K, dtype, consts)
+    sig = _linear_signature(dtype)
+    sig.update({k: "constexpr" for k in consts})
+    return ("eyas.kernels.decode_linear", kernel.__name__, sig, consts, options)
+
+
+def _linear_signature(dtype) -> dict:
+    """The runtime arguments decode_linear's kernels share (tensors in `dtype`), in their order."""
     t = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     sig = {p: t for p in ("X", "W", "NORM_W", "RES", "OUT")}
     sig.update({p: "i32" for p in ("M", "N", "K")})
     sig.update(eps="fp32", stride_x="i32", stride_r="i32", stride_o="i32", COS="*fp32", SIN="*fp32", POS="*i64",
                DST="*i64", KC=t, VC=t, stride_cos="i32", Q_ROWS="i32", QK_ROWS="i32", KV_ROW="i32",
                SEQ_Q="i32", SEQ_ROWS="i32", ROW_OFF="i32")
+    return sig
+
+
+def register_variant(M: int, cfg, dtype, N: int, K: int, pair: int = 0, norm: bool = False, res: bool = False,
+                     hd: int = 1, pdl: bool = True):
+    """`tile_variant` for decode_linear's register kernel (`_decode_linear_kernel`, a DecodeLinearConfig `cfg`),
+    as its launch in `decode_linear` takes it (bf16 or float32 weights, no FP8 scale)."""
+    import triton
+    from eyas.kernels.decode_linear import TRIGGERS, _epilogue_constexprs, k_parts
+    consts = _epilogue_constexprs(cfg, pair, hd, norm=norm, res=res, has_dst=False, use_gdc=pdl)
+    ka, kb = k_parts(K)
+    consts.update(KA=ka, KB=kb, BLOCK_N=cfg.BLOCK_N, M_PAD=triton.next_power_of_2(M),
+                  TRIGGER=TRIGGERS.index(cfg.trigger), HAS_SCALE=False)
+    sig = _linear_signature(dtype)
+    sig["SCALE"] = sig["X"]  # (no scale: the launch passes x there)
     sig.update({k: "constexpr" for k in consts})
-    return ("eyas.kernels.decode_linear", kernel.__name__, sig, consts, options)
+    return ("eyas.kernels.decode_linear", "_decode_linear_kernel", sig, consts, {"num_warps": cfg.num_warps})
 
 
 def compile_for_sm90(variants) -> list[dict]:
@@ -213,7 +237,8 @@ def compile_for_sm90(variants) -> list[dict]:
     process: after interpreted runs (TRITON_INTERPRET=1) the `tl` module of this one is the interpreter's. `variants`:
     (module, kernel name, signature, constexprs, options) each. Returns per variant {"error": text or None, "usage":
     cuobjdump's resource usage (registers, stack, static shared memory) or None, "shared": the launch's dynamic
-    shared memory in bytes}."""
+    shared memory in bytes, "gdc": the PTX's griddepcontrol instructions in text order ("launch_dependents",
+    "wait")}."""
     import os
     import subprocess
     import sys

@@ -174,12 +174,14 @@ def test_default_kernel_by_rows():
         _check(decode_linear(x[:m], w, norm_weight=g), decode_linear_reference(x[:m], w, norm_weight=g),
                torch.float32)
     assert default_tile_config(4, 6144, 4096) == TileConfig(16, 256, 4, 4)
-    # a small weight: small register tiles (SmolLM2's sweeps); a large one: the 8B rule
-    assert default_decode_config(960, 576, M=2) == DecodeLinearConfig(4, 4, "end")
-    assert default_decode_config(1536, 576, True, M=2) == DecodeLinearConfig(8, 4, "end")
-    assert default_decode_config(576, 1536, M=2) == DecodeLinearConfig(2, 4, "end")
+    # a small weight: small register tiles (SmolLM2's sweeps) that let the next launch in at their start; a large
+    # one: the 8B rule, which lets it in at its end
+    assert default_decode_config(960, 576, M=2) == DecodeLinearConfig(4, 4, "start")
+    assert default_decode_config(1536, 576, True, M=2) == DecodeLinearConfig(8, 4, "start")
+    assert default_decode_config(576, 1536, M=2) == DecodeLinearConfig(2, 4, "start")
     assert default_decode_config(6144, 4096, M=2) == default_decode_config(6144, 4096)
-    assert default_decode_config(960, 576) == DecodeLinearConfig(4, 4, "end")
+    assert default_decode_config(6144, 4096).trigger == "end"
+    assert default_decode_config(960, 576) == DecodeLinearConfig(4, 4, "start")
     # 17-64 rows: the whole-K tile where it fits shared memory (bf16 SwiGLU at SmolLM2's gate/up; float32 at its
     # down projection does not: 288 KB), else the K loop (the 8B shape's K = 4096 is too wide)
     assert default_tile_config(49, 1536, 576, pairs=True) == TileConfig(64, 0, 4, 1, 32)
@@ -915,3 +917,23 @@ def test_default_tiles_fit_sm90_shared_memory():
     results = compile_for_sm90([tile_variant(M, cfg, dtype, **s) for M, s, dtype, cfg in todo])
     for (M, s, dtype, cfg), r in zip(todo, results):
         assert r["error"] is None and r["shared"] <= 232448, (M, s, dtype, cfg, r["error"], r.get("shared"))
+
+
+def test_small_linears_let_the_next_launch_in_before_their_wait():
+    """Where the default configs put the PDL trigger, in the sm_90 PTX (compiled offline): SmolLM2's one-row linears
+    on the register kernel and its tile launches (the whole-K tile at 49 rows, the K loop for down at 16) let the
+    next launch in before their own wait (session 39: the next kernel's programs load their weights while these
+    compute), the 8B shape's one-row qkv (big grids, session 14) only before its stores, after the wait."""
+    pytest.importorskip("triton.compiler")
+    from helpers import SMOLLM2_TILE_SHAPES, compile_for_sm90, register_variant, tile_variant
+    bf16 = torch.bfloat16
+    o, down = SMOLLM2_TILE_SHAPES["o"], SMOLLM2_TILE_SHAPES["down"]
+    early = [register_variant(1, dl.default_decode_config(o["N"], o["K"]), bf16, **o),
+             tile_variant(49, dl.default_tile_config(49, o["N"], o["K"]), bf16, **o),
+             tile_variant(16, dl.default_tile_config(16, down["N"], down["K"]), bf16, **down)]
+    assert [v[1] for v in early] == ["_decode_linear_kernel", "_tile_whole_k_kernel", "_tile_linear_kernel"]
+    late = register_variant(1, dl.default_decode_config(6144, 4096), bf16, N=6144, K=4096)
+    results = compile_for_sm90(early + [late])
+    for v, r in zip(early + [late], results):
+        assert r["error"] is None, r["error"]
+    assert [r["gdc"] for r in results] == [["launch_dependents", "wait"]] * 3 + [["wait", "launch_dependents"]]

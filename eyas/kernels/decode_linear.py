@@ -95,7 +95,9 @@ def default_decode_config(N: int, K: int, swiglu: bool = False, M: int = 1,
     15's sweeps of SmolLM2's shapes (tools/diag/tile_chain_bench.py, docs/bench/few_rows_s15.json): with the best
     per kind of such configs (2-8k weights at 4 warps, which this rule picks or neighbours) a synthetic SmolLM2
     forward of 2 rows took 0.41 ms, against 0.66 on the tile kernel and 0.72 on cuBLAS, and of one row 0.36 against
-    0.40 with the 8B rule's 16k tiles: more, smaller programs for a step bound by latency, not bytes.
+    0.40 with the 8B rule's 16k tiles: more, smaller programs for a step bound by latency, not bytes. These trigger
+    the next launch at "start" (session 39, on the H200: the real SmolLM2's plain decoding 0.412-0.413 ms a step
+    against 0.470 with "end", two process pairs); the 8B shape's big grids lost to "start" (session 14).
     `weight_bytes` 1 (FP8 codes): FP8_CODES_PER_THREAD codes a thread at 8 warps (twice the bf16 rule's weights
     at K = 4096, the same above; half at K > 8192 with more than two rows; small weights: 8k-code tiles at 4
     warps)."""
@@ -104,7 +106,7 @@ def default_decode_config(N: int, K: int, swiglu: bool = False, M: int = 1,
     if N * (2 if swiglu else 1) * K < SMALL_WEIGHT:
         per = 2 if swiglu else 1  # rows a pair (or a row) takes
         block_n = max(per, min((2 if fp8 else 1) * 4096 * per // kp, per * triton.next_power_of_2(N)))
-        return DecodeLinearConfig(BLOCK_N=block_n, num_warps=4, trigger="end")
+        return DecodeLinearConfig(BLOCK_N=block_n, num_warps=4, trigger="start")
     if fp8:  # (at 3-8 rows of x beside them, 14336-wide rows of 128 codes a thread spill: half)
         per_thread = FP8_CODES_PER_THREAD if M <= 2 or kp <= 8192 else FP8_CODES_PER_THREAD // 2
         block_n = max(2 if swiglu else 1, min(32, per_thread * 256 // kp))
@@ -327,7 +329,7 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, NORM: tl.constexpr,
                         ADD_RES: tl.constexpr, PAIR: tl.constexpr, HD: tl.constexpr, HAS_DST: tl.constexpr,
                         USE_GDC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, UNIFORM: tl.constexpr,
-                        PRELOAD: tl.constexpr, FIRST_W: tl.constexpr):
+                        PRELOAD: tl.constexpr, FIRST_W: tl.constexpr, EARLY: tl.constexpr = False):
     """Several rows of x (M <= M_PAD, M_PAD >= 16) against BLOCK_N weight rows streamed in [rows, BLOCK_K] tiles
     through the tensor cores (acc[rows, M_PAD] += w @ x^T, as gemv's USE_DOT path): each program reads its weight
     rows once and all of x once (from L2), whatever M. Rows and pairs (PAIR, HD, the stores) as
@@ -364,6 +366,8 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
         if PAIR > 0:
             wb0 = tl.load(wb_ptrs, mask=(offs_k < K)[None, :], other=0.0)
     if USE_GDC:
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     if NORM:
         ss = tl.zeros((M_PAD,), dtype=tl.float32)
@@ -395,7 +399,7 @@ def _tile_linear_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_r
             acc_b = tl.dot(wb, tl.trans(x), acc_b, input_precision=DOT_PREC)
     _tile_end(acc_a, acc_b, j, j_ok, jj, first, offs_m, m_ok, RES, OUT, stride_r, stride_o, COS, SIN, POS, DST, KC, VC,
               stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, tables, ADD_RES, PAIR, HD, HAS_DST,
-              USE_GDC, UNIFORM, PRELOAD)
+              USE_GDC and not EARLY, UNIFORM, PRELOAD)
 
 
 @triton.jit
@@ -446,7 +450,7 @@ def _tile_whole_k_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_
                          KB: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, NORM: tl.constexpr,
                          ADD_RES: tl.constexpr, PAIR: tl.constexpr, HD: tl.constexpr, HAS_DST: tl.constexpr,
                          USE_GDC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, UNIFORM: tl.constexpr,
-                         PRELOAD: tl.constexpr, JOINED: tl.constexpr):
+                         PRELOAD: tl.constexpr, JOINED: tl.constexpr, EARLY: tl.constexpr = False):
     """The tile kernel without a K loop (`TileConfig.BLOCK_K = 0`): a program loads its whole weight rows, as two
     parts of KA and KB columns (`_tile_k_parts`), *before* its wait on the previous launch (as the register kernel
     does: with PDL their latency overlaps the previous kernel's end), then its rows of x once, the norm's sums of
@@ -498,6 +502,8 @@ def _tile_whole_k_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_
     if PAIR == 2 and PRELOAD:
         tables = _rope_tables(jj, offs_m, m_ok, COS, SIN, POS, DST, stride_cos, SEQ_Q, SEQ_ROWS, ROW_OFF, HD, HAS_DST)
     if USE_GDC:
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     x1 = tl.load(X + xrow + ka[None, :], mask=ka_ok[None, :], other=0.0)
     x2 = 0
@@ -520,7 +526,7 @@ def _tile_whole_k_kernel(X, W, NORM_W, RES, OUT, M, N, K, eps, stride_x, stride_
         acc_b = _whole_k_dot(acc_b, wb1, wb2, x1, x2, KB, UPCAST, DOT_PREC)
     _tile_end(acc_a, acc_b, j, j_ok, jj, first, offs_m, m_ok, RES, OUT, stride_r, stride_o, COS, SIN, POS, DST, KC, VC,
               stride_cos, Q_ROWS, QK_ROWS, KV_ROW, SEQ_Q, SEQ_ROWS, ROW_OFF, tables, ADD_RES, PAIR, HD, HAS_DST,
-              USE_GDC, UNIFORM, PRELOAD)
+              USE_GDC and not EARLY, UNIFORM, PRELOAD)
 
 
 def _tile_k_parts(K: int) -> tuple[int, int]:
@@ -549,6 +555,12 @@ JOINED_PAIRS = True  # the whole-K tile loads a program's pairs as one interleav
 # bytes on the H200 in session 38's graph test; bf16's asks far less, 32 KB offline). sm_90 gives a block at most
 # 227 KB; `default_tile_config` takes the K loop where the bound does not fit.
 WHOLE_K_SHARED = 232448
+# Where a tile kernel lets the next PDL launch in: True (since session 39), as soon as its weight loads are issued,
+# before its own wait, so that the next kernel's programs load their weights while this one computes (SmolLM2's tile
+# grids have 24-72 programs, fewer than the H200's 132 SMs); False: just before its stores (`_tile_end`). On the H200,
+# the real SmolLM2's default tree took 1.082-1.093 ms a step against 1.112-1.123 (two process pairs, both orders;
+# docs/benchmarks.md, "Session 39"; on random weights, smollm2-shape, no change).
+TILE_EARLY_TRIGGER = True
 MAX_ROWS = 64        # the tile kernel's limit (x padded to a power of two >= 16 rows)
 EXACT_K = True  # the register kernel holds K as two power-of-two parts (`k_parts`); False: one padded part
 
@@ -735,6 +747,7 @@ def _tile_launch(cfg: TileConfig, M: int, K: int, dtype: torch.dtype, consts: di
     compiles."""
     upcast = dtype != torch.float32 and interpreting()
     tile = dict(consts, BLOCK_N=cfg.BLOCK_N, M_PAD=cfg.BLOCK_M or max(16, triton.next_power_of_2(M)), UPCAST=upcast,
+                EARLY=bool(TILE_EARLY_TRIGGER and consts["USE_GDC"]),
                 DOT_PREC="ieee" if (dtype == torch.float32 or upcast) else "tf32")
     if cfg.BLOCK_K == 0:
         ka, kb = _tile_k_parts(K)
