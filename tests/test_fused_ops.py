@@ -220,6 +220,23 @@ def test_draft_pairs_tree_level_and_catch_up(dtype):
     close(draft_pairs_triton(embed, tokens, feats=buf, feat_rows=slots), ref, dtype)
 
 
+def test_draft_pairs_with_pdl_compiles_for_sm90():
+    """`eyas.kernels.draft_pairs.PDL`'s variant (off by default, not yet timed on a GPU) compiles for sm_90
+    (offline), each program letting the draft's fc launch and then waiting before it reads (PTX order)."""
+    pytest.importorskip("triton.compiler")
+    from helpers import compile_for_sm90
+    sig = {"EMB": "*bf16", "TOK": "*i64", "TOK_IDX": "*i64", "FEAT": "*bf16", "FEAT_IDX": "*i64",
+           "FEAT_ROWS": "*i64", "OUT": "*bf16", "TOK_OUT": "*i64", "Q": "i32", "H": "i32"}
+    sig.update({k: "i32" for k in ("stride_e", "stride_tb", "stride_tt", "stride_ff", "stride_fr", "stride_fh",
+                                   "stride_ob", "stride_oq", "stride_kb", "stride_kq")})
+    consts = dict(HAS_TOK_IDX=True, HAS_FEAT_IDX=True, HAS_FEAT_ROWS=True, WRITE_TOK=True, WRITE_PAIRS=True,
+                  BLOCK_H=1024, USE_GDC=True)
+    sig.update({k: "constexpr" for k in consts})
+    (r,) = compile_for_sm90([("eyas.kernels.draft_pairs", "_draft_pairs_kernel", sig, consts, {"num_warps": 4})])
+    assert r["error"] is None, r["error"]
+    assert r["gdc"] == ["launch_dependents", "wait"]
+
+
 # ---- models ------------------------------------------------------------------------------------------------------
 def tiny_config(**kw) -> ModelConfig:
     base = dict(vocab_size=50, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,

@@ -109,3 +109,23 @@ def test_triton_topk_logp_equals_log_softmax(V, rows, k, masked, seed):
             assert torch.equal(i, want_i) if fn is topk_logp_triton else torch.equal(xd.gather(-1, i),
                                                                                       xd.gather(-1, want_i))
             torch.testing.assert_close(v.cpu().view(rows, k), want_v.clamp(max=0.0), atol=1e-5, rtol=1e-5)
+
+
+def test_topk_kernels_with_pdl_compile_for_sm90():
+    """`eyas.kernels.chunk_topk.PDL`'s variants of both passes (off by default, not yet timed on a GPU) compile for
+    sm_90 (offline), each program letting the next kernel in and then waiting before it reads (PTX order)."""
+    pytest.importorskip("triton.compiler")
+    from helpers import compile_for_sm90
+    sig = {"X": "*bf16", "VOUT": "*fp32", "IOUT": "*i32", "STATS": "*fp32", "V": "i32", "n_chunks": "i32",
+           "stride_xr": "i32", "K": "constexpr", "BLOCK": "constexpr", "LSE": "constexpr", "USE_GDC": "constexpr"}
+    merge = {"VIN": "*fp32", "IIN": "*i32", "OUT": "*i64", "STATS": "*fp32", "LOGP": "*fp32", "n_cand": "i32",
+             "n_chunks": "i32", "K": "constexpr", "BLOCK": "constexpr", "LSE": "constexpr", "BLOCK_C": "constexpr",
+             "USE_GDC": "constexpr"}
+    results = compile_for_sm90([
+        ("eyas.kernels.chunk_topk", "_chunk_topk_kernel", sig, dict(K=8, BLOCK=2048, LSE=True, USE_GDC=True),
+         {"num_warps": 4}),
+        ("eyas.kernels.chunk_topk", "_merge_topk_kernel", merge,
+         dict(K=8, BLOCK=256, LSE=True, BLOCK_C=32, USE_GDC=True), {"num_warps": 4})])
+    for r in results:
+        assert r["error"] is None, r["error"]
+        assert r["gdc"] == ["launch_dependents", "wait"]

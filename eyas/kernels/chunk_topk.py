@@ -23,14 +23,21 @@ import torch
 import triton
 import triton.language as tl
 
+from eyas.kernels.interpret import gdc_prologue, pdl_launch
 from eyas.layers.topk import MAX_K
 
 BLOCK = 2048  # entries per chunk (pass 1)
+# Programmatic dependent launch for both passes (each program lets the next kernel launch, then waits for the
+# previous one before it reads): a tree level's top-k sits between the draft's head and `draft_pairs`, which
+# launched after a ~0.4 us gap each in session 39's profile. Off: written in session 39 without device time to
+# measure it (`tools/device/pdl_small_ab.sh`).
+PDL = False
 
 
 @triton.jit
 def _chunk_topk_kernel(X, VOUT, IOUT, STATS, V, n_chunks, stride_xr, K: tl.constexpr, BLOCK: tl.constexpr,
-                       LSE: tl.constexpr):
+                       LSE: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_prologue(USE_GDC)
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -53,7 +60,8 @@ def _chunk_topk_kernel(X, VOUT, IOUT, STATS, V, n_chunks, stride_xr, K: tl.const
 
 @triton.jit
 def _merge_topk_kernel(VIN, IIN, OUT, STATS, LOGP, n_cand, n_chunks, K: tl.constexpr, BLOCK: tl.constexpr,
-                       LSE: tl.constexpr, BLOCK_C: tl.constexpr):
+                       LSE: tl.constexpr, BLOCK_C: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_prologue(USE_GDC)
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < n_cand
@@ -107,9 +115,10 @@ def _topk(x: torch.Tensor, k: int, lse: bool):
         vals = torch.empty((R, n, k), dtype=torch.float32, device=x.device)
         ids = torch.empty((R, n, k), dtype=torch.int32, device=x.device)
         stats = torch.empty((R, n, 2), dtype=torch.float32, device=x.device) if lse else vals
+        use_gdc, pdl = pdl_launch(PDL)
         _chunk_topk_kernel[(R, n)](x2, vals, ids, stats, V, n, x2.stride(0), K=k, BLOCK=BLOCK, LSE=lse,
-                                   num_warps=4)
+                                   USE_GDC=use_gdc, num_warps=4, **pdl)
         _merge_topk_kernel[(R,)](vals, ids, out, stats, logp if lse else vals, n * k, n, K=k,
                                  BLOCK=triton.next_power_of_2(n * k), LSE=lse, BLOCK_C=triton.next_power_of_2(n),
-                                 num_warps=4)
+                                 USE_GDC=use_gdc, num_warps=4, **pdl)
     return (logp.view(*lead, k) if lse else None), out.view(*lead, k)

@@ -23,7 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
+from eyas.kernels.interpret import gdc_prologue, pdl_launch
 from eyas.spec.drafter import check_pairs, draft_pairs_reference  # noqa: F401 (the reference, exported beside)
+
+# Programmatic dependent launch (each program lets the next kernel, the draft's fc, launch and load its weights,
+# then waits for the top-k before it reads): off, as `eyas.kernels.chunk_topk.PDL` (session 39, not yet measured).
+PDL = False
 
 
 @triton.jit
@@ -32,7 +37,9 @@ def _draft_pairs_kernel(EMB, TOK, TOK_IDX, FEAT, FEAT_IDX, FEAT_ROWS, OUT, TOK_O
                         stride_e, stride_tb, stride_tt, stride_ff, stride_fr, stride_fh,
                         stride_ob, stride_oq, stride_kb, stride_kq,
                         HAS_TOK_IDX: tl.constexpr, HAS_FEAT_IDX: tl.constexpr, HAS_FEAT_ROWS: tl.constexpr,
-                        WRITE_TOK: tl.constexpr, WRITE_PAIRS: tl.constexpr, BLOCK_H: tl.constexpr):
+                        WRITE_TOK: tl.constexpr, WRITE_PAIRS: tl.constexpr, BLOCK_H: tl.constexpr,
+                        USE_GDC: tl.constexpr = False):
+    gdc_prologue(USE_GDC)
     pid = tl.program_id(0)
     b = (pid // Q).to(tl.int64)
     q = (pid % Q).to(tl.int64)
@@ -63,6 +70,7 @@ def draft_pairs_triton(embed, tokens, tok_idx=None, feats=None, feat_idx=None, f
         return out
     dummy = tokens  # any tensor: a pointer the kernel never reads when its flag is off
     f = feats if pairs else embed.view(1, *embed.shape)
+    use_gdc, pdl = pdl_launch(PDL)
     _draft_pairs_kernel[(B * Q,)](
         embed, tokens, tok_idx if tok_idx is not None else dummy, f,
         feat_idx if feat_idx is not None else dummy, feat_rows if feat_rows is not None else dummy,
@@ -72,6 +80,6 @@ def draft_pairs_triton(embed, tokens, tok_idx=None, feats=None, feat_idx=None, f
         *(tok_out.stride() if tok_out is not None else (0, 0)),
         HAS_TOK_IDX=tok_idx is not None, HAS_FEAT_IDX=feat_idx is not None, HAS_FEAT_ROWS=feat_rows is not None,
         WRITE_TOK=tok_out is not None, WRITE_PAIRS=pairs, BLOCK_H=min(1024, triton.next_power_of_2(H)),
-        num_warps=4,
+        USE_GDC=use_gdc, num_warps=4, **pdl,
     )
     return out

@@ -1,0 +1,39 @@
+# Session 39, for the next session (issue #5 point 2a): programmatic dependent launch for the draft level's small
+# kernels between its head and its fc: the two top-k passes (`eyas.kernels.chunk_topk.PDL`) and `draft_pairs`
+# (`eyas.kernels.draft_pairs.PDL`), both off on main. Session 39's profile of the default tree's step showed a ~0.4
+# us gap before each of them, and the fc after draft_pairs could load its weights while the pairs are built.
+# Calls: 1 (carry .stage/a) `mkdir -p /root/stage && cp .stage/a/part_aa /root/stage/`, 2 (carry .stage/b)
+# `cp .stage/b/part_ab /root/stage/`, 3 (carry .stage/c) `bash tools/device/pdl_small_ab.sh`: the kernels' GPU tests
+# with the switches on (which run the Triton top-k and pairs on CUDA), then the real model, MT-Bench 80 x 128, batch
+# 1, `--repeat 1`, plain, `chain:3` and the default tree, processes in ORDER (main pdl pdl main). Point 5's graph
+# tests with the switches on: TESTS5=1 in a call of their own (~240 s).
+set -u
+source tools/device/thirds_lib.sh
+stage_thirds || exit 1
+source tools/device/ab_lib.sh
+on="import eyas.kernels.draft_pairs as dp; m.PDL = True; dp.PDL = True"
+if [ "${TESTS5:-0}" = 1 ]; then
+  echo "== point 5 with the switches [t=$(el)]"
+  timeout 560 python3 -c "
+import sys, pytest, eyas.kernels.chunk_topk as m
+$on
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_cuda_graph.py', '-k', 'smollm2']))" 2>&1 | tail -n 2
+  exit 0
+fi
+echo "== gpu tests with the switches [t=$(el)]"
+timeout 200 python3 -c "
+import sys, pytest, eyas.kernels.chunk_topk as m
+$on
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_topk.py', 'tests/test_fused_ops.py', 'tests/test_dynamic_tree.py']))" 2>&1 | tail -n 2
+i=0
+for v in ${ORDER:-main pdl pdl main}; do
+  i=$((i + 1))
+  if [ $v = main ]; then line="pass"; else line="$on"; fi
+  switch_run ${v}_$i eyas.kernels.chunk_topk "$line" bench latency --model smollm2 --draft default \
+    --max-tokens 128 --prompts $S/question.jsonl --batch-sizes 1 --num-prompts ${NP:-80} --repeat ${REPEAT:-1} \
+    --modes plain,chain:3,tree:smollm2_48d5
+  echo "$v done [t=$(el)]"
+done
+latency_rows
+(cd $OUT && tar czf rows.tar.gz *_[0-9]* && rm -rf *_[0-9]*)
+echo "== end [t=$(el)]"
