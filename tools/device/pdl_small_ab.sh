@@ -6,7 +6,9 @@
 # `cp .stage/b/part_ab /root/stage/`, 3 (carry .stage/c) `bash tools/device/pdl_small_ab.sh`: the kernels' GPU tests
 # with the switches on (which run the Triton top-k and pairs on CUDA), then the real model, MT-Bench 80 x 128, batch
 # 1, `--repeat 1`, plain, `chain:3` and the default tree, processes in ORDER (main pdl pdl main). Point 5's graph
-# tests with the switches on: TESTS5=1 in a call of their own (~240 s).
+# tests with the switches on: TESTS5=1 in a call of their own (~240 s). A CPU dry run (STAGED=1, PATH with the venv,
+# OUT, W and S=a folder holding question.jsonl, NP=1) needs TRITON_INTERPRET=1: the switches import the kernels
+# before the tests could set it (session 39: 45 passed, then the three modes on one prompt).
 set -u
 source tools/device/thirds_lib.sh
 stage_thirds || exit 1
