@@ -557,7 +557,7 @@ JOINED_PAIRS = True  # the whole-K tile loads a program's pairs as one interleav
 WHOLE_K_SHARED = 232448
 # Where a tile kernel lets the next PDL launch in: True (since session 39), as soon as its weight loads are issued,
 # before its own wait, so that the next kernel's programs load their weights while this one computes (SmolLM2's tile
-# grids have 24-72 programs, fewer than the H200's 132 SMs); False: just before its stores (`_tile_end`). On the H200,
+# grids have 30-120 programs, fewer than the H200's 132 SMs); False: just before its stores (`_tile_end`). On the H200,
 # the real SmolLM2's default tree took 1.082-1.093 ms a step against 1.112-1.123 (two process pairs, both orders;
 # docs/benchmarks.md, "Session 39"; on random weights, smollm2-shape, no change).
 TILE_EARLY_TRIGGER = True

@@ -1,7 +1,7 @@
 # Session 39 (issue #5 point 2a): where the decode_linear kernels let the next PDL launch in. The tile kernels
 # (2-64 rows: the verify passes of the default tree and of chains, the draft's levels) triggered just before their
 # stores; with `TILE_EARLY_TRIGGER` they trigger as soon as their weight loads are issued, before their own wait, so
-# that the next kernel's programs (the tile grids have 24-72 programs, fewer than the H200's 132 SMs) can load their
+# that the next kernel's programs (the tile grids have 30-120 programs, fewer than the H200's 132 SMs) can load their
 # weights while this one computes. Small weights at trigger "start" do the same on the register kernel
 # (SmolLM2's one-row linears: plain decoding, chains' draft levels).
 # One call, no staging: the GPU tests of the tiles, then `smollm2-shape` with run N A's bf16
