@@ -937,3 +937,22 @@ def test_small_linears_let_the_next_launch_in_before_their_wait():
     for v, r in zip(early + [late], results):
         assert r["error"] is None, r["error"]
     assert [r["gdc"] for r in results] == [["launch_dependents", "wait"]] * 3 + [["wait", "launch_dependents"]]
+
+
+@pytest.mark.parametrize("prompts,spec", [([[1, 2, 3, 4]], "chain:3"), ([[1, 2, 3, 4], [9, 8]], "tree:8")])
+def test_catch_up_on_the_rows_path_equals_the_fused_path(tiny, monkeypatch, prompts, spec):
+    """`eyas.spec.drafter.CATCHUP_ROWS`: the draft's catch-up on the tile kernels through a stash, committed to the
+    draft cache in one launch, gives the tokens and the target logits of the catch-up on the fused path (the
+    draft's later proposals read the K/V it committed); each step's catch-up took it (stash_at 0)."""
+    from eyas.models import one_row as mod
+    from eyas.spec import drafter
+    ref = _run_recording(tiny, True, prompts, 4, tiny[1], spec, few_rows=64)
+    catch_ups = []
+    rows = mod.forward_draft_rows
+    monkeypatch.setattr(mod, "forward_draft_rows",
+                        lambda d, p, pos, meta, *a, **k: (catch_ups.append(meta.stash_at == 0), rows(d, p, pos, meta,
+                                                                                                      *a, **k))[1])
+    monkeypatch.setattr(drafter, "CATCHUP_ROWS", True)
+    got = _run_recording(tiny, True, prompts, 4, tiny[1], spec, few_rows=64)
+    assert sum(catch_ups) >= 2
+    _same(got, ref)

@@ -91,6 +91,15 @@ def draft_pairs_reference(embed, tokens, tok_idx=None, feats=None, feat_idx=None
     return torch.cat([e, f.to(e.dtype)], dim=-1)
 
 
+# The catch-up on the draft's few-rows path (`eyas.models.one_row.forward_draft_rows`, the tile kernels), as a tree
+# level runs: its pairs' K/V go to a stash, they attend among themselves under the causal mask as a chain of stash
+# rows, and one launch then copies the stash rows to their cache slots (`commit_tree_kv_triton`). Otherwise the
+# catch-up takes the fused path (cuBLAS, and RoPE, the K/V write, the norm and SwiGLU as launches of their own:
+# ~56 us of the default tree's step in session 39's profile, against ~40 for a tree level). Off: written in session
+# 39 without device time to measure it (`tools/device/pdl_small_ab.sh`'s CATCHUP switch).
+CATCHUP_ROWS = False
+
+
 def catch_up(draft, target, draft_cache, tokens, hidden, lens, start, meta: MetaBuilder, positions=None,
              slots=None, hidden_rows=None):
     """Draft forward over pairs (tokens[b, j], hidden[b, j]) at positions start[b] + j, j < lens[b]; their K/V are
@@ -103,9 +112,24 @@ def catch_up(draft, target, draft_cache, tokens, hidden, lens, start, meta: Meta
         valid = ar < lens[:, None]
         positions = torch.where(valid, start[:, None] + ar, torch.zeros_like(ar))
         slots = meta.slots(start[:, None] + ar, valid)
-    m = meta(start, causal_mask(lens, P), slot_mapping=slots)
+    mask = causal_mask(lens, P)
     pairs = draft_pairs(target, meta.use_triton, tokens, feats=hidden, feat_rows=hidden_rows)
-    return draft.forward_pairs(pairs, positions, m, draft_cache)
+    if CATCHUP_ROWS and getattr(draft, "few_rows", False) and meta.use_triton:
+        from eyas.models.one_row import takes_draft_rows
+        stash = Stash.like(draft_cache, B, P)
+        m = meta(start, mask, stash=stash)
+        if takes_draft_rows(draft, pairs, m):
+            from eyas.kernels import commit_tree_kv_triton
+            out = draft.forward_pairs(pairs, positions, m, draft_cache)
+            rows = _chain_rows(P, str(tokens.device)).expand(B, P)  # stash row j -> slot j (-1 past lens: skipped)
+            commit_tree_kv_triton(draft_cache.k, draft_cache.v, stash.k, stash.v, rows, slots)
+            return out
+    return draft.forward_pairs(pairs, positions, meta(start, mask, slot_mapping=slots), draft_cache)
+
+
+@functools.cache
+def _chain_rows(P: int, device: str) -> torch.Tensor:
+    return torch.arange(P, device=device)[None, :]
 
 
 def expand_tree(draft, target, draft_cache, tree: Tree, root_h, n, node_tokens, meta: MetaBuilder,
