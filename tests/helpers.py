@@ -220,12 +220,9 @@ def register_variant(M: int, cfg, dtype, N: int, K: int, pair: int = 0, norm: bo
                      hd: int = 1, pdl: bool = True):
     """`tile_variant` for decode_linear's register kernel (`_decode_linear_kernel`, a DecodeLinearConfig `cfg`),
     as its launch in `decode_linear` takes it (bf16 or float32 weights, no FP8 scale)."""
-    import triton
-    from eyas.kernels.decode_linear import TRIGGERS, _epilogue_constexprs, k_parts
-    consts = _epilogue_constexprs(cfg, pair, hd, norm=norm, res=res, has_dst=False, use_gdc=pdl)
-    ka, kb = k_parts(K)
-    consts.update(KA=ka, KB=kb, BLOCK_N=cfg.BLOCK_N, M_PAD=triton.next_power_of_2(M),
-                  TRIGGER=TRIGGERS.index(cfg.trigger), HAS_SCALE=False)
+    from eyas.kernels.decode_linear import _epilogue_constexprs, _register_constexprs
+    consts = _register_constexprs(cfg, M, K, _epilogue_constexprs(cfg, pair, hd, norm=norm, res=res, has_dst=False,
+                                                                  use_gdc=pdl), has_scale=False)
     sig = _linear_signature(dtype)
     sig["SCALE"] = sig["X"]  # (no scale: the launch passes x there)
     sig.update({k: "constexpr" for k in consts})

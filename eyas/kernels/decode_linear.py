@@ -722,11 +722,9 @@ def _launch(x2, M, K, weight, cfg, pdl, n_out, out2, *, norm_weight=None, eps=1e
                                   has_dst=dst is not None, use_gdc=use_gdc)
     per_prog = cfg.BLOCK_N // 2 if pair else cfg.BLOCK_N
     if isinstance(cfg, DecodeLinearConfig):
-        ka, kb = k_parts(K)
         _decode_linear_kernel[(triton.cdiv(n_out, per_prog),)](
-            *common, seq_q, seq_rows, row_offset, scale if scale is not None else x2, KA=ka, KB=kb,
-            BLOCK_N=cfg.BLOCK_N, M_PAD=triton.next_power_of_2(M), TRIGGER=TRIGGERS.index(cfg.trigger),
-            HAS_SCALE=scale is not None, num_warps=cfg.num_warps, enable_fp_fusion=False, **consts, **kwargs)
+            *common, seq_q, seq_rows, row_offset, scale if scale is not None else x2, num_warps=cfg.num_warps,
+            enable_fp_fusion=False, **_register_constexprs(cfg, M, K, consts, scale is not None), **kwargs)
         return
     kernel, consts, options = _tile_launch(cfg, M, K, x2.dtype, consts)
     grid = (triton.cdiv(n_out, per_prog), triton.cdiv(M, consts["M_PAD"]))
@@ -739,6 +737,14 @@ def _epilogue_constexprs(cfg, pair: int, hd: int, *, norm: bool, res: bool, has_
     per_prog = cfg.BLOCK_N // 2 if pair else cfg.BLOCK_N
     return dict(NORM=norm, ADD_RES=res, PAIR=pair, HD=hd, HAS_DST=has_dst, USE_GDC=use_gdc,
                 UNIFORM=UNIFORM_PAIRS and pair == 2 and hd % per_prog == 0, PRELOAD=PRELOAD_ROPE)
+
+
+def _register_constexprs(cfg: DecodeLinearConfig, M: int, K: int, consts: dict, has_scale: bool) -> dict:
+    """The register kernel's constexprs (`consts`, `_epilogue_constexprs`', and its own) for M rows of K. Also what
+    the tests compile offline for sm_90."""
+    ka, kb = k_parts(K)
+    return dict(consts, KA=ka, KB=kb, BLOCK_N=cfg.BLOCK_N, M_PAD=triton.next_power_of_2(M),
+                TRIGGER=TRIGGERS.index(cfg.trigger), HAS_SCALE=has_scale)
 
 
 def _tile_launch(cfg: TileConfig, M: int, K: int, dtype: torch.dtype, consts: dict):
