@@ -94,9 +94,10 @@ def draft_pairs_reference(embed, tokens, tok_idx=None, feats=None, feat_idx=None
 # The catch-up on the draft's few-rows path (`eyas.models.one_row.forward_draft_rows`, the tile kernels), as a tree
 # level runs: its pairs' K/V go to a stash, they attend among themselves under the causal mask as a chain of stash
 # rows, and one launch then copies the stash rows to their cache slots (`commit_tree_kv_triton`). Otherwise the
-# catch-up takes the fused path (cuBLAS, and RoPE, the K/V write, the norm and SwiGLU as launches of their own:
-# ~56 us of the default tree's step in session 39's profile, against ~40 for a tree level). Off: written in session
-# 39 without device time to measure it (`tools/device/pdl_small_ab.sh`'s CATCHUP switch).
+# catch-up takes the fused path (cuBLAS, and RoPE, the K/V write, the norm and SwiGLU as launches of their own: 38 us
+# from its pairs to its down projection's end in session 39's profile of the default tree's step, where a tree
+# level's took 29-31 us on the tiles). Off: written in session 39 without device time to measure it
+# (`tools/device/pdl_small_ab.sh`'s `catchup`).
 CATCHUP_ROWS = False
 
 

@@ -59,6 +59,10 @@ switch_run() {
     "$@" --out $OUT/$tag > $OUT/$tag.log 2>&1 || tail -n 5 $OUT/$tag.log
 }
 
+# SMALL_END: a `switch_run` line (eyas.kernels.decode_linear as m) that puts the register kernel's small weights back
+# at PDL trigger "end", where they were until session 39 ("start" since).
+SMALL_END="import dataclasses; f = m.default_decode_config; m.default_decode_config = lambda *a, **k: dataclasses.replace(f(*a, **k), trigger='end')"
+
 # main_vs NAME SET EYAS_ARGS...: for each value of ORDER (default "main NAME NAME main"), one `switch_run` tagged
 # <value>_<i> of `eyas EYAS_ARGS` with eyas.kernels.decode_linear as m, SET run first for NAME ("pass" for main).
 main_vs() {

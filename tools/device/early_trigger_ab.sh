@@ -19,16 +19,15 @@ if [ "${TESTS:-1}" = 1 ]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_decode_linear.py \
     -k "gpu and (few_rows or bf16_shapes or stash)" 2>&1 | tail -n 2
 fi
-small_end="import dataclasses; f = m.default_decode_config; m.default_decode_config = lambda *a, **k: dataclasses.replace(f(*a, **k), trigger='end')"
 i=0
 for v in ${ORDER:-main small_end before tiles_late main small_end before tiles_late}; do
   [ $(el) -gt ${BUDGET:-480} ] && break
   i=$((i + 1))
   case $v in
     main) line="pass" ;;
-    small_end) line="$small_end" ;;
+    small_end) line="$SMALL_END" ;;
     tiles_late) line="m.TILE_EARLY_TRIGGER = False" ;;
-    before) line="m.TILE_EARLY_TRIGGER = False; $small_end" ;;
+    before) line="m.TILE_EARLY_TRIGGER = False; $SMALL_END" ;;
   esac
   switch_run ${v}_$i eyas.kernels.decode_linear "$line" bench latency --model smollm2-shape \
     --accept-ranks docs/bench/ranks_smollm2_runNa_bf16_gpu.safetensors --batch-sizes 1 --num-prompts 8 \

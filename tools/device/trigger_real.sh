@@ -9,16 +9,9 @@ set -u
 source tools/device/thirds_lib.sh
 stage_thirds || exit 1
 source tools/device/ab_lib.sh
-i=0
-end="import dataclasses; f = m.default_decode_config; m.default_decode_config = lambda *a, **k: dataclasses.replace(f(*a, **k), trigger='end')"
-for v in ${ORDER:-main end main end}; do
-  i=$((i + 1))
-  if [ $v = main ]; then line="pass"; else line="$end"; fi
-  switch_run ${v}_$i eyas.kernels.decode_linear "$line" bench latency --model smollm2 --draft default \
-    --max-tokens 128 --prompts $S/question.jsonl --batch-sizes 1 --num-prompts ${NP:-80} --repeat ${REPEAT:-2} \
-    --modes plain,tree:smollm2_48d5
-  echo "$v done [t=$(el)]"
-done
+ORDER=${ORDER:-main end main end} main_vs end "$SMALL_END" bench latency --model smollm2 --draft default \
+  --max-tokens 128 --prompts $S/question.jsonl --batch-sizes 1 --num-prompts ${NP:-80} --repeat ${REPEAT:-2} \
+  --modes plain,tree:smollm2_48d5
 latency_rows
 (cd $OUT && tar czf rows.tar.gz *_[0-9]* && rm -rf *_[0-9]*)
 if [ "${TESTS:-1}" = 1 ]; then
