@@ -934,7 +934,7 @@ def test_small_linears_let_the_next_launch_in_before_their_wait():
     assert [v[1] for v in early] == ["_decode_linear_kernel", "_tile_whole_k_kernel", "_tile_linear_kernel"]
     late = register_variant(1, dl.default_decode_config(6144, 4096), bf16, N=6144, K=4096)
     results = compile_for_sm90(early + [late])
-    for v, r in zip(early + [late], results):
+    for r in results:
         assert r["error"] is None, r["error"]
     assert [r["gdc"] for r in results] == [["launch_dependents", "wait"]] * 3 + [["wait", "launch_dependents"]]
 
@@ -943,15 +943,18 @@ def test_small_linears_let_the_next_launch_in_before_their_wait():
 def test_catch_up_on_the_rows_path_equals_the_fused_path(tiny, monkeypatch, prompts, spec):
     """`eyas.spec.drafter.CATCHUP_ROWS`: the draft's catch-up on the tile kernels through a stash, committed to the
     draft cache in one launch, gives the tokens and the target logits of the catch-up on the fused path (the
-    draft's later proposals read the K/V it committed); each step's catch-up took it (stash_at 0)."""
+    draft's later proposals read the K/V it committed); the catch-ups took it (forward_draft_rows at stash row 0,
+    where a tree level's rows start at 1 or later)."""
     from eyas.models import one_row as mod
     from eyas.spec import drafter
     ref = _run_recording(tiny, True, prompts, 4, tiny[1], spec, few_rows=64)
     catch_ups = []
     rows = mod.forward_draft_rows
-    monkeypatch.setattr(mod, "forward_draft_rows",
-                        lambda d, p, pos, meta, *a, **k: (catch_ups.append(meta.stash_at == 0), rows(d, p, pos, meta,
-                                                                                                      *a, **k))[1])
+
+    def counting(draft, pairs, positions, meta, *a, **k):
+        catch_ups.append(meta.stash_at == 0)
+        return rows(draft, pairs, positions, meta, *a, **k)
+    monkeypatch.setattr(mod, "forward_draft_rows", counting)
     monkeypatch.setattr(drafter, "CATCHUP_ROWS", True)
     got = _run_recording(tiny, True, prompts, 4, tiny[1], spec, few_rows=64)
     assert sum(catch_ups) >= 2
