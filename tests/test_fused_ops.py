@@ -221,7 +221,7 @@ def test_draft_pairs_tree_level_and_catch_up(dtype):
 
 
 def test_draft_pairs_with_pdl_compiles_for_sm90():
-    """`eyas.kernels.draft_pairs.PDL`'s variant (off by default, not yet timed on a GPU) compiles for sm_90
+    """`eyas.kernels.draft_pairs.PDL`'s variant (on by default since session 40) compiles for sm_90
     (offline), each program letting the draft's fc launch and then waiting before it reads (PTX order)."""
     pytest.importorskip("triton.compiler")
     from helpers import compile_for_sm90

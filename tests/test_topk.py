@@ -112,7 +112,7 @@ def test_triton_topk_logp_equals_log_softmax(V, rows, k, masked, seed):
 
 
 def test_topk_kernels_with_pdl_compile_for_sm90():
-    """`eyas.kernels.chunk_topk.PDL`'s variants of both passes (off by default, not yet timed on a GPU) compile for
+    """`eyas.kernels.chunk_topk.PDL`'s variants of both passes (on by default since session 40) compile for
     sm_90 (offline), each program letting the next kernel in and then waiting before it reads (PTX order)."""
     pytest.importorskip("triton.compiler")
     from helpers import compile_for_sm90

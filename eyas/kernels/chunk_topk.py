@@ -29,9 +29,10 @@ from eyas.layers.topk import MAX_K
 BLOCK = 2048  # entries per chunk (pass 1)
 # Programmatic dependent launch for both passes (each program lets the next kernel launch, then waits for the
 # previous one before it reads): a tree level's top-k sits between the draft's head and `draft_pairs`, which
-# launched after a ~0.4 us gap each in session 39's profile. Off: written in session 39 without device time to
-# measure it (`tools/device/pdl_small_ab.sh`).
-PDL = False
+# launched after a ~0.4 us gap each in session 39's profile. On since session 40, with `draft_pairs.PDL`: on the real
+# SmolLM2 the default tree's step 1.072-1.075 ms against main's 1.078-1.084 alone, 1.055-1.067 with the catch-up on
+# the tiles (`eyas.spec.drafter.CATCHUP_ROWS`; `docs/benchmarks.md`, "Session 40").
+PDL = True
 
 
 @triton.jit

@@ -27,8 +27,8 @@ from eyas.kernels.interpret import gdc_prologue, pdl_launch
 from eyas.spec.drafter import check_pairs, draft_pairs_reference  # noqa: F401 (the reference, exported beside)
 
 # Programmatic dependent launch (each program lets the next kernel, the draft's fc, launch and load its weights,
-# then waits for the top-k before it reads): off, as `eyas.kernels.chunk_topk.PDL` (session 39, not yet measured).
-PDL = False
+# then waits for the top-k before it reads): on since session 40, as `eyas.kernels.chunk_topk.PDL` (its timing there).
+PDL = True
 
 
 @triton.jit

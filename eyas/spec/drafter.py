@@ -96,9 +96,11 @@ def draft_pairs_reference(embed, tokens, tok_idx=None, feats=None, feat_idx=None
 # rows, and one launch then copies the stash rows to their cache slots (`commit_tree_kv_triton`). Otherwise the
 # catch-up takes the fused path (cuBLAS, and RoPE, the K/V write, the norm and SwiGLU as launches of their own: 38 us
 # from its pairs to its down projection's end in session 39's profile of the default tree's step, where a tree
-# level's took 29-31 us on the tiles). Off: written in session 39 without device time to measure it
-# (`tools/device/pdl_small_ab.sh`'s `catchup`).
-CATCHUP_ROWS = False
+# level's took 29-31 us on the tiles). On since session 40: on the real SmolLM2 (MT-Bench 80 x 128, batch 1, H200,
+# processes alternated) the default tree's step 1.053-1.069 ms against main's 1.078-1.084, `chain:3`'s 0.789-0.798
+# against 0.814-0.817; with the draft's PDL switches on too (`eyas.kernels.chunk_topk.PDL`), 1.055-1.067 and
+# 0.786-0.792 (`docs/benchmarks.md`, "Session 40").
+CATCHUP_ROWS = True
 
 
 def catch_up(draft, target, draft_cache, tokens, hidden, lens, start, meta: MetaBuilder, positions=None,
