@@ -154,7 +154,7 @@ def write_distill_setup(root: Path, vocab: int = 64, prompt: int = 8, seq: int =
 
 
 _COMPILE_SM90 = r"""
-import importlib, json, os, subprocess, sys, tempfile
+import importlib, json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -177,9 +177,12 @@ for mod, name, sig, constexprs, options in json.load(sys.stdin):
             f.flush()
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
                                    check=True).stdout
-    gdc = [l.strip().split(".")[1].split(";")[0].strip() for l in compiled.asm["ptx"].splitlines()
-           if l.strip().startswith("griddepcontrol.")]
-    results.append({"error": None, "usage": usage, "shared": compiled.metadata.shared, "gdc": gdc})
+    ptx = [l.strip() for l in compiled.asm["ptx"].splitlines()]
+    gdc = [l.split(".")[1].split(";")[0].strip() for l in ptx if l.startswith("griddepcontrol.")]
+    waits = [i for i, l in enumerate(ptx) if l.startswith("griddepcontrol.wait")]
+    loads = sum(1 for l in ptx[:waits[0]] if re.match(r"(@!?%p\w+\s+)?(ld\.global|cp\.async)", l)) if waits else None
+    results.append({"error": None, "usage": usage, "shared": compiled.metadata.shared, "gdc": gdc,
+                    "loads_before_wait": loads})
 print(json.dumps(results))
 """
 
@@ -235,7 +238,8 @@ def compile_for_sm90(variants) -> list[dict]:
     (module, kernel name, signature, constexprs, options) each. Returns per variant {"error": text or None, "usage":
     cuobjdump's resource usage (registers, stack, static shared memory) or None, "shared": the launch's dynamic
     shared memory in bytes, "gdc": the PTX's griddepcontrol instructions in text order ("launch_dependents",
-    "wait")}."""
+    "wait"), "loads_before_wait": the global loads (ld.global, cp.async, predicated or not) the PTX text has before
+    its first wait, None without one}."""
     import os
     import subprocess
     import sys
