@@ -104,18 +104,20 @@ CATCHUP_ROWS = True
 
 
 def catch_up(draft, target, draft_cache, tokens, hidden, lens, start, meta: MetaBuilder, positions=None,
-             slots=None, hidden_rows=None):
+             slots=None, hidden_rows=None, mask=None):
     """Draft forward over pairs (tokens[b, j], hidden[b, j]) at positions start[b] + j, j < lens[b]; their K/V are
     written to the draft cache. Returns the draft outputs [B, P, H]. `positions` and `slots` [B, P] (0 and -1 past
     lens[b]), when the caller has them (the runner packs them on the host), save computing them here.
-    `hidden_rows` [B]: `hidden` is a larger buffer and sequence b reads its row hidden_rows[b] (no gather first)."""
+    `hidden_rows` [B]: `hidden` is a larger buffer and sequence b reads its row hidden_rows[b] (no gather first).
+    `mask` [B, P, P]: `causal_mask(lens, P)`, when the caller has made it (`eyas.kernels.spec_prologue`)."""
     B, P = tokens.shape
     if positions is None or slots is None:
         ar = torch.arange(P, device=tokens.device)[None, :]
         valid = ar < lens[:, None]
         positions = torch.where(valid, start[:, None] + ar, torch.zeros_like(ar))
         slots = meta.slots(start[:, None] + ar, valid)
-    mask = causal_mask(lens, P)
+    if mask is None:
+        mask = causal_mask(lens, P)
     pairs = draft_pairs(target, meta.use_triton, tokens, feats=hidden, feat_rows=hidden_rows)
     if CATCHUP_ROWS and getattr(draft, "few_rows", False) and meta.use_triton:
         from eyas.models.one_row import takes_draft_rows
@@ -136,15 +138,17 @@ def _chain_rows(P: int, device: str) -> torch.Tensor:
 
 
 def expand_tree(draft, target, draft_cache, tree: Tree, root_h, n, node_tokens, meta: MetaBuilder,
-                draft_positions) -> None:
+                draft_positions, node_h=None) -> None:
     """Fill node_tokens[:, 1:] level by level from the root feature root_h [B, H]; n [B] = target KV length (the
     root's draft entry is at n-1, so a node of depth d sits at draft position n-1+d: `draft_positions` [B, N+1]).
     The levels' K/V go to a stash (row = node), and each level's suffix attends to rows 1.. of it: the ancestors it
-    needs, no concatenation."""
+    needs, no concatenation. `node_h` [B, N+1, H]: the nodes' feature buffer, when the caller has written root_h
+    to its row 0 (then root_h is that row)."""
     B, H = root_h.shape
     device = root_h.device
-    node_h = torch.empty(B, tree.num_nodes + 1, H, dtype=root_h.dtype, device=device)
-    node_h[:, 0] = root_h
+    if node_h is None:
+        node_h = torch.empty(B, tree.num_nodes + 1, H, dtype=root_h.dtype, device=device)
+        node_h[:, 0] = root_h
     idx = tree.level_index(device)
     ancestors = tree.ancestor_mask.to(device)
     stash = Stash.like(draft_cache, B, tree.num_nodes + 1) if tree.max_depth > 1 else None

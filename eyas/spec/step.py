@@ -19,6 +19,13 @@ from eyas.spec.tree import Tree
 from eyas.spec.verifier import accept_tree, accept_tree_greedy, simulate_accept, simulate_replay
 
 
+# The step's index work around the draft's catch-up in two Triton launches (`eyas.kernels.spec_prologue`): the root
+# token, the target and draft positions and the catch-up's mask in one, the root's feature row in the other, instead
+# of ~9 small PyTorch kernels (session 39's profile: ~10 us of them before the root's head). Static trees with a
+# draft on the Triton path. Off: written in session 40 without device time to measure it.
+FUSED_PROLOGUE = False
+
+
 @dataclass
 class DecodeInputs:
     """One decode step's inputs for B sequences (device tensors; padded rows have num_cached 0, block table 0 and
@@ -77,7 +84,14 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
     device = inp.root_tokens.device
     N1 = tree.num_nodes + 1
     n = inp.num_cached
-    if not dynamic:
+    fused = (FUSED_PROLOGUE and use_triton and draft is not None and not dynamic and tree.num_nodes > 0
+             and inp.catchup_tokens is not None)
+    catchup_mask = draft_positions = None
+    if fused:  # the same four in one launch
+        from eyas.kernels.spec_prologue import step_indices_triton
+        node_tokens, positions, draft_positions, catchup_mask = step_indices_triton(
+            inp.root_tokens, n, inp.catchup_lens, tree.depth.to(device), inp.catchup_tokens.shape[1])
+    elif not dynamic:
         node_tokens = torch.empty(B, N1, dtype=torch.long, device=device)  # the levels fill nodes 1..N
         node_tokens[:, 0] = inp.root_tokens
         positions = n[:, None] + tree.depth.to(device)[None, :]  # of root + tree in the target
@@ -90,8 +104,14 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
     if draft is not None:
         lens = inp.catchup_lens
         out = catch_up(draft, target, draft_cache, inp.catchup_tokens, draft_hidden, lens,
-                       inp.num_draft_cached, meta, inp.catchup_positions, inp.catchup_slots, hidden_rows=inp.slots)
-        if tree.num_nodes:  # the root's feature: the last pair's output (n > d always: the root's own pair)
+                       inp.num_draft_cached, meta, inp.catchup_positions, inp.catchup_slots, hidden_rows=inp.slots,
+                       mask=catchup_mask)
+        if fused:  # the root's feature straight into the levels' feature buffer, row 0
+            from eyas.kernels.spec_prologue import root_row_triton
+            node_h = torch.empty(B, N1, out.shape[-1], dtype=out.dtype, device=device)
+            expand_tree(draft, target, draft_cache, tree, root_row_triton(out, lens, node_h[:, 0]), n, node_tokens,
+                        meta, draft_positions, node_h=node_h)
+        elif tree.num_nodes:  # the root's feature: the last pair's output (n > d always: the root's own pair)
             root_h = out.gather(1, (lens - 1).clamp(min=0)[:, None, None].expand(B, 1, out.shape[-1]))[:, 0]
             if dynamic:
                 node_tokens, tree = expand_dynamic(draft, target, draft_cache, tree, root_h, inp.root_tokens, n,

@@ -1,5 +1,5 @@
-# Session 40, for the next session (issue #5 point 2a): the draft's FP8 head at a tree level's 8-13 rows, two levers,
-# both off on main, timed against main on the real model.
+# Session 40, for the next session (issue #5 point 2a): three levers for the draft's side of a speculative step,
+# all off on main, timed against main on the real model.
 # - gemvpdl: the FP8 GEMV as a programmatic dependent launch (`eyas.layers.linear_fp8.GEMV_PDL`): each program loads
 #   its first weight chunk, lets the next kernel launch, then waits. The head follows the draft's down projection,
 #   whose tile kernel lets the next launch in early, so its codes could stream while the down projection runs.
@@ -7,29 +7,34 @@
 # - rows8: the register kernel up to 8 rows for FP8 linears (`eyas.layers.linear_fp8.ROW_KERNEL_MAX_ROWS = 8`, 2 on
 #   main): the default tree's first level (8 rows) would take it, with its PDL and weights loaded before the wait.
 #   Session 25 measured 4 rows on the 8B shape's draft slower there (K = 4096); SmolLM2's head has K = 576.
+# - prologue: the step's index work around the catch-up in two Triton launches (`eyas.spec.step.FUSED_PROLOGUE`,
+#   `eyas.kernels.spec_prologue`), where ~9 small PyTorch kernels ran (session 39's profile: ~10 us of them between
+#   the catch-up and the root's head, which then could not load its weights early).
 # Calls: 1 (carry .stage/a) `mkdir -p /root/stage && cp .stage/a/part_aa /root/stage/`, 2 (carry .stage/b)
-# `cp .stage/b/part_ab /root/stage/`, 3 (carry .stage/c) `bash tools/device/head_ab.sh`: the FP8 GPU tests with both
-# on, then the real model, MT-Bench 80 x 128, batch 1, `--repeat 1`, plain, `chain:3` and the default tree,
-# processes in ORDER (main gemvpdl rows8 both both rows8 gemvpdl main) while under BUDGET (440) seconds. Send each
-# call at once after the one before: the machine goes back after 30 s idle (session 40).
+# `cp .stage/b/part_ab /root/stage/`, 3 (carry .stage/c) `bash tools/device/draft_step_ab.sh`: the GPU tests with all
+# three on, then the real model, MT-Bench 80 x 128, batch 1, `--repeat 1`, plain, `chain:3` and the default tree,
+# processes in ORDER (main all gemvpdl rows8 prologue main all prologue rows8 gemvpdl) while under BUDGET (440)
+# seconds. Send each call at once after the one before: the machine goes back after 30 s idle (session 40).
 set -u
 source tools/device/thirds_lib.sh
 stage_thirds || exit 1
 source tools/device/ab_lib.sh
 gemvpdl="m.GEMV_PDL = True"
 rows8="m.ROW_KERNEL_MAX_ROWS = 8"
-both="$gemvpdl; $rows8"
-echo "== fp8 gpu tests with both on [t=$(el)]"
+prologue="import eyas.spec.step as st; st.FUSED_PROLOGUE = True"
+all="$gemvpdl; $rows8; $prologue"
+echo "== gpu tests with all three on [t=$(el)]"
 timeout 200 python3 -c "
 import sys, pytest, eyas.layers.linear_fp8 as m
-$both
-sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_fp8.py', 'tests/test_gemv.py', '-k', 'gpu']))" \
-  2>&1 | tail -n 2
+$all
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_fp8.py', 'tests/test_gemv.py',
+                      'tests/test_spec_prologue.py', '-k', 'gpu or prologue']))" 2>&1 | tail -n 2
 i=0
-for v in ${ORDER:-main gemvpdl rows8 both both rows8 gemvpdl main}; do
+for v in ${ORDER:-main all gemvpdl rows8 prologue main all prologue rows8 gemvpdl}; do
   [ $(el) -gt ${BUDGET:-440} ] && break
   i=$((i + 1))
-  case $v in main) line="pass" ;; gemvpdl) line="$gemvpdl" ;; rows8) line="$rows8" ;; both) line="$both" ;; esac
+  case $v in main) line="pass" ;; gemvpdl) line="$gemvpdl" ;; rows8) line="$rows8" ;; prologue) line="$prologue" ;;
+    all) line="$all" ;; esac
   switch_run ${v}_$i eyas.layers.linear_fp8 "$line" bench latency --model smollm2 --draft default \
     --max-tokens 128 --prompts $S/question.jsonl --batch-sizes 1 --num-prompts ${NP:-80} --repeat ${REPEAT:-1} \
     --modes plain,chain:3,tree:smollm2_48d5

@@ -1,0 +1,91 @@
+"""`eyas.kernels.spec_prologue`: the speculative step's index work in two launches, held to the PyTorch ops that
+`spec_step` runs without them (interpreted on the CPU, compiled on a GPU), and the engine with
+`eyas.spec.step.FUSED_PROLOGUE` on against non-speculative decoding."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before Triton is first imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from eyas import LLM, SamplingParams  # noqa: E402
+from eyas.kernels.spec_prologue import (root_row_reference, root_row_triton, step_indices_reference,  # noqa: E402
+                                        step_indices_triton)
+from eyas.spec.tree import resolve_tree  # noqa: E402
+from helpers import write_mirror_pair  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(1, 4), P=st.integers(1, 7), spec=st.sampled_from(["chain:3", "tree:8", "tree:smollm2_48d5"]),
+       seed=st.integers(0, 2**16))
+def test_step_indices_equal_the_torch_ops(B, P, spec, seed):
+    g = torch.Generator().manual_seed(seed)
+    depth = resolve_tree(spec).depth.to(DEV)
+    root = torch.randint(0, 49152, (B,), generator=g).to(DEV)
+    n = torch.randint(1, 5000, (B,), generator=g).to(DEV)
+    lens = torch.randint(0, P + 1, (B,), generator=g).to(DEV)  # 0: a padded row of a graph's batch
+    got = step_indices_triton(root, n, lens, depth, P)
+    want = step_indices_reference(root, n, lens, depth, P)
+    assert torch.equal(got[0][:, 0], want[0][:, 0]) and got[0].shape == want[0].shape  # the levels fill the rest
+    for a, b in zip(got[1:], want[1:]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H", [48, 576, 1500])
+def test_root_row_equals_the_gather(dtype, H):
+    g = torch.Generator().manual_seed(H)
+    B, P = 3, 5
+    out = torch.randn(B, P, H, generator=g).to(dtype).to(DEV)
+    lens = torch.tensor([0, 5, 2], device=DEV)
+    node_h = torch.full((B, 4, H), float("nan"), dtype=dtype, device=DEV)
+    got = root_row_triton(out, lens, node_h[:, 0])
+    assert got.data_ptr() == node_h.data_ptr() and torch.equal(got, root_row_reference(out, lens))
+    assert torch.isnan(node_h[:, 1:]).all()  # only row 0 written
+    with pytest.raises(ValueError, match="contiguous rows"):
+        root_row_triton(out, lens, node_h[:, :, 0])
+
+
+def test_step_indices_refuse_bad_shapes():
+    z = torch.zeros(2, dtype=torch.long, device=DEV)
+    with pytest.raises(ValueError, match="P >= 1"):
+        step_indices_triton(z, z, z[:1], resolve_tree("chain:3").depth.to(DEV), 4)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_mirror_pair(tmp_path_factory.mktemp("prologue"))  # a draft that is mostly accepted
+
+
+@pytest.mark.parametrize("spec", ["chain:3", "tree:8"])
+def test_engine_with_the_fused_prologue_equals_plain_decoding(tiny, monkeypatch, spec):
+    """`FUSED_PROLOGUE` on, the Triton path (interpreted on the CPU): greedy speculative decoding of two prompts gives
+    non-speculative decoding's tokens, every step took the two launches, and the draft proposed what it proposes
+    without them (the same target calls: its positions and mask are the same)."""
+    import eyas.kernels.spec_prologue as sp
+    from eyas.spec import step
+    target, draft = tiny
+    prompts = [[1, 2, 3, 4, 5], [9, 8]]  # (vocabulary 24)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(target), device=DEV, dtype="float32").generate(prompts, params)]
+    calls = []
+    for name in ("step_indices_triton", "root_row_triton"):
+        f = getattr(sp, name)
+        monkeypatch.setattr(sp, name, lambda *a, _f=f, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    runs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(step, "FUSED_PROLOGUE", fused)
+        llm = LLM(str(target), device=DEV, dtype="float32", draft=str(draft), speculation=spec)
+        llm.engine.runner.use_triton = True
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == want
+        runs[fused] = [o.stats.target_calls for o in outs]
+        assert sum(o.stats.committed for o in outs) > sum(runs[fused])  # the draft was heard
+        assert calls.count("step_indices_triton") == calls.count("root_row_triton") >= (3 if fused else 0)
+    assert runs[True] == runs[False]
