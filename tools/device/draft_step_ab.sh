@@ -29,17 +29,5 @@ import sys, pytest, eyas.layers.linear_fp8 as m
 $all
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_fp8.py', 'tests/test_gemv.py',
                       'tests/test_spec_prologue.py', '-k', 'gpu or prologue']))" 2>&1 | tail -n 2
-i=0
-for v in ${ORDER:-main all gemvpdl rows8 prologue main all prologue rows8 gemvpdl}; do
-  [ $(el) -gt ${BUDGET:-440} ] && break
-  i=$((i + 1))
-  case $v in main) line="pass" ;; gemvpdl) line="$gemvpdl" ;; rows8) line="$rows8" ;; prologue) line="$prologue" ;;
-    all) line="$all" ;; esac
-  switch_run ${v}_$i eyas.layers.linear_fp8 "$line" bench latency --model smollm2 --draft default \
-    --max-tokens 128 --prompts $S/question.jsonl --batch-sizes 1 --num-prompts ${NP:-80} --repeat ${REPEAT:-1} \
-    --modes plain,chain:3,tree:smollm2_48d5
-  echo "$v done [t=$(el)]"
-done
-latency_rows
-(cd $OUT && tar czf rows.tar.gz *_[0-9]* && rm -rf *_[0-9]*)
+ORDER=${ORDER:-main all gemvpdl rows8 prologue main all prologue rows8 gemvpdl} mtbench_ab eyas.layers.linear_fp8
 echo "== end [t=$(el)]"

@@ -12,7 +12,7 @@
 # `cp .stage/b/part_ab /root/stage/`, 3 (carry .stage/c) `bash tools/device/pdl_small_ab.sh`: the GPU tests with
 # both off (session 40, at b0ce370: both on), then the real model, MT-Bench 80 x 128, batch 1, `--repeat 1`, plain,
 # `chain:3` and the default tree, processes in ORDER (main pdl catchup both both catchup pdl main) while under
-# BUDGET (480) seconds. Point 5's graph tests with both off: TESTS5=1 in a call of their own (~240-320 s). A CPU dry
+# BUDGET (440) seconds. Point 5's graph tests with both off: TESTS5=1 in a call of their own (~240-320 s). A CPU dry
 # run (STAGED=1, PATH with the venv, OUT, W and S=a folder holding question.jsonl, NP=1, ORDER=both) needs
 # TRITON_INTERPRET=1: the switches import the kernels before the tests could set it (session 39: the pdl variant's
 # dry run, 45 passed, then the three modes on one prompt).
@@ -22,32 +22,21 @@ stage_thirds || exit 1
 source tools/device/ab_lib.sh
 pdl="import eyas.kernels.draft_pairs as dp; m.PDL = False; dp.PDL = False"
 catchup="import eyas.spec.drafter as dr; dr.CATCHUP_ROWS = False"
-off="$pdl; $catchup"
+both="$pdl; $catchup"
 if [ "${TESTS5:-0}" = 1 ]; then
   echo "== point 5 with the switches off [t=$(el)]"
   timeout 560 python3 -c "
 import sys, pytest, eyas.kernels.chunk_topk as m
-$off
+$both
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_cuda_graph.py', '-k', 'smollm2']))" 2>&1 | tail -n 2
   exit 0
 fi
 echo "== gpu tests with the switches off [t=$(el)]"
 timeout 240 python3 -c "
 import sys, pytest, eyas.kernels.chunk_topk as m
-$off
+$both
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_topk.py', 'tests/test_fused_ops.py',
                       'tests/test_dynamic_tree.py', 'tests/test_decode_linear.py', '-k',
                       'not sm90 and (not decode_linear or gpu_few_rows or catch_up_on_the_rows)']))" 2>&1 | tail -n 2
-i=0
-for v in ${ORDER:-main pdl catchup both both catchup pdl main}; do
-  [ $(el) -gt ${BUDGET:-480} ] && break
-  i=$((i + 1))
-  case $v in main) line="pass" ;; pdl) line="$pdl" ;; catchup) line="$catchup" ;; both) line="$off" ;; esac
-  switch_run ${v}_$i eyas.kernels.chunk_topk "$line" bench latency --model smollm2 --draft default \
-    --max-tokens 128 --prompts $S/question.jsonl --batch-sizes 1 --num-prompts ${NP:-80} --repeat ${REPEAT:-1} \
-    --modes plain,chain:3,tree:smollm2_48d5
-  echo "$v done [t=$(el)]"
-done
-latency_rows
-(cd $OUT && tar czf rows.tar.gz *_[0-9]* && rm -rf *_[0-9]*)
+ORDER=${ORDER:-main pdl catchup both both catchup pdl main} mtbench_ab eyas.kernels.chunk_topk
 echo "== end [t=$(el)]"
