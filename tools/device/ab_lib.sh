@@ -77,9 +77,9 @@ main_vs() {
 }
 
 # mtbench_ab MOD: for each value v of ORDER while under BUDGET (440) seconds, one `switch_run` tagged v_<i> of the real
-# SmolLM2's MT-Bench rows (80 x 128 unless NP, batch 1, `--repeat` REPEAT or 1; plain, `chain:3` and the default
-# tree) with MOD imported as m and the Python lines of the shell variable named v run first (none for main); then
-# the rows (`latency_rows`), and the runs' folders packed into $OUT/rows.tar.gz. Needs stage_thirds' $S.
+# SmolLM2's MT-Bench rows (80 x 128 unless NP, batch sizes BATCHES or 1, `--repeat` REPEAT or 1; plain, `chain:3`
+# and the default tree) with MOD imported as m and the Python lines of the shell variable named v run first (none for
+# main); then the rows (`latency_rows`), and the runs' folders packed into $OUT/rows.tar.gz. Needs stage_thirds' $S.
 mtbench_ab() {
   local mod=$1 i=0 v line
   for v in $ORDER; do
@@ -87,7 +87,7 @@ mtbench_ab() {
     i=$((i + 1))
     if [ $v = main ]; then line="pass"; else line="${!v}"; fi
     switch_run ${v}_$i $mod "$line" bench latency --model smollm2 --draft default --max-tokens 128 \
-      --prompts $S/question.jsonl --batch-sizes 1 --num-prompts ${NP:-80} --repeat ${REPEAT:-1} \
+      --prompts $S/question.jsonl --batch-sizes ${BATCHES:-1} --num-prompts ${NP:-80} --repeat ${REPEAT:-1} \
       --modes plain,chain:3,tree:smollm2_48d5
     echo "$v done [t=$(el)]"
   done

@@ -23,11 +23,13 @@ gemvpdl="m.GEMV_PDL = True"
 rows8="m.ROW_KERNEL_MAX_ROWS = 8"
 prologue="import eyas.spec.step as st; st.FUSED_PROLOGUE = True"
 all="$gemvpdl; $rows8; $prologue"
+if [ "${TESTS:-1}" = 1 ]; then  # TESTS=0: the timings only
 echo "== gpu tests with all three on [t=$(el)]"
 timeout 200 python3 -c "
 import sys, pytest, eyas.layers.linear_fp8 as m
 $all
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_fp8.py', 'tests/test_gemv.py',
                       'tests/test_spec_prologue.py', '-k', 'gpu or prologue']))" 2>&1 | tail -n 2
+fi
 ORDER=${ORDER:-main all gemvpdl rows8 prologue main all prologue rows8 gemvpdl} mtbench_ab eyas.layers.linear_fp8
 echo "== end [t=$(el)]"

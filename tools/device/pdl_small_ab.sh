@@ -31,6 +31,7 @@ $both
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_cuda_graph.py', '-k', 'smollm2']))" 2>&1 | tail -n 2
   exit 0
 fi
+if [ "${TESTS:-1}" = 1 ]; then  # TESTS=0: the timings only
 echo "== gpu tests with the switches off [t=$(el)]"
 timeout 240 python3 -c "
 import sys, pytest, eyas.kernels.chunk_topk as m
@@ -38,5 +39,6 @@ $both
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_topk.py', 'tests/test_fused_ops.py',
                       'tests/test_dynamic_tree.py', 'tests/test_decode_linear.py', '-k',
                       'not sm90 and (not decode_linear or gpu_few_rows or catch_up_on_the_rows)']))" 2>&1 | tail -n 2
+fi
 ORDER=${ORDER:-main pdl catchup both both catchup pdl main} mtbench_ab eyas.kernels.chunk_topk
 echo "== end [t=$(el)]"
