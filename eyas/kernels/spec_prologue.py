@@ -83,7 +83,7 @@ def step_indices_triton(root_tokens: torch.Tensor, n: torch.Tensor, lens: torch.
     dev = root_tokens.device
     node_tokens = torch.empty(B, N1, dtype=torch.long, device=dev)
     positions = torch.empty(B, N1, dtype=n.dtype, device=dev)
-    draft_positions = torch.empty_like(positions)
+    draft_positions = torch.empty(B, N1, dtype=n.dtype, device=dev)
     mask = torch.empty(B, P, P, dtype=torch.bool, device=dev)
     if B:
         use_gdc, launch = pdl_launch(PDL)

@@ -7,6 +7,11 @@ every ATen op that launches work (views and allocations excluded) and every Trit
 that issued it.
 
     PYTHONPATH=. python3 tools/diag/step_kernels.py --speculation plain chain:3 tree:smollm2_48d5 [--by-line]
+        [--fast-path]
+
+`--fast-path` takes the one-row and few-rows paths (`enable_fast_path`) as CUDA does for a small model. Session 40,
+the default tree with it: 269 kernels a step, 263 with `eyas.spec.step.FUSED_PROLOGUE` on (the step's index work
+around the draft's catch-up: 9 small ops become the two launches of `eyas.kernels.spec_prologue`).
 
 The count is an estimate of the GPU's: some ATen ops are several CUDA kernels there (e.g. cuBLAS split-K GEMMs), a
 few are none (a copy of 0 bytes), and on CPU tensors the top-k and argmax take their PyTorch path (`eyas.layers.topk`),
@@ -64,7 +69,7 @@ class Counter(TorchDispatchMode):
         self.by_op[f"triton:{fn_name}"] += 1
 
 
-def count_step(speculation: str, layers: int, feature_layers, context: int):
+def count_step(speculation: str, layers: int, feature_layers, context: int, fast_path: bool = False):
     from eyas.config import ModelConfig
     from eyas.engine import runner as runner_mod
     from eyas.engine.engine import EngineConfig, LLMEngine
@@ -87,6 +92,11 @@ def count_step(speculation: str, layers: int, feature_layers, context: int):
     eng = LLMEngine(target, None, draft, tree, ecfg)
     eng.runner = ModelRunner(target, draft, tree, 64, 16, use_triton=True, max_model_len=cfg.max_position_embeddings,
                              max_num_seqs=4)
+    if fast_path:  # the row paths as CUDA takes them (register and tile kernels, the draft's catch-up on the tiles)
+        from eyas.models.fused import enable_fast_path
+        for m in (target, draft):
+            if m is not None:
+                enable_fast_path(m)
     eng.eos_ids = set()
     eng.add_request(list(range(1, context + 1)), SamplingParams(temperature=0.0, max_tokens=64))
 
@@ -134,12 +144,14 @@ def main():
     ap.add_argument("--feature-layers", type=int, nargs="*", default=[3, 15],
                     help="the draft's feature layers (the shipped draft's: 3 15; none: EAGLE-1)")
     ap.add_argument("--context", type=int, default=40, help="prompt tokens")
+    ap.add_argument("--fast-path", action="store_true",
+                    help="the one-row and few-rows paths (`enable_fast_path`), as CUDA runs a small model's steps")
     ap.add_argument("--by-line", action="store_true", help="print the count per source line")
     ap.add_argument("--top", type=int, default=40)
     args = ap.parse_args()
     fl = tuple(args.feature_layers) or None
     for spec in args.speculation:
-        c = count_step(spec, args.layers, fl, args.context)
+        c = count_step(spec, args.layers, fl, args.context, args.fast_path)
         total = sum(c.by_site.values())
         print(f"{spec}: {total} kernels per step")
         if args.by_line:
