@@ -129,3 +129,35 @@ def test_topk_kernels_with_pdl_compile_for_sm90():
     for r in results:
         assert r["error"] is None, r["error"]
         assert r["gdc"] == ["launch_dependents", "wait"]
+
+
+def test_the_draft_levels_small_kernels_ask_pdl_only_where_the_gpu_has_it(monkeypatch):
+    """`eyas.kernels.interpret.pdl_on`, which the top-k passes, `draft_pairs` and the step prologue launch through:
+    with their switch on they take PDL on an sm_90 GPU, never on an older one (the launch attribute and the
+    griddepcontrol instructions are Hopper's), the CPU, or under the interpreter."""
+    import eyas.kernels.chunk_topk as ct
+    import eyas.kernels.draft_pairs as dp
+    import eyas.kernels.spec_prologue as sp
+    from eyas.kernels import interpret
+    from eyas.models import one_row
+    from eyas.spec.tree import resolve_tree
+    asked = []
+    for mod in (ct, dp, sp):  # each launch asks with its own switch and its tensors' device
+        monkeypatch.setattr(mod, "pdl_on", lambda switch, device, _m=mod.__name__: asked.append((_m, switch)) or
+                            (False, {}))
+    x = torch.randn(2, 300, device=DEV)
+    ct.topk_indices_triton(x, 2)
+    dp.draft_pairs_triton(torch.randn(10, 4, device=DEV), torch.tensor([[1, 2]], device=DEV),
+                          feats=torch.randn(1, 2, 4, device=DEV))
+    z = torch.ones(1, dtype=torch.long, device=DEV)
+    sp.step_indices_triton(z, z, z, resolve_tree("chain:3").depth.to(DEV), 4)
+    assert {m for m, switch in asked} == {ct.__name__, dp.__name__, sp.__name__}
+    assert all(switch for m, switch in asked)  # all three switches are on by default
+    monkeypatch.setattr(interpret, "interpreting", lambda: False)  # what a GPU's launch sees
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(one_row, "_pdl", lambda index: False)  # an A100
+    assert interpret.pdl_on(True, cuda) == (False, {})
+    monkeypatch.setattr(one_row, "_pdl", lambda index: True)  # an H200
+    assert interpret.pdl_on(True, cuda) == (True, {"launch_pdl": True})
+    assert interpret.pdl_on(False, cuda) == (False, {})
+    assert interpret.pdl_on(True, torch.device("cpu")) == (False, {})

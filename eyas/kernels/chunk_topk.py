@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eyas.kernels.interpret import gdc_prologue, pdl_launch
+from eyas.kernels.interpret import gdc_prologue, pdl_on
 from eyas.layers.topk import MAX_K
 
 BLOCK = 2048  # entries per chunk (pass 1)
@@ -116,7 +116,7 @@ def _topk(x: torch.Tensor, k: int, lse: bool):
         vals = torch.empty((R, n, k), dtype=torch.float32, device=x.device)
         ids = torch.empty((R, n, k), dtype=torch.int32, device=x.device)
         stats = torch.empty((R, n, 2), dtype=torch.float32, device=x.device) if lse else vals
-        use_gdc, pdl = pdl_launch(PDL)
+        use_gdc, pdl = pdl_on(PDL, x.device)
         _chunk_topk_kernel[(R, n)](x2, vals, ids, stats, V, n, x2.stride(0), K=k, BLOCK=BLOCK, LSE=lse,
                                    USE_GDC=use_gdc, num_warps=4, **pdl)
         _merge_topk_kernel[(R,)](vals, ids, out, stats, logp if lse else vals, n * k, n, K=k,

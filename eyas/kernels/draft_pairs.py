@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eyas.kernels.interpret import gdc_prologue, pdl_launch
+from eyas.kernels.interpret import gdc_prologue, pdl_on
 from eyas.spec.drafter import check_pairs, draft_pairs_reference  # noqa: F401 (the reference, exported beside)
 
 # Programmatic dependent launch (each program lets the next kernel, the draft's fc, launch and load its weights,
@@ -70,7 +70,7 @@ def draft_pairs_triton(embed, tokens, tok_idx=None, feats=None, feat_idx=None, f
         return out
     dummy = tokens  # any tensor: a pointer the kernel never reads when its flag is off
     f = feats if pairs else embed.view(1, *embed.shape)
-    use_gdc, pdl = pdl_launch(PDL)
+    use_gdc, pdl = pdl_on(PDL, tokens.device)
     _draft_pairs_kernel[(B * Q,)](
         embed, tokens, tok_idx if tok_idx is not None else dummy, f,
         feat_idx if feat_idx is not None else dummy, feat_rows if feat_rows is not None else dummy,

@@ -17,6 +17,15 @@ def pdl_launch(pdl: bool) -> tuple[bool, dict]:
     return use, ({"launch_pdl": True} if use else {})
 
 
+def pdl_on(switch: bool, device) -> tuple[bool, dict]:
+    """`pdl_launch` for a kernel whose module switch asks for PDL: taken only on a GPU that has it (sm_90 or newer,
+    `eyas.models.one_row.use_pdl`), so that older GPUs never get the launch attribute or its instructions."""
+    if not switch:
+        return False, {}
+    from eyas.models.one_row import use_pdl
+    return pdl_launch(use_pdl(device))
+
+
 @triton.jit
 def gdc_prologue(USE_GDC: tl.constexpr):
     """With PDL: let the next kernel's programs launch now, then wait for the previous kernel (its writes visible)."""

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eyas.kernels.interpret import gdc_prologue, pdl_launch
+from eyas.kernels.interpret import gdc_prologue, pdl_on
 
 PDL = True  # the launches' PDL where the GPU has it (sm_90); the switch that takes them is eyas.spec.step's
 
@@ -86,7 +86,7 @@ def step_indices_triton(root_tokens: torch.Tensor, n: torch.Tensor, lens: torch.
     draft_positions = torch.empty(B, N1, dtype=n.dtype, device=dev)
     mask = torch.empty(B, P, P, dtype=torch.bool, device=dev)
     if B:
-        use_gdc, launch = pdl_launch(PDL)
+        use_gdc, launch = pdl_on(PDL, dev)
         _step_indices_kernel[(B,)](root_tokens, n, lens, depth, node_tokens, positions, draft_positions, mask, N1, P,
                                    node_tokens.stride(0), positions.stride(0), mask.stride(0),
                                    BLOCK_N1=triton.next_power_of_2(N1), BLOCK_P=max(2, triton.next_power_of_2(P)),
@@ -107,7 +107,7 @@ def root_row_triton(out: torch.Tensor, lens: torch.Tensor, dst: torch.Tensor) ->
         raise ValueError(f"root_row: out [B, P, H] and dst [B, H] with contiguous rows, lens [B]; got "
                          f"{tuple(out.shape)}, {tuple(dst.shape)}, {tuple(lens.shape)}")
     if B:
-        use_gdc, launch = pdl_launch(PDL)
+        use_gdc, launch = pdl_on(PDL, out.device)
         _root_row_kernel[(B,)](out, lens, dst, H, out.stride(0), out.stride(1), dst.stride(0),
                                BLOCK_H=min(1024, triton.next_power_of_2(H)), USE_GDC=use_gdc, num_warps=4, **launch)
     return dst
