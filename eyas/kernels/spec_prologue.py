@@ -10,8 +10,8 @@
 output, the root's feature.
 
 Both are programmatic dependent launches when `PDL` is on (each program lets the next kernel launch, then waits), so
-the draft head after the root row can load its weights while the row is copied. References (plain PyTorch, what
-`eyas.spec.step.spec_step` computes without them): `step_indices_reference`, `root_row_reference`.
+the draft head after the root row can load its weights while the row is copied. References (plain PyTorch, the
+functions `eyas.spec.step.spec_step` runs without them): `step_indices_reference`, `root_row_reference`.
 Tests: tests/test_spec_prologue.py.
 """
 from __future__ import annotations
@@ -21,6 +21,9 @@ import triton
 import triton.language as tl
 
 from eyas.kernels.interpret import gdc_prologue, pdl_on
+# the references, the ops `spec_step` runs without the kernels (kept out of this module so that the model runs
+# without Triton), exported beside
+from eyas.spec.step import root_row_reference, step_indices_reference  # noqa: F401
 
 PDL = True  # the launches' PDL where the GPU has it (sm_90); the switch that takes them is eyas.spec.step's
 
@@ -60,18 +63,6 @@ def _root_row_kernel(OUT, LENS, DST, H, stride_ob, stride_op, stride_db, BLOCK_H
         tl.store(DST + b * stride_db + offs, tl.load(src + offs, mask=ok, other=0.0), mask=ok)
 
 
-def step_indices_reference(root_tokens: torch.Tensor, n: torch.Tensor, lens: torch.Tensor, depth: torch.Tensor,
-                           P: int):
-    """(node_tokens [B, N+1] with column 0 set, positions, draft_positions [B, N+1], mask [B, P, P]) as
-    `spec_step` computes them without the kernel."""
-    from eyas.spec.drafter import causal_mask
-    B, N1 = root_tokens.shape[0], depth.shape[0]
-    node_tokens = torch.empty(B, N1, dtype=torch.long, device=root_tokens.device)
-    node_tokens[:, 0] = root_tokens
-    positions = n[:, None] + depth.to(n.device)[None, :]
-    return node_tokens, positions, positions - 1, causal_mask(lens, P)
-
-
 def step_indices_triton(root_tokens: torch.Tensor, n: torch.Tensor, lens: torch.Tensor, depth: torch.Tensor,
                         P: int):
     """One launch (module docstring); the outputs of `step_indices_reference`. depth [N+1] on the device."""
@@ -92,12 +83,6 @@ def step_indices_triton(root_tokens: torch.Tensor, n: torch.Tensor, lens: torch.
                                    BLOCK_N1=triton.next_power_of_2(N1), BLOCK_P=max(2, triton.next_power_of_2(P)),
                                    USE_GDC=use_gdc, num_warps=1, **launch)
     return node_tokens, positions, draft_positions, mask
-
-
-def root_row_reference(out: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """out [B, P, H], lens [B] -> out[b, max(lens[b] - 1, 0)] [B, H], as `spec_step` gathers it."""
-    B, _, H = out.shape
-    return out.gather(1, (lens - 1).clamp(min=0)[:, None, None].expand(B, 1, H))[:, 0]
 
 
 def root_row_triton(out: torch.Tensor, lens: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 from eyas.layers.attention import MetaBuilder, Stash, write_kv
 from eyas.layers.sampler import logits_to_probs
 from eyas.layers.topk import argmax
-from eyas.spec.drafter import catch_up, expand_tree
+from eyas.spec.drafter import catch_up, causal_mask, expand_tree
 from eyas.spec.dynamic_tree import DynamicTree, expand_dynamic
 from eyas.spec.tree import Tree
 from eyas.spec.verifier import accept_tree, accept_tree_greedy, simulate_accept, simulate_replay
@@ -24,6 +24,29 @@ from eyas.spec.verifier import accept_tree, accept_tree_greedy, simulate_accept,
 # of ~9 small PyTorch kernels (session 39's profile: ~10 us of them before the root's head). Static trees with a
 # draft on the Triton path. Off: written in session 40 without device time to measure it.
 FUSED_PROLOGUE = False
+
+
+def root_and_positions(root_tokens: torch.Tensor, n: torch.Tensor, depth: torch.Tensor):
+    """node_tokens [B, N+1] with column 0 = root_tokens (the levels fill the rest) and the target positions of root
+    and tree [B, N+1] = n[b] + depth[j]."""
+    node_tokens = torch.empty(root_tokens.shape[0], depth.shape[0], dtype=torch.long, device=root_tokens.device)
+    node_tokens[:, 0] = root_tokens
+    return node_tokens, n[:, None] + depth.to(n.device)[None, :]
+
+
+def root_row_reference(out: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The root's feature: out [B, P, H] (the catch-up's draft outputs) at row max(lens[b] - 1, 0), the last pair's
+    -> [B, H]. The reference of `eyas.kernels.spec_prologue.root_row_triton`."""
+    B, _, H = out.shape
+    return out.gather(1, (lens - 1).clamp(min=0)[:, None, None].expand(B, 1, H))[:, 0]
+
+
+def step_indices_reference(root_tokens: torch.Tensor, n: torch.Tensor, lens: torch.Tensor, depth: torch.Tensor,
+                           P: int):
+    """(node_tokens, positions, draft_positions [B, N+1], the catch-up's mask [B, P, P]) as `spec_step` computes them
+    without `FUSED_PROLOGUE`. The reference of `eyas.kernels.spec_prologue.step_indices_triton`."""
+    node_tokens, positions = root_and_positions(root_tokens, n, depth)
+    return node_tokens, positions, positions - 1, causal_mask(lens, P)
 
 
 @dataclass
@@ -92,9 +115,7 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
         node_tokens, positions, draft_positions, catchup_mask = step_indices_triton(
             inp.root_tokens, n, inp.catchup_lens, tree.depth.to(device), inp.catchup_tokens.shape[1])
     elif not dynamic:
-        node_tokens = torch.empty(B, N1, dtype=torch.long, device=device)  # the levels fill nodes 1..N
-        node_tokens[:, 0] = inp.root_tokens
-        positions = n[:, None] + tree.depth.to(device)[None, :]  # of root + tree in the target
+        node_tokens, positions = root_and_positions(inp.root_tokens, n, tree.depth.to(device))
 
     meta = MetaBuilder(inp.block_tables, block_size, inp.max_context_len, use_triton)
 
@@ -112,7 +133,7 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
             expand_tree(draft, target, draft_cache, tree, root_row_triton(out, lens, node_h[:, 0]), n, node_tokens,
                         meta, draft_positions, node_h=node_h)
         elif tree.num_nodes:  # the root's feature: the last pair's output (n > d always: the root's own pair)
-            root_h = out.gather(1, (lens - 1).clamp(min=0)[:, None, None].expand(B, 1, out.shape[-1]))[:, 0]
+            root_h = root_row_reference(out, lens)
             if dynamic:
                 node_tokens, tree = expand_dynamic(draft, target, draft_cache, tree, root_h, inp.root_tokens, n,
                                                    meta)
