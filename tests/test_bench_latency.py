@@ -1,6 +1,7 @@
 """`eyas bench latency` on the CPU: it writes JSON, a markdown table and a plot for plain decoding, chains and the
 tree dispatcher, and refuses bad input before loading anything."""
 import json
+import time
 
 import pytest
 import torch
@@ -367,6 +368,29 @@ def test_soak_under_tensor_parallel_loses_nothing(tmp_path):
     assert rep["passed"] and rep["final"] and rep["kv_blocks_in_use"] == 0 and rep["still_running"] == 0
     assert rep["admitted"] == rep["finished"] + rep["aborted"] > 10
     assert max(int(b) for b in rep["batch_sizes_seen"]) > 1 and rep["tokens"] > rep["admitted"]
+
+
+def test_soak_clock_starts_after_the_ranks_meet(tmp_path, monkeypatch):
+    """The soak's --duration counts traffic, not start-up: CI once saw rank 1 load for 7 s, the first step (the ranks'
+    first meeting) outlasted a 6 s soak, and it admitted nothing. Here the first step sleeps past --duration (TP = 1,
+    in this process); requests must still be admitted after it."""
+    from eyas.dist.tp import TPEngine
+    real_step, calls = TPEngine.step, []
+
+    def slow_first_step(self):
+        if not calls:
+            time.sleep(2.5)
+        calls.append(1)
+        return real_step(self)
+
+    monkeypatch.setattr(TPEngine, "step", slow_first_step)
+    out = tmp_path / "soak"
+    assert main(["bench", "soak", "--model", "llama-tiny-shape", "--duration", "2", "--max-batch", "4",
+                 "--max-prompt", "24", "--max-tokens", "8", "--burst-rate", "50", "--quiet-rate", "50",
+                 "--accept-rates", "0.9,0.8", "--speculation", "chain:2", "--device", "cpu", "--dtype", "float32",
+                 "--out", str(out)]) == 0
+    rep = json.loads((out / "soak.json").read_text())
+    assert rep["passed"] and rep["startup_s"] >= 2.5 and rep["admitted"] > 0
 
 
 @pytest.mark.parametrize("bad", [["--duration", "0"], ["--max-batch", "0"], ["--tensor-parallel", "0"],

@@ -79,6 +79,9 @@ def soak_rank(rank: int, world_size: int, device, args, accept) -> None:
     admitted = finished = aborted = refused = tokens = steps = 0
     batch_seen: dict[int, int] = {}
     step_ms: list[float] = []
+    s0 = time.monotonic()
+    tp.step()  # an idle step: the ranks meet once (each has loaded its shard) before the traffic's clock starts
+    report["startup_s"] = time.monotonic() - s0
     t0 = last_report = time.monotonic()
     burst, phase_until, last_admit = False, t0, t0
 
