@@ -79,10 +79,10 @@ def test_engine_with_the_fused_prologue_equals_plain_decoding(tiny, monkeypatch,
         f = getattr(sp, name)
         monkeypatch.setattr(sp, name, lambda *a, _f=f, _n=name, **k: calls.append(_n) or _f(*a, **k))
     runs = {}
-    for fused in (False, True):
+    for fused in (False, True):  # the unfused run on the PyTorch path: the interpreted kernels are CI's slowest part
         monkeypatch.setattr(step, "FUSED_PROLOGUE", fused)
         llm = LLM(str(target), device=DEV, dtype="float32", draft=str(draft), speculation=spec)
-        llm.engine.runner.use_triton = True
+        llm.engine.runner.use_triton = fused
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == want
         runs[fused] = [o.stats.target_calls for o in outs]
