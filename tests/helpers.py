@@ -98,6 +98,33 @@ def write_mirror_pair(path: Path, vocab=24, layers=2, seed=0) -> tuple[Path, Pat
     return target_dir, save_draft(draft, Path(path) / "draft", dtype=torch.float32)
 
 
+def dense_kv(model_layers, rope, run):
+    """K (after RoPE) and V of every layer of a dense forward, captured with hooks on k_proj / v_proj."""
+    ks, vs, hooks = {}, {}, []
+    for i, layer in enumerate(model_layers):
+        a = layer.self_attn
+        hooks.append(a.k_proj.register_forward_hook(lambda m, inp, out, i=i: ks.__setitem__(i, out)))
+        hooks.append(a.v_proj.register_forward_hook(lambda m, inp, out, i=i: vs.__setitem__(i, out)))
+    positions = run()
+    for h in hooks:
+        h.remove()
+    out = []
+    for i, layer in enumerate(model_layers):
+        a = layer.self_attn
+        k = ks[i].view(1, -1, a.n_kv, a.head_dim)
+        _, k = rope(positions, k.new_zeros(1, k.shape[1], a.n_heads, a.head_dim), k)
+        out.append((k[0], vs[i].view(-1, a.n_kv, a.head_dim)))
+    return out
+
+
+def paged_kv(cache, layer, block_table, n, block_size):
+    """The K and V of positions 0..n-1 of one layer of a paged cache, through a sequence's block table."""
+    slots = [block_table[p // block_size] * block_size + p % block_size for p in range(n)]
+    flat_k = cache.k[layer].reshape(-1, *cache.k.shape[3:])
+    flat_v = cache.v[layer].reshape(-1, *cache.v.shape[3:])
+    return flat_k[slots], flat_v[slots]
+
+
 def load_mirror_pair(paths: tuple[Path, Path]):
     """`write_mirror_pair`'s target and draft as modules (CPU, float32): (target, draft)."""
     from eyas.loader.eagle import load_draft

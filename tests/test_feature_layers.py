@@ -17,7 +17,8 @@ from eyas.loader.eagle import load_draft
 from eyas.loader.resolve import load_target
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
-from helpers import feature_draft_from, write_distill_setup, write_mirror_pair, write_random_draft, write_tiny_llama
+from helpers import (dense_kv, feature_draft_from, paged_kv, write_distill_setup, write_mirror_pair, write_random_draft,
+                     write_tiny_llama)
 
 
 def rms(x, eps):
@@ -164,6 +165,42 @@ def test_greedy_with_a_feature_layer_draft_equals_plain(mirror, spec):
         small = llm(tdir, noisy, spec, num_blocks=14, block_size=4, max_num_batched_tokens=8)
         assert [o.token_ids for o in small.generate(prompts5(), params)] == ref
         assert small.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("spec", ["chain:3", "tree:8"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_feature_buffer_and_draft_kv_hold_the_committed_history(mirror, spec, temperature):
+    """A feature-layer draft (the shipped draft's kind), after steps with rejected branches: the sequence's slot of
+    the draft's hidden-state buffer holds fuse(features) of the committed positions the draft has still to read,
+    and the draft KV the pairs (x_{t+1}, fuse(f_t)) it has read, both against dense forwards of the committed
+    tokens (as tests/test_spec.py's test for an EAGLE-1 draft)."""
+    tdir, _, _, noisy = mirror
+    m = llm(tdir, noisy, spec, block_size=4)
+    engine = m.engine
+    seqs = [engine.add_request(p, SamplingParams(temperature=temperature, max_tokens=200, seed=7, ignore_eos=True))
+            for p in prompts5()]
+    for _ in range(8):
+        engine.step()
+    target, draft = m.target, m.draft
+    if spec.startswith("chain"):  # a chain's path was cut somewhere (a tree rejects its other branches every step)
+        assert sum(s.stats.committed for s in seqs) < 4 * sum(s.stats.target_calls for s in seqs)
+    for seq in seqs:
+        n, d = seq.num_cached, seq.num_draft_cached
+        assert n == len(seq.token_ids) - 1 and 0 < d <= n and seq.stats.target_calls > 0
+        ids, pos = torch.tensor([seq.token_ids[:n]]), torch.arange(n)[None]
+        _, feats = target(ids, pos, feature_layers=draft.feature_layers)
+        fused = draft.read_features(feats)  # [1, n, H]
+        torch.testing.assert_close(engine.runner.draft_hidden[seq.slot, : n - d], fused[0, d:n], atol=1e-5,
+                                   rtol=1e-5)
+        dids, dpos = torch.tensor([seq.token_ids[1: d + 1]]), torch.arange(d)[None]
+        ref = dense_kv(draft.layers, draft.rope, lambda: (draft(target.embed(dids), fused[:, :d], dpos), dpos)[1])
+        for layer, (k, v) in enumerate(ref):
+            pk, pv = paged_kv(engine.runner.draft_cache, layer, seq.block_table, d, 4)
+            torch.testing.assert_close(pk, k, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(pv, v, atol=1e-5, rtol=1e-5)
+    for seq in seqs:
+        engine.abort(seq.request_id)
+    assert engine.blocks.num_used == 0
 
 
 def test_fast_path_with_a_feature_layer_draft_equals_reference(mirror):

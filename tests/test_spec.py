@@ -8,7 +8,7 @@ import torch
 from eyas import LLM, SamplingParams
 from eyas.layers.attention import slots_for
 from eyas.loader.eagle import load_draft
-from helpers import write_mirror_pair, write_random_draft, write_tiny_llama
+from helpers import dense_kv, paged_kv, write_mirror_pair, write_random_draft, write_tiny_llama
 
 SPECS = ["chain:1", "chain:4", "tree:8", "tree:mc_sim_7b_63", "dyn:k3d4n8",
          "dispatch:2=tree:8,4=dyn:k3d4n8,64=chain:2"]  # static, dynamic and chain steps by batch size, as shipped
@@ -71,32 +71,6 @@ def test_stops_inside_an_accepted_run(mirror_pair):
         assert o.token_ids == expect
 
 
-def _dense_kv(model_layers, rope, run):
-    """K (after RoPE) and V of every layer of a dense forward, captured with hooks on k_proj / v_proj."""
-    ks, vs, hooks = {}, {}, []
-    for i, layer in enumerate(model_layers):
-        a = layer.self_attn
-        hooks.append(a.k_proj.register_forward_hook(lambda m, inp, out, i=i: ks.__setitem__(i, out)))
-        hooks.append(a.v_proj.register_forward_hook(lambda m, inp, out, i=i: vs.__setitem__(i, out)))
-    positions = run()
-    for h in hooks:
-        h.remove()
-    out = []
-    for i, layer in enumerate(model_layers):
-        a = layer.self_attn
-        k = ks[i].view(1, -1, a.n_kv, a.head_dim)
-        _, k = rope(positions, k.new_zeros(1, k.shape[1], a.n_heads, a.head_dim), k)
-        out.append((k[0], vs[i].view(-1, a.n_kv, a.head_dim)))
-    return out
-
-
-def _paged(cache, layer, block_table, n, block_size):
-    slots = [block_table[p // block_size] * block_size + p % block_size for p in range(n)]
-    flat_k = cache.k[layer].reshape(-1, *cache.k.shape[3:])
-    flat_v = cache.v[layer].reshape(-1, *cache.v.shape[3:])
-    return flat_k[slots], flat_v[slots]
-
-
 # batches of 3 run plain steps: the draft only reads the committed pairs, and its cache must still be exact
 @pytest.mark.parametrize("spec", ["chain:4", "tree:mc_sim_7b_63", "dispatch:2=chain:4,8=plain", "dyn:k3d4n8"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -122,9 +96,9 @@ def test_caches_hold_exactly_the_committed_history(mirror_pair, spec, temperatur
             hidden["h"] = target(ids, pos)
             return pos
 
-        ref = _dense_kv(target.model.layers, target.rope, run_target)
+        ref = dense_kv(target.model.layers, target.rope, run_target)
         for layer, (k, v) in enumerate(ref):
-            pk, pv = _paged(engine.runner.cache, layer, seq.block_table, n, 4)
+            pk, pv = paged_kv(engine.runner.cache, layer, seq.block_table, n, 4)
             torch.testing.assert_close(pk, k, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(pv, v, atol=1e-5, rtol=1e-5)
         # draft: pairs (x_{t+1}, h_t) for t < num_draft_cached, with the target's true features
@@ -135,10 +109,10 @@ def test_caches_hold_exactly_the_committed_history(mirror_pair, spec, temperatur
                                    rtol=1e-5)
         dids = torch.tensor([seq.token_ids[1: m + 1]])
         dpos = torch.arange(m)[None]
-        ref = _dense_kv(draft.layers, draft.rope,
+        ref = dense_kv(draft.layers, draft.rope,
                         lambda: (draft(target.embed(dids), hidden["h"][:, :m], dpos), dpos)[1])
         for layer, (k, v) in enumerate(ref):
-            pk, pv = _paged(engine.runner.draft_cache, layer, seq.block_table, m, 4)
+            pk, pv = paged_kv(engine.runner.draft_cache, layer, seq.block_table, m, 4)
             torch.testing.assert_close(pk, k, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(pv, v, atol=1e-5, rtol=1e-5)
     for seq in seqs:

@@ -16,7 +16,7 @@
 # Calls: 1 (carry .stage/a) `mkdir -p /root/stage && cp .stage/a/part_aa /root/stage/`, 2 (carry .stage/b)
 # `cp .stage/b/part_ab /root/stage/`, 3 (carry .stage/c) `bash tools/device/draft_step_ab.sh`: the GPU tests with all
 # four on, then the real model, MT-Bench 80 x 128, batch 1, `--repeat 1`, plain, `chain:3` and the default tree,
-# processes in ORDER (main all commit prologue gemvpdl rows8 main all prologue commit rows8 gemvpdl) while under
+# processes in ORDER (main all commit main all prologue gemvpdl rows8 main commit) while under
 # BUDGET (440) seconds. Send each call at once after the one before: the machine goes back after 30 s idle (session 40).
 set -u
 source tools/device/thirds_lib.sh
@@ -36,6 +36,6 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_fp8.py', 'test
                       'tests/test_spec_prologue.py', 'tests/test_commit_features.py', '-k',
                       'gpu or prologue or commit']))" 2>&1 | tail -n 2
 fi
-ORDER=${ORDER:-main all commit prologue gemvpdl rows8 main all prologue commit rows8 gemvpdl} \
+ORDER=${ORDER:-main all commit main all prologue gemvpdl rows8 main commit} \
   mtbench_ab eyas.layers.linear_fp8
 echo "== end [t=$(el)]"
