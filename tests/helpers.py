@@ -125,6 +125,21 @@ def paged_kv(cache, layer, block_table, n, block_size):
     return flat_k[slots], flat_v[slots]
 
 
+def assert_draft_state(engine, seq, target, draft, read: torch.Tensor, block_size: int) -> None:
+    """The draft's state of a running `seq` holds exactly its committed history: with d = seq.num_draft_cached and
+    n = seq.num_cached, the draft KV the pairs (x_{t+1}, read_t) for t < d, and the sequence's slot of the
+    hidden-state buffer read_t for t = d..n-1 (what the next catch-up reads). `read` [1, n, H]: the target's
+    features of the committed tokens as the draft reads them (`draft.read_features`), from a dense forward."""
+    n, d = seq.num_cached, seq.num_draft_cached
+    torch.testing.assert_close(engine.runner.draft_hidden[seq.slot, : n - d], read[0, d:n], atol=1e-5, rtol=1e-5)
+    dids, dpos = torch.tensor([seq.token_ids[1: d + 1]]), torch.arange(d)[None]
+    ref = dense_kv(draft.layers, draft.rope, lambda: (draft(target.embed(dids), read[:, :d], dpos), dpos)[1])
+    for layer, (k, v) in enumerate(ref):
+        pk, pv = paged_kv(engine.runner.draft_cache, layer, seq.block_table, d, block_size)
+        torch.testing.assert_close(pk, k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pv, v, atol=1e-5, rtol=1e-5)
+
+
 def load_mirror_pair(paths: tuple[Path, Path]):
     """`write_mirror_pair`'s target and draft as modules (CPU, float32): (target, draft)."""
     from eyas.loader.eagle import load_draft

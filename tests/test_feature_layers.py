@@ -17,7 +17,7 @@ from eyas.loader.eagle import load_draft
 from eyas.loader.resolve import load_target
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
-from helpers import (dense_kv, feature_draft_from, paged_kv, write_distill_setup, write_mirror_pair, write_random_draft,
+from helpers import (assert_draft_state, feature_draft_from, write_distill_setup, write_mirror_pair, write_random_draft,
                      write_tiny_llama)
 
 
@@ -189,15 +189,7 @@ def test_feature_buffer_and_draft_kv_hold_the_committed_history(mirror, spec, te
         assert n == len(seq.token_ids) - 1 and 0 < d <= n and seq.stats.target_calls > 0
         ids, pos = torch.tensor([seq.token_ids[:n]]), torch.arange(n)[None]
         _, feats = target(ids, pos, feature_layers=draft.feature_layers)
-        fused = draft.read_features(feats)  # [1, n, H]
-        torch.testing.assert_close(engine.runner.draft_hidden[seq.slot, : n - d], fused[0, d:n], atol=1e-5,
-                                   rtol=1e-5)
-        dids, dpos = torch.tensor([seq.token_ids[1: d + 1]]), torch.arange(d)[None]
-        ref = dense_kv(draft.layers, draft.rope, lambda: (draft(target.embed(dids), fused[:, :d], dpos), dpos)[1])
-        for layer, (k, v) in enumerate(ref):
-            pk, pv = paged_kv(engine.runner.draft_cache, layer, seq.block_table, d, 4)
-            torch.testing.assert_close(pk, k, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(pv, v, atol=1e-5, rtol=1e-5)
+        assert_draft_state(engine, seq, target, draft, draft.read_features(feats), 4)
     for seq in seqs:
         engine.abort(seq.request_id)
     assert engine.blocks.num_used == 0

@@ -8,7 +8,7 @@ import torch
 from eyas import LLM, SamplingParams
 from eyas.layers.attention import slots_for
 from eyas.loader.eagle import load_draft
-from helpers import dense_kv, paged_kv, write_mirror_pair, write_random_draft, write_tiny_llama
+from helpers import assert_draft_state, dense_kv, paged_kv, write_mirror_pair, write_random_draft, write_tiny_llama
 
 SPECS = ["chain:1", "chain:4", "tree:8", "tree:mc_sim_7b_63", "dyn:k3d4n8",
          "dispatch:2=tree:8,4=dyn:k3d4n8,64=chain:2"]  # static, dynamic and chain steps by batch size, as shipped
@@ -101,20 +101,10 @@ def test_caches_hold_exactly_the_committed_history(mirror_pair, spec, temperatur
             pk, pv = paged_kv(engine.runner.cache, layer, seq.block_table, n, 4)
             torch.testing.assert_close(pk, k, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(pv, v, atol=1e-5, rtol=1e-5)
-        # draft: pairs (x_{t+1}, h_t) for t < num_draft_cached, with the target's true features
-        m = seq.num_draft_cached
-        assert 0 < m <= n
-        # and the features h_t, t = m..n-1, it has still to read wait in the sequence's slot
-        torch.testing.assert_close(engine.runner.draft_hidden[seq.slot, : n - m], hidden["h"][0, m:n], atol=1e-5,
-                                   rtol=1e-5)
-        dids = torch.tensor([seq.token_ids[1: m + 1]])
-        dpos = torch.arange(m)[None]
-        ref = dense_kv(draft.layers, draft.rope,
-                        lambda: (draft(target.embed(dids), hidden["h"][:, :m], dpos), dpos)[1])
-        for layer, (k, v) in enumerate(ref):
-            pk, pv = paged_kv(engine.runner.draft_cache, layer, seq.block_table, m, 4)
-            torch.testing.assert_close(pk, k, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(pv, v, atol=1e-5, rtol=1e-5)
+        # draft: pairs (x_{t+1}, h_t) for t < num_draft_cached, with the target's true features, and the features
+        # h_t it has still to read waiting in the sequence's slot
+        assert 0 < seq.num_draft_cached <= n
+        assert_draft_state(engine, seq, target, draft, hidden["h"], 4)
     for seq in seqs:
         engine.abort(seq.request_id)
     assert engine.blocks.num_used == 0
