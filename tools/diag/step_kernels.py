@@ -13,7 +13,7 @@ that issued it.
 the default tree with it: 269 kernels a step, 263 with `eyas.spec.step.FUSED_PROLOGUE` on (the step's index work
 around the draft's catch-up: 9 small ops become the two launches of `eyas.kernels.spec_prologue`). Session 41: 266
 with `eyas.spec.step.FUSED_FEATURE_COMMIT` on (the step's tail: a clamp, a gather, the `fuse` linear and an index_put
-become the one launch of `eyas.kernels.commit_features`), and `chain:3` 231.
+become the one launch of `eyas.kernels.commit_features`); `chain:3` 234 -> 231.
 
 The count is an estimate of the GPU's: some ATen ops are several CUDA kernels there (e.g. cuBLAS split-K GEMMs), a
 few are none (a copy of 0 bytes), and on CPU tensors the top-k and argmax take their PyTorch path (`eyas.layers.topk`),
