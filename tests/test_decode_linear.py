@@ -940,15 +940,14 @@ def test_small_linears_let_the_next_launch_in_before_their_wait():
 
 
 @pytest.mark.parametrize("prompts,spec", [([[1, 2, 3, 4]], "chain:3"), ([[1, 2, 3, 4], [9, 8]], "tree:8")])
-def test_catch_up_on_the_rows_path_equals_the_fused_path(tiny, monkeypatch, prompts, spec):
+def test_catch_up_on_the_rows_path_equals_the_torch_path(tiny, monkeypatch, prompts, spec):
     """`eyas.spec.drafter.CATCHUP_ROWS` (on by default): the draft's catch-up on the tile kernels through a stash,
-    committed to the draft cache in one launch, gives the tokens and the target logits of the catch-up on the fused
-    path (the draft's later proposals read the K/V it committed); the catch-ups took it (forward_draft_rows at stash
-    row 0, where a tree level's rows start at 1 or later)."""
+    committed to the draft cache in one launch, gives the tokens and the target logits of the PyTorch path (the
+    draft's later proposals read the K/V it committed); the catch-ups took it (forward_draft_rows at stash row 0,
+    where a tree level's rows start at 1 or later)."""
     from eyas.models import one_row as mod
     from eyas.spec import drafter
-    monkeypatch.setattr(drafter, "CATCHUP_ROWS", False)  # the default since session 40
-    ref = _run_recording(tiny, True, prompts, 4, tiny[1], spec, few_rows=64)
+    ref = _run_recording(tiny, False, prompts, 4, tiny[1], spec, triton_attention=False)
     catch_ups = []
     rows = mod.forward_draft_rows
 
