@@ -371,9 +371,9 @@ def test_soak_under_tensor_parallel_loses_nothing(tmp_path):
 
 
 def test_soak_clock_starts_after_the_ranks_meet(tmp_path, monkeypatch):
-    """The soak's --duration counts traffic, not start-up: CI once saw rank 1 load for 7 s, the first step (the ranks'
-    first meeting) outlasted a 6 s soak, and it admitted nothing. Here the first step sleeps past --duration (TP = 1,
-    in this process); requests must still be admitted after it."""
+    """The soak's --duration counts traffic, not start-up: in CI the first step (the ranks' first meeting, TP = 2)
+    once took 7.3 s, outlasted a 6 s soak, and it admitted nothing. Here the first step sleeps past --duration
+    (TP = 1, in this process); requests must still be admitted after it."""
     from eyas.dist.tp import TPEngine
     real_step, calls = TPEngine.step, []
 

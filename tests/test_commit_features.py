@@ -41,7 +41,7 @@ def test_commit_features_equal_the_reference(B, N1, D1, H, k, dtype, seed):
     """k feature layers (k = 0: an EAGLE-1 draft, the rows themselves); paths -1 past random depths, rows of the
     buffer in random order (slots), and the buffer's other rows untouched."""
     g = torch.Generator().manual_seed(seed)
-    F = (k + 1) * H if k else H
+    F = (k + 1) * H
     d, weight = _draft(F, H, dtype, g, feature_layers=k > 0)
     feats = torch.randn(B, N1, F, generator=g).to(dtype).to(DEV)
     path = torch.randint(0, N1, (B, D1), generator=g)
