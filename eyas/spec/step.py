@@ -22,13 +22,14 @@ from eyas.spec.verifier import accept_tree, accept_tree_greedy, simulate_accept,
 # The step's index work around the draft's catch-up in two Triton launches (`eyas.kernels.spec_prologue`): the root
 # token, the target and draft positions and the catch-up's mask in one, the root's feature row in the other, instead
 # of ~9 small PyTorch kernels (session 39's profile: ~10 us of them before the root's head). Static trees with a
-# draft on the Triton path. Off: written in session 40 without device time to measure it.
-FUSED_PROLOGUE = False
+# draft on the Triton path. On since session 42 (real SmolLM2, MT-Bench 80 x 128, batch 1, three runs each way: the
+# default tree's step 1.044 ms against 1.063, `chain:3`'s 0.778 against 0.791; at batch 8 1.539 against 1.554-1.578).
+FUSED_PROLOGUE = True
 
 # The step's last write in one Triton launch (`eyas.kernels.commit_features`): the accepted path's features, through
 # the draft's `fuse`, into its hidden-state buffer, where the clamp, gather, GEMM and index_put of
-# `commit_features_reference` ran (4 kernels; 3 for an EAGLE-1 draft). Off: written in session 41 without device time
-# to measure it.
+# `commit_features_reference` ran (4 kernels; 3 for an EAGLE-1 draft). Off: it lost in session 42 (with the
+# prologue, two runs each way: the default tree's step 1.054 ms against 1.039, `chain:3`'s 0.778 against 0.774).
 FUSED_FEATURE_COMMIT = False
 
 
