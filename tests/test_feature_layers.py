@@ -289,38 +289,3 @@ def test_drafts_side_by_side_share_the_feature_layers(tiny_setup, tmp_path):
         shared_feature_layers([make_draft(target, 1, [0]), make_draft(target, 1, [1])])
     with pytest.raises(ValueError, match="outside"):
         make_draft(target, 1, [2])
-
-
-def test_fused_feature_commit_in_the_engine(mirror, monkeypatch, tmp_path):
-    """`eyas.spec.step.FUSED_FEATURE_COMMIT` on, the fast path (interpreted): greedy output equals plain decoding,
-    every step wrote the path's features in the one launch (through the draft's `fuse`), and the draft proposed what
-    it proposes on the PyTorch path, which runs `commit_features_reference` (the same target calls and acceptance)."""
-    import eyas.kernels.commit_features as cf
-    from eyas.models.fused import enable_fast_path
-    from eyas.spec import step
-    from eyas.loader.eagle import save_draft
-    tdir, _, _, noisy = mirror
-    # the mirror draft's fc reads the token embedding alone: here it hears the features too, so that what the
-    # commit writes steers its proposals
-    target, _ = load_target(str(tdir), "cpu", "float32")
-    d = load_draft(str(noisy), target)
-    H = d.config.hidden_size
-    with torch.no_grad():
-        d.fc.weight[:, H:] = torch.randn(H, H, generator=torch.Generator().manual_seed(1)) * 0.2 / H ** 0.5
-    hearing = save_draft(d, tmp_path / "hearing", dtype=torch.float32)
-    prompts, params = prompts5()[:2], SamplingParams(max_tokens=10, ignore_eos=True)
-    ref = llm(tdir, hearing, "chain:3").generate(prompts, params)
-    weights = []
-    f = cf.commit_features_triton
-    monkeypatch.setattr(cf, "commit_features_triton", lambda *a, **k: weights.append(a[2]) or f(*a, **k))
-    monkeypatch.setattr(step, "FUSED_FEATURE_COMMIT", True)
-    m = llm(tdir, hearing, "chain:3")
-    for model in (m.target, m.draft):
-        enable_fast_path(model)
-    m.engine.runner.use_triton = True
-    outs = m.generate(prompts, params)
-    assert [o.token_ids for o in outs] == plain(tdir, prompts, params) == [o.token_ids for o in ref]
-    assert [(o.stats.target_calls, o.stats.accepted_by_depth) for o in outs] == \
-        [(o.stats.target_calls, o.stats.accepted_by_depth) for o in ref]
-    assert sum(o.stats.committed for o in outs) > sum(o.stats.target_calls for o in outs)  # drafts were accepted
-    assert len(weights) >= 3 and all(w is m.draft.fuse.weight for w in weights)

@@ -28,8 +28,6 @@ _EXPORTS = {
     "carry_inputs_triton": "carry",
     "draft_pairs_triton": "draft_pairs",
     "draft_pairs_reference": "draft_pairs",
-    "commit_features_triton": "commit_features",
-    "commit_features_reference": "commit_features",
     "swiglu_reference": "swiglu",
     "decode_linear": "decode_linear",
     "decode_linear_reference": "decode_linear",

@@ -26,11 +26,9 @@ from eyas.spec.verifier import accept_tree, accept_tree_greedy, simulate_accept,
 # default tree's step 1.044 ms against 1.063, `chain:3`'s 0.778 against 0.791; at batch 8 1.539 against 1.554-1.578).
 FUSED_PROLOGUE = True
 
-# The step's last write in one Triton launch (`eyas.kernels.commit_features`): the accepted path's features, through
-# the draft's `fuse`, into its hidden-state buffer, where the clamp, gather, GEMM and index_put of
-# `commit_features_reference` ran (4 kernels; 3 for an EAGLE-1 draft). Off: it lost in session 42 (with the
-# prologue, two runs each way: the default tree's step 1.054 ms against 1.039, `chain:3`'s 0.778 against 0.774).
-FUSED_FEATURE_COMMIT = False
+# Not kept: the step's last write (`commit_features`) in one Triton launch, the features through the draft's `fuse`
+# inside it (session 41, ff27ad5). It lost on the H200 in session 42 (with the prologue, two runs each way: the
+# default tree's step 1.054 ms against 1.039, `chain:3`'s 0.778 against 0.774) and was removed after 8ff1daa.
 
 
 def root_and_positions(root_tokens: torch.Tensor, n: torch.Tensor, depth: torch.Tensor):
@@ -56,26 +54,15 @@ def step_indices_reference(root_tokens: torch.Tensor, n: torch.Tensor, lens: tor
     return node_tokens, positions, positions - 1, causal_mask(lens, P)
 
 
-def commit_features_reference(draft, feats: torch.Tensor, path: torch.Tensor, dst: torch.Tensor,
-                              slots: torch.Tensor, node: torch.Tensor | None = None) -> None:
+def commit_features(draft, feats: torch.Tensor, path: torch.Tensor, dst: torch.Tensor,
+                    slots: torch.Tensor, node: torch.Tensor | None = None) -> None:
     """dst[slots[b], j] = draft.read_features(feats[b, max(path[b, j], 0)]) for j < D1 = path.shape[1]: the
     accepted path's features (root first; rows past the accepted depth from the root's, never read), as the draft
-    reads them at its next catch-up. `node`: path.clamp(min=0) where the caller has it. The reference of
-    `eyas.kernels.commit_features.commit_features_triton`."""
+    reads them at its next catch-up. `node`: path.clamp(min=0) where the caller has it."""
     if node is None:
         node = path.clamp(min=0)
     path_feats = feats.gather(1, node[:, :, None].expand(-1, -1, feats.shape[-1]))  # [B, D+1, F]
     dst[slots, :path.shape[1]] = draft.read_features(path_feats).to(dst.dtype)
-
-
-def fused_commit_weight(draft):
-    """(whether `commit_features_triton` can do `draft.read_features`, the weight it takes: None for the identity).
-    It takes a plain bias-free `fuse` linear (not an FP8 or sharded one) or an EAGLE-1 draft."""
-    if getattr(draft, "feature_layers", None) is None:
-        return True, None
-    fuse = draft.fuse
-    ok = type(fuse) is torch.nn.Linear and fuse.bias is None and fuse.weight.dtype.is_floating_point
-    return ok, fuse.weight if ok else None
 
 
 @dataclass
@@ -219,9 +206,7 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
 
     # commit: the accepted path's K/V go to positions n..n+m, every layer at once (a bare root's are there already)
     D1 = path.shape[1]
-    fusable, weight = fused_commit_weight(draft) if draft is not None and FUSED_FEATURE_COMMIT and use_triton \
-        else (False, None)
-    node = None if fusable and packed is not None else path.clamp(min=0)  # the accepted path's rows
+    node = path.clamp(min=0)  # the accepted path's rows
     if stash is not None:  # the path is -1 past the accepted depth: nothing is written there
         if use_triton:
             from eyas.kernels import commit_tree_kv_triton
@@ -234,11 +219,7 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
                          slots)
     if draft is not None:
         # rows 0..m valid; a dispatcher's shallower trees fill only the first D+1 of the buffer's rows
-        if fusable:
-            from eyas.kernels.commit_features import commit_features_triton
-            commit_features_triton(feats, path, weight, inp.slots, draft_hidden)
-        else:
-            commit_features_reference(draft, feats, path, draft_hidden, inp.slots, node)
+        commit_features(draft, feats, path, draft_hidden, inp.slots, node)
     if packed is None:
         path_tokens = node_tokens.gather(1, node)
         packed = torch.cat([num_accepted[:, None], path_tokens, bonus[:, None]], dim=1)

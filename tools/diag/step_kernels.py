@@ -10,11 +10,10 @@ that issued it.
         [--fast-path]
 
 `--fast-path` takes the one-row and few-rows paths (`enable_fast_path`) as CUDA does for a small model. Session 40,
-the default tree with it: 269 kernels a step, 263 with `eyas.spec.step.FUSED_PROLOGUE` on (the default since session 42) (the step's index work
-around the draft's catch-up: 9 small ops become the two launches of `eyas.kernels.spec_prologue`). Session 41: 266
-with `eyas.spec.step.FUSED_FEATURE_COMMIT` on (the step's tail: a clamp, a gather, the `fuse` linear and an index_put
-become the one launch of `eyas.kernels.commit_features`); `chain:3` 234 -> 231. Session 42, the prologue on by default:
-plain 191, `chain:3` 227, the default tree 262.
+the default tree with it: 269 kernels a step, 263 with `eyas.spec.step.FUSED_PROLOGUE` on (the step's index work
+around the draft's catch-up: 9 small ops become the two launches of `eyas.kernels.spec_prologue`; the default since
+session 42). Session 41's fused feature commit (266; `chain:3` 234 -> 231) lost on the GPU and was removed. Session
+42, with the prologue: plain 191, `chain:3` 227, the default tree 262.
 
 The count is an estimate of the GPU's: some ATen ops are several CUDA kernels there (e.g. cuBLAS split-K GEMMs), a
 few are none (a copy of 0 bytes), and on CPU tensors the top-k and argmax take their PyTorch path (`eyas.layers.topk`),
