@@ -923,20 +923,26 @@ def test_small_linears_let_the_next_launch_in_before_their_wait():
     """Where the default configs put the PDL trigger, in the sm_90 PTX (compiled offline): SmolLM2's one-row linears
     on the register kernel and its tile launches (the whole-K tile at 49 rows, the K loop for down at 16) let the
     next launch in before their own wait (session 39: the next kernel's programs load their weights while these
-    compute), the 8B shape's one-row qkv (big grids, session 14) only before its stores, after the wait."""
+    compute), the 8B shape's one-row qkv (big grids, session 14) only before its stores, after the wait. And which
+    of them issue their weight loads before the wait: the register kernel and the whole-K tile do, the K loop only
+    with `TileConfig.first_w` (its first tile; off by default)."""
+    import dataclasses
     pytest.importorskip("triton.compiler")
     from helpers import SMOLLM2_TILE_SHAPES, compile_for_sm90, register_variant, tile_variant
     bf16 = torch.bfloat16
     o, down = SMOLLM2_TILE_SHAPES["o"], SMOLLM2_TILE_SHAPES["down"]
+    loop = dl.default_tile_config(16, down["N"], down["K"])
     early = [register_variant(1, dl.default_decode_config(o["N"], o["K"]), bf16, **o),
              tile_variant(49, dl.default_tile_config(49, o["N"], o["K"]), bf16, **o),
-             tile_variant(16, dl.default_tile_config(16, down["N"], down["K"]), bf16, **down)]
-    assert [v[1] for v in early] == ["_decode_linear_kernel", "_tile_whole_k_kernel", "_tile_linear_kernel"]
+             tile_variant(16, loop, bf16, **down),
+             tile_variant(16, dataclasses.replace(loop, first_w=True), bf16, **down)]
+    assert [v[1] for v in early] == ["_decode_linear_kernel", "_tile_whole_k_kernel"] + ["_tile_linear_kernel"] * 2
     late = register_variant(1, dl.default_decode_config(6144, 4096), bf16, N=6144, K=4096)
     results = compile_for_sm90(early + [late])
     for r in results:
         assert r["error"] is None, r["error"]
-    assert [r["gdc"] for r in results] == [["launch_dependents", "wait"]] * 3 + [["wait", "launch_dependents"]]
+    assert [r["gdc"] for r in results] == [["launch_dependents", "wait"]] * 4 + [["wait", "launch_dependents"]]
+    assert [r["loads_before_wait"] > 0 for r in results] == [True, True, False, True, True]
 
 
 @pytest.mark.parametrize("prompts,spec", [([[1, 2, 3, 4]], "chain:3"), ([[1, 2, 3, 4], [9, 8]], "tree:8")])

@@ -73,49 +73,6 @@ def test_gemv_fp8_equals_reference(M, N, K, bias, cfg):
                                torch.nn.functional.linear(x, dequantize_fp8(q, scale), b))
 
 
-@pytest.mark.parametrize("cfg", list(CONFIGS))
-@pytest.mark.parametrize("M,N,K,bias", [(1, 37, 100, False), (3, 64, 576, True), (16, 5, 64, False)])
-def test_gemv_fp8_first_step_out_of_the_loop(M, N, K, bias, cfg):
-    """`preload=True` (how a PDL launch runs, `eyas.layers.linear_fp8.GEMV_PDL`: the first k-step taken out of the
-    loop, its weight chunk loaded before the wait) gives the reference's product, and the loop's to the bit (the
-    same products summed in the same order)."""
-    g = torch.Generator().manual_seed(7 * M + N + K)
-    q, scale = quantize_fp8(torch.randn(N, K, generator=g) / K ** 0.5)
-    b = torch.randn(N, generator=g).to(DEV) if bias else None
-    half = cfg.startswith("half") or (cfg == "default" and M <= 2)
-    x = torch.randn(M, K, generator=g)
-    args = (x.to(DEV), q.to(DEV), b)
-    got = gemv_triton(*args, config=CONFIGS[cfg], scale=scale.to(DEV), preload=True)
-    loop = gemv_triton(*args, config=CONFIGS[cfg], scale=scale.to(DEV), preload=False)
-    ref = gemv_reference(x, q, None if b is None else b.cpu(), scale=scale)
-    torch.testing.assert_close(got.cpu(), ref, rtol=2e-3 if half else 1e-5, atol=2e-3 if half else 1e-5)
-    assert torch.equal(got, loop)
-
-
-def test_gemv_fp8_with_pdl_loads_weights_before_its_wait_sm90():
-    """`gemv_triton(pdl=True)` compiled offline for sm_90 at SmolLM2's draft head (49,152 x 576 FP8 codes) at a tree
-    level's 13 rows (the tensor-core path) and at 2 rows (float16 sums): each program issues global loads (its first
-    weight chunk) before its PDL wait, and lets the next kernel launch before it waits."""
-    pytest.importorskip("triton.compiler")
-    from helpers import compile_for_sm90
-    sig = {"X": "*bf16", "W": "*fp8e4nv", "SCALE": "*fp32", "BIAS": "*bf16", "OUT": "*bf16", "WS": "*bf16",
-           "M": "i32", "N": "i32", "K": "i32", "K_PER_SPLIT": "i32", "stride_xm": "i32", "stride_wn": "i32",
-           "stride_om": "i32"}
-    variants = []
-    for M in (13, 2):
-        cfg = default_config(M, 49152, 576, torch.bfloat16, weight_dtype=torch.float8_e4m3fn)
-        assert cfg.SPLIT_K == 1
-        consts = dict(M_PAD=16 if cfg.use_dot else M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, HAS_SCALE=True,
-                      HAS_BIAS=False, SPLIT=False, USE_DOT=cfg.use_dot, UPCAST=False, DOT_PREC="tf32",
-                      HALF_ACC=cfg.half_acc, PRELOAD=True, USE_GDC=True)
-        variants.append(("eyas.kernels.gemv", "_gemv_kernel", {**sig, **{k: "constexpr" for k in consts}}, consts,
-                         {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}))
-    for r in compile_for_sm90(variants):
-        assert r["error"] is None, r["error"]
-        assert r["gdc"] == ["launch_dependents", "wait"]
-        assert r["loads_before_wait"] > 0
-
-
 def test_gemv_fp8_refuses_bad_input():
     q, scale = quantize_fp8(torch.randn(8, 32))
     x = torch.randn(2, 32)
@@ -290,37 +247,6 @@ def test_gpu_engine_exact_with_fp8_draft_levels_on_rows(mirror_pair, graphs):
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == ref, (spec, quant)
         assert sum(o.stats.committed for o in outs) > 1.5 * sum(o.stats.target_calls for o in outs)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("M", [3, 8, 13])
-def test_gpu_fp8_gemv_with_pdl_reads_what_the_kernel_before_wrote(M):
-    """`gemv_triton(pdl=True)` at SmolLM2's draft head (49,152 x 576 codes) in a CUDA graph, right after the tile
-    kernel that writes its x and lets the next launch in early (as the draft's down projection does): the logits
-    equal, to the bit, those of the launch without PDL (an x read before the wait would see stale rows)."""
-    from eyas.kernels.decode_linear import decode_linear
-    from eyas.models.one_row import use_pdl
-    if not use_pdl(torch.device("cuda")):
-        pytest.skip("needs sm_90 (PDL)")
-    torch.manual_seed(M)
-    q, scale = quantize_fp8(torch.randn(49152, 576, device="cuda") / 24)
-    h = torch.randn(M, 1536, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(576, 1536, device="cuda", dtype=torch.bfloat16) / 40
-
-    def step(pdl):
-        return gemv_triton(decode_linear(h, w, pdl=True), q, scale=scale, pdl=pdl)
-
-    want = step(False)
-    step(True)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = step(True)
-    for i in range(20):
-        h.copy_(torch.randn_like(h))
-        want = step(False)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(got, want), i
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -31,10 +31,6 @@ default config (`_fp8_config`) takes the elementwise path with float16 products 
 to float16 to match; both to float32 against float32 x). Each program multiplies its row sums by the row scales
 before it stores them (partial sums of a split included: the scale distributes).
 
-Programmatic dependent launch (`pdl=True`, sm_90): the first k-step is taken out of the loop (`PRELOAD`), its weight
-chunk loaded before the kernel lets the next one launch and waits for the one before (`gdc_prologue`); x is read
-after the wait. Without `PRELOAD` the compiled loop is the same as before the option existed (PTX compared offline).
-
 Everything is CUDA-graph capturable: the config is a pure function of (M, N, K, dtype) (`default_config`) or given
 by the caller, no autotuning, no host synchronisation, and the workspace comes from the caching allocator.
 
@@ -49,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eyas.kernels.interpret import gdc_prologue, interpreting, pdl_launch
+from eyas.kernels.interpret import interpreting
 
 MAX_M = 16
 NUM_SMS_H200 = 132
@@ -161,31 +157,10 @@ def _fp8_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_H200) -> GemvConf
 
 
 @triton.jit
-def _gemv_accumulate(acc, acc3, w, x, USE_DOT: tl.constexpr, UPCAST: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     HALF_ACC: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One k-step: a [BLOCK_N, BLOCK_K] weight chunk against the [M_PAD, BLOCK_K] x chunk, into `acc` [BLOCK_N,
-    M_PAD] (tensor cores) or `acc3` [BLOCK_N, M_PAD, BLOCK_K] (elementwise, reduced over k after the loop)."""
-    if USE_DOT:
-        if UPCAST:
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
-        elif HAS_SCALE:  # FP8 codes: one cvt per two codes to float16 (bf16 would take three), x to match
-            w = w.to(tl.float16)
-            x = x.to(tl.float16)
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PREC)      # [BLOCK_N, M_PAD]
-    elif HALF_ACC:  # FP8 codes: float16 pairs all along (see GemvConfig.half_acc)
-        acc3 += (w.to(tl.float16) * 0.00390625)[:, None, :] * x.to(tl.float16)[None, :, :]
-    else:
-        acc3 += w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]  # [BLOCK_N, M_PAD, BLOCK_K]
-    return acc, acc3
-
-
-@triton.jit
 def _gemv_kernel(X, W, SCALE, BIAS, OUT, WS, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
-                 DOT_PREC: tl.constexpr, HALF_ACC: tl.constexpr, PRELOAD: tl.constexpr = False,
-                 USE_GDC: tl.constexpr = False):
+                 DOT_PREC: tl.constexpr, HALF_ACC: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)      # weight rows = output columns of this program
@@ -204,32 +179,28 @@ def _gemv_kernel(X, W, SCALE, BIAS, OUT, WS, M, N, K, K_PER_SPLIT, stride_xm, st
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
-        acc3 = acc  # (a placeholder: `_gemv_accumulate` carries both, each path updates one)
     elif HALF_ACC:
         acc3 = tl.zeros((BLOCK_N, M_PAD, BLOCK_K), dtype=tl.float16)
-        acc = acc3  # (a placeholder until after the loop)
     else:
         # Elementwise: keep the products of each (n, m, k-lane) apart and reduce over k once after the loop, so
         # the loop body is pure FMAs (a per-step tl.sum costs cross-thread shuffles for every row).
         acc3 = tl.zeros((BLOCK_N, M_PAD, BLOCK_K), dtype=tl.float32)
-        acc = acc3  # (a placeholder until after the loop)
-    k_first = k_lo
-    if PRELOAD:
-        # The first k-step outside the loop, its weight chunk loaded before the PDL wait (weights are constants;
-        # x, the previous kernel's output, is read after it): the load overlaps the previous kernel's tail.
-        k_ok = (k_lo + offs_k) < k_hi
-        w = tl.load(w_ptrs + k_lo, mask=k_ok[None, :], other=0.0)
-        gdc_prologue(USE_GDC)
-        x = tl.load(x_ptrs + k_lo, mask=k_ok[None, :], other=0.0)
-        acc, acc3 = _gemv_accumulate(acc, acc3, w, x, USE_DOT, UPCAST, HAS_SCALE, HALF_ACC, DOT_PREC)
-        k_first = k_lo + BLOCK_K
-    else:
-        gdc_prologue(USE_GDC)
-    for k0 in range(k_first, k_hi, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k_ok = (k0 + offs_k) < k_hi
         w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)   # the weight stream: read once
         x = tl.load(x_ptrs + k0, mask=k_ok[None, :], other=0.0)   # tiny, L1/L2 resident
-        acc, acc3 = _gemv_accumulate(acc, acc3, w, x, USE_DOT, UPCAST, HAS_SCALE, HALF_ACC, DOT_PREC)
+        if USE_DOT:
+            if UPCAST:
+                w = w.to(tl.float32)
+                x = x.to(tl.float32)
+            elif HAS_SCALE:  # FP8 codes: one cvt per two codes to float16 (bf16 would take three), x to match
+                w = w.to(tl.float16)
+                x = x.to(tl.float16)
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PREC)      # [BLOCK_N, M_PAD]
+        elif HALF_ACC:  # FP8 codes: float16 pairs all along (see GemvConfig.half_acc)
+            acc3 += (w.to(tl.float16) * 0.00390625)[:, None, :] * x.to(tl.float16)[None, :, :]
+        else:
+            acc3 += w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]  # [BLOCK_N, M_PAD, BLOCK_K]
     if HALF_ACC:
         acc = tl.sum(acc3.to(tl.float32), axis=2) * 256.0
     elif not USE_DOT:
@@ -303,15 +274,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: GemvConfig | dict | None = None, scale: torch.Tensor | None = None, pdl: bool = False,
-                preload: bool | None = None) -> torch.Tensor:
+                config: GemvConfig | dict | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16, contiguous last dim), weight [N, K] contiguous (nn.Linear layout), bias [N] or None ->
     F.linear(x, weight, bias) [M, N] in x.dtype, float32 accumulation. With `scale` (float32 [N]) the weight is
     float8_e4m3fn codes and the product is F.linear(x, weight * scale[:, None], bias). `config` (GemvConfig or a
-    dict of its fields) overrides `default_config(M, N, K, dtype)`.
-    `pdl`: a programmatic dependent launch (not under the interpreter): each program loads its first weight chunk,
-    lets the next kernel launch, then waits for the previous kernel before it reads x. `preload` (default: as
-    `pdl`) takes that first k-step out of the loop, with or without PDL (the interpreter's tests run it so)."""
+    dict of its fields) overrides `default_config(M, N, K, dtype)`."""
     _check(x, weight, bias, scale)
     M, K = x.shape
     N = weight.shape[0]
@@ -338,15 +305,13 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     has_bias = bias is not None
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     grid = (triton.cdiv(N, cfg.BLOCK_N), split_k)
-    use_gdc, launch = pdl_launch(pdl)
     _gemv_kernel[grid](x, weight, scale if scale is not None else out, bias if has_bias else out, out, ws, M, N, K,
                        k_per_split, x.stride(0), weight.stride(0), out.stride(0),
                        M_PAD=m_pad, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, HAS_SCALE=scale is not None,
                        HAS_BIAS=has_bias,
                        SPLIT=split_k > 1, USE_DOT=cfg.use_dot, UPCAST=upcast, DOT_PREC=dot_prec,
-                       HALF_ACC=cfg.half_acc and scale is not None,
-                       PRELOAD=use_gdc if preload is None else bool(preload), USE_GDC=use_gdc,
-                       num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+                       HALF_ACC=cfg.half_acc and scale is not None, num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages)
     if split_k > 1:
         _splitk_reduce_kernel[(M, triton.cdiv(N, _REDUCE_BLOCK))](
             ws, bias if has_bias else out, out, M, N, split_k, out.stride(0),

@@ -30,12 +30,9 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 # rows that take decode_linear's register kernel on CUDA (0: the GEMV always); at 4 rows it lost to the GEMV on the
 # H200 (session 25: an 8B draft level 375-465 us against 154, the 8B chain:3 step 5.27 ms against 5.08)
 ROW_KERNEL_MAX_ROWS = 2
-# The GEMV's launches (more rows than that) as programmatic dependent launches on sm_90 (`gemv_triton(pdl=True)`:
-# each program loads its first weight chunk before it waits for the kernel before it). SmolLM2's draft head takes
-# the GEMV at the tree levels' 8-13 rows, after the draft's down projection, whose tile kernel lets the next launch in
-# early: so the head's codes could start streaming while the down projection runs. Off: it lost in session 42 (one
-# run: the default tree's step 1.091 ms against main's 1.058-1.061).
-GEMV_PDL = False
+# Not kept: the GEMV's launches (more rows than that) as programmatic dependent launches, each program loading its
+# first weight chunk before its wait (session 40, 5021ac1). It lost on the H200 in session 42 (one run: the default
+# tree's step 1.091 ms against main's 1.058-1.061) and was removed after 8ff1daa.
 
 
 @torch.no_grad()
@@ -105,9 +102,7 @@ class Fp8Linear(nn.Module):
                 y = decode_linear(x2, self.qweight, scale=self.scale, pdl=use_pdl(x2.device))
             else:
                 from eyas.kernels.gemv import gemv_triton
-                from eyas.models.one_row import use_pdl
-                y = gemv_triton(x2.contiguous(), self.qweight, bias, scale=self.scale,
-                                pdl=GEMV_PDL and use_pdl(x2.device))
+                y = gemv_triton(x2.contiguous(), self.qweight, bias, scale=self.scale)
         else:
             y = F.linear(x2, self._dense_weight(x2.device, x2.dtype), bias)
         return y.view(*shape[:-1], self.out_features)
