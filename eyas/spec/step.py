@@ -54,15 +54,12 @@ def step_indices_reference(root_tokens: torch.Tensor, n: torch.Tensor, lens: tor
     return node_tokens, positions, positions - 1, causal_mask(lens, P)
 
 
-def commit_features(draft, feats: torch.Tensor, path: torch.Tensor, dst: torch.Tensor,
-                    slots: torch.Tensor, node: torch.Tensor | None = None) -> None:
-    """dst[slots[b], j] = draft.read_features(feats[b, max(path[b, j], 0)]) for j < D1 = path.shape[1]: the
-    accepted path's features (root first; rows past the accepted depth from the root's, never read), as the draft
-    reads them at its next catch-up. `node`: path.clamp(min=0) where the caller has it."""
-    if node is None:
-        node = path.clamp(min=0)
+def commit_features(draft, feats: torch.Tensor, node: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor) -> None:
+    """dst[slots[b], j] = draft.read_features(feats[b, node[b, j]]) for j < D1 = node.shape[1], node = the accepted
+    path clamped at 0: the path's features (root first; rows past the accepted depth from the root's, never read), as
+    the draft reads them at its next catch-up."""
     path_feats = feats.gather(1, node[:, :, None].expand(-1, -1, feats.shape[-1]))  # [B, D+1, F]
-    dst[slots, :path.shape[1]] = draft.read_features(path_feats).to(dst.dtype)
+    dst[slots, :node.shape[1]] = draft.read_features(path_feats).to(dst.dtype)
 
 
 @dataclass
@@ -219,7 +216,7 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
                          slots)
     if draft is not None:
         # rows 0..m valid; a dispatcher's shallower trees fill only the first D+1 of the buffer's rows
-        commit_features(draft, feats, path, draft_hidden, inp.slots, node)
+        commit_features(draft, feats, node, draft_hidden, inp.slots)
     if packed is None:
         path_tokens = node_tokens.gather(1, node)
         packed = torch.cat([num_accepted[:, None], path_tokens, bonus[:, None]], dim=1)
