@@ -326,6 +326,91 @@ def test_split_tree_attention_matches_reference_and_oracle(B, Q, H, KVH, D, page
     torch.testing.assert_close(o, dense_oracle(q, ks, vs, kc, vc, bt, cl, mask, scale), **TOL)
 
 
+def _early_case(B, Q, H, KVH, D, page, ctx, seed):
+    g = torch.Generator().manual_seed(seed)
+    kc, vc, bt, cl = make_cache(B, KVH, D, page, ctx, gen=g)
+    q = torch.randn(B, Q, H, D, generator=g).to(DEV)
+    k_new = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
+    v_new = torch.randn(B, Q, KVH, D, generator=g).to(DEV)
+    return q, k_new, v_new, tree_mask(B, Q, g), kc, vc, bt, cl
+
+
+def _poison(kc, bt, cl, first, last, value=float("nan")):
+    """A copy of the key cache whose entries at context positions first[b] <= t < last[b] hold `value`."""
+    ke = kc.clone()
+    page = kc.shape[1]
+    for b in range(len(cl)):
+        for t in range(max(0, int(first[b])), int(last[b])):
+            ke[int(bt[b, t // page]), t % page] = value
+    return ke
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_early_prefix_tiles_equal_the_late_ones(tree, splits):
+    """EARLY_PREFIX (`early=`): each prefix split loads its first key tile before its PDL wait. Same inputs, same
+    results, bit for bit, as without (and the reference's within tolerance), for the plain decoding prefix
+    (`early=1`) and the verify pass's split tree attention (`early=0`), splits of one and several tiles."""
+    B, Q, H, KVH, D, page, ctx = 3, (5 if tree else 1), 8, 2, 32, 16, [0, 37, 150]
+    q, k_new, v_new, mask, kc, vc, bt, cl = _early_case(B, Q, H, KVH, D, page, ctx, 5)
+    scale = D ** -0.5
+    if tree:
+        late = split_tree_attention_triton(q, k_new, v_new, kc, vc, bt, cl, mask, scale, num_splits=splits)
+        early = split_tree_attention_triton(q, k_new, v_new, kc, vc, bt, cl, mask, scale, num_splits=splits,
+                                            early=0)
+        meta = SimpleNamespace(use_triton=False, block_tables=bt, context_lens=cl, suffix_mask=mask,
+                               max_context_len=int(cl.max()), block_size=page)
+        ref = split_tree_attention(q, k_new, v_new, kc, vc, meta, scale)
+    else:
+        late, _ = paged_prefix_attention(q, kc, vc, bt, cl, scale, num_splits=splits)
+        early, _ = paged_prefix_attention(q, kc, vc, bt, cl, scale, num_splits=splits, early=1)
+        ref = ref_prefix(q, kc, vc, bt, cl, scale)[0]
+    assert torch.equal(early, late)
+    torch.testing.assert_close(early, ref, **TOL)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_early_prefix_reads_again_what_may_be_stale(tree, splits):
+    """What a split loads before its PDL wait (the context length and its first tile's keys) may be stale; the
+    kernels keep only what cannot be. `early_from` hands the early loads stale copies, as a race would leave them:
+    * the last `early` entry of each context NaN (plain decoding's new token, which the launch before stores):
+      read again after the wait, so the output is the reference's;
+    * a context length other than the real one, with every early key NaN: the keys read again;
+    * the settled keys changed: the output moves, so the early keys are what the kernels take (the test sees the
+      lever)."""
+    B, H, KVH, D, page, ctx = 3, 8, 2, 32, 16, [1, 37, 150]
+    Q = 4 if tree else 1
+    q, k_new, v_new, mask, kc, vc, bt, cl = _early_case(B, Q, H, KVH, D, page, ctx, 9)
+    scale = D ** -0.5
+    fresh = 0 if tree else 1
+
+    def run(early_from):
+        if tree:
+            return split_tree_attention_triton(q, k_new, v_new, kc, vc, bt, cl, mask, scale, num_splits=splits,
+                                               early=fresh, early_from=early_from)
+        return paged_prefix_attention(q, kc, vc, bt, cl, scale, num_splits=splits, early=fresh,
+                                      early_from=early_from)[0]
+
+    ref = run(None)
+    assert not ref.isnan().any()
+    if fresh:  # the new token's entry stale
+        torch.testing.assert_close(run((_poison(kc, bt, cl, cl - fresh, cl), cl)), ref, atol=0, rtol=0)
+    ke = _poison(kc, bt, cl, torch.zeros_like(cl), cl)  # a length that changed: nothing early kept
+    for other in (cl - 1, cl + 5):
+        torch.testing.assert_close(run((ke, other.clamp(min=0))), ref, atol=0, rtol=0)
+    moved = run((_poison(kc, bt, cl, torch.zeros_like(cl), cl - fresh, value=0.0), cl))  # settled keys changed
+    assert not moved.isnan().any() and not torch.allclose(moved, ref)
+
+
+def test_early_prefix_checks_its_arguments():
+    q, k_new, v_new, mask, kc, vc, bt, cl = _early_case(1, 1, 4, 2, 32, 16, [20], 1)
+    with pytest.raises(ValueError, match="early"):
+        paged_prefix_attention(q, kc, vc, bt, cl, 0.2, early=-1)
+    with pytest.raises(ValueError, match="early_from"):
+        paged_prefix_attention(q, kc, vc, bt, cl, 0.2, early=1, early_from=(kc[1:], cl))
+
+
 @pytest.mark.parametrize("skip,suffix_first", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("tree", [False, True])
 def test_splits_without_keys_store_nothing_and_are_not_read(monkeypatch, tree, skip, suffix_first):
