@@ -62,17 +62,14 @@ SKIP_EMPTY_SPLITS = True
 SKIP_EMPTY_BYTES = 2 << 20
 SUFFIX_FIRST = True
 
-# The prefix's first keys before the PDL wait (session 43): where the caller says which cache entries no unfinished
-# kernel may still be writing (`early`, from `AttentionMetadata.early_prefix`: the target's plain decoding and verify
-# passes, whose committed K/V were all written before the step's first kernel), each prefix split lets the next
-# launch in, then loads the context length, its first tile's block-table entries and its keys, and only then waits
-# on the previous launch (as the linears load their weights first). After the wait it reads the context length again
-# (the keys again where it changed) and, with `early` = 1, the context's last key (plain decoding's new token, which
-# the launch before stored), and loads the tile's values, whose latency hides behind q's load and the scores. A split
-# usually holds one tile at these contexts (splits of >= 64 keys). Session 43's first form loaded the values early
-# too, before the trigger: more registers (the 8B shape's prefix kernel 96 -> 168), and the tree's step slower on
-# the H200. EARLY_PREFIX = False turns it off everywhere (for comparing).
-EARLY_PREFIX = True
+# The prefix's first keys before the PDL wait: not kept (session 43). The target's plain decoding and verify passes
+# (whose committed K/V are all written before the step's first kernel) let each prefix split load the context length,
+# its first tile's block-table entries and keys before its wait, then read the length again (the keys again where it
+# changed) and plain decoding's new key. Correct (stale early copies in its tests), and slower on the real SmolLM2 on
+# the H200 (MT-Bench 80 x 128, two processes each): plain decoding 0.426-0.427 ms a token against 0.413, the default
+# tree's step 1.061-1.073 against 1.046-1.047 (`chain:3` 0.758-0.765 against 0.778); the 8B shape's plain step
+# 4.184 against 4.151. Its registers (the 8B shape's prefix kernel 96 -> 184) and the extra work before the wait
+# cost more than the shorter chain after it saves. The code is in git history (8cf6ec4).
 
 # One pass for short contexts: not kept (session 35). Session 34 rebuilt session 17's one-launch attention for a
 # 256-token context bucket (a tree program walked the whole prefix, then the suffix, merging the two in registers;
@@ -184,80 +181,22 @@ def _splits_with_keys(ctx, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _split_range(ctx, split, num_splits, BLOCK_N: tl.constexpr):
-    """Split `split`'s cache entries [start, end) of a ctx-entry context cut into num_splits equal chunks of whole
-    BLOCK_N tiles (empty, start >= end, for a split past the keys)."""
-    tiles_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
-    return start, tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
-
-
-@triton.jit
-def _early_keys(k_head, bt_row, ctx, split, num_splits, offs_d, d_ok, stride_kb, stride_ks, stride_kd, stride_btn,
-                PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The first key tile of split `split` of a ctx-entry context (k [BLOCK_N, BLOCK_D], zeros past the split) and
-    its entries' blocks (blk [BLOCK_N] int64) through the block table: what a prefix program loads before its PDL
-    wait (`EARLY`)."""
-    start, end = _split_range(ctx, split, num_splits, BLOCK_N)
-    pos = start + tl.arange(0, BLOCK_N)
-    n_ok = pos < end
-    blk = tl.load(bt_row + (pos // PAGE) * stride_btn, mask=n_ok, other=0).to(tl.int64)
-    k = tl.load(k_head + blk[:, None] * stride_kb + (pos % PAGE).to(tl.int64)[:, None] * stride_ks
-                + offs_d[None, :] * stride_kd, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    return k, blk
-
-
-@triton.jit
-def _settled_tile(k0, blk, ctx0, ctx, fresh, k_head, v_head, bt_row, split, num_splits, offs_d, d_ok,
-                  stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_btn,
-                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """After the PDL wait: the split's first tile (k, v) as the cache holds it now. k0 and blk are `_early_keys`' at
-    the context length ctx0 read before the wait. Where the length read after it, ctx, differs, the keys are read
-    again; else, with `fresh` (1: the launch before stored the context's last entry, plain decoding's new token),
-    that entry's key where the tile holds it. The values are read here (their latency hides behind q's load and
-    the scores)."""
-    if ctx0 != ctx:
-        k0, blk = _early_keys(k_head, bt_row, ctx, split, num_splits, offs_d, d_ok, stride_kb, stride_ks,
-                              stride_kd, stride_btn, PAGE, BLOCK_N)
-    start, end = _split_range(ctx, split, num_splits, BLOCK_N)
-    pos = start + tl.arange(0, BLOCK_N)
-    n_ok = pos < end
-    off = (pos % PAGE).to(tl.int64)
-    if fresh > 0:
-        sel = (pos == ctx - 1) & n_ok  # the tile's row of the last entry, if it holds it
-        hit = tl.sum(sel.to(tl.int32), axis=0) + tl.zeros_like(offs_d)  # (as a vector: the interpreter's masks)
-        row = tl.sum(tl.where(sel, blk * PAGE + off, 0), axis=0)
-        kr = tl.load(k_head + (row // PAGE) * stride_kb + (row % PAGE) * stride_ks + offs_d * stride_kd,
-                     mask=d_ok & (hit > 0), other=0.0)
-        k0 = tl.where(sel[:, None], kr[None, :], k0)
-    v0 = tl.load(v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :] * stride_vd,
-                 mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    return k0, v0
-
-
-@triton.jit
 def _walk_prefix(q, k_head, v_head, bt_row, ctx, split, num_splits, offs_d, d_ok, qk_scale,
                  stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_btn,
                  PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, k0=0, v0=0, EARLY: tl.constexpr = False):
+                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Online softmax of the query tile over split `split` of the ctx cache entries of one sequence and kv head,
     walked through its block table (no mask). Returns the unnormalised state (m in log2 units, l, acc).
     The context is cut into num_splits equal chunks (whole BLOCK_N tiles), so that every split of a sequence does
-    about the same work whatever the other sequences' lengths are.
-    EARLY: k0, v0 are the split's first tile, loaded already (`_early_keys`, `_settled_tile`); the walk takes them
-    first, then loads the split's other tiles (the same sums in the same order)."""
-    start, end = _split_range(ctx, split, num_splits, BLOCK_N)
+    about the same work whatever the other sequences' lengths are."""
+    tiles_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    first = start
-    if EARLY:  # (an empty split's tile is all masked: the state stays empty)
-        p, alpha, m_i, l_i = _score_tile(q, k0, (start + offs_n < end)[None, :], qk_scale, m_i, l_i, DOT_PREC,
-                                         UPCAST)
-        acc = _accumulate_tile(acc, alpha, p, v0, DOT_PREC, UPCAST)
-        first = start + BLOCK_N
-    for n0 in range(first, end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_ok = pos < end
         blk = tl.load(bt_row + (pos // PAGE) * stride_btn, mask=n_ok, other=0).to(tl.int64)
@@ -316,46 +255,22 @@ def _paged_prefix_kernel(
     G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, USE_GDC: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False,
-    KE=None, CLE=None, fresh=0, EARLY: tl.constexpr = False,
 ):
     """SKIP_EMPTY: a split without keys stores nothing (`_reduce_splits_kernel` with KEYED reads only the splits
     with keys); for the partials of a reduction only. It exits after its query load, which so stays off the critical
-    path of the splits with keys (loaded before their context length is known, as without SKIP_EMPTY).
-    EARLY: the split's first tile's keys are loaded before the PDL wait from KE at the context length CLE (the
-    cache and the lengths themselves, but for tests); after it the context length is read again, and the keys
-    again where it changed, else the last entry's where `fresh` (`_settled_tile`)."""
+    path of the splits with keys (loaded before their context length is known, as without SKIP_EMPTY)."""
+    gdc_prologue(USE_GDC)
     pid_s = tl.program_id(2)
-    k0 = 0
-    v0 = 0
-    blk0 = 0
-    ctx0 = 0
-    if EARLY:  # (the next launch let in first, as gdc_prologue does: these loads must not hold it back)
-        if USE_GDC:
-            tl.extra.cuda.gdc_launch_dependents()
-        b0 = tl.program_id(0) // num_kv_heads
-        offs_d0 = tl.arange(0, BLOCK_D)
-        ctx0 = tl.load(CLE + b0).to(tl.int32)
-        k0, blk0 = _early_keys(KE + (tl.program_id(0) % num_kv_heads) * stride_kh, BT + b0 * stride_btb, ctx0,
-                               pid_s, num_splits, offs_d0, offs_d0 < HEAD_D, stride_kb, stride_ks, stride_kd,
-                               stride_btn, PAGE, BLOCK_N)
-        if USE_GDC:
-            tl.extra.cuda.gdc_wait()
-    else:
-        gdc_prologue(USE_GDC)
     b, kvh, rows, offs_d, d_ok, q = _program_rows(Q, K, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh,
                                                   stride_qd, G, HEAD_D, BLOCK_M, BLOCK_D, UPCAST)
     ctx = tl.load(CL + b).to(tl.int32)
     if SKIP_EMPTY:
         if pid_s >= _splits_with_keys(ctx, num_splits, BLOCK_N):
             return  # no key: nothing stored; the reduction knows
-    if EARLY:
-        k0, v0 = _settled_tile(k0, blk0, ctx0, ctx, fresh, K + kvh * stride_kh, V + kvh * stride_vh,
-                               BT + b * stride_btb, pid_s, num_splits, offs_d, d_ok, stride_kb, stride_ks,
-                               stride_kd, stride_vb, stride_vs, stride_vd, stride_btn, PAGE, BLOCK_N)
     m_i, l_i, acc = _walk_prefix(q, K + kvh * stride_kh, V + kvh * stride_vh, BT + b * stride_btb,
                                  ctx, pid_s, num_splits, offs_d, d_ok, qk_scale,
                                  stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_btn,
-                                 PAGE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST, k0, v0, EARLY)
+                                 PAGE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
     _store_rows(O + pid_s * stride_os, LSE + pid_s * stride_ls, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i,
                 G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
 
@@ -459,31 +374,15 @@ def _split_tree_kernel(
     G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NS: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, USE_GDC: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False,
-    SUFFIX_FIRST: tl.constexpr = False, KE=None, CLE=None, fresh=0, EARLY: tl.constexpr = False,
+    SUFFIX_FIRST: tl.constexpr = False,
 ):
     """SKIP_EMPTY: as `_paged_prefix_kernel`'s (the suffix's program always stores its partial). SUFFIX_FIRST: grid
     index 0 of the split axis takes the suffix and index s + 1 split s (the partials keep their places: the
-    suffix's is S). EARLY, KE, CLE, fresh: as `_paged_prefix_kernel`'s (the suffix's program loads nothing
-    early: its split index is past the prefix's)."""
+    suffix's is S)."""
+    gdc_prologue(USE_GDC)
     pid_s = tl.program_id(2)
     if SUFFIX_FIRST:
         pid_s = tl.where(pid_s == 0, num_splits, pid_s - 1)
-    k0 = 0
-    blk0 = 0
-    ctx0 = 0
-    if EARLY:  # (as `_paged_prefix_kernel`'s)
-        if USE_GDC:
-            tl.extra.cuda.gdc_launch_dependents()
-        b0 = tl.program_id(0) // num_kv_heads
-        offs_d0 = tl.arange(0, BLOCK_D)
-        ctx0 = tl.load(CLE + b0).to(tl.int32)
-        k0, blk0 = _early_keys(KE + (tl.program_id(0) % num_kv_heads) * stride_kch, BT + b0 * stride_btb, ctx0,
-                               pid_s, num_splits, offs_d0, offs_d0 < HEAD_D, stride_kcb, stride_kcs, stride_kcd,
-                               stride_btn, PAGE, BLOCK_N)
-        if USE_GDC:
-            tl.extra.cuda.gdc_wait()
-    else:
-        gdc_prologue(USE_GDC)
     b, kvh, rows, offs_d, d_ok, q = _program_rows(Q, KC, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh,
                                                   stride_qd, G, HEAD_D, BLOCK_M, BLOCK_D, UPCAST)
     ctx = tl.load(CL + b).to(tl.int32)
@@ -494,17 +393,10 @@ def _split_tree_kernel(
     qi = rows // G
 
     if pid_s < num_splits:  # a split of the prefix, as `_paged_prefix_kernel` walks it
-        if EARLY:
-            k1, v1 = _settled_tile(k0, blk0, ctx0, ctx, fresh, KC + kvh * stride_kch, VC + kvh * stride_vch,
-                                   BT + b * stride_btb, pid_s, num_splits, offs_d, d_ok, stride_kcb, stride_kcs,
-                                   stride_kcd, stride_vcb, stride_vcs, stride_vcd, stride_btn, PAGE, BLOCK_N)
-        else:
-            k1 = 0
-            v1 = 0
         m_i, l_i, acc = _walk_prefix(q, KC + kvh * stride_kch, VC + kvh * stride_vch, BT + b * stride_btb,
                                      ctx, pid_s, num_splits, offs_d, d_ok, qk_scale,
                                      stride_kcb, stride_kcs, stride_kcd, stride_vcb, stride_vcs, stride_vcd,
-                                     stride_btn, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST, k1, v1, EARLY)
+                                     stride_btn, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
     else:  # the suffix keys under the mask
         m_i, l_i, acc = _walk_suffix(q, KN + b * stride_knb + kvh * stride_knh, VN + b * stride_vnb + kvh * stride_vnh,
                                      MASK + b * stride_mb + qi * stride_mq, kv_len, row_ok, offs_d, d_ok, qk_scale,
@@ -630,22 +522,6 @@ def _prefix_block_n(block_m: int, block_n: int, block_d: int, splits: int, dtype
     return block_n
 
 
-def _early_args(early, early_from, k_cache, v_cache, context_lens) -> dict:
-    """The prefix kernels' EARLY keywords: `early` None (or EARLY_PREFIX off) for none; else the number of trailing
-    context entries of each sequence the previous launch may have written. `early_from` (tests only): the
-    (k_cache, context_lens) the early loads read instead of the real ones, shaped and strided alike, to show that
-    nothing read early survives where it is stale."""
-    if early is None or not EARLY_PREFIX:
-        return dict(EARLY=False)
-    if int(early) not in (0, 1):
-        raise ValueError(f"early must be None, 0 or 1 trailing entries written by the launch before, got {early}")
-    ke, cle = early_from if early_from is not None else (k_cache, context_lens)
-    for a, b, n in ((ke, k_cache, "k_cache"), (cle, context_lens, "context_lens")):
-        if a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype:
-            raise ValueError(f"early_from's {n} must be shaped, strided and typed as {n}")
-    return dict(KE=ke, CLE=cle, fresh=int(early), EARLY=True)
-
-
 def _partials(shape, dtype, device) -> torch.Tensor:
     """A buffer of the splits' partial o (or lse), left unwritten where a split saw no key (SKIP_EMPTY); the tests
     fill it with NaN to show that nothing reads those rows."""
@@ -653,8 +529,7 @@ def _partials(shape, dtype, device) -> torch.Tensor:
 
 
 def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None,
-                           max_context_len=None, block_n=None, reduce=True, out_dtype=torch.float32, pdl=False,
-                           early=None, early_from=None):
+                           max_context_len=None, block_n=None, reduce=True, out_dtype=torch.float32, pdl=False):
     """Attention of every new token over its sequence's first `context_lens[b]` cache entries, without mask.
 
     q [B, Q, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks] (int32/int64);
@@ -664,10 +539,7 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     `reduce=False`: the KV splits' partial results instead, o [B, S, Q, H, D] and lse [B, S, Q, H], for a kernel
     that merges them itself (`tree_suffix_attention`), one kernel launch fewer. `out_dtype`: the reduced o's dtype
     (the model's, so that no cast follows; the partials and lse stay float32). `pdl`: launch with programmatic
-    dependent launch (where `PDL` is on). `early`: None, or how many trailing entries of each context the previous
-    launch may have written; every other entry must have been in the cache before any unfinished kernel began
-    (see EARLY_PREFIX): each split then loads its first key tile before its PDL wait. `early_from`: tests only
-    (`_early_args`)."""
+    dependent launch (where `PDL` is on)."""
     B, NQ, H, D = q.shape
     _, page, KVH, Dk = k_cache.shape
     if Dk != D or v_cache.shape != k_cache.shape:
@@ -707,8 +579,7 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         *o_part.stride(), *lse_part.stride(),
         G=G, HEAD_D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), USE_GDC=use_gdc,
-        SKIP_EMPTY=skip, num_warps=4, num_stages=2, **_early_args(early, early_from, k_cache, v_cache, context_lens),
-        **launch,
+        SKIP_EMPTY=skip, num_warps=4, num_stages=2, **launch,
     )
     if not reduce:
         return o_part, lse_part
@@ -794,8 +665,7 @@ def merge_attention_states(o1, lse1, o2, lse2):
 
 
 def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables, context_lens, suffix_mask, scale,
-                                num_splits=None, max_context_len=None, out_dtype=torch.float32, pdl=False,
-                                early=None, early_from=None):
+                                num_splits=None, max_context_len=None, out_dtype=torch.float32, pdl=False):
     """Prefix (paged, no mask) + suffix (under `suffix_mask`), merged by log-sum-exp: o [B, Q, H, D] (`out_dtype`).
 
     Same contract as `eyas.layers.attention.split_tree_attention`: k_new/v_new [B, L, KVH, D] are the suffix keys
@@ -803,9 +673,7 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
     walk the prefix's KV splits and, one more per query tile, the suffix (`_split_tree_kernel`), then the reduction
     of those S + 1 partial results. The suffix runs beside the prefix splits rather than after them, and the
     reduction is the cheap kernel plain decoding also ends with. A row that sees nothing at all gets 0 (the
-    reference gives NaN). `pdl`: both launches with programmatic dependent launch (where `PDL` is on). `early`,
-    `early_from`: as `paged_prefix_attention`'s, for the prefix splits (a verify pass's prefix holds no new entry:
-    0)."""
+    reference gives NaN). `pdl`: both launches with programmatic dependent launch (where `PDL` is on)."""
     B, NQ, H, D = q.shape
     _, page, KVH, Dk = k_cache.shape
     L = k_new.shape[1]
@@ -848,7 +716,6 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
         *k_new.stride(), *v_new.stride(), *suffix_mask.stride(), *o_part.stride(), *lse_part.stride(),
         G=G, HEAD_D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_NS=BLOCK_NS,
         DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), USE_GDC=use_gdc,
-        SKIP_EMPTY=skip, SUFFIX_FIRST=skip and SUFFIX_FIRST, num_warps=4, num_stages=2,
-        **_early_args(early, early_from, k_cache, v_cache, context_lens), **launch,
+        SKIP_EMPTY=skip, SUFFIX_FIRST=skip and SUFFIX_FIRST, num_warps=4, num_stages=2, **launch,
     )
     return _reduce_splits(o_part, lse_part, out_dtype, pdl, keyed=(context_lens, S, BLOCK_N) if skip else None)[0]

@@ -35,11 +35,6 @@ class AttentionMetadata:
     # plain decoding (one new token that is always kept): its K/V go to the cache first and the prefix pass, over
     # context_lens entries that include it, is the whole attention (no suffix pass, no merge)
     prefix_includes_new: bool = False
-    # the Triton prefix kernels may load the cache's prefix before their PDL wait (`eyas.kernels.tree_attention.
-    # EARLY_PREFIX`): None, or how many trailing entries of each context this pass writes itself (1 for plain
-    # decoding, 0 for a verify pass). Only where every other entry was written before the step's first kernel: the
-    # target's passes of a speculative step (not the draft's, whose catch-up writes its cache within the step).
-    early_prefix: int | None = None
 
 
 @dataclass
@@ -160,8 +155,7 @@ def prefix_only_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
     if meta.use_triton:
         from eyas.kernels import paged_prefix_attention
         return paged_prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                      max_context_len=meta.max_context_len, out_dtype=out_dtype, pdl=pdl,
-                                      early=meta.early_prefix)[0]
+                                      max_context_len=meta.max_context_len, out_dtype=out_dtype, pdl=pdl)[0]
     return prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_context_len,
                             meta.block_size, scale)[0]
 
@@ -176,7 +170,7 @@ def split_tree_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetad
         from eyas.kernels import split_tree_attention_triton
         return split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                            meta.suffix_mask, scale, max_context_len=meta.max_context_len,
-                                           out_dtype=out_dtype, pdl=pdl, early=meta.early_prefix)
+                                           out_dtype=out_dtype, pdl=pdl)
     o_p, lse_p = prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                   meta.max_context_len, meta.block_size, scale)
     o_s, lse_s = attend(q, k_new, v_new, meta.suffix_mask, scale)

@@ -160,12 +160,12 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
     stash = None
     if tree.num_nodes:
         stash = Stash.like(cache, B, N1)  # every layer's K/V of root + tree, node by node
-        vmeta = meta(n, mask, stash=stash, early_prefix=0)  # (the cache's prefix: committed before the step)
+        vmeta = meta(n, mask, stash=stash)
     else:
         # plain decoding: the root's K/V go straight to the cache, and one prefix pass over n + 1 entries (the root
         # included) is its whole attention
         vmeta = meta(n + 1, mask, max_context_len=inp.max_context_len + 1, prefix_includes_new=True,
-                     slot_mapping=inp.commit_slots[:, :1], early_prefix=1)
+                     slot_mapping=inp.commit_slots[:, :1])
     feature_layers = getattr(draft, "feature_layers", None)
     if feature_layers is None:  # EAGLE-1 (or no draft): the draft reads the final hidden state itself
         hidden = feats = target(node_tokens, positions, vmeta, cache)
