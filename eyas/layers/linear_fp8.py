@@ -28,7 +28,8 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 # rows that take decode_linear's register kernel on CUDA (0: the GEMV always); at 4 rows it lost to the GEMV on the
-# H200 (session 25: an 8B draft level 375-465 us against 154, the 8B chain:3 step 5.27 ms against 5.08)
+# H200 (session 25: an 8B draft level 375-465 us against 154, the 8B chain:3 step 5.27 ms against 5.08), and at up
+# to 8 on SmolLM2's head (session 43: the default tree's step 1.076-1.079 ms against 1.043-1.052, the real model)
 ROW_KERNEL_MAX_ROWS = 2
 # Not kept: the GEMV's launches (more rows than that) as programmatic dependent launches, each program loading its
 # first weight chunk before its wait (session 40, 5021ac1). It lost on the H200 in session 42 (one run: the default

@@ -1,7 +1,7 @@
 # Sessions 40-41 (issue #5 point 2a): four levers for the draft's side of a speculative step, timed against main on
 # the real model in session 42. The prologue won there and is on since: its variant is now `noprologue` (off). The
-# GEMV's PDL and the fused commit lost and were removed (their variants with them). rows8 was not reached (the ORDER
-# was cut by the budget); its variant turns it on.
+# GEMV's PDL and the fused commit lost and were removed (their variants with them). rows8 lost in session 43 (the
+# tree's step 1.076-1.079 ms against main's 1.043-1.052; call 3); its variant turns it on.
 # - rows8: the register kernel up to 8 rows for FP8 linears (`eyas.layers.linear_fp8.ROW_KERNEL_MAX_ROWS = 8`, 2 on
 #   main): the default tree's first level (8 rows) would take it, with its PDL and weights loaded before the wait.
 #   Session 25 measured 4 rows on the 8B shape's draft slower there (K = 4096); SmolLM2's head has K = 576.
