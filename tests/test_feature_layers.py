@@ -277,6 +277,29 @@ def test_init_from_an_eagle1_checkpoint_starts_from_that_draft(tiny_setup, tmp_p
         train(_cfg(tdir, data, tmp_path / "g", init=str(tmp_path / "f"), feature_layers=[0], **kw), target)
 
 
+def test_init_may_add_feature_layers_and_starts_from_that_draft(tiny_setup, tmp_path):
+    """--init of a trained feature-layer checkpoint with more --feature-layers (here one before its own): `fuse`'s
+    columns for its layer and the final hidden state are the checkpoint's, the added layer's zero, so (lr 0) the
+    held-out metrics are the checkpoint draft's. Dropping one of its layers is refused."""
+    from safetensors.torch import load_file as load
+
+    from eyas.train.trainer import train
+
+    tdir, data, target = tiny_setup
+    f = train(_cfg(tdir, data, tmp_path / "f", feature_layers=[1], max_steps=3, lr=5e-3, noise="none",
+                   save_dtype="float32"), target)["final_metrics"]["layers-1"]
+    H = 64
+    assert load(str(tmp_path / "f" / "model.safetensors"))["fuse.weight"][:, :H].abs().max() > 0  # trained
+    kw = dict(lr=0.0, max_steps=1, noise="none", save_dtype="float32")
+    g = train(_cfg(tdir, data, tmp_path / "g", init=str(tmp_path / "f"), feature_layers=[0, 1], **kw),
+              target)["final_metrics"]["layers-1"]
+    assert g["loss"] == pytest.approx(f["loss"], rel=1e-5) and g["acc_by_depth"] == f["acc_by_depth"]
+    w = load(str(tmp_path / "g" / "model.safetensors"))["fuse.weight"]
+    assert w.shape == (H, 3 * H) and w[:, :H].abs().max() == 0  # layer 0's columns: zero at lr 0
+    with pytest.raises(ValueError, match="may add layers, not drop them"):
+        train(_cfg(tdir, data, tmp_path / "h", init=str(tmp_path / "g"), feature_layers=[0], **kw), target)
+
+
 def test_drafts_side_by_side_share_the_feature_layers(tiny_setup, tmp_path):
     from eyas.train.trainer import make_draft, shared_feature_layers, train
 

@@ -167,7 +167,9 @@ def init_from_checkpoint(draft: EagleDraft, path: Path) -> None:
     """Load an EAGLE checkpoint into `draft` (`--init`), so that training starts from exactly the draft it holds.
 
     * An EAGLE-1 checkpoint initialises a feature-layer draft (`fuse` stays at the identity); a feature-layer
-      checkpoint only a draft with the same feature layers.
+      checkpoint a draft whose feature layers include its own (in any order): `fuse`'s columns for the checkpoint's
+      layers and the final hidden state are the checkpoint's, those of the added layers start at zero, so the draft
+      computes exactly what the checkpoint's does and learns to read the new layers from the first step.
     * Growing: a checkpoint with fewer decoder layers fills the first ones; each added layer's residual branches start
       at zero (o_proj and down_proj zeroed, the rest keeps its random init), so it passes its input through and the
       deeper draft computes exactly what the checkpoint's draft does. Gradients reach those projections at once and
@@ -181,10 +183,19 @@ def init_from_checkpoint(draft: EagleDraft, path: Path) -> None:
     L, fl = len(draft.layers), draft.feature_layers
     if icfg.num_hidden_layers > L:
         raise ValueError(f"--init {path} has {icfg.num_hidden_layers} layers, more than the {L} of this draft")
-    if icfg.feature_layers is not None and tuple(icfg.feature_layers) != fl:
-        raise ValueError(f"--init {path} reads feature layers {list(icfg.feature_layers)}, "
-                         f"--feature-layers says {None if fl is None else list(fl)}")
+    fl0 = None if icfg.feature_layers is None else tuple(icfg.feature_layers)
+    if fl0 is not None and (fl is None or not set(fl0) <= set(fl)):
+        raise ValueError(f"--init {path} reads feature layers {list(fl0)}, --feature-layers says "
+                         f"{None if fl is None else list(fl)} (it may add layers, not drop them)")
     st = {k.removeprefix("model."): v.float() for k, v in load_weights(path, True).items()}
+    if fl0 is not None and fl0 != fl:  # more feature layers (or another order): the checkpoint's columns moved
+        H = draft.config.hidden_size
+        w0, w = st["fuse.weight"], torch.zeros_like(draft.fuse.weight, dtype=torch.float32)
+        for j, layer in enumerate(fl0):
+            i = fl.index(layer)
+            w[:, i * H:(i + 1) * H] = w0[:, j * H:(j + 1) * H]
+        w[:, -H:] = w0[:, -H:]  # the final hidden state, last in both
+        st["fuse.weight"] = w
     I, I0 = draft.config.intermediate_size, icfg.intermediate_size
     if I0 > I:
         raise ValueError(f"--init {path} has MLPs {I0} wide, wider than the {I} of this draft")
