@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue #4 (written in session 43, not yet run): feature layers other than 3 and 15, never tried since run E chose
+# them. Each variant continues the shipped draft (`--init eyas/drafts/smollm2`; since session 43 `--feature-layers`
+# may add layers to the checkpoint's: their `fuse` columns start at zero, so every variant starts from the shipped
+# draft exactly), 1,500 steps side by side on one H200, on SmolLM2's greedy answers to ShareGPT shards 02-03's first
+# turns and to passage tasks (run N's kinds of data, regenerated here), against a control with the shipped layers:
+#   b: 3 15 (the control); h: 3 15 24 (a high layer too); l: 1 3 15 (a lower one too).
+# Then MT-Bench TPC (80 first turns x 128, T=0) of the three, `chain:3` and the default tree.
+# Calls (send each at once after the one before: the machine goes back after 30 s idle):
+#   1 (carry .stage/a): mkdir -p /root/stage && cp .stage/a/part_aa /root/stage/
+#   2 (carry .stage/b): cp .stage/b/part_ab /root/stage/
+#   3 (carry .stage/c .stage/e; ~420 s): PHASE=train bash tools/device/feature_layers_ab.sh
+#   4 (warm, no carry; ~270 s): PHASE=tpc bash tools/device/feature_layers_ab.sh
+# .stage/e (made on the CPU, 13 MB):
+#   mkdir -p .stage/e && cp ../shared/data/sharegpt/sharegpt-train-0{2,3}.jsonl.gz .stage/e/ && \
+#   eyas make-context-prompts --data ../shared/data/sharegpt/sharegpt-train-0{0,1}.jsonl.gz \
+#     --templates tools/device/context_templates.txt --num 6000 --seed 43 --out .stage/e/ctx.jsonl.gz --no-progress
+# Env: STEPS (1500), TB (training seconds, 300), ANS_S (answering seconds for each kind, 100), TPC_S (260),
+# VARIANTS ("b=3 15;h=3 15 24;l=1 3 15"). A CPU dry run:
+#   STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o STEPS=2 TB=60 LIMIT=8 DEV="--device cpu" \
+#     EXTRA="--limit 8 --batch-tokens 1024 --device cpu" PHASE=train bash tools/device/feature_layers_ab.sh
+#   cp ../shared/data/mt_bench/question.jsonl /tmp/s/ && STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o \
+#     TPC_EXTRA="--limit 2 --max-tokens 8 --device cpu" PHASE=tpc bash tools/device/feature_layers_ab.sh
+# (session 43's dry run: 188 s and 30 s on 2 CPU cores.)
+set -u
+export OUT
+source tools/device/thirds_lib.sh
+E=${E:-.stage/e}
+IFS=';' read -ra vs <<< "${VARIANTS:-b=3 15;h=3 15 24;l=1 3 15}"
+names=(); for v in "${vs[@]}"; do names+=(${v%%=*}); done
+if [ "${PHASE:-train}" = train ]; then
+  stage_thirds || exit 1
+  for kind in sg ctx; do
+    if [ $kind = sg ]; then data="$E/sharegpt-train-02.jsonl.gz $E/sharegpt-train-03.jsonl.gz"; else data=$E/ctx.jsonl.gz; fi
+    echo "== answer $kind [t=$(el)]"
+    python3 -m eyas.train.distill_data --model smollm2 --data $data --out $W/$kind.jsonl.xz --max-tokens 160 \
+      --batch-size 256 --max-turns 1 --max-prompt-tokens 1024 --time-budget ${ANS_S:-100} --draft default \
+      --speculation chain:3 --no-progress ${DEV:-} ${LIMIT:+--limit $LIMIT} 2>&1 | tail -n 1
+  done
+  COMMON="--target smollm2 --layers 1 --unroll 3 --init eyas/drafts/smollm2 --lr 3e-4 --w-ce 1.0 --w-l1 0.1 \
+    --answer-tokens 128 --epochs 100 --max-steps ${STEPS:-1500} --time-budget ${TB:-300} --heldout 64 --tpc-prompts 0 \
+    --no-progress ${EXTRA:-}"
+  echo "== train ${#vs[@]} variants [t=$(el)]"
+  for v in "${vs[@]}"; do
+    python3 -m eyas.train.trainer --data $W/sg.jsonl.xz $W/ctx.jsonl.xz $COMMON --feature-layers ${v#*=} \
+      --out $W/${v%%=*} > $W/${v%%=*}.log 2>&1 &
+  done
+  wait
+  for x in "${names[@]}"; do
+    echo "-- $x"; grep -a '"steps"\|tokens_per_second\|acc_by_depth' -A3 $W/$x.log | tr -d ' \n' | head -c 400; echo
+    tail -n 2 $W/$x.log | cut -c1-300
+  done
+  files=(); for x in "${names[@]}"; do files+=($x/model.safetensors $x/config.json $x/training.json); done
+  (cd $W && tar cf - "${files[@]}" | split -b ${PART_SIZE:-15M} -d - $OUT/feature_layers.tar.part)
+else
+  dirs=(); for x in "${names[@]}"; do dirs+=($W/$x); done
+  echo "== tpc [t=$(el)]"
+  timeout ${TPC_S:-260} python3 -m eyas.bench.tpc --model smollm2 --draft "${dirs[@]}" --speculation chain:3 \
+    --speculation tree:smollm2_48d5 --temperature 0 --max-tokens 128 --prompts $S/question.jsonl ${TPC_EXTRA:-} \
+    --out $W/tpc > $W/tpc.log 2>&1 || tail -n 5 $W/tpc.log
+  grep "^|" $W/tpc.log
+  cp $W/tpc/tpc.json $W/tpc/tpc.md $OUT/ 2>/dev/null
+fi
+echo "== end [t=$(el)]"
