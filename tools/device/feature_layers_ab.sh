@@ -46,12 +46,7 @@ if [ "${PHASE:-train}" = train ]; then
       --out $W/${v%%=*} > $W/${v%%=*}.log 2>&1 &
   done
   wait
-  for x in "${names[@]}"; do
-    echo "-- $x"; grep -a '"steps"\|tokens_per_second\|acc_by_depth' -A3 $W/$x.log | tr -d ' \n' | head -c 400; echo
-    tail -n 2 $W/$x.log | cut -c1-300
-  done
-  files=(); for x in "${names[@]}"; do files+=($x/model.safetensors $x/config.json $x/training.json); done
-  (cd $W && tar cf - "${files[@]}" | split -b ${PART_SIZE:-15M} -d - $OUT/feature_layers.tar.part)
+  report_and_pack feature_layers "${names[@]}"
 else
   dirs=(); for x in "${names[@]}"; do dirs+=($W/$x); done
   echo "== tpc [t=$(el)]"

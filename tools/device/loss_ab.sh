@@ -32,12 +32,7 @@ for v in "${vs[@]}"; do
   python3 -m eyas.train.trainer --data $DATA $COMMON $args --out $W/$name > $W/$name.log 2>&1 &
 done
 wait
-for x in "${names[@]}"; do
-  echo "-- $x"; grep -a '"steps"\|tokens_per_second\|acc_by_depth' -A3 $W/$x.log | tr -d ' \n' | head -c 400; echo
-  tail -n 2 $W/$x.log | cut -c1-300
-done
-files=(); for x in "${names[@]}"; do files+=($x/model.safetensors $x/config.json $x/training.json); done
-(cd $W && tar cf - "${files[@]}" | split -b ${PART_SIZE:-15M} -d - $OUT/loss_ab.tar.part)
+report_and_pack loss_ab "${names[@]}"
 echo "== tpc [t=$(el)]"
 dirs=(); for x in "${names[@]}"; do dirs+=($W/$x); done
 timeout ${TPC_S:-260} python3 -m eyas.bench.tpc --model smollm2 --draft "${dirs[@]}" --speculation chain:3 \

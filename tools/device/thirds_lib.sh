@@ -24,3 +24,17 @@ answer() {
     --batch-size ${R_BATCH:-256} --max-turns 1 --max-prompt-tokens 1024 --time-budget $3 --draft default \
     --speculation chain:3 --no-progress ${DEV:-} ${LIMIT:+--limit $LIMIT} 2>&1 | tail -n 1
 }
+
+# report_and_pack TAR NAME...: each draft trained into $W/NAME (log $W/NAME.log): its steps, tokens/s and held-out
+#   accuracy by depth, and the log's tail; then their weights, config.json and training.json packed into
+#   $OUT/TAR.tar.partNN (PART_SIZE, 15M a part).
+report_and_pack() {
+  local tar=$1 x files=()
+  shift
+  for x in "$@"; do
+    echo "-- $x"; grep -a '"steps"\|tokens_per_second\|acc_by_depth' -A3 $W/$x.log | tr -d ' \n' | head -c 400; echo
+    tail -n 2 $W/$x.log | cut -c1-300
+    files+=($x/model.safetensors $x/config.json $x/training.json)
+  done
+  (cd $W && tar cf - "${files[@]}" | split -b ${PART_SIZE:-15M} -d - $OUT/$tar.tar.part)
+}
