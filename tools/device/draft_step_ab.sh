@@ -11,8 +11,8 @@
 # Calls: 1 (carry .stage/a) `mkdir -p /root/stage && cp .stage/a/part_aa /root/stage/`, 2 (carry .stage/b)
 # `cp .stage/b/part_ab /root/stage/`, 3 (carry .stage/c) `bash tools/device/draft_step_ab.sh`: the GPU tests with
 # rows8 and the prologue on, then the real model, MT-Bench 80 x 128, batch 1, `--repeat 1`, plain, `chain:3` and the
-# default tree, processes in ORDER (main rows8 noprologue main rows8 noprologue; session 42's was main all commit
-# main all prologue gemvpdl rows8 main commit) while under BUDGET (440) seconds. Send each call at once after the one
+# default tree, processes in ORDER (main rows8 noprologue main rows8 noprologue; session 42's variants all, commit,
+# prologue and gemvpdl are gone with what they switched) while under BUDGET (440) seconds. Send each call at once after the one
 # before: the machine goes back after 30 s idle (session 40).
 set -u
 source tools/device/thirds_lib.sh
@@ -20,13 +20,11 @@ stage_thirds || exit 1
 source tools/device/ab_lib.sh
 rows8="m.ROW_KERNEL_MAX_ROWS = 8"
 noprologue="import eyas.spec.step as st; st.FUSED_PROLOGUE = False"
-prologue="import eyas.spec.step as st; st.FUSED_PROLOGUE = True"  # all's part (main's default since session 42)
-all="$rows8; $prologue"
 if [ "${TESTS:-1}" = 1 ]; then  # TESTS=0: the timings only
-echo "== gpu tests with rows8 and the prologue on [t=$(el)]"
+echo "== gpu tests with rows8 (and the prologue, the default) on [t=$(el)]"
 timeout 200 python3 -c "
 import sys, pytest, eyas.layers.linear_fp8 as m
-$all
+$rows8
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_fp8.py', 'tests/test_gemv.py',
                       'tests/test_spec_prologue.py', '-k', 'gpu or prologue']))" 2>&1 | tail -n 2
 fi

@@ -21,7 +21,7 @@
 #     EXTRA="--limit 8 --batch-tokens 1024 --device cpu" PHASE=train bash tools/device/feature_layers_ab.sh
 #   cp ../shared/data/mt_bench/question.jsonl /tmp/s/ && STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o \
 #     TPC_EXTRA="--limit 2 --max-tokens 8 --device cpu" PHASE=tpc bash tools/device/feature_layers_ab.sh
-# (session 43's dry run: 188 s and 30 s on 2 CPU cores.)
+# (session 43's dry runs on 2 CPU cores: 153-188 s and 22 s.)
 set -u
 export OUT
 source tools/device/thirds_lib.sh
@@ -30,13 +30,9 @@ IFS=';' read -ra vs <<< "${VARIANTS:-b=3 15;h=3 15 24;l=1 3 15}"
 names=(); for v in "${vs[@]}"; do names+=(${v%%=*}); done
 if [ "${PHASE:-train}" = train ]; then
   stage_thirds || exit 1
-  for kind in sg ctx; do
-    if [ $kind = sg ]; then data="$E/sharegpt-train-02.jsonl.gz $E/sharegpt-train-03.jsonl.gz"; else data=$E/ctx.jsonl.gz; fi
-    echo "== answer $kind [t=$(el)]"
-    python3 -m eyas.train.distill_data --model smollm2 --data $data --out $W/$kind.jsonl.xz --max-tokens 160 \
-      --batch-size 256 --max-turns 1 --max-prompt-tokens 1024 --time-budget ${ANS_S:-100} --draft default \
-      --speculation chain:3 --no-progress ${DEV:-} ${LIMIT:+--limit $LIMIT} 2>&1 | tail -n 1
-  done
+  ANS_DIR=$E
+  answer sg "sharegpt-train-02.jsonl.gz sharegpt-train-03.jsonl.gz" ${ANS_S:-100}
+  answer ctx ctx.jsonl.gz ${ANS_S:-100}
   COMMON="--target smollm2 --layers 1 --unroll 3 --init eyas/drafts/smollm2 --lr 3e-4 --w-ce 1.0 --w-l1 0.1 \
     --answer-tokens 128 --epochs 100 --max-steps ${STEPS:-1500} --time-budget ${TB:-300} --heldout 64 --tpc-prompts 0 \
     --no-progress ${EXTRA:-}"

