@@ -115,7 +115,9 @@ def use_pdl(device: torch.device) -> bool:
 # FEW_ROWS_MAX was 16 until session 38. With the whole-K tile up to 64 rows (decode_linear.WHOLE_K_ROWS), the default
 # tree's 49-row verify pass became faster on the tiles than on cuBLAS: on the real SmolLM2 (MT-Bench, batch 1) its
 # step took 1.107-1.111 ms against 1.159-1.160, and on the smollm2-shape replay `chain:3` at batch 16 (64 rows)
-# 1.134-1.143 against 1.169-1.191, with no batch size slower (docs/benchmarks.md, "Session 38").
+# 1.134-1.143 against 1.169-1.191, with no batch size slower (docs/benchmarks.md, "Session 38"). Session 44 swept the
+# 8B shapes at 4 rows again with today's tiles (PDL, early trigger): still slower than cuBLAS per kind at their best
+# configs (qkv 23.4 us against 15.4, o 13.05 against 13.17, gate/up 66.8 against 60.5, down 39.0 against 32.8).
 FEW_ROWS_MAX_HIDDEN = 1024
 FEW_ROWS_MAX = 64
 
