@@ -214,6 +214,44 @@ def add_linear_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Module) -> t
     return residual
 
 
+# The o projection of a wide model's verify pass (O_TILE_MIN_ROWS to O_TILE_ROWS tree or chain tokens in all, hidden
+# wider than `eyas.models.one_row.FEW_ROWS_MAX_HIDDEN`, whose verify passes stay on the fused path) on decode_linear's
+# tile kernel with the residual add in its epilogue, a PDL launch after the attention's split reduction, instead of
+# cuBLAS's split-K GEMM and its reduction kernel. Timed on the H200 in session 44 (tools/device/o_tile_ab.sh: the 8B
+# shape's `chain:3`, rank paths replayed, 40 x 128 and 24 x 128, two processes each way; docs/benchmarks.md,
+# "Session 44"): a step at batch 2 (8 rows) 5.519-5.521 ms against cuBLAS's 5.661-5.662, at 3 (12 rows) 5.429-5.433
+# against 5.472, at 4 (16 rows) 5.459-5.461 against 5.511-5.512; but at batch 1 (4 rows) 5.120-5.123 against
+# 5.039-5.041, so 4 rows stay on cuBLAS, and 5 to 7 (unmeasured) with them. O_TILE_ROWS = 0 turns it off.
+O_TILE_MIN_ROWS = 8
+O_TILE_ROWS = 16
+O_TILE_CONFIG = (64, 256, 4, 3)   # decode_linear.TileConfig(BLOCK_N, BLOCK_K, num_warps, num_stages)
+
+
+def takes_o_tile(residual: torch.Tensor, x: torch.Tensor, linear: nn.Module, meta: AttentionMetadata | None) -> bool:
+    """Whether `add_o_proj_` puts this o projection on the tile kernel (see O_TILE_ROWS)."""
+    from eyas.models.one_row import FEW_ROWS_MAX_HIDDEN
+    H = residual.shape[-1]
+    return (bool(O_TILE_ROWS) and meta is not None and meta.use_triton and not meta.prefix_includes_new
+            and H > FEW_ROWS_MAX_HIDDEN and O_TILE_MIN_ROWS <= residual.numel() // H <= O_TILE_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16) and residual.dtype == x.dtype
+            and residual.is_contiguous() and plain_linear(linear) and linear.weight.dtype == x.dtype
+            and linear.weight.is_contiguous())
+
+
+def add_o_proj_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Module,
+                meta: AttentionMetadata | None) -> torch.Tensor:
+    """residual += o_proj(x), in place: on the tile kernel where `takes_o_tile`, else `add_linear_`. Returns
+    residual."""
+    if not takes_o_tile(residual, x, linear, meta):
+        return add_linear_(residual, x, linear)
+    from eyas.kernels.decode_linear import TileConfig, decode_linear
+    H = residual.shape[-1]
+    r2 = residual.view(-1, H)
+    decode_linear(x.reshape(r2.shape[0], -1), linear.weight, residual=r2, out=r2, pdl=fused_pdl(x.device),
+                  config=TileConfig(*O_TILE_CONFIG))
+    return residual
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, input_norm: bool = True):
         super().__init__()
@@ -255,14 +293,15 @@ class DecoderLayer(nn.Module):
     def forward_folded(self, residual, positions, rope, meta, cache):
         """The layer on the fused kernels for a model whose norm weights are folded into its projections
         (`eyas.models.fused.fold_norms`): one residual stream, updated in place and returned. The o and down
-        projections add into it inside their GEMMs (`add_linear_`), and the norms have no kernels of their own:
-        the RoPE + K/V store launch applies the input norm's 1/rms to q, k and v (decode and verify steps;
-        `Attention.attend`), the SwiGLU launch the post-attention norm's to gate and up. Two launches a layer
-        fewer than `forward_fused`. `residual` must be a contiguous tensor that nothing else reads."""
+        projections add into it inside their GEMMs (`add_linear_`; o on the tile kernel where `takes_o_tile`), and
+        the norms have no kernels of their own: the RoPE + K/V store launch applies the input norm's 1/rms to q, k
+        and v (decode and verify steps; `Attention.attend`), the SwiGLU launch the post-attention norm's to gate
+        and up. Two launches a layer fewer than `forward_fused`. `residual` must be a contiguous tensor that nothing
+        else reads."""
         from eyas.kernels import swiglu_triton
         attn = self.self_attn
-        add_linear_(residual, attn.attend(residual, positions, rope, meta, cache, True, self.input_layernorm),
-                    attn.o_proj)
+        add_o_proj_(residual, attn.attend(residual, positions, rope, meta, cache, True, self.input_layernorm),
+                    attn.o_proj, meta)
         act = swiglu_triton(*self.mlp.gate_up(residual), norm_x=residual, eps=self.post_attention_layernorm.eps)
         return add_linear_(residual, act, self.mlp.down_proj)
 
