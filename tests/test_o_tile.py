@@ -29,12 +29,12 @@ VERIFY = SimpleNamespace(use_triton=True, prefix_includes_new=False)   # what ta
 H_WIDE = FEW_ROWS_MAX_HIDDEN + 64                                       # K = 1088: 4 full k-steps of 256, a masked one
 
 
-def _case(M, H=H_WIDE, dtype=torch.bfloat16, seed=0, in_features=None):
+def _case(M, H=H_WIDE, dtype=torch.bfloat16, seed=0):
+    """(residual [M, H], x [M, H], an o projection H -> H), random."""
     g = torch.Generator(device=DEV).manual_seed(seed)
-    K = in_features or H
-    o = nn.Linear(K, H, bias=False, device=DEV, dtype=dtype).requires_grad_(False)
-    o.weight.copy_(torch.randn(H, K, generator=g, device=DEV) * K ** -0.5)
-    x = torch.randn(M, K, generator=g, device=DEV).to(dtype)
+    o = nn.Linear(H, H, bias=False, device=DEV, dtype=dtype).requires_grad_(False)
+    o.weight.copy_(torch.randn(H, H, generator=g, device=DEV) * H ** -0.5)
+    x = torch.randn(M, H, generator=g, device=DEV).to(dtype)
     residual = torch.randn(M, H, generator=g, device=DEV).to(dtype)
     return residual, x, o
 
@@ -90,10 +90,10 @@ def test_o_tile_reference_is_not_the_residual():
                                   "non-contiguous residual"])
 def test_o_tile_rule_leaves_the_rest_to_cublas(case, calls, taken, monkeypatch):
     """What does not take the tile: one row (the one-row path's), fewer than O_TILE_MIN_ROWS (4: batch 1's `chain:3`,
-    where cuBLAS was faster) or more than O_TILE_ROWS, a plain decoding step, a
-    pass without Triton or metadata, O_TILE_ROWS = 0, a model no wider than FEW_ROWS_MAX_HIDDEN (its verify passes
-    take the few-rows path), float32, a projection with a bias or a hook (tensor parallelism all-reduces there), a
-    residual that is a strided view. Each still gives residual + o(x)."""
+    where cuBLAS was faster) or more than O_TILE_ROWS, a plain decoding step, a pass without Triton or metadata,
+    O_TILE_ROWS = 0, a model no wider than FEW_ROWS_MAX_HIDDEN (its verify passes take the few-rows path), float32,
+    a projection with a bias or a hook (tensor parallelism all-reduces there), a residual that is a strided view.
+    Each still gives residual + o(x)."""
     M = {"one row": 1, "4 rows": 4, "7 rows": 7, "17 rows": 17}.get(case, 8)
     dtype = torch.float32 if case == "float32" else torch.bfloat16
     residual, x, o = _case(M, H=FEW_ROWS_MAX_HIDDEN if case == "narrow" else H_WIDE, dtype=dtype)
