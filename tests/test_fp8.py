@@ -131,6 +131,33 @@ def test_fp8_linear_kernels_by_rows(monkeypatch, bias):
         assert calls == ["decode_linear" if rows <= 2 and not bias else "gemv_triton"]
 
 
+def test_wide_fp8_linear_takes_the_register_kernel_at_one_row_only(monkeypatch):
+    """A linear wider than WIDE_IN_FEATURES (an 8B draft's: 4096-14336) takes the register kernel at one row only;
+    two rows go to the FP8 GEMV (on the H200 the register kernel took them ~3x as long as one, session 44). Both
+    equal to the reference (on the CPU forced, interpreted)."""
+    import eyas.kernels.decode_linear as dl
+    import eyas.kernels.gemv as gv
+    import eyas.layers.linear_fp8 as lf
+    torch.manual_seed(2)
+    K = lf.WIDE_IN_FEATURES + 64
+    m = Fp8Linear.from_linear(torch.nn.Linear(K, 24, bias=False)).to(DEV)
+    assert m.row_kernel_max_rows() == lf.WIDE_ROW_KERNEL_MAX_ROWS == 1
+    assert Fp8Linear.from_linear(torch.nn.Linear(lf.WIDE_IN_FEATURES, 8, bias=False)).row_kernel_max_rows() == 2
+    if DEV == "cpu":
+        monkeypatch.setattr(Fp8Linear, "kernel_ok", lambda self, x2: True)
+    calls = []
+    for mod, name in ((dl, "decode_linear"), (gv, "gemv_triton")):
+        f = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=f, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    for rows, want in ((1, "decode_linear"), (2, "gemv_triton")):
+        calls.clear()
+        x = torch.randn(rows, K, device=DEV)
+        ref = torch.nn.functional.linear(x, m.dequantized())
+        tol = 1e-5 if rows == 1 else 4e-3  # the GEMV's default at <= 2 rows sums in float16
+        torch.testing.assert_close(m(x), ref, atol=tol, rtol=tol)
+        assert calls == [want]
+
+
 @pytest.fixture(scope="module")
 def mirror_pair(tmp_path_factory):
     return write_mirror_pair(tmp_path_factory.mktemp("mirror_fp8"), vocab=24, layers=2)
