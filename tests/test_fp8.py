@@ -108,20 +108,28 @@ def test_fp8_linear_cpu_is_the_reference():
     assert ((m.dequantized() - lin.weight).abs() <= lin.weight.abs() * 2 ** -4 + m.scale[:, None] * 2 ** -10).all()
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_fp8_linear_kernels_by_rows(monkeypatch, bias):
-    """Where the kernels run (on the CPU forced, interpreted): one or two rows without bias on decode_linear's
-    register kernel, more (or a bias) on the FP8 GEMV; all equal to the reference."""
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The names of the FP8 kernels Fp8Linear launches ("decode_linear": the register kernel; "gemv_triton": the
+    GEMV), in order; on the CPU the kernels are forced (interpreted) where the reference would run."""
     import eyas.kernels.decode_linear as dl
     import eyas.kernels.gemv as gv
-    torch.manual_seed(1)
-    m = Fp8Linear.from_linear(torch.nn.Linear(96, 40, bias=bias)).to(DEV)
     if DEV == "cpu":
         monkeypatch.setattr(Fp8Linear, "kernel_ok", lambda self, x2: True)
     calls = []
     for mod, name in ((dl, "decode_linear"), (gv, "gemv_triton")):
         f = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _f=f, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_kernels_by_rows(kernel_calls, bias):
+    """Where the kernels run (on the CPU forced, interpreted): one or two rows without bias on decode_linear's
+    register kernel, more (or a bias) on the FP8 GEMV; all equal to the reference."""
+    calls = kernel_calls
+    torch.manual_seed(1)
+    m = Fp8Linear.from_linear(torch.nn.Linear(96, 40, bias=bias)).to(DEV)
     for rows in (1, 2, 3):
         calls.clear()
         x = torch.randn(rows, 96, device=DEV)
@@ -131,24 +139,17 @@ def test_fp8_linear_kernels_by_rows(monkeypatch, bias):
         assert calls == ["decode_linear" if rows <= 2 and not bias else "gemv_triton"]
 
 
-def test_wide_fp8_linear_takes_the_register_kernel_at_one_row_only(monkeypatch):
+def test_wide_fp8_linear_takes_the_register_kernel_at_one_row_only(kernel_calls):
     """A linear wider than WIDE_IN_FEATURES (an 8B draft's: 4096-14336) takes the register kernel at one row only;
     two rows go to the FP8 GEMV (on the H200 the register kernel took them ~3x as long as one, session 44). Both
     equal to the reference (on the CPU forced, interpreted)."""
-    import eyas.kernels.decode_linear as dl
-    import eyas.kernels.gemv as gv
     import eyas.layers.linear_fp8 as lf
+    calls = kernel_calls
     torch.manual_seed(2)
     K = lf.WIDE_IN_FEATURES + 64
     m = Fp8Linear.from_linear(torch.nn.Linear(K, 24, bias=False)).to(DEV)
     assert m.row_kernel_max_rows() == lf.WIDE_ROW_KERNEL_MAX_ROWS == 1
     assert Fp8Linear.from_linear(torch.nn.Linear(lf.WIDE_IN_FEATURES, 8, bias=False)).row_kernel_max_rows() == 2
-    if DEV == "cpu":
-        monkeypatch.setattr(Fp8Linear, "kernel_ok", lambda self, x2: True)
-    calls = []
-    for mod, name in ((dl, "decode_linear"), (gv, "gemv_triton")):
-        f = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _f=f, _n=name, **k: calls.append(_n) or _f(*a, **k))
     for rows, want in ((1, "decode_linear"), (2, "gemv_triton")):
         calls.clear()
         x = torch.randn(rows, K, device=DEV)

@@ -16,6 +16,15 @@ begin() {
 }
 el() { echo $(( $(date +%s) - T0 )); }
 
+# gpu_tests SECONDS PYTEST_ARGS...: unless TESTS=0, the GPU tests named (pytest, under a timeout), their tail printed.
+gpu_tests() {
+  local s=$1
+  shift
+  [ "${TESTS:-1}" = 1 ] || return 0
+  echo "== tests [t=$(el)]"
+  timeout $s python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -n 3
+}
+
 # stage_a DIR: the first call's staging (the GGUF's first half to /root/stage, for a later call's
 # stage_smollm2.sh), eyas on the path, and R=${W:-/root/w}/DIR and $OUT made.
 stage_a() {

@@ -7,10 +7,7 @@
 set -u
 source tools/device/ab_lib.sh
 begin fp8_rows
-if [ "${TESTS:-1}" = 1 ]; then
-  echo "== tests [t=$(el)]"
-  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k "wide or by_rows" 2>&1 | tail -n 2
-fi
+gpu_tests 90 tests/test_fp8.py -k "wide or by_rows"
 i=0
 for v in ${ORDER:-off on off on}; do
   i=$((i + 1))

@@ -12,10 +12,7 @@
 set -u
 source tools/device/ab_lib.sh
 begin o_tile
-if [ "${TESTS:-1}" = 1 ]; then
-  echo "== tests [t=$(el)]"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_o_tile.py 2>&1 | tail -n 3
-fi
+gpu_tests 200 tests/test_o_tile.py
 i=0
 for v in ${ORDER:-off on off on}; do
   i=$((i + 1))
