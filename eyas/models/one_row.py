@@ -117,7 +117,8 @@ def use_pdl(device: torch.device) -> bool:
 # step took 1.107-1.111 ms against 1.159-1.160, and on the smollm2-shape replay `chain:3` at batch 16 (64 rows)
 # 1.134-1.143 against 1.169-1.191, with no batch size slower (docs/benchmarks.md, "Session 38"). Session 44 swept the
 # 8B shapes at 4 rows again with today's tiles (PDL, early trigger): still slower than cuBLAS per kind at their best
-# configs (qkv 23.4 us against 15.4, o 13.05 against 13.17, gate/up 66.8 against 60.5, down 39.0 against 32.8).
+# configs (qkv 23.4 us against 15.4, o 13.05 against 13.17, gate/up 66.8 against 60.5, down 39.0 against 32.8); o
+# alone pays in the engine at 8-16 rows (`eyas.models.llama.O_TILE_ROWS`).
 FEW_ROWS_MAX_HIDDEN = 1024
 FEW_ROWS_MAX = 64
 
