@@ -685,16 +685,17 @@ def test_draft_levels_on_rows_equal_the_fused_path(B, Q, layers, out, quant):
 
 def test_large_drafts_take_rows_at_one_or_two_tokens():
     """A draft wider than FEW_ROWS_MAX_HIDDEN takes tree levels of 1 or 2 tokens on the register kernel (FP8 codes: 1
-    only, session 44), more on the fused path; a small FP8 draft up to the register kernel's REGISTER_ROWS."""
+    only, what its wide linears take there, session 44), more on the fused path; a small FP8 draft up to the register
+    kernel's REGISTER_ROWS."""
     from types import SimpleNamespace
-    from eyas.layers.linear_fp8 import Fp8Linear
+    from eyas.layers.linear_fp8 import WIDE_DIM, Fp8Linear
     from eyas.models import one_row as mod
     big, small = (SimpleNamespace(config=SimpleNamespace(hidden_size=h), fc=torch.nn.Linear(2, 2)) for h in (4096, 576))
     assert mod.draft_rows_max(big) == mod.LARGE_DRAFT_ROWS_MAX == 2
     assert mod.draft_rows_max(small) == mod.FEW_ROWS_MAX
-    fp8 = Fp8Linear.from_linear(torch.nn.Linear(2, 2))
-    big8, small8 = (SimpleNamespace(config=SimpleNamespace(hidden_size=h), fc=fp8) for h in (4096, 576))
-    assert mod.draft_rows_max(big8) == mod.LARGE_FP8_DRAFT_ROWS_MAX == 1
+    big8, small8 = (SimpleNamespace(config=SimpleNamespace(hidden_size=h), fc=Fp8Linear.from_linear(torch.nn.Linear(
+        2 * w, w))) for h, w in ((4096, WIDE_DIM + 64), (576, 576)))
+    assert mod.draft_rows_max(big8) == 1
     assert mod.draft_rows_max(small8) == dl.REGISTER_ROWS
     meta = SimpleNamespace(use_triton=True, stash=object())
     draft = SimpleNamespace(few_rows=True, few_rows_max=2,

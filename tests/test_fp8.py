@@ -140,16 +140,18 @@ def test_fp8_linear_kernels_by_rows(kernel_calls, bias):
 
 
 def test_wide_fp8_linear_takes_the_register_kernel_at_one_row_only(kernel_calls):
-    """A linear wider than WIDE_IN_FEATURES (an 8B draft's: 4096-14336) takes the register kernel at one row only;
-    two rows go to the FP8 GEMV (on the H200 the register kernel took them ~3x as long as one, session 44). Both
-    equal to the reference (on the CPU forced, interpreted)."""
+    """A wide model's linear (both dimensions over WIDE_DIM: an 8B draft's, 4096-32768) takes the register kernel at
+    one row only; two rows go to the FP8 GEMV (on the H200 the register kernel took them ~3x as long as one, session
+    44). Both equal to the reference (on the CPU forced, interpreted). A linear with one side of a narrow model's
+    width (SmolLM2's fc, 576 x 1152, and down, 576 x 1536) keeps two rows."""
     import eyas.layers.linear_fp8 as lf
     calls = kernel_calls
     torch.manual_seed(2)
-    K = lf.WIDE_IN_FEATURES + 64
-    m = Fp8Linear.from_linear(torch.nn.Linear(K, 24, bias=False)).to(DEV)
+    K = lf.WIDE_DIM + 64
+    m = Fp8Linear.from_linear(torch.nn.Linear(K, K + 8, bias=False)).to(DEV)
     assert m.row_kernel_max_rows() == lf.WIDE_ROW_KERNEL_MAX_ROWS == 1
-    assert Fp8Linear.from_linear(torch.nn.Linear(lf.WIDE_IN_FEATURES, 8, bias=False)).row_kernel_max_rows() == 2
+    for k, n in ((lf.WIDE_DIM, K), (K, lf.WIDE_DIM), (1152, 576), (1536, 576)):
+        assert Fp8Linear.from_linear(torch.nn.Linear(k, n, bias=False)).row_kernel_max_rows() == 2
     for rows, want in ((1, "decode_linear"), (2, "gemv_triton")):
         calls.clear()
         x = torch.randn(rows, K, device=DEV)

@@ -11,7 +11,7 @@ so w ~= q * scale[n].
 Paths:
 * CUDA, one or two rows of input without bias (a batch-1 draft level, its head): the register kernel of the one-row
   step (`eyas.kernels.decode_linear` with `scale=`, launched with PDL on sm_90), up to ROW_KERNEL_MAX_ROWS rows (one
-  row for linears wider than WIDE_IN_FEATURES);
+  row for a wide model's linears: `Fp8Linear.row_kernel_max_rows`);
 * CUDA, up to 16 rows of input (a chain's catch-up): `eyas.kernels.gemv.gemv_triton` with the FP8 codes and the
   scales, streaming the codes;
 * anything else (the CPU, more rows, `use_kernel = False`): the reference, the dequantised weight (float32 codes x
@@ -32,12 +32,13 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 # H200 (session 25: an 8B draft level 375-465 us against 154, the 8B chain:3 step 5.27 ms against 5.08), and at up
 # to 8 on SmolLM2's head (session 43: the default tree's step 1.076-1.079 ms against 1.043-1.052, the real model)
 ROW_KERNEL_MAX_ROWS = 2
-# ... and at most this many for a wide linear (in_features > WIDE_IN_FEATURES: an 8B draft's): at 2 rows the register
-# kernel took an 8B FP8 draft level's linears ~3x as long as at one (session 44's profile of the 8B `chain:3` step at
-# batch 2: fc 30.7 us, qkv 24.8, o 21.8, gate/up 116.4, down 59.8, the 32k head 107 against 16.0, 9.9, 10.4, 36.4,
-# 20.3, 33.7 at one row), where the GEMV took 3 rows in 14.2, 14.3, 8.8, 43.5, 24.4 and 45.6 (batch 3)
+# ... and at most this many for a wide model's linear (both dimensions over WIDE_DIM: every linear of a Llama has the
+# hidden size as one of them, so this is the model's width; an 8B draft's): at 2 rows the register kernel took an 8B
+# FP8 draft level's linears ~3x as long as at one (session 44's profile of the 8B `chain:3` step at batch 2: fc 30.7
+# us, qkv 24.8, o 21.8, gate/up 116.4, down 59.8, the 32k head 107 against 16.0, 9.9, 10.4, 36.4, 20.3, 33.7 at one
+# row), where the GEMV took 3 rows in 14.2, 14.3, 8.8, 43.5, 24.4 and 45.6 (batch 3)
 WIDE_ROW_KERNEL_MAX_ROWS = 1
-WIDE_IN_FEATURES = 1024   # eyas.models.one_row.FEW_ROWS_MAX_HIDDEN: SmolLM2's linears (576, 1536 wide) keep 2 rows
+WIDE_DIM = 1024   # eyas.models.one_row.FEW_ROWS_MAX_HIDDEN: SmolLM2's linears (576 on one side) keep 2 rows
 # Not kept: the GEMV's launches (more rows than that) as programmatic dependent launches, each program loading its
 # first weight chunk before its wait (session 40, 5021ac1). It lost on the H200 in session 42 (one run: the default
 # tree's step 1.091 ms against main's 1.058-1.061) and was removed after 8ff1daa.
@@ -83,9 +84,10 @@ class Fp8Linear(nn.Module):
         return dequantize_fp8(self.qweight, self.scale)
 
     def row_kernel_max_rows(self) -> int:
-        """The most rows of input that take the register kernel (ROW_KERNEL_MAX_ROWS, or WIDE_ROW_KERNEL_MAX_ROWS for
-        a linear wider than WIDE_IN_FEATURES)."""
-        return WIDE_ROW_KERNEL_MAX_ROWS if self.in_features > WIDE_IN_FEATURES else ROW_KERNEL_MAX_ROWS
+        """The most rows of input that take the register kernel: ROW_KERNEL_MAX_ROWS, or WIDE_ROW_KERNEL_MAX_ROWS for
+        a wide model's linear (both dimensions over WIDE_DIM)."""
+        wide = min(self.in_features, self.out_features) > WIDE_DIM
+        return WIDE_ROW_KERNEL_MAX_ROWS if wide else ROW_KERNEL_MAX_ROWS
 
     def kernel_ok(self, x2: torch.Tensor) -> bool:
         """Whether the Triton FP8 GEMV runs this call (x2: [M, K]); else the reference."""

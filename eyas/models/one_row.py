@@ -213,22 +213,19 @@ def draft_rows_ready(draft: nn.Module) -> bool:
 # (`decode_linear`'s default at one or two rows): at one row it streams the 8B shape's bf16 weights faster than
 # cuBLAS (session 14, the target's one-row step), while its tile kernel (more rows) does not (session 15).
 LARGE_DRAFT_ROWS_MAX = 2
-# ... and a large FP8 draft (its codes on the register kernel) at most one: at two rows its linears took ~3x their
-# one-row time (`eyas.layers.linear_fp8.WIDE_ROW_KERNEL_MAX_ROWS`, session 44)
-LARGE_FP8_DRAFT_ROWS_MAX = 1
 
 
 def draft_rows_max(draft: nn.Module) -> int:
     """The most tokens a tree level may have to take `forward_draft_rows`: FEW_ROWS_MAX where the tile kernels pay
-    (`few_rows_pay`), else LARGE_DRAFT_ROWS_MAX (the register kernel alone; LARGE_FP8_DRAFT_ROWS_MAX for FP8 codes);
-    an FP8 draft's codes take the register kernel only, so at most its REGISTER_ROWS."""
+    (`few_rows_pay`), else LARGE_DRAFT_ROWS_MAX (the register kernel alone). An FP8 draft's codes take the register
+    kernel only, so at most its REGISTER_ROWS, and a large one's at most what its linears take there
+    (`Fp8Linear.row_kernel_max_rows`: one row for a wide model's, session 44)."""
     from eyas.kernels.decode_linear import REGISTER_ROWS
-    fp8 = _is_fp8(draft.fc)
+    if not _is_fp8(draft.fc):
+        return FEW_ROWS_MAX if few_rows_pay(draft) else LARGE_DRAFT_ROWS_MAX
     if few_rows_pay(draft):
-        rows = FEW_ROWS_MAX
-    else:
-        rows = LARGE_FP8_DRAFT_ROWS_MAX if fp8 else LARGE_DRAFT_ROWS_MAX
-    return min(rows, REGISTER_ROWS) if fp8 else rows
+        return min(FEW_ROWS_MAX, REGISTER_ROWS)
+    return min(LARGE_DRAFT_ROWS_MAX, REGISTER_ROWS, draft.fc.row_kernel_max_rows())
 
 
 def takes_draft_rows(draft: nn.Module, pairs: torch.Tensor, meta: AttentionMetadata | None) -> bool:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue #5 (session 44): a wide FP8 draft's levels of two tokens (the 8B shape's `chain:3` at batch 2) on the FP8 GEMV
-# (on: `eyas.layers.linear_fp8.WIDE_ROW_KERNEL_MAX_ROWS` = `eyas.models.one_row.LARGE_FP8_DRAFT_ROWS_MAX` = 1) against
-# the register kernel at two rows (off: both 2, main before it). One call, no staging: the GPU tests of the rule
+# (on: `eyas.layers.linear_fp8.WIDE_ROW_KERNEL_MAX_ROWS` = 1, which `eyas.models.one_row.draft_rows_max` follows)
+# against the register kernel at two rows (off: 2, main before it; session 44's call 12 set the draft levels' own
+# constant, since folded into that one, to 2 as well). One call, no staging: the GPU tests of the rule
 # (TESTS), then processes alternated (ORDER) at BATCHES on the 8B shape (ab_lib.sh's L8B, NP prompts x 128).
 #   bash tools/device/fp8_rows_ab.sh      (ORDER "off on off on", BATCHES 2, NP 24, TESTS 1)
 set -u
@@ -12,9 +13,9 @@ i=0
 for v in ${ORDER:-off on off on}; do
   i=$((i + 1))
   echo "== $v [t=$(el)]"
-  if [ $v = off ]; then line="import eyas.layers.linear_fp8 as f; f.WIDE_ROW_KERNEL_MAX_ROWS = 2; m.LARGE_FP8_DRAFT_ROWS_MAX = 2"
+  if [ $v = off ]; then line="m.WIDE_ROW_KERNEL_MAX_ROWS = 2"
   else line="pass"; fi
-  switch_run ${v}_$i eyas.models.one_row "$line" $L8B --batch-sizes ${BATCHES:-2} --num-prompts ${NP:-24} \
+  switch_run ${v}_$i eyas.layers.linear_fp8 "$line" $L8B --batch-sizes ${BATCHES:-2} --num-prompts ${NP:-24} \
     --max-tokens 128 --modes chain:3
 done
 echo "== rows [t=$(el)]"
