@@ -3,11 +3,14 @@
     python tools/device/first_turns.py --out .stage/c2/p1.jsonl.gz ../shared/data/sharegpt/sharegpt-train-0{0,1}.jsonl.gz
 
 Each record keeps the first user turn and an empty assistant placeholder (the turn make-distill-data regenerates);
-turns longer than --max-chars are skipped. Used for run C of docs/draft-training.md.
+turns longer than --max-chars are skipped. Used for run C of docs/draft-training.md. `--later`: every user turn
+after the first instead, each as a prompt of its own (turns shorter than --min-chars skipped: "continue", "thanks");
+run S (session 45) answers them as a kind of data no draft had seen.
 """
 import argparse
 import gzip
 import json
+import random
 
 from eyas.train.data import normalize_messages, read_jsonl
 
@@ -17,20 +20,27 @@ def main() -> None:
     ap.add_argument("files", nargs="+")
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-chars", type=int, default=4000)
+    ap.add_argument("--min-chars", type=int, default=1)
+    ap.add_argument("--later", action="store_true", help="the user turns after the first, one prompt each")
+    ap.add_argument("--shuffle", type=int, default=None, metavar="SEED",
+                    help="write the prompts in a random order (a time-budgeted answering then samples every file)")
     args = ap.parse_args()
-    n = 0
-    with gzip.open(args.out, "wt", compresslevel=9) as f:
-        for path in args.files:
-            for i, rec in enumerate(read_jsonl(path)):
-                msgs = normalize_messages(rec)
-                users = [m for m in msgs or [] if m["role"] == "user"]
-                if not users or not users[0]["content"].strip() or len(users[0]["content"]) > args.max_chars:
+    lines = []
+    for path in args.files:
+        for i, rec in enumerate(read_jsonl(path)):
+            msgs = normalize_messages(rec)
+            users = [m for m in msgs or [] if m["role"] == "user"]
+            for j, u in enumerate(users[1:] if args.later else users[:1], start=int(args.later)):
+                if not args.min_chars <= len(u["content"].strip()) <= args.max_chars:
                     continue
-                conv = [users[0], {"role": "assistant", "content": ""}]
-                f.write(json.dumps({"id": f"{path}:{rec.get('id', i)}", "conversations": conv},
-                                   ensure_ascii=False) + "\n")
-                n += 1
-    print(f"{n} prompts -> {args.out}")
+                conv = [u, {"role": "assistant", "content": ""}]
+                lines.append(json.dumps({"id": f"{path}:{rec.get('id', i)}:{j}", "conversations": conv},
+                                        ensure_ascii=False) + "\n")
+    if args.shuffle is not None:
+        random.Random(args.shuffle).shuffle(lines)
+    with gzip.open(args.out, "wt", compresslevel=9) as f:
+        f.writelines(lines)
+    print(f"{len(lines)} prompts -> {args.out}")
 
 
 if __name__ == "__main__":
