@@ -223,10 +223,8 @@ for mod, name, sig, constexprs, options in json.load(sys.stdin):
     gdc = [l.split(".")[1].split(";")[0].strip() for l in ptx if l.startswith("griddepcontrol.")]
     waits = [i for i, l in enumerate(ptx) if l.startswith("griddepcontrol.wait")]
     loads = sum(1 for l in ptx[:waits[0]] if re.match(r"(@!?%p\w+\s+)?(ld\.global|cp\.async)", l)) if waits else None
-    pf = [i for i, l in enumerate(ptx) if l.startswith("prefetch.global.L2")]
     results.append({"error": None, "usage": usage, "shared": compiled.metadata.shared, "gdc": gdc,
-                    "loads_before_wait": loads, "prefetches": len(pf),
-                    "prefetches_before_wait": sum(1 for i in pf if waits and i < waits[0])})
+                    "loads_before_wait": loads})
 print(json.dumps(results))
 """
 
@@ -283,8 +281,7 @@ def compile_for_sm90(variants) -> list[dict]:
     cuobjdump's resource usage (registers, stack, static shared memory) or None, "shared": the launch's dynamic
     shared memory in bytes, "gdc": the PTX's griddepcontrol instructions in text order ("launch_dependents",
     "wait"), "loads_before_wait": the global loads (ld.global, cp.async, predicated or not) the PTX text has before
-    its first wait, None without one, "prefetches" / "prefetches_before_wait": its `prefetch.global.L2`
-    instructions, all and those before the first wait}."""
+    its first wait, None without one}."""
     import os
     import subprocess
     import sys

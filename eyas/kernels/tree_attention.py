@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from eyas.kernels.interpret import gdc_prologue, interpreting, pdl_launch
-from eyas.kernels.prefetch import l2_prefetch, prefetch_lines
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -63,10 +62,6 @@ SKIP_EMPTY_SPLITS = True
 SKIP_EMPTY_BYTES = 2 << 20
 SUFFIX_FIRST = True
 
-# Where a prefetch (`prefetch=`, `eyas.kernels.prefetch`) is issued: False before the PDL wait, True after the
-# program's store.
-PF_END = True
-
 # The prefix's first keys before the PDL wait: not kept (session 43). The target's plain decoding and verify passes
 # (whose committed K/V are all written before the step's first kernel) let each prefix split load the context length,
 # its first tile's block-table entries and keys before its wait, then read the length again (the keys again where it
@@ -75,6 +70,15 @@ PF_END = True
 # tree's step 1.061-1.073 against 1.046-1.047 (`chain:3` 0.758-0.765 against 0.778); the 8B shape's plain step
 # 4.184 against 4.151. Its registers (the 8B shape's prefix kernel 96 -> 184) and the extra work before the wait
 # cost more than the shorter chain after it saves. The code is in git history (8cf6ec4).
+
+# An L2 prefetch of the next kernel's weight: not kept (session 45). The prefix and tree grids' programs asked L2
+# (`prefetch.global.L2`, their share of 128-byte lines each) for the o projection's weight of a wide model (>= 8 MiB:
+# the 8B shape's 33.5 MB, which the H200's 60 MB L2 holds; the register kernel reads it from L2 in 6.0 us against 9.4
+# from HBM, back to back), so that HBM would stream it while the attention runs. On the H200 (8B shape, batch 1,
+# 16 x 128, processes alternated) it lost issued before the PDL wait (plain 4.225 / 4.227 ms a step against 4.137 /
+# 4.130; `chain:3` 5.146 / 5.138 against 5.059 / 5.059) and after each program's store (4.229 / 4.213 against
+# 4.143 / 4.146; 5.152 / 5.152 against 5.067 / 5.070): the 33.5 MB of requests delay the attention's own few loads
+# more than the o projection gains. The code is in git history (0cacb10).
 
 # One pass for short contexts: not kept (session 35). Session 34 rebuilt session 17's one-launch attention for a
 # 256-token context bucket (a tree program walked the whole prefix, then the suffix, merging the two in registers;
@@ -260,18 +264,12 @@ def _paged_prefix_kernel(
     G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, USE_GDC: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False,
-    PF=None, pf_bytes=0, PF_LINES: tl.constexpr = 0, PF_END: tl.constexpr = False,
 ):
     """SKIP_EMPTY: a split without keys stores nothing (`_reduce_splits_kernel` with KEYED reads only the splits
     with keys); for the partials of a reduction only. It exits after its query load, which so stays off the critical
-    path of the splits with keys (loaded before their context length is known, as without SKIP_EMPTY).
-    PF_LINES > 0: first, before the PDL wait, each program asks L2 for its PF_LINES lines of the pf_bytes at PF (the
-    next kernel's weight, `eyas.kernels.prefetch`)."""
-    pid_s = tl.program_id(2)
-    pf_pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + pid_s
-    if not PF_END:
-        l2_prefetch(PF, pf_bytes, pf_pid, PF_LINES)
+    path of the splits with keys (loaded before their context length is known, as without SKIP_EMPTY)."""
     gdc_prologue(USE_GDC)
+    pid_s = tl.program_id(2)
     b, kvh, rows, offs_d, d_ok, q = _program_rows(Q, K, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh,
                                                   stride_qd, G, HEAD_D, BLOCK_M, BLOCK_D, UPCAST)
     ctx = tl.load(CL + b).to(tl.int32)
@@ -284,8 +282,6 @@ def _paged_prefix_kernel(
                                  PAGE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST)
     _store_rows(O + pid_s * stride_os, LSE + pid_s * stride_ls, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i,
                 G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
-    if PF_END:
-        l2_prefetch(PF, pf_bytes, pf_pid, PF_LINES)
 
 
 @triton.jit
@@ -387,16 +383,13 @@ def _split_tree_kernel(
     G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NS: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, USE_GDC: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False,
-    SUFFIX_FIRST: tl.constexpr = False, PF=None, pf_bytes=0, PF_LINES: tl.constexpr = 0, PF_END: tl.constexpr = False,
+    SUFFIX_FIRST: tl.constexpr = False,
 ):
     """SKIP_EMPTY: as `_paged_prefix_kernel`'s (the suffix's program always stores its partial). SUFFIX_FIRST: grid
     index 0 of the split axis takes the suffix and index s + 1 split s (the partials keep their places: the
-    suffix's is S). PF_LINES: as `_paged_prefix_kernel`'s."""
-    pid_s = tl.program_id(2)
-    pf_pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + pid_s
-    if not PF_END:
-        l2_prefetch(PF, pf_bytes, pf_pid, PF_LINES)
+    suffix's is S)."""
     gdc_prologue(USE_GDC)
+    pid_s = tl.program_id(2)
     if SUFFIX_FIRST:
         pid_s = tl.where(pid_s == 0, num_splits, pid_s - 1)
     b, kvh, rows, offs_d, d_ok, q = _program_rows(Q, KC, n_rows, num_kv_heads, stride_qb, stride_qq, stride_qh,
@@ -420,8 +413,6 @@ def _split_tree_kernel(
                                      BLOCK_M, BLOCK_NS, BLOCK_D, DOT_PREC, UPCAST)
     _store_rows(O + pid_s * stride_os, LSE + pid_s * stride_ls, b, kvh, rows, offs_d, n_rows, acc, m_i, l_i,
                 G, HEAD_D, stride_ob, stride_oq, stride_oh, stride_od, stride_lb, stride_lq, stride_lh)
-    if PF_END:
-        l2_prefetch(PF, pf_bytes, pf_pid, PF_LINES)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -547,8 +538,7 @@ def _partials(shape, dtype, device) -> torch.Tensor:
 
 
 def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None,
-                           max_context_len=None, block_n=None, reduce=True, out_dtype=torch.float32, pdl=False,
-                           prefetch=None):
+                           max_context_len=None, block_n=None, reduce=True, out_dtype=torch.float32, pdl=False):
     """Attention of every new token over its sequence's first `context_lens[b]` cache entries, without mask.
 
     q [B, Q, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks] (int32/int64);
@@ -558,8 +548,7 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     `reduce=False`: the KV splits' partial results instead, o [B, S, Q, H, D] and lse [B, S, Q, H], for a kernel
     that merges them itself (`tree_suffix_attention`), one kernel launch fewer. `out_dtype`: the reduced o's dtype
     (the model's, so that no cast follows; the partials and lse stay float32). `pdl`: launch with programmatic
-    dependent launch (where `PDL` is on). `prefetch`: a contiguous CUDA tensor (the next kernel's weight) that the
-    programs ask L2 for, shared among them, before anything else (`eyas.kernels.prefetch`; changes no value)."""
+    dependent launch (where `PDL` is on)."""
     B, NQ, H, D = q.shape
     _, page, KVH, Dk = k_cache.shape
     if Dk != D or v_cache.shape != k_cache.shape:
@@ -592,7 +581,6 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     lse_part = _partials((B, S, NQ, H), torch.float32, q.device)
     use_gdc, launch = _gdc(pdl)
     skip = reduce and S > 1 and _skip_empty(o_part)
-    pf, pf_bytes, pf_lines = prefetch_lines(prefetch, B * KVH * m_tiles * S)
     _paged_prefix_kernel[(B * KVH, m_tiles, S)](
         q, k_cache, v_cache, block_tables, context_lens, o_part, lse_part,
         float(scale) * LOG2E, n_rows, KVH, S,
@@ -600,7 +588,7 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         *o_part.stride(), *lse_part.stride(),
         G=G, HEAD_D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), USE_GDC=use_gdc,
-        SKIP_EMPTY=skip, PF=pf, pf_bytes=pf_bytes, PF_LINES=pf_lines, PF_END=PF_END, num_warps=4, num_stages=2, **launch,
+        SKIP_EMPTY=skip, num_warps=4, num_stages=2, **launch,
     )
     if not reduce:
         return o_part, lse_part
@@ -686,8 +674,7 @@ def merge_attention_states(o1, lse1, o2, lse2):
 
 
 def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables, context_lens, suffix_mask, scale,
-                                num_splits=None, max_context_len=None, out_dtype=torch.float32, pdl=False,
-                                prefetch=None):
+                                num_splits=None, max_context_len=None, out_dtype=torch.float32, pdl=False):
     """Prefix (paged, no mask) + suffix (under `suffix_mask`), merged by log-sum-exp: o [B, Q, H, D] (`out_dtype`).
 
     Same contract as `eyas.layers.attention.split_tree_attention`: k_new/v_new [B, L, KVH, D] are the suffix keys
@@ -695,8 +682,7 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
     walk the prefix's KV splits and, one more per query tile, the suffix (`_split_tree_kernel`), then the reduction
     of those S + 1 partial results. The suffix runs beside the prefix splits rather than after them, and the
     reduction is the cheap kernel plain decoding also ends with. A row that sees nothing at all gets 0 (the
-    reference gives NaN). `pdl`: both launches with programmatic dependent launch (where `PDL` is on). `prefetch`:
-    as `paged_prefix_attention`'s."""
+    reference gives NaN). `pdl`: both launches with programmatic dependent launch (where `PDL` is on)."""
     B, NQ, H, D = q.shape
     _, page, KVH, Dk = k_cache.shape
     L = k_new.shape[1]
@@ -732,7 +718,6 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
     lse_part = _partials((B, S + 1, NQ, H), torch.float32, q.device)
     use_gdc, launch = _gdc(pdl)
     skip = _skip_empty(o_part)
-    pf, pf_bytes, pf_lines = prefetch_lines(prefetch, B * KVH * m_tiles * (S + 1))
     _split_tree_kernel[(B * KVH, m_tiles, S + 1)](
         q, k_cache, v_cache, block_tables, context_lens, k_new, v_new, suffix_mask, o_part, lse_part,
         float(scale) * LOG2E, n_rows, L, KVH, S,
@@ -740,7 +725,6 @@ def split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, block_tables,
         *k_new.stride(), *v_new.stride(), *suffix_mask.stride(), *o_part.stride(), *lse_part.stride(),
         G=G, HEAD_D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_NS=BLOCK_NS,
         DOT_PREC=_dot_precision(k_cache.dtype), UPCAST=_upcast(k_cache.dtype), USE_GDC=use_gdc,
-        SKIP_EMPTY=skip, SUFFIX_FIRST=skip and SUFFIX_FIRST, PF=pf, pf_bytes=pf_bytes, PF_LINES=pf_lines,
-        PF_END=PF_END, num_warps=4, num_stages=2, **launch,
+        SKIP_EMPTY=skip, SUFFIX_FIRST=skip and SUFFIX_FIRST, num_warps=4, num_stages=2, **launch,
     )
     return _reduce_splits(o_part, lse_part, out_dtype, pdl, keyed=(context_lens, S, BLOCK_N) if skip else None)[0]

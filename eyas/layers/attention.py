@@ -148,31 +148,29 @@ def slots_for(block_tables: torch.Tensor, positions: torch.Tensor, valid: torch.
 
 
 def prefix_only_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out_dtype=torch.float32,
-                          pdl: bool = False, prefetch: torch.Tensor | None = None):
+                          pdl: bool = False):
     """The prefix pass alone ([B, Q, H, D]; float32 in the reference, `out_dtype` from the kernel): for
     `meta.prefix_includes_new`, where the new tokens' K/V are already in the cache and `context_lens` counts them.
-    `pdl`: the kernels' programmatic dependent launch, where `eyas.kernels.tree_attention.PDL` allows it.
-    `prefetch`: a weight the kernel asks L2 for (the next GEMV's; Triton only, no value changes)."""
+    `pdl`: the kernels' programmatic dependent launch, where `eyas.kernels.tree_attention.PDL` allows it."""
     if meta.use_triton:
         from eyas.kernels import paged_prefix_attention
         return paged_prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                      max_context_len=meta.max_context_len, out_dtype=out_dtype, pdl=pdl,
-                                      prefetch=prefetch)[0]
+                                      max_context_len=meta.max_context_len, out_dtype=out_dtype, pdl=pdl)[0]
     return prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_context_len,
                             meta.block_size, scale)[0]
 
 
 def split_tree_attention(q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                         out_dtype=torch.float32, pdl: bool = False, prefetch: torch.Tensor | None = None):
+                         out_dtype=torch.float32, pdl: bool = False):
     """Prefix part (paged, no mask) + suffix part (tree mask), merged by log-sum-exp. k_new/v_new [B, L, KVH, D] are
     the suffix keys: the Q new tokens, after any earlier tree tokens (L = P + Q, `meta.suffix_mask` [B, Q, L]).
     Returns [B, Q, H, D]: float32 in the reference, `out_dtype` from the kernels (the model's dtype: no cast
-    follows). `pdl` and `prefetch`: as `prefix_only_attention`'s."""
+    follows). `pdl`: as `prefix_only_attention`'s."""
     if meta.use_triton:
         from eyas.kernels import split_tree_attention_triton
         return split_tree_attention_triton(q, k_new, v_new, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                            meta.suffix_mask, scale, max_context_len=meta.max_context_len,
-                                           out_dtype=out_dtype, pdl=pdl, prefetch=prefetch)
+                                           out_dtype=out_dtype, pdl=pdl)
     o_p, lse_p = prefix_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                   meta.max_context_len, meta.block_size, scale)
     o_s, lse_s = attend(q, k_new, v_new, meta.suffix_mask, scale)

@@ -138,8 +138,7 @@ class Attention(nn.Module):
                                 row_offset=meta.stash_at)
             end = meta.stash_at + Q
             o = split_tree_attention(q, sk[:, meta.suffix_from: end], sv[:, meta.suffix_from: end], k_cache,
-                                     v_cache, meta, self.scale, out_dtype=x.dtype, pdl=pdl,
-                                     prefetch=o_prefetch(self.o_proj) if fused else None)
+                                     v_cache, meta, self.scale, out_dtype=x.dtype, pdl=pdl)
         else:  # prefill chunks, the draft's catch-up: attend among themselves, then their K/V go to the cache
             q, k, v = self.project(x, positions, rope, fused)
             o = split_tree_attention(q, k, v, k_cache, v_cache, meta, self.scale, out_dtype=x.dtype, pdl=pdl)
@@ -226,24 +225,6 @@ def add_linear_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Module) -> t
 O_TILE_MIN_ROWS = 8
 O_TILE_ROWS = 16
 O_TILE_CONFIG = (64, 256, 4, 3)   # decode_linear.TileConfig(BLOCK_N, BLOCK_K, num_warps, num_stages)
-
-
-# The attention before an o projection asks L2 for that projection's weight (`eyas.kernels.prefetch`: HBM idles
-# while the attention runs, and the GEMV after it reads an L2-resident weight faster) where the weight holds at least
-# PREFETCH_O_BYTES (the 8B shape's 33.5 MB; not SmolLM2's 0.66 MB): plain decoding's one-row step, verify passes and
-# draft levels on the fused kernels. 0 turns it off.
-PREFETCH_O_BYTES = 8 << 20
-
-
-def o_prefetch(linear: nn.Module) -> torch.Tensor | None:
-    """What the attention before `linear` (an o projection) prefetches: its weight (an FP8 one's codes) where that
-    is contiguous and at least PREFETCH_O_BYTES, else None."""
-    w = getattr(linear, "qweight", None)
-    if w is None:
-        w = getattr(linear, "weight", None)
-    if not PREFETCH_O_BYTES or not isinstance(w, torch.Tensor) or not w.is_contiguous():
-        return None
-    return w if w.numel() * w.element_size() >= PREFETCH_O_BYTES else None
 
 
 def takes_o_tile(residual: torch.Tensor, x: torch.Tensor, linear: nn.Module, meta: AttentionMetadata | None) -> bool:

@@ -46,7 +46,7 @@ from torch import nn
 
 from eyas.layers.attention import AttentionMetadata, prefix_only_attention, split_tree_attention
 from eyas.layers.norm import RMSNorm
-from eyas.models.llama import o_prefetch, plain_linear
+from eyas.models.llama import plain_linear
 
 
 def _plain(linear, fp8: bool = False) -> bool:
@@ -155,7 +155,7 @@ def _layer_rows(layer: nn.Module, r: torch.Tensor, B: int, Q: int, pos: torch.Te
         q = decode_qkv_rope(r, w_qkv, norm, eps, pos, meta.slot_mapping, rope.cos, rope.sin,
                             _row_store(k_cache), _row_store(v_cache), attn.n_heads, pdl=pdl, scale=s_qkv)
         o = prefix_only_attention(q.view(B, Q, attn.n_heads, attn.head_dim), k_cache, v_cache, meta, attn.scale,
-                                  out_dtype=r.dtype, pdl=pdl, prefetch=o_prefetch(attn.o_proj))
+                                  out_dtype=r.dtype, pdl=pdl)
     else:
         sk, sv = meta.stash.k[attn.layer_idx], meta.stash.v[attn.layer_idx]
         end = meta.stash_at + Q
@@ -164,7 +164,7 @@ def _layer_rows(layer: nn.Module, r: torch.Tensor, B: int, Q: int, pos: torch.Te
                             pdl=pdl, scale=s_qkv)
         o = split_tree_attention(q.view(B, Q, attn.n_heads, attn.head_dim), sk[:, meta.suffix_from: end],
                                  sv[:, meta.suffix_from: end], k_cache, v_cache, meta, attn.scale, out_dtype=r.dtype,
-                                 pdl=pdl, prefetch=o_prefetch(attn.o_proj))
+                                 pdl=pdl)
     w, sc = _row_weight(attn.o_proj)
     decode_linear(o.reshape(B * Q, -1), w, residual=r, out=r, pdl=pdl, scale=sc)
     w, sc = _row_weight(mlp.gate_up_proj)
