@@ -58,6 +58,14 @@ def test_loss_matches_hand_computed_values():
     with pytest.raises(ValueError, match="ce_temperature must be > 0"):
         distill_loss(dh, th, dl, tl, mask, ce_temperature=0.0)
 
+    # a hard-label term beside the soft one (w_hard): -log q[argmax of the target], masked mean, the rest unchanged
+    hard = (-ln(0.25) - ln(0.5)) / 2  # argmax 1 at position 0 (q 1/4), 0 at position 2 (q 1/2)
+    out = distill_loss(dh, th, dl, tl, mask, w_hard=0.7)
+    assert out.loss.item() == pytest.approx(0.1 * ce + 0.7 * hard + 1.0 * l1, rel=1e-6)
+    assert out.ce.item() == pytest.approx(ce, rel=1e-6) and out.l1.item() == pytest.approx(l1, rel=1e-6)
+    with pytest.raises(ValueError, match="w_hard must be >= 0"):
+        distill_loss(dh, th, dl, tl, mask, w_hard=-1.0)
+
     # batched [B, T, ...] layout gives the same numbers; gradients flow to the draft side only
     dh2 = dh[None].clone().requires_grad_(True)
     out = distill_loss(dh2, th[None], dl[None], tl[None], mask[None])
@@ -181,7 +189,7 @@ def test_unrolled_loss_equals_the_weighted_losses_of_step_by_step_chains():
     pos = torch.arange(T)[None].expand(B, T)
     lmask = torch.rand(B, T, generator=torch.Generator().manual_seed(3)) < 0.7
     lmask[0, :3] = True
-    tcfg = TrainConfig(unroll=3, unroll_decay=0.5, w_ce=0.3, w_l1=1.0, amp=False)
+    tcfg = TrainConfig(unroll=3, unroll_decay=0.5, w_ce=0.3, w_l1=1.0, w_hard=0.2, amp=False)
     tgt_sel = tgt_h[lmask]
     with torch.no_grad():
         tlog = target.compute_logits(tgt_sel)
@@ -202,10 +210,11 @@ def test_unrolled_loss_equals_the_weighted_losses_of_step_by_step_chains():
         col = lmask.nonzero()[:, 1]
         for d in range(3):
             o = outs[d][lmask]
-            lo = distill_loss(o, tgt_sel, target.compute_logits(o), tlog, col >= d, 0.3, 1.0)
+            lo = distill_loss(o, tgt_sel, target.compute_logits(o), tlog, col >= d, 0.3, 1.0, w_hard=0.2)
             want += 0.5 ** d * float(lo.loss)
             wsum += 0.5 ** d
-        lo1 = distill_loss(outs[0][lmask], tgt_sel, target.compute_logits(outs[0][lmask]), tlog, None, 0.3, 1.0)
+        lo1 = distill_loss(outs[0][lmask], tgt_sel, target.compute_logits(outs[0][lmask]), tlog, None, 0.3, 1.0,
+                           w_hard=0.2)
     assert float(loss.detach()) == pytest.approx(want / wsum, rel=1e-5)
     assert float(first.loss.detach()) == pytest.approx(float(lo1.loss), rel=1e-5)
     # unroll=1 is the plain loss
@@ -271,7 +280,7 @@ def test_short_training_lowers_heldout_loss_and_beats_chance(tiny_setup, tmp_pat
     # the output is an EAGLE checkpoint the engine loads; training.json records the run
     out = tmp_path / "a"
     info = json.loads((out / "training.json").read_text())
-    assert info["loss_weights"] == {"w_ce": 0.1, "w_l1": 1.0, "ce_temperature": 1.0}
+    assert info["loss_weights"] == {"w_ce": 0.1, "w_l1": 1.0, "ce_temperature": 1.0, "w_hard": 0.0}
     assert info["steps"] == summary["steps"]
     assert info["final_metrics"]["acc_by_depth"] == after["acc_by_depth"]
     assert load_file(str(out / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16

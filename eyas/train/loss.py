@@ -9,6 +9,11 @@ them. Defaults w_ce = 0.1, w_l1 = 1.0 as in the paper.
 `ce_temperature` < 1 sharpens the soft labels: CE against softmax(target logits / ce_temperature), towards the
 target's argmax as a hard label as it goes to 0. Greedy (T=0) acceptance needs only the draft's top-1 to agree with
 the target's; 1 (the default) is the paper's loss.
+
+`w_hard` > 0 adds that hard label as a term of its own, beside the soft one: w_hard * CE(draft logits, one-hot of the
+target's argmax). Run S (docs/draft-training.md) found sharpening (`ce_temperature` 0.25) worth +1.9% of T=0's
+`chain:3` but 5% of the tree's T=1 acceptance, which needs the target's whole distribution; the soft term kept at
+temperature 1 might keep the one while the hard term buys the other (not measured yet).
 """
 from __future__ import annotations
 
@@ -29,10 +34,12 @@ class LossOut:
 
 def distill_loss(draft_hidden: torch.Tensor, target_hidden: torch.Tensor, draft_logits: torch.Tensor,
                  target_logits: torch.Tensor, mask: torch.Tensor | None = None, w_ce: float = 0.1,
-                 w_l1: float = 1.0, ce_temperature: float = 1.0) -> LossOut:
+                 w_l1: float = 1.0, ce_temperature: float = 1.0, w_hard: float = 0.0) -> LossOut:
     """hidden [..., H], logits [..., V], mask [...] (bool or 0/1; None = all positions). Computed in float32."""
     if not ce_temperature > 0:
         raise ValueError(f"ce_temperature must be > 0, got {ce_temperature}")
+    if w_hard < 0:
+        raise ValueError(f"w_hard must be >= 0, got {w_hard}")
     if mask is None:
         mask = torch.ones(draft_hidden.shape[:-1], device=draft_hidden.device)
     m = mask.to(torch.float32)
@@ -45,6 +52,9 @@ def distill_loss(draft_hidden: torch.Tensor, target_hidden: torch.Tensor, draft_
     ce = -(p * logq).sum(-1)
     ce = (ce * m).sum() / denom
     loss = w_ce * ce + w_l1 * l1
+    if w_hard:
+        hard = -logq.gather(-1, target_logits.argmax(-1, keepdim=True)).squeeze(-1)
+        loss = loss + w_hard * (hard * m).sum() / denom
     with torch.no_grad():
         correct = ((draft_logits.argmax(-1) == target_logits.argmax(-1)).float() * m).sum()
     return LossOut(loss, ce.detach(), l1.detach(), correct, count)

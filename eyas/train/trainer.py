@@ -89,6 +89,7 @@ class TrainConfig:
     w_ce: float = 0.1
     w_l1: float = 1.0
     ce_temperature: float = 1.0  # < 1: the CE term's soft labels sharpened towards the target's argmax (loss.py)
+    w_hard: float = 0.0  # > 0: a CE term against the target's argmax beside the soft one (loss.py)
     feature_layers: list[int] | None = None  # target layers the drafts also read (EAGLE-3 style); None: EAGLE-1
     answer_tokens: int | None = None  # train on the first N tokens of each assistant turn only (None: all)
     unroll: int = 1  # train on the draft's own rollouts, chain steps 1..unroll (EAGLE-3's training-time test)
@@ -358,7 +359,7 @@ def unrolled_loss(target, draft: EagleDraft, emb, feats, pos, tgt_sel, tlog, lma
             o_sel = out[lmask]
             dlog = target.compute_logits(o_sel.to(tgt_sel.dtype))
         valid = None if d == 0 else col >= d
-        lo = distill_loss(o_sel, tgt_sel, dlog, tlog, valid, cfg.w_ce, cfg.w_l1, cfg.ce_temperature)
+        lo = distill_loss(o_sel, tgt_sel, dlog, tlog, valid, cfg.w_ce, cfg.w_l1, cfg.ce_temperature, cfg.w_hard)
         w = cfg.unroll_decay ** d
         total = total + w * lo.loss
         wsum += w
@@ -393,7 +394,7 @@ def evaluate(target, drafts: list[EagleDraft], examples: list[Example], cfg: Tra
                     tsel_idx = sel.nonzero()
                 out1 = outs[0][sel]
                 lo = distill_loss(out1, tgt_h[sel], target.compute_logits(out1.to(tgt_h.dtype)), tlog_all,
-                                  None, cfg.w_ce, cfg.w_l1, cfg.ce_temperature)
+                                  None, cfg.w_ce, cfg.w_l1, cfg.ce_temperature, cfg.w_hard)
                 n = float(lo.count)
                 r["loss"] += float(lo.loss) * n
                 r["ce"] += float(lo.ce) * n
@@ -488,6 +489,8 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
         raise ValueError(f"--answer-tokens must be >= 1, got {cfg.answer_tokens}")
     if not cfg.ce_temperature > 0:
         raise ValueError(f"--ce-temperature must be > 0, got {cfg.ce_temperature}")
+    if cfg.w_hard < 0:
+        raise ValueError(f"--w-hard must be >= 0, got {cfg.w_hard}")
     device = resolve_device(cfg.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -699,7 +702,8 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, train_examples: list[Ex
         "train_seconds": round(train_time, 2), "tokens_per_second": round(tokens_seen / max(train_time, 1e-9), 1),
         "wall_seconds": round(time.perf_counter() - t_start, 2),
         "load_seconds": round(t_loaded - t_start, 2), "data_seconds": round(t_data - t_loaded, 2),
-        "loss_weights": {"w_ce": cfg.w_ce, "w_l1": cfg.w_l1, "ce_temperature": cfg.ce_temperature},
+        "loss_weights": {"w_ce": cfg.w_ce, "w_l1": cfg.w_l1, "ce_temperature": cfg.ce_temperature,
+                         "w_hard": cfg.w_hard},
         "unroll": {"steps": cfg.unroll, "decay": cfg.unroll_decay},
         "feature_layers": list(fl) if fl is not None else None,
         "answer_tokens": cfg.answer_tokens,
@@ -778,6 +782,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ce-temperature", type=float, default=d.ce_temperature,
                    help="sharpen the CE term's soft labels: softmax(target logits / T); < 1 leans towards the "
                         "target's argmax, which is all greedy acceptance needs (1: the paper's loss)")
+    p.add_argument("--w-hard", type=float, default=d.w_hard,
+                   help="weight of a CE term against the target's argmax (a hard label) beside the soft one "
+                        "(0: none, the paper's loss)")
     p.add_argument("--feature-layers", nargs="+", type=int, default=None, metavar="I",
                    help="target layers (0-based) whose rms-normalised outputs the drafts also read, next to the final "
                         "hidden state (EAGLE-3 style; e.g. 3 15); default: the final hidden state only (EAGLE-1)")
