@@ -21,20 +21,13 @@ source tools/device/thirds_lib.sh
 D=${D:-.stage/s45}
 stage_thirds || exit 1
 ALL="$D/starts.jsonl.xz $D/sg.jsonl.xz $D/ctx.jsonl.xz"
-COMMON="--target smollm2 --layers 1 --unroll 3 --init eyas/drafts/smollm2 --feature-layers 3 15 --lr 3e-4 \
-  --w-ce 1.0 --w-l1 0.1 --answer-tokens 128 --epochs 100 --max-steps ${STEPS:-1500} --time-budget ${TB:-300} \
-  --heldout 64 --tpc-prompts 0 --no-progress ${EXTRA:-}"
+COMMON=$(continue_args 300)
 echo "== train b, s, h [t=$(el)]"
 python3 -m eyas.train.trainer --data $ALL $COMMON --out $W/b > $W/b.log 2>&1 &
 python3 -m eyas.train.trainer --data $ALL $COMMON --ce-temperature 0.25 --out $W/s > $W/s.log 2>&1 &
 python3 -m eyas.train.trainer --data $ALL $COMMON --w-hard 1.0 --out $W/h > $W/h.log 2>&1 &
 wait
 report_and_pack hard_labels b s h
-echo "== tpc [t=$(el)]"
-timeout ${TPC_S:-280} python3 -m eyas.bench.tpc --model smollm2 --draft $W/b $W/s $W/h --speculation chain:3 \
-  --speculation tree:smollm2_48d5 --temperature 0 1 --max-tokens 128 --prompts $S/question.jsonl ${TPC_EXTRA:-} \
-  --out $W/tpc > $W/tpc.log 2>&1 || tail -n 5 $W/tpc.log
-grep "^|" $W/tpc.log
-cp $W/tpc/tpc.json $W/tpc/tpc.md $OUT/ 2>/dev/null
+TPC_S=${TPC_S:-280} mt_bench_tpc "0 1" $W/b $W/s $W/h
 ls -la $OUT
 echo "== end [t=$(el)]"

@@ -47,21 +47,14 @@ if [ "${PHASE:-data}" = data ]; then
 else
   source tools/device/stage_smollm2.sh > /dev/null 2>&1
   ALL="$W/starts.jsonl.xz $W/sg.jsonl.xz $W/ctx.jsonl.xz"
-  COMMON="--target smollm2 --layers 1 --unroll 3 --init eyas/drafts/smollm2 --feature-layers 3 15 --lr 3e-4 \
-    --w-ce 1.0 --w-l1 0.1 --answer-tokens 128 --epochs 100 --max-steps ${STEPS:-1500} --time-budget ${TB:-330} \
-    --heldout 64 --tpc-prompts 0 --no-progress ${EXTRA:-}"
+  COMMON=$(continue_args 330)
   echo "== train b, t, s [t=$(el)]"
   python3 -m eyas.train.trainer --data $ALL $COMMON --out $W/b > $W/b.log 2>&1 &
   python3 -m eyas.train.trainer --data $ALL $W/later.jsonl.xz $COMMON --out $W/t > $W/t.log 2>&1 &
   python3 -m eyas.train.trainer --data $ALL $COMMON --ce-temperature 0.25 --out $W/s > $W/s.log 2>&1 &
   wait
   report_and_pack later_turns b t s
-  echo "== tpc [t=$(el)]"
-  timeout ${TPC_S:-240} python3 -m eyas.bench.tpc --model smollm2 --draft $W/b $W/t $W/s --speculation chain:3 \
-    --speculation tree:smollm2_48d5 --temperature 0 --max-tokens 128 --prompts $S/question.jsonl ${TPC_EXTRA:-} \
-    --out $W/tpc > $W/tpc.log 2>&1 || tail -n 5 $W/tpc.log
-  grep "^|" $W/tpc.log
-  cp $W/tpc/tpc.json $W/tpc/tpc.md $OUT/ 2>/dev/null
+  mt_bench_tpc 0 $W/b $W/t $W/s
 fi
 ls -la $OUT
 echo "== end [t=$(el)]"

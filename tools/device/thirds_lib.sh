@@ -41,3 +41,26 @@ report_and_pack() {
   done
   (cd $W && tar cf - "${files[@]}" | split -b ${PART_SIZE:-15M} -d - $OUT/$tar.tar.part)
 }
+
+# continue_args TB: the trainer arguments of runs S and after that continue the shipped draft (runs P-R's base: 1
+#   layer, feature layers 3 15, lr 3e-4, w_ce 1.0, w_l1 0.1, answer starts of 128 tokens, 64 held out), STEPS
+#   (1500) steps within TB seconds (TB in the environment first), EXTRA appended (dry runs).
+continue_args() {
+  echo "--target smollm2 --layers 1 --unroll 3 --init eyas/drafts/smollm2 --feature-layers 3 15 --lr 3e-4" \
+    "--w-ce 1.0 --w-l1 0.1 --answer-tokens 128 --epochs 100 --max-steps ${STEPS:-1500} --time-budget ${TB:-$1}" \
+    "--heldout 64 --tpc-prompts 0 --no-progress ${EXTRA:-}"
+}
+
+# mt_bench_tpc TEMPS DIR...: MT-Bench TPC (80 first turns x 128; TPC_EXTRA for dry runs) of the drafts in DIR..., chain:3
+#   and the default tree at the temperatures TEMPS (quoted, e.g. "0 1"), within TPC_S (240) seconds; its rows
+#   printed, tpc.json and tpc.md to $OUT.
+mt_bench_tpc() {
+  local temps=$1
+  shift
+  echo "== tpc [t=$(el)]"
+  timeout ${TPC_S:-240} python3 -m eyas.bench.tpc --model smollm2 --draft "$@" --speculation chain:3 \
+    --speculation tree:smollm2_48d5 --temperature $temps --max-tokens 128 --prompts $S/question.jsonl \
+    ${TPC_EXTRA:-} --out $W/tpc > $W/tpc.log 2>&1 || tail -n 5 $W/tpc.log
+  grep "^|" $W/tpc.log
+  cp $W/tpc/tpc.json $W/tpc/tpc.md $OUT/ 2>/dev/null
+}
