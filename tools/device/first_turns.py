@@ -31,11 +31,11 @@ def main() -> None:
             msgs = normalize_messages(rec)
             users = [m for m in msgs or [] if m["role"] == "user"]
             for j, u in enumerate(users[1:] if args.later else users[:1], start=int(args.later)):
-                if not args.min_chars <= len(u["content"].strip()) <= args.max_chars:
+                if not u["content"].strip() or not args.min_chars <= len(u["content"]) <= args.max_chars:
                     continue
                 conv = [u, {"role": "assistant", "content": ""}]
-                lines.append(json.dumps({"id": f"{path}:{rec.get('id', i)}:{j}", "conversations": conv},
-                                        ensure_ascii=False) + "\n")
+                rid = f"{path}:{rec.get('id', i)}" + (f":{j}" if args.later else "")  # a later turn: its index too
+                lines.append(json.dumps({"id": rid, "conversations": conv}, ensure_ascii=False) + "\n")
     if args.shuffle is not None:
         random.Random(args.shuffle).shuffle(lines)
     with gzip.open(args.out, "wt", compresslevel=9) as f:
