@@ -77,8 +77,8 @@ SUFFIX_FIRST = True
 # from HBM, back to back), so that HBM would stream it while the attention runs. On the H200 (8B shape, batch 1,
 # 16 x 128, processes alternated) it lost issued before the PDL wait (plain 4.225 / 4.227 ms a step against 4.137 /
 # 4.130; `chain:3` 5.146 / 5.138 against 5.059 / 5.059) and after each program's store (4.229 / 4.213 against
-# 4.143 / 4.146; 5.152 / 5.152 against 5.067 / 5.070): the 33.5 MB of requests delay the attention's own few loads
-# more than the o projection gains. The code is in git history (0cacb10).
+# 4.143 / 4.146; 5.152 / 5.152 against 5.067 / 5.070), most likely because the 33.5 MB of requests delay the
+# attention's own few loads more than the o projection gains (not profiled). The code is in git history (0cacb10).
 
 # One pass for short contexts: not kept (session 35). Session 34 rebuilt session 17's one-launch attention for a
 # 256-token context bucket (a tree program walked the whole prefix, then the suffix, merging the two in registers;
