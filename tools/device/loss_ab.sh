@@ -20,10 +20,7 @@ source tools/device/thirds_lib.sh
 stage_thirds || exit 1
 D=${D:-.stage/d}
 DATA="$D/starts12.jsonl.xz $D/sg.jsonl.xz $D/ctx.jsonl.xz"
-BASE="--layers 1 --unroll 3 --init eyas/drafts/smollm2 --feature-layers 3 15 --lr 3e-4 --w-ce 1.0 --w-l1 0.1 \
-  --answer-tokens 128"
-COMMON="--target smollm2 $BASE --epochs 100 --max-steps ${STEPS:-1500} --time-budget ${TB:-300} --heldout 64 \
-  --tpc-prompts 0 --no-progress ${EXTRA:-}"
+COMMON=$(continue_args 300)
 names=()
 IFS=';' read -ra vs <<< "${VARIANTS:-b=;w=--w-l1 0;n=--noise none}"
 echo "== train ${#vs[@]} variants [t=$(el)]"
@@ -33,10 +30,6 @@ for v in "${vs[@]}"; do
 done
 wait
 report_and_pack loss_ab "${names[@]}"
-echo "== tpc [t=$(el)]"
 dirs=(); for x in "${names[@]}"; do dirs+=($W/$x); done
-timeout ${TPC_S:-260} python3 -m eyas.bench.tpc --model smollm2 --draft "${dirs[@]}" --speculation chain:3 \
-  --speculation tree:smollm2_48d5 --temperature 0 --max-tokens 128 --prompts $S/question.jsonl ${TPC_EXTRA:-} \
-  --out $W/tpc 2>&1 | grep "^|"
-cp $W/tpc/tpc.json $W/tpc/tpc.md $OUT/ 2>/dev/null
+TPC_S=${TPC_S:-260} mt_bench_tpc 0 "${dirs[@]}"
 echo "== end [t=$(el)]"

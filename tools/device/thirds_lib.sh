@@ -42,11 +42,11 @@ report_and_pack() {
   (cd $W && tar cf - "${files[@]}" | split -b ${PART_SIZE:-15M} -d - $OUT/$tar.tar.part)
 }
 
-# continue_args TB: the trainer arguments of runs S and after that continue the shipped draft (runs P-R's base: 1
-#   layer, feature layers 3 15, lr 3e-4, w_ce 1.0, w_l1 0.1, answer starts of 128 tokens, 64 held out), STEPS
-#   (1500) steps within TB seconds (TB in the environment first), EXTRA appended (dry runs).
+# continue_args TB [LAYERS]: the trainer arguments of the runs that continue the shipped draft (runs P-S's base: 1
+#   layer, feature layers LAYERS, "3 15" by default, lr 3e-4, w_ce 1.0, w_l1 0.1, answer starts of 128 tokens, 64
+#   held out), STEPS (1500) steps within TB seconds (TB in the environment first), EXTRA appended (dry runs).
 continue_args() {
-  echo "--target smollm2 --layers 1 --unroll 3 --init eyas/drafts/smollm2 --feature-layers 3 15 --lr 3e-4" \
+  echo "--target smollm2 --layers 1 --unroll 3 --init eyas/drafts/smollm2 --feature-layers ${2:-3 15} --lr 3e-4" \
     "--w-ce 1.0 --w-l1 0.1 --answer-tokens 128 --epochs 100 --max-steps ${STEPS:-1500} --time-budget ${TB:-$1}" \
     "--heldout 64 --tpc-prompts 0 --no-progress ${EXTRA:-}"
 }
