@@ -19,7 +19,8 @@
 #   python tools/device/first_turns.py --shuffle 45 --out .stage/f/sg_first.jsonl.gz ../shared/data/sharegpt/*.gz
 #   python tools/device/first_turns.py --later --min-chars 40 --shuffle 45 --out .stage/f/sg_later.jsonl.gz \
 #     ../shared/data/sharegpt/*.gz
-# Env: ANS_S (answering seconds a kind, 90), P_S / R_S (the opening-led prompts' writing and answering, 50 / 70),
+# Env: LATER=0 (the data phase skips the later turns, as for hard_labels_ab.sh in session 46), ANS_S (answering
+# seconds a kind, 90), P_S / R_S (the opening-led prompts' writing and answering, 50 / 70),
 # STEPS (1500), TB (training seconds, 330), TPC_S (240). A CPU dry run:
 #   STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o LIMIT=6 DEV="--device cpu" NUM=8 P_BATCH=8 R_BATCH=8 P_S=20 R_S=20 \
 #     MAX_TOK=16 ANS_S=20 PHASE=data bash tools/device/later_turns_ab.sh
@@ -38,8 +39,9 @@ if [ "${PHASE:-data}" = data ]; then
   ANS_DIR=$F
   answer sg sg_first.jsonl.gz ${ANS_S:-90}
   answer ctx ctx.jsonl.gz ${ANS_S:-90}
-  answer later sg_later.jsonl.gz ${ANS_S:-90}
-  for x in starts sg ctx later; do
+  kinds="starts sg ctx"
+  if [ "${LATER:-1}" = 1 ]; then answer later sg_later.jsonl.gz ${ANS_S:-90}; kinds="$kinds later"; fi
+  for x in $kinds; do
     python3 -c "import lzma,sys; print(sys.argv[1], sum(1 for _ in lzma.open(sys.argv[2], 'rt')), 'conversations')" \
       $x $W/$x.jsonl.xz
     cp $W/$x.jsonl.xz $OUT/
