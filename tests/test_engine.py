@@ -43,6 +43,46 @@ def test_batching_changes_nothing(tiny_dir, alone_greedy, engine_kwargs):
         assert llm.engine.scheduler.num_preemptions > 0
 
 
+def admissions(llm, prompts, max_tokens):
+    """Run `prompts` (greedy, the i-th with max_tokens[i]) through the engine step by step; return their tokens and,
+    for each step that admitted waiting requests while others were decoding, (how many it admitted, how many
+    waited before it)."""
+    eng = llm.engine
+    seqs = [eng.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, max_tokens)]
+    sched, seen = eng.scheduler, []
+    while eng.has_unfinished():
+        waiting, decoding = len(sched.waiting), any(not s.in_prefill for s in sched.running)
+        eng.step()
+        admitted = waiting - len(sched.waiting)
+        if admitted and decoding:
+            seen.append((admitted, waiting))
+    return [s.output_ids for s in seqs], seen
+
+
+def test_min_admit_batches_admissions_and_changes_no_token(tiny_dir, alone_greedy):
+    """`min_admit`: while others decode, waiting requests are admitted only min_admit (or all that wait) at a time;
+    every request still finishes, with the tokens it gets alone. With min_admit=1 (the default) the same run admits
+    fewer at a time, so the check can fail."""
+    lens = [40, 9, 17, 25, 33, 12, 40, 21]
+    want = [a[:n] for a, n in zip(alone_greedy, lens)]
+    for min_admit in (1, 3):
+        llm = LLM(str(tiny_dir), device="cpu", dtype="float32", max_num_seqs=4, min_admit=min_admit)
+        out, seen = admissions(llm, prompts8(), lens)
+        assert out == want
+        assert llm.engine.blocks.num_used == 0 and not llm.engine.scheduler.waiting
+        small = [(a, w) for a, w in seen if a < min(3, w)]
+        if min_admit == 3:
+            assert seen and not small, seen
+        else:
+            assert small, seen
+    # more than the batch holds: admission opens only when nothing decodes (static batches), and nothing stalls
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32", max_num_seqs=4, min_admit=10)
+    out, seen = admissions(llm, prompts8(), lens)
+    assert out == want and not seen
+    with pytest.raises(ValueError, match="min_admit"):
+        LLM(str(tiny_dir), device="cpu", dtype="float32", min_admit=0)
+
+
 def test_seeded_sampling_reproducible_and_batch_independent(tiny_dir):
     llm = LLM(str(tiny_dir), device="cpu", dtype="float32")
     params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=s, ignore_eos=True) for s in range(8)]

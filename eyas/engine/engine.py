@@ -46,6 +46,10 @@ class EngineConfig:
     # overlapped decoding (eyas.spec.carry): enqueue the next decode step of an unchanged batch before reading this
     # one back, so the host's work between steps runs while the GPU computes. None: on with `cuda_graphs`
     overlap: bool | None = None
+    # admit waiting requests only once this many places in the batch are free (or all that wait fit) while others
+    # decode: an offline job's prefill steps come fewer and larger (`make-distill-data`); 1 (admit at once) keeps a
+    # server's time to first token
+    min_admit: int = 1
 
 
 @dataclass
@@ -75,7 +79,7 @@ class LLMEngine:
         self.tree = self.runner.tree
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   self.runner.lookahead)
+                                   self.runner.lookahead, cfg.min_admit)
         self.seqs: dict[str, Sequence] = {}
         self.eos_ids = set(mcfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:

@@ -22,9 +22,15 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, lookahead: int):
-        """`lookahead`: KV slots a decode step may fill beyond the committed ones (tree depth + 1)."""
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, lookahead: int,
+                 min_admit: int = 1):
+        """`lookahead`: KV slots a decode step may fill beyond the committed ones (tree depth + 1). `min_admit`:
+        while some sequence is decoding, waiting requests are admitted only once that many places in the batch are
+        free (or all that wait fit): fewer, larger prefill steps for offline jobs (`EngineConfig.min_admit`)."""
+        if min_admit < 1:
+            raise ValueError(f"min_admit must be >= 1, got {min_admit}")
         self.blocks = blocks
+        self.min_admit = min_admit
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.lookahead = lookahead
@@ -72,6 +78,8 @@ class Scheduler:
             seqs.append(seq)
             chunks.append(chunk)
             budget -= chunk
+        if not self._admission_open():
+            return ScheduledBatch("prefill", seqs, chunks) if seqs else None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             chunk = min(seq.prefill_target - seq.num_cached, budget)
@@ -108,10 +116,19 @@ class Scheduler:
                 scheduled.append(seq)
         return ScheduledBatch("decode", scheduled) if scheduled else None
 
+    def _admission_open(self) -> bool:
+        """`min_admit`: whether waiting requests may be admitted now. Always when nothing is decoding (no running
+        sequence has finished its prefill), so nothing waits for places that will never free up."""
+        if self.min_admit <= 1 or not any(not s.in_prefill for s in self.running):
+            return True
+        return self.max_num_seqs - len(self.running) >= min(self.min_admit, len(self.waiting))
+
     def can_admit(self) -> bool:
-        """Whether the next `schedule()` would admit a waiting request (a free place in the batch and the blocks
-        for its prompt and one decode step: `_schedule_prefill`'s test)."""
+        """Whether the next `schedule()` would admit a waiting request (a free place in the batch, admission open
+        (`min_admit`) and the blocks for its prompt and one decode step: `_schedule_prefill`'s test)."""
         if not self.waiting or len(self.running) >= self.max_num_seqs or self.max_num_batched_tokens <= 0:
+            return False
+        if not self._admission_open():
             return False
         seq = self.waiting[0]
         return self.blocks.blocks_needed(seq.block_table, seq.prefill_target + self.lookahead) <= self.blocks.num_free
