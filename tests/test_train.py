@@ -472,8 +472,11 @@ def test_make_distill_data_first_turns_chunks_and_time_budget(tmp_path, capsys):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     assert main(common + ["--out", str(a), "--batch-size", "1", "--chunk", "1"]) == 0
     assert main(common + ["--out", str(b), "--batch-size", "4"]) == 0
-    ra, rb = ([json.loads(x) for x in open(p)] for p in (a, b))
-    assert ra == rb and len(ra) == 5
+    # requests admitted two at a time (`--min-admit`), with a small prefill budget: the same text again
+    d = tmp_path / "d.jsonl"
+    assert main(common + ["--out", str(d), "--batch-size", "2", "--min-admit", "2", "--max-batched-tokens", "64"]) == 0
+    ra, rb, rd = ([json.loads(x) for x in open(p)] for p in (a, b, d))
+    assert ra == rb == rd and len(ra) == 5
     assert all([m["role"] for m in r["conversations"]] == ["user", "assistant"] for r in ra)
     info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert info["generated_tokens"] > 0 and info["stopped"] is None
@@ -482,8 +485,9 @@ def test_make_distill_data_first_turns_chunks_and_time_budget(tmp_path, capsys):
     assert main(common + ["--out", str(c), "--time-budget", "0"]) == 0
     info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert info["conversations"] == 0 and info["stopped"] == "time_budget=0.0s"
-    with pytest.raises(SystemExit):
-        main(common + ["--out", str(c), "--batch-size", "0"])
+    for bad in (["--batch-size", "0"], ["--min-admit", "0"], ["--max-batched-tokens", "0"]):
+        with pytest.raises(SystemExit):
+            main(common + ["--out", str(c)] + bad)
 
 
 def test_fast_target_gives_the_reference_features(tiny_setup, monkeypatch):

@@ -64,15 +64,23 @@ def make_distill_data(model: str, data: list[str], out: str, max_tokens: int = 5
                       device: str = "auto", dtype: str = "auto", draft: str | None = None,
                       speculation: str | None = None, seed: int = 0, progress: bool = True,
                       time_budget: float | None = None, max_prompt_tokens: int | None = None,
-                      chunk: int | None = None, cuda_graphs: bool | None = None) -> dict:
+                      chunk: int | None = None, cuda_graphs: bool | None = None,
+                      max_num_batched_tokens: int | None = None, min_admit: int | None = None) -> dict:
     """Regenerate `data` into `out`. `batch_size` requests decode together (continuous batching over chunks of
     `chunk` conversations, default 4 x batch_size, so the batch stays full while stragglers finish); CUDA graphs are
-    used on a GPU. `time_budget` (seconds): start no new chunk after that; what is done is written."""
+    used on a GPU. `time_budget` (seconds): start no new chunk after that; what is done is written.
+    Prefill steps come in few, large batches: `min_admit` (default batch_size // 4) places must be free before
+    waiting requests join the batch, and a prefill step takes up to `max_num_batched_tokens` tokens (default
+    max(2048, 64 x batch_size)). Prefill steps are eager forwards: at batch 256 on the H200, admitting each request
+    at once with 4096 tokens a step spent 27 of 41 s in 530 prefill steps of 12 sequences; these defaults (64,
+    16384), 16 of 36 s in 140 steps of 73, and generated 1.8x the tokens a second (docs/benchmarks.md, "Session
+    46")."""
     from eyas import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model, device=device, dtype=dtype, draft=draft, speculation=speculation, max_num_seqs=batch_size,
-              max_num_batched_tokens=max(2048, 16 * batch_size),
+              max_num_batched_tokens=max_num_batched_tokens or max(2048, 64 * batch_size),
+              min_admit=min_admit or max(1, batch_size // 4),
               cuda_graphs="auto" if cuda_graphs is None else cuda_graphs)
     if llm.tokenizer is None or not llm.tokenizer.chat_template:
         raise ValueError(f"model {model!r} has no chat template: it cannot regenerate conversations")
@@ -143,6 +151,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds: start no new chunk after that (what is done is written)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="skip turns whose prompt is longer")
     p.add_argument("--chunk", type=int, default=None, help="conversations per engine call (default 4 x batch)")
+    p.add_argument("--min-admit", type=int, default=None,
+                   help="free places in the batch before waiting requests join it (default batch / 4)")
+    p.add_argument("--max-batched-tokens", type=int, default=None,
+                   help="tokens a prefill step takes (default max(2048, 64 x batch))")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -151,13 +163,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    for name in ("max_tokens", "batch_size"):
-        if getattr(args, name) < 1:
+    for name in ("max_tokens", "batch_size", "min_admit", "max_batched_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     info = make_distill_data(args.model, args.data, args.out, args.max_tokens, args.temperature, args.batch_size,
                              args.limit, args.max_turns, args.device, args.dtype, args.draft, args.speculation,
                              args.seed, time_budget=args.time_budget, max_prompt_tokens=args.max_prompt_tokens,
-                             chunk=args.chunk, progress=args.progress)
+                             chunk=args.chunk, progress=args.progress, min_admit=args.min_admit,
+                             max_num_batched_tokens=args.max_batched_tokens)
     print(json.dumps(info))
     return 0
 
