@@ -137,6 +137,7 @@ class LLMEngine:
         ids = self.check_request(prompt, request_id)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(ids, params, seed, request_id=request_id or "")
+        seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, len(ids), self.decoding)
         self.seqs[seq.request_id] = seq
@@ -191,6 +192,7 @@ class LLMEngine:
         self._inflight = self._successor(h)
         outputs = []
         new_tokens, accepted = self.runner.collect(h)
+        depth = self.tree.max_depth
         for seq, toks, m in zip(h.seqs, new_tokens, accepted):
             if not toks:  # it finished (was aborted) while the step was in flight
                 continue
@@ -198,10 +200,11 @@ class LLMEngine:
             st = seq.stats
             st.target_calls += 1
             st.committed += len(out.new_token_ids)
-            if len(st.accepted_by_depth) < self.tree.max_depth:
-                st.accepted_by_depth += [0] * (self.tree.max_depth - len(st.accepted_by_depth))
+            by_depth = st.accepted_by_depth
+            if len(by_depth) < depth:
+                by_depth += [0] * (depth - len(by_depth))
             for d in range(m):
-                st.accepted_by_depth[d] += 1
+                by_depth[d] += 1
             outputs.append(out)
         return outputs
 
@@ -231,19 +234,24 @@ class LLMEngine:
     def _commit(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append committed tokens, honouring stop tokens, stop strings, max_tokens and the context limit: never
         emit past them."""
-        p = seq.params
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
-        added: list[int] = []
+        ids = seq.token_ids
+        # how many tokens may go in before max_tokens or the context limit ends the output ("length")
+        room = min(seq.params.max_tokens - (len(ids) - seq.num_prompt), self.max_model_len - len(ids))
         reason = None
-        for t in tokens:
-            seq.token_ids.append(t)
-            added.append(t)
-            if t in stops:
-                reason = "stop"
-            elif seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
-                reason = "length"
-            if reason:
-                break
+        if len(tokens) < room and seq.stop_ids.isdisjoint(tokens):  # most steps: every token goes in
+            added = list(tokens)
+            ids.extend(added)
+        else:
+            added = []
+            for t in tokens:
+                ids.append(t)
+                added.append(t)
+                if t in seq.stop_ids:
+                    reason = "stop"
+                elif len(added) >= room:
+                    reason = "length"
+                if reason:
+                    break
         if seq.detok is not None:
             cut = self._decode_added(seq, added)
             if cut >= 0:

@@ -97,17 +97,21 @@ class Scheduler:
         return ScheduledBatch("prefill", seqs, chunks) if seqs else None
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        ready = sorted((s for s in self.running if not s.in_prefill), key=lambda s: s.arrival)
+        ready = deque(sorted((s for s in self.running if not s.in_prefill), key=lambda s: s.arrival))
         scheduled: list[Sequence] = []
+        bs = self.blocks.block_size
         while ready:
-            seq = ready.pop(0)
+            seq = ready.popleft()
             need = seq.num_cached + self.lookahead
+            if len(seq.block_table) * bs >= need:  # most steps: its blocks already hold the step
+                scheduled.append(seq)
+                continue
             if self.blocks.blocks_needed([], need) > self.blocks.num_usable:
                 self.out_of_capacity.append(seq)
                 continue
             while not self.blocks.can_reserve(seq.block_table, need):
                 victims = ready or [seq]
-                victim = victims.pop(-1)  # the latest arrival gives way
+                victim = victims.pop()  # the latest arrival gives way
                 self.preempt(victim)
                 if victim is seq:
                     break

@@ -62,6 +62,7 @@ class Sequence:
     num_preemptions: int = 0
     text: str = ""  # detokenised output (stop strings trimmed)
     detok: IncrementalDetokenizer | None = None  # keeps `text` up to date (set by the engine when it has a tokenizer)
+    stop_ids: frozenset[int] = frozenset()  # token ids that end the output (set by the engine: stop_token_ids + EOS)
 
     def __post_init__(self):
         if not self.token_ids:

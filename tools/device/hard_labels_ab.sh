@@ -3,9 +3,9 @@
 # PHASE=data bash tools/device/later_turns_ab.sh`; docs/draft-training.md, "Run T"): run S's sharper labels
 # (`--ce-temperature 0.25`: +1.9% of T=0's `chain:3` over its control, but the default tree's T=1 acceptance -5.3%)
 # against a hard-label term beside the unsharpened soft one (`--w-hard 1.0`, eyas/train/loss.py), which might keep
-# T=1 while buying T=0. Each variant
-# continues the shipped draft 1,500 steps side by side on one H200, on run S's answers carried back (every kind the
-# shipped draft was trained on: .stage/s45/{starts,sg,ctx}.jsonl.xz, 7.4 MB with later.jsonl.xz, which is not used):
+# T=1 while buying T=0. Each variant continues the shipped draft 1,500 steps side by side on one H200, on run S's
+# answers carried back (every kind the shipped draft was trained on: .stage/s45/{starts,sg,ctx}.jsonl.xz, 7.4 MB
+# with later.jsonl.xz, which is not used):
 #   b: the control; s: `--ce-temperature 0.25` (run S's s again: is its +1.9% real?); h: `--w-hard 1.0`.
 # Then MT-Bench TPC (80 first turns x 128) of the three, `chain:3` and the default tree, at T=0 and T=1.
 # Calls (send each at once after the one before: the machine goes back after 30 s idle):
