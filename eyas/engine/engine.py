@@ -136,8 +136,8 @@ class LLMEngine:
         params = params or SamplingParams()
         ids = self.check_request(prompt, request_id)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        seq = Sequence(ids, params, seed, request_id=request_id or "")
-        seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        seq = Sequence(ids, params, seed, request_id=request_id or "", stop_ids=stop_ids)
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, len(ids), self.decoding)
         self.seqs[seq.request_id] = seq

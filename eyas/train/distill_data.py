@@ -80,8 +80,9 @@ def make_distill_data(model: str, data: list[str], out: str, max_tokens: int = 5
 
     t0 = time.perf_counter()
     llm = LLM(model, device=device, dtype=dtype, draft=draft, speculation=speculation, max_num_seqs=batch_size,
-              max_num_batched_tokens=max_num_batched_tokens or max(2048, 64 * batch_size),
-              min_admit=min_admit or max(1, batch_size // 4),
+              max_num_batched_tokens=max(2048, 64 * batch_size) if max_num_batched_tokens is None
+              else max_num_batched_tokens,
+              min_admit=max(1, batch_size // 4) if min_admit is None else min_admit,
               cuda_graphs="auto" if cuda_graphs is None else cuda_graphs)
     if llm.tokenizer is None or not llm.tokenizer.chat_template:
         raise ValueError(f"model {model!r} has no chat template: it cannot regenerate conversations")
