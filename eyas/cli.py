@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for module, attr in (("eyas.serve.api_server", "add_serve_parser"), ("eyas.train.trainer", "add_parser"),
                          ("eyas.train.distill_data", "add_parser"), ("eyas.train.self_instruct", "add_parser"),
-                         ("eyas.train.context_prompts", "add_parser"),
+                         ("eyas.train.context_prompts", "add_parser"), ("eyas.train.average", "add_parser"),
                          ("eyas.spec.tree_builder", "add_parser"),
                          ("eyas.spec.draft_vocab", "add_parser"),
                          ("eyas.bench.cli", "add_parser")):
