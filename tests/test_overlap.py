@@ -83,15 +83,17 @@ def test_triton_carry_equals_the_reference(B, P, short, block_size, draft, strid
     random rows, padding rows among them, paths of every accepted length, a dispatcher's shallower tree (fewer path
     columns than the buffer's), outputs as strided views of one packed tensor (as the greedy acceptance gives)."""
     g = torch.Generator().manual_seed(seed)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the compiled kernel on a GPU, the interpreter elsewhere
     D1 = max(1, P - short)  # path columns: the root and the tree's depth
     W, scratch = max(5, -(-(3 * P + 4) // block_size)), 7  # the tables hold the next step's positions
-    ri = lambda hi, *shape: torch.randint(0, hi, shape, generator=g)  # noqa: E731
+    ri = lambda hi, *shape: torch.randint(0, hi, shape, generator=g).to(dev)  # noqa: E731
     slots = torch.where(ri(3, B) == 0, scratch, ri(scratch, B))
     inp = DecodeInputs(root_tokens=ri(50, B), num_cached=ri(W * block_size - 2 * P, B), num_draft_cached=ri(9, B),
                        block_tables=ri(30, B, W), commit_slots=ri(99, B, P),
                        catchup_tokens=ri(50, B, P) if draft else None, catchup_positions=ri(9, B, P) if draft else None,
                        catchup_slots=ri(99, B, P) if draft else None, catchup_lens=ri(P + 1, B) if draft else None,
-                       slots=slots, temperature=torch.zeros(B), top_k=ri(3, B), top_p=torch.ones(B), seeds=ri(9, B),
+                       slots=slots, temperature=torch.zeros(B, device=dev), top_k=ri(3, B),
+                       top_p=torch.ones(B, device=dev), seeds=ri(9, B),
                        max_context_len=0)
     packed = torch.cat([ri(D1, B, 1), ri(50, B, D1), ri(50, B, 1)], dim=1)
     if strided:
