@@ -9,7 +9,7 @@ import torch
 from eyas.bench.latency import rates_from_tpc_report, split_modes, spread, suggest_dispatch
 from eyas.cli import main
 from eyas.spec.dispatch import compose_dispatch, parse_dispatch
-from helpers import write_mirror_pair
+from helpers import interpreted_only, write_mirror_pair
 
 
 def test_split_modes_keeps_a_dispatch_together():
@@ -269,6 +269,7 @@ def test_replayed_recording_is_read_evenly(tmp_path):
     assert [r["tpc"] for r in res] == pytest.approx([80 / 50, 80 / 50])
 
 
+@interpreted_only
 def test_replayed_acceptance_on_the_triton_path_equals_the_torch_path(tmp_path):
     """The step's replay of recorded rank paths in one Triton launch (`replay_accept_triton`, as CUDA runs it; the
     interpreter here) commits what its torch reference commits, step by step: same tokens, calls and acceptance by

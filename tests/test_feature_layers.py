@@ -17,8 +17,8 @@ from eyas.loader.eagle import load_draft
 from eyas.loader.resolve import load_target
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
-from helpers import (assert_draft_state, feature_draft_from, write_distill_setup, write_mirror_pair, write_random_draft,
-                     write_tiny_llama)
+from helpers import (assert_draft_state, feature_draft_from, interpreted_only, write_distill_setup, write_mirror_pair,
+                     write_random_draft, write_tiny_llama)
 
 
 def rms(x, eps):
@@ -80,6 +80,7 @@ def test_target_features_equal_hf_hidden_states(tmp_path):
         model(ids, pos, feature_layers=(3,))
 
 
+@interpreted_only
 def test_fused_path_features_equal_eager():
     """The fused Triton path (interpreted on the CPU) gives the eager path's features."""
     from eyas.models.fused import enable_fast_path
@@ -195,6 +196,7 @@ def test_feature_buffer_and_draft_kv_hold_the_committed_history(mirror, spec, te
     assert engine.blocks.num_used == 0
 
 
+@interpreted_only
 def test_fast_path_with_a_feature_layer_draft_equals_reference(mirror):
     """Fused target (features from the fused layers) and Triton attention, interpreted on the CPU."""
     from eyas.models.fused import enable_fast_path

@@ -11,7 +11,7 @@ from eyas import LLM, SamplingParams
 from eyas.layers.linear_int4 import Int4Linear, dequantize_int4, pick_group_size, quantize_int4
 from eyas.spec.draft_quant import quantize_draft
 from eyas.spec.draft_vocab import attach_draft_vocab, draft_full_logits, draft_topk
-from helpers import load_mirror_pair, write_mirror_pair
+from helpers import interpreted_only, load_mirror_pair, write_mirror_pair
 
 
 @settings(max_examples=40, deadline=None)
@@ -164,6 +164,7 @@ def test_int4_linear_gpu_kernel_equals_reference(n, k):
 
 @pytest.mark.parametrize("m,n,k,g,split", [(1, 40, 256, 64, None), (3, 32, 512, 128, 4), (16, 8, 96, 32, 1),
                                            (2, 24, 128, 32, 2)])
+@interpreted_only
 def test_gemv_int4_triton_equals_reference_interpreted(m, n, k, g, split):
     """The Triton INT4 GEMV (eyas/kernels/gemv_int4.py) under TRITON_INTERPRET=1, float32 and bf16 activations."""
     from eyas.kernels.gemv_int4 import gemv_int4_reference, gemv_int4_triton

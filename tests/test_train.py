@@ -15,7 +15,7 @@ from eyas.train.data import (collate, conversation_segments, load_examples, make
                              split_heldout)
 from eyas.train.loss import distill_loss
 
-from helpers import write_distill_setup, write_tiny_chat_model
+from helpers import interpreted_only, write_distill_setup, write_tiny_chat_model
 
 
 # ---- 1. the loss, by hand ----------------------------------------------------------------------------------------
@@ -490,6 +490,7 @@ def test_make_distill_data_first_turns_chunks_and_time_budget(tmp_path, capsys):
             main(common + ["--out", str(c)] + bad)
 
 
+@interpreted_only
 def test_fast_target_gives_the_reference_features(tiny_setup, monkeypatch):
     """The trainer runs the frozen target on the fused inference kernels on a GPU (here under the Triton
     interpreter): the features and targets the draft learns from equal the eager reference's."""

@@ -97,7 +97,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     info = average_drafts(args.drafts, args.out, args.weights, args.model)
-    print(json.dumps({"out": info["out"], "drafts": [s["path"] for s in info["average_of"]], "weights": info["weights"]}))
+    print(json.dumps({"out": info["out"], "drafts": [s["path"] for s in info["average_of"]],
+                      "weights": info["weights"]}))
     return 0
 
 
