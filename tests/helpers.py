@@ -18,10 +18,10 @@ from eyas.models.eagle import EagleDraft
 # Tests that run Triton kernels on CPU tensors (CPU models with `use_triton` or the fused path, kernels fed CPU
 # tensors): only the interpreter takes those, which conftest.py turns on where there is no GPU (CI). On a GPU machine,
 # where Triton compiles, they would fail on their own tensors' device; the compiled kernels have their own GPU tests.
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+NO_CPU_TRITON = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 INTERPRETED_ONLY_REASON = ("runs Triton on CPU tensors, which only the interpreter takes (TRITON_INTERPRET=1, set by "
                            "conftest.py where there is no GPU); the compiled kernels have their own GPU tests")
-interpreted_only = pytest.mark.skipif(torch.cuda.is_available() and not INTERPRETED, reason=INTERPRETED_ONLY_REASON)
+interpreted_only = pytest.mark.skipif(NO_CPU_TRITON, reason=INTERPRETED_ONLY_REASON)
 
 
 def tiny_llama_config(vocab=40, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=None, tie=False,

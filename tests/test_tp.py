@@ -16,7 +16,7 @@ from eyas.loader.resolve import load_target
 from eyas.models.fused import enable_fast_path
 from eyas.sampling_params import SamplingParams
 from eyas.spec.tree import resolve_tree
-from helpers import INTERPRETED, INTERPRETED_ONLY_REASON, write_mirror_pair, write_tiny_llama
+from helpers import INTERPRETED_ONLY_REASON, NO_CPU_TRITON, write_mirror_pair, write_tiny_llama
 
 WORLD = 2
 # |TP2 - TP1| <= 1e-5 + 1e-5 * |logit|. The row-parallel all-reduce sums the two halves of each o_proj/down_proj
@@ -113,7 +113,7 @@ def dirs(tmp_path_factory):
 
 
 def _cpu_ranks_take_triton():
-    if torch.cuda.is_available() and not INTERPRETED:  # the CPU ranks run the fused path (Triton) on CPU tensors
+    if NO_CPU_TRITON:  # the CPU ranks run the fused path (Triton) on CPU tensors
         pytest.skip(INTERPRETED_ONLY_REASON)
 
 

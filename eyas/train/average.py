@@ -14,9 +14,9 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from eyas.loader.hf import load_weights, read_config
 from eyas.loader.resolve import DEFAULT_MODEL, draft_dir
 
 WEIGHTS = "model.safetensors"
@@ -25,9 +25,10 @@ SERVING_KEYS = {"eyas_speculation", "eyas_draft_quant"}  # how a draft is served
 
 
 def _read(path: Path) -> tuple[dict, dict]:
-    if not (path / "config.json").is_file() or not (path / WEIGHTS).is_file():
-        raise ValueError(f"draft {str(path)!r}: expected config.json and {WEIGHTS} (an EAGLE checkpoint eyas wrote)")
-    return json.loads((path / "config.json").read_text()), load_file(str(path / WEIGHTS))
+    """A draft's config.json and tensors, read as `load_draft` reads them (safetensors, sharded or not, or .bin)."""
+    if not (path / "config.json").is_file():
+        raise ValueError(f"draft {str(path)!r}: expected config.json and weights (an EAGLE checkpoint directory)")
+    return read_config(path), load_weights(path, allow_bin=True)
 
 
 def average_drafts(drafts: list[str], out: str, weights: list[float] | None = None,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Where `make-distill-data`'s time goes at batch 256 (session 46): tools/diag/engine_phases.py on run S's ShareGPT
-# first turns (.stage/s46/sg.jsonl.xz), 40 s each, one process per variant MIN_ADMIT:MAX_BATCHED_TOKENS (0: the
-# default, max(2048, 16 x batch)). The first process on a fresh machine pays Triton's compiles: run a warm-up first.
+# first turns (.stage/s46/sg.jsonl.xz), 40 s each, one process per variant MIN_ADMIT:MAX_BATCHED_TOKENS (0:
+# make-distill-data's default, max(2048, 64 x batch) since 772294d, max(2048, 16 x batch) before). The first process
+# on a fresh machine pays Triton's compiles: run a warm-up first.
 # Calls: 1 (carry .stage/a) and 2 (carry .stage/b) as in thirds_lib.sh; 3 (carry .stage/c .stage/s46):
 #   VARIANTS="1:0 1:16384 64:16384" bash tools/device/engine_phases.sh
 source tools/device/thirds_lib.sh; stage_thirds || exit 1
