@@ -58,6 +58,7 @@ def _tp_generate(rank: int, world_size: int, device, args) -> None:
 
 def cmd_generate(args) -> int:
     from eyas import LLM
+    from eyas.engine.detokenizer import TextStream
     from eyas.loader.resolve import resolve_draft_arg
 
     params = _sampling_params(args)  # bad settings fail before the model loads
@@ -79,13 +80,12 @@ def cmd_generate(args) -> int:
     engine = llm.engine
     t0 = time.perf_counter()
     seq = engine.add_request(prompt, params)
-    printed = 0
+    stream = TextStream(params.stop or [])  # no incomplete character, nor a stop string's beginning, printed
     while engine.has_unfinished():
         for out in engine.step():
             if out.request_id == seq.request_id:
-                sys.stdout.write(out.text[printed:])
+                sys.stdout.write(stream.delta(out))
                 sys.stdout.flush()
-                printed = len(out.text)
     spec = f" | TPC {seq.stats.tokens_per_call:.2f} ({engine.tree.name})" if llm.draft is not None else ""
     print(f"\n\n{_timings(seq.num_output, t0, seq.first_token_time, time.perf_counter(), spec)}", file=sys.stderr)
     return 0

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
 
 from eyas import LLM, SamplingParams
-from eyas.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer, decoding_of
+from eyas.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer, OutputText, decoding_of
 from eyas.loader.tokenizer import Tokenizer, _bytes_to_unicode
 from helpers import write_mirror_pair
 
@@ -109,11 +109,28 @@ def test_incremental_text_equals_whole_decode(name, data):
         ids += chunk
         deltas.append(detok.update(ids))
         assert detok.text == tok.decode(ids[len(prompt):])
-        assert "".join(deltas) == detok.stable
+        assert "".join(deltas) == detok.stable and str(detok.snapshot()) == detok.text
+        assert all(detok.tail(i) == detok.text[i:] for i in range(len(detok.text) + 1))
         if incremental:  # the text held back is text that may still change
             assert detok.pending == "" or detok.pending.endswith(REPLACEMENT) or ids[-1] in hold
     if incremental:  # after a plain token all the text is final
         assert detok.pending == "" and detok.stable == tok.decode(ids[len(prompt):])
+
+
+@settings(max_examples=200, deadline=None)
+@given(pieces=st.lists(st.text(max_size=4), max_size=8), pending=st.text(max_size=4), data=st.data())
+def test_output_text_reads_as_the_joined_string(pieces, pending, data):
+    """`OutputText` (an output's text as a step left it, read from the detokenizer's pieces) against the string it
+    stands for: whole, from any start, cut anywhere, with pieces appended after it was taken."""
+    whole = "".join(pieces) + pending
+    cut = data.draw(st.integers(0, len(whole)))
+    shared = list(pieces)
+    view = OutputText(shared, len(pieces), len(whole) - len(pending), pending, cut)
+    shared += ["later", "x"]  # later steps append to the detokenizer's list
+    starts = range(len(whole) + 2)
+    assert [view.since(i) for i in starts] == [whole[:cut][i:] for i in starts]
+    assert str(view) == whole[:cut] and len(view) == cut
+    assert [view.since(i) for i in starts] == [whole[:cut][i:] for i in starts]  # also once joined (cached)
 
 
 def test_windows_stay_small_on_real_text():
@@ -175,13 +192,22 @@ def test_engine_stop_strings_as_before(pair_with_tokenizer, spec):
               for p, s in zip(params, stops)]
         engine = llm.engine
         seqs = [engine.add_request(p, s) for p, s in zip(prompts, sp)]
-        finals = {}
+        finals, every = {}, {}
         while engine.has_unfinished():
             for out in engine.step():
+                every.setdefault(out.request_id, []).append(out)
                 if out.finished:
                     finals[out.request_id] = out
-                else:  # the running text is a whole decode, as before
-                    assert out.text == tok.decode(out.token_ids)
+        # read once every request is done: each output still holds the totals of its own step (they are read
+        # from the sequence's growing state when asked for), and its running text is a whole decode, as before
+        for outs in every.values():
+            ids = []
+            for out in outs:
+                ids += out.new_token_ids
+                assert out.token_ids == ids and out.num_output_tokens == len(ids)
+                text = out.text
+                assert out.finished or text == tok.decode(ids)
+                assert all(out.text_since(i) == text[i:] for i in range(0, len(text) + 2, 3))
         for seq, s, o in zip(seqs, stops, ref):
             want_ids, want_text, want_reason = _old_semantics(tok, o.token_ids, s)
             got = finals[seq.request_id]
@@ -191,16 +217,35 @@ def test_engine_stop_strings_as_before(pair_with_tokenizer, spec):
 
 def test_stop_string_in_streamed_deltas(pair_with_tokenizer):
     """The server's streamed deltas concatenate to the final (stop-trimmed) text."""
-    from eyas.serve.api_server import _TextStream
+    from eyas.engine.detokenizer import TextStream
     target, draft = pair_with_tokenizer
     llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation="chain:4")
     ref = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=40, ignore_eos=True))[0]
     stop = llm.tokenizer.decode(ref.token_ids[:20])[-3:]
     engine = llm.engine
     engine.add_request([3, 4, 5], SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop]))
-    stream, sent, final = _TextStream([stop]), [], None
+    stream, sent, final = TextStream([stop]), [], None
     while engine.has_unfinished():
         for out in engine.step():
-            sent.append(stream.delta(out.text, out.finished))
+            sent.append(stream.delta(out))
             final = out
     assert final.finish_reason == "stop" and "".join(sent) == final.text and stop not in final.text
+
+
+def test_generate_prints_the_final_text_only(pair_with_tokenizer, capsys):
+    """`eyas generate` streams through `TextStream`: what it prints is the final text, never an incomplete
+    character (U+FFFD) that a later token completes, on outputs that split multi-byte characters between steps."""
+    from eyas.cli import main
+    target, _ = pair_with_tokenizer
+    llm = LLM(str(target), device="cpu", dtype="float32")
+    split = 0
+    for seed in range(3):
+        args = ["generate", "--model", str(target), "--prompt", "ab", "--max-tokens", "40", "--temperature", "1",
+                "--seed", str(seed), "--ignore-eos", "--device", "cpu", "--dtype", "float32", "--draft", "none"]
+        assert main(args) == 0
+        printed = capsys.readouterr().out
+        ref = llm.generate("ab", SamplingParams(max_tokens=40, temperature=1.0, seed=seed, ignore_eos=True))[0]
+        tok = llm.tokenizer
+        split += any(REPLACEMENT in tok.decode(ref.token_ids[:k]) for k in range(len(ref.token_ids)))
+        assert printed.rstrip("\n") == ref.text.rstrip("\n")
+    assert split  # some output's running text ended in an incomplete character on the way

@@ -28,7 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from eyas import LLM, SamplingParams
 from eyas.loader.resolve import resolve_draft_arg as _resolve_draft
-from eyas.serve.api_server import _TextStream, add_serve_parser, create_app, run_serve
+from eyas.engine.detokenizer import TextStream
+from eyas.serve.api_server import add_serve_parser, create_app, run_serve
 from helpers import write_tiny_llama
 
 MODEL = "smollm2"
@@ -570,14 +571,28 @@ def test_engine_failure_fails_the_batch_not_the_server(tiny):
 
 # ---- pieces --------------------------------------------------------------------------------------------------------
 
-def test_streamed_text_is_always_a_prefix_of_the_final_text():
-    ts = _TextStream(["STOP"])  # the engine trims "STOP" from the final text: never send its beginning
-    assert ts.delta("Hello ST", False) == "Hello"
-    assert ts.delta("Hello STO", False) == " "
-    assert ts.delta("Hello STO\ufffd", False) == ""  # an incomplete character is held back too
-    assert ts.delta("Hello ", True) == ""  # the final text, "STOP" trimmed: what was sent is its prefix
-    ts = _TextStream([])
-    assert ts.delta("ab\ufffd", False) == "ab" and ts.delta("abc", False) == "c" and ts.delta("abc", True) == ""
+def _out(text: str, finished: bool):
+    """A RequestOutput whose text so far is `text` (pieces of at most 3 characters, as the detokenizer keeps it)."""
+    from eyas.engine.detokenizer import OutputText
+    from eyas.engine.engine import RequestOutput
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    return RequestOutput("r", [], finished, None, 0, text=OutputText(pieces, len(pieces), len(text), "", len(text)))
+
+
+def test_streamed_text_is_always_a_prefix_of_the_final_text(caplog):
+    ts = TextStream(["STOP"])  # the engine trims "STOP" from the final text: never send its beginning
+    assert ts.delta(_out("Hello ST", False)) == "Hello"
+    assert ts.delta(_out("Hello STO", False)) == " "
+    assert ts.delta(_out("Hello STO\ufffd", False)) == ""  # an incomplete character is held back too
+    assert ts.delta(_out("Hello ", True)) == ""  # the final text, "STOP" trimmed: what was sent is its prefix
+    ts = TextStream([])
+    assert ts.delta(_out("ab\ufffd", False)) == "ab" and ts.delta(_out("abc", False)) == "c"
+    assert ts.delta(_out("abc", True)) == ""
+    long = "".join(chr(0x41 + i % 26) for i in range(100))
+    assert "".join(ts.delta(_out("abc" + long[:k], k == 100)) for k in [*range(0, 100, 7), 100]) == long
+    assert not caplog.records
+    # the last character sent changed (the check reads the last CHECK sent): logged, only what is new is sent
+    assert ts.delta(_out("abc" + long[:-1] + "X" + "d", True)) == "d" and "not a prefix" in caplog.text
 
 
 def test_serve_command_line(tiny_dir):

@@ -332,7 +332,7 @@ class TPServingEngine:
         outs = self.tp.step()
         if outs is None:
             return []
-        return outs + [RequestOutput(rid, [], [], "", True, "error", 0) for rid, _ in self.tp.last_errors]
+        return outs + [RequestOutput(rid, [], True, "error", 0) for rid, _ in self.tp.last_errors]
 
     def close(self) -> None:
         self.tp.stop()

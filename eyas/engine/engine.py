@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from eyas.cache.block_manager import BlockManager
 from eyas.cache.kv_cache import KVCache
-from eyas.engine.detokenizer import WHOLE, IncrementalDetokenizer, decoding_of
+from eyas.engine.detokenizer import NO_TEXT, WHOLE, IncrementalDetokenizer, OutputText, decoding_of
 from eyas.engine.runner import ModelRunner
 from eyas.engine.scheduler import Scheduler
 from eyas.engine.sequence import Sequence, SpecStats
@@ -52,17 +52,52 @@ class EngineConfig:
     min_admit: int = 1
 
 
-@dataclass
 class RequestOutput:
-    """What one step produced for one request (streaming delta plus the running totals)."""
-    request_id: str
-    new_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    stats: SpecStats = field(default_factory=SpecStats)
+    """What one step produced for one request: the streaming delta (`new_token_ids`) and the running totals as the
+    step left them (`token_ids`, `text`).
+
+    The totals are read when asked for, from the sequence's token list (which only grows) and the detokenizer's
+    text pieces (`OutputText`), so a step costs O(new tokens) per request whatever the output's length: copying
+    the whole output at every step made long generations at large batches pay O(output) per request per step.
+    `num_output_tokens` and `text_since(i)` are the cheap reads for streaming."""
+
+    __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "num_prompt_tokens", "stats", "_ids",
+                 "_end", "_text")
+
+    def __init__(self, request_id: str, new_token_ids: list[int], finished: bool, finish_reason: str | None,
+                 num_prompt_tokens: int, stats: SpecStats | None = None, ids: list[int] | None = None,
+                 text: OutputText = NO_TEXT):
+        """`ids`: the sequence's token ids, prompt first (shared, not copied; their first `num_prompt_tokens` are
+        the prompt's); the output is ids[num_prompt_tokens:len(ids)] as they are now."""
+        self.request_id, self.new_token_ids = request_id, new_token_ids
+        self.finished, self.finish_reason = finished, finish_reason
+        self.num_prompt_tokens, self.stats = num_prompt_tokens, stats if stats is not None else SpecStats()
+        self._ids = ids if ids is not None else []
+        self._end = max(len(self._ids), num_prompt_tokens)
+        self._text = text
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every output token so far (a new list)."""
+        return self._ids[self.num_prompt_tokens:self._end]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._end - self.num_prompt_tokens
+
+    @property
+    def text(self) -> str:
+        """The output's text so far (stop strings cut)."""
+        return str(self._text)
+
+    def text_since(self, start: int) -> str:
+        """`text[start:]`, at the cost of what it returns."""
+        return self._text.since(start)
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, new_token_ids={self.new_token_ids}, "
+                f"num_output_tokens={self.num_output_tokens}, finished={self.finished}, "
+                f"finish_reason={self.finish_reason!r})")
 
 
 class LLMEngine:
@@ -256,18 +291,18 @@ class LLMEngine:
             cut = self._decode_added(seq, added)
             if cut >= 0:
                 reason = "stop"
-            seq.text = seq.detok.text[:cut] if cut >= 0 else seq.detok.text
+            seq.output_text = seq.detok.snapshot(cut)
         if reason:
             return self._finish(seq, reason, added)
-        return RequestOutput(seq.request_id, added, seq.output_ids, seq.text, False, None, seq.num_prompt,
-                             seq.stats)
+        return RequestOutput(seq.request_id, added, False, None, seq.num_prompt, seq.stats, seq.token_ids,
+                             seq.output_text)
 
     def _finish(self, seq: Sequence, reason: str, added: list[int] | None = None) -> RequestOutput:
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq, reason)
         self.seqs.pop(seq.request_id, None)
-        return RequestOutput(seq.request_id, added or [], seq.output_ids, seq.text, True, reason, seq.num_prompt,
-                             seq.stats)
+        return RequestOutput(seq.request_id, added or [], True, reason, seq.num_prompt, seq.stats, seq.token_ids,
+                             seq.output_text)
 
     @staticmethod
     def _decode_added(seq: Sequence, added: list[int]) -> int:
@@ -284,23 +319,25 @@ class LLMEngine:
             return -1
         tail = max(map(len, stops)) - 1
         saved = detok.save()
-        start = max(0, len(detok.stable) - tail)
+        start = max(0, detok.stable_len - tail)
         detok.update(seq.token_ids)
-        cut = _find_stop(detok.text, stops, start)
+        cut = _find_stop(detok.tail(start), stops, start)
         if cut < 0 or len(added) == 1:
             return cut
         detok.restore(saved)
         first = len(seq.token_ids) - len(added)
         for k in range(1, len(added) + 1):
-            start = max(0, len(detok.stable) - tail)
+            start = max(0, detok.stable_len - tail)
             detok.update(seq.token_ids[:first + k])
-            cut = _find_stop(detok.text, stops, start)
+            cut = _find_stop(detok.tail(start), stops, start)
             if cut >= 0:
                 del seq.token_ids[first + k:], added[k:]
                 return cut
         raise AssertionError("unreachable: the last token's text is the one searched first")
 
 
-def _find_stop(text: str, stops: list[str], start: int) -> int:
-    """Where the first stop string that occurs in text[start:] begins (an index into text), or -1."""
-    return min((i for i in (text.find(s, start) for s in stops) if i >= 0), default=-1)
+def _find_stop(tail: str, stops: list[str], start: int) -> int:
+    """Where the first stop string in `tail`, the text from character `start` on, begins (an index into the whole
+    text), or -1."""
+    i = min((i for i in (tail.find(s) for s in stops) if i >= 0), default=-1)
+    return i + start if i >= 0 else -1

@@ -18,7 +18,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from eyas.engine.detokenizer import IncrementalDetokenizer
+from eyas.engine.detokenizer import NO_TEXT, IncrementalDetokenizer, OutputText
 from eyas.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -60,7 +60,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
-    text: str = ""  # detokenised output (stop strings trimmed)
+    output_text: OutputText = NO_TEXT  # the detokenised output as the last commit left it (stop strings cut)
     detok: IncrementalDetokenizer | None = None  # keeps `text` up to date (set by the engine when it has a tokenizer)
     stop_ids: frozenset[int] = frozenset()  # token ids that end the output (set by the engine: stop_token_ids + EOS)
 
@@ -77,6 +77,10 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt:]
+
+    @property
+    def text(self) -> str:
+        return str(self.output_text)
 
     @property
     def num_output(self) -> int:

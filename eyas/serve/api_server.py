@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from eyas.engine.detokenizer import TextStream
 from eyas.loader.resolve import resolve_draft_arg
 from eyas.sampling_params import SamplingParams
 from eyas.serve.async_engine import AsyncEngine, EngineDead, EngineError, QueueFull
@@ -64,30 +65,6 @@ def _sampling_params(req, max_tokens: int | None) -> SamplingParams:
 def _choice_seed(seed: int | None, j: int) -> int | None:
     """Choice j of a request with seed s samples as an offline request with seed s + j (mod 2**63)."""
     return None if seed is None else (seed + j) % SEED_LIMIT
-
-
-class _TextStream:
-    """Streaming deltas of one choice's text. The engine gives the full text so far (stop strings trimmed); we hold
-    back a possible stop-string prefix (longest stop - 1 characters) and an incomplete UTF-8 tail (U+FFFD), so that
-    what was sent is always a prefix of the final text."""
-
-    def __init__(self, stops: list[str]):
-        self.sent = ""
-        self.hold = max((len(s) for s in stops), default=1) - 1
-
-    def delta(self, text: str, finished: bool) -> str:
-        upto = len(text)
-        if not finished:
-            while upto > 0 and text[upto - 1] == "\ufffd":  # the incomplete tail first, then a stop's prefix
-                upto -= 1
-            upto -= self.hold
-        if upto <= len(self.sent):
-            return ""
-        if not text.startswith(self.sent):  # cannot happen with byte-level BPE; never resend
-            log.warning("streamed text is not a prefix of the final text")
-        new = text[len(self.sent):upto]
-        self.sent = text[:upto]
-        return new
 
 
 def _validation_response(errors) -> JSONResponse:
@@ -393,15 +370,15 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
         return {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
 
     async def events():
-        texts = [_TextStream(stops) for _ in range(n)]
+        texts = [TextStream(stops) for _ in range(n)]
         completion_tokens = [0] * n
         try:
             if chat:
                 for i in range(n):
                     yield chunk([choice(i, "", role=True)])
             async for i, out in AsyncEngine.results(queue, n):
-                completion_tokens[i] = len(out.token_ids)
-                delta = texts[i].delta(out.text, out.finished)
+                completion_tokens[i] = out.num_output_tokens
+                delta = texts[i].delta(out)
                 if delta:
                     yield chunk([choice(i, delta)])
                 if out.finished:

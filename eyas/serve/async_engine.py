@@ -328,7 +328,7 @@ class AsyncEngine:
         if out.finished:
             m.e2e.observe(now - tr.arrival)
             m.req_prompt_tokens.observe(out.num_prompt_tokens)
-            m.req_gen_tokens.observe(len(out.token_ids))
+            m.req_gen_tokens.observe(out.num_output_tokens)
             if st.target_calls:
                 m.req_tpc.observe(st.tokens_per_call)
             m.finished(out.finish_reason or "stop").inc()
