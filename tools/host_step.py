@@ -4,7 +4,10 @@ The speculative step itself (`spec_step`, a CUDA graph replay on the GPU) is rep
 of the right shapes, so what is timed is what the host does around it: scheduling, packing the inputs, the copy into
 the graph's static buffers, applying the outputs, detokenisation and stop checks.
 
-    PYTHONPATH=. python tools/host_step.py --batches 1 8 64 256 --steps 50 [--profile 64]
+    PYTHONPATH=. python tools/host_step.py --batches 1 8 64 256 --steps 50 [--profile 64] [--warm-steps N]
+
+`--warm-steps N` steps first, untimed: the outputs are ~N x (tokens a step) long when timing starts, for what the
+host's step costs on long generations.
 """
 from __future__ import annotations
 
@@ -61,13 +64,14 @@ def make_stub(tree, vocab: int, hidden: int, graph_copy: bool):
     return stub
 
 
-def run(batch: int, steps: int, spec: str | None, tokenizer, profile: bool):
+def run(batch: int, steps: int, spec: str | None, tokenizer, profile: bool, warm: int = 3):
     vocab = tokenizer.vocab_size if tokenizer is not None else 1000
     target, draft = tiny_models(vocab)
     tree = resolve_tree(spec) if spec else None
-    prompt_len, max_tokens = 64, 10_000
+    prompt_len, max_tokens = 64, 1 << 20
+    max_len = max(4096, prompt_len + ((tree.max_depth if tree else 0) + 1) * (warm + steps) + 64)
     cfg = EngineConfig(max_num_seqs=max(batch, 1), max_num_batched_tokens=4096, block_size=16,
-                       num_blocks=batch * ((prompt_len + 8 * steps + 64) // 16 + 2) + 8, max_model_len=4096)
+                       num_blocks=batch * (max_len // 16 + 2) + 8, max_model_len=max_len)
     engine = LLMEngine(target, tokenizer, draft if tree else None, tree, cfg)
     runner_mod.spec_step = make_stub(engine.tree, vocab, 64, graph_copy=True)
     g = torch.Generator().manual_seed(1)
@@ -77,7 +81,7 @@ def run(batch: int, steps: int, spec: str | None, tokenizer, profile: bool):
         engine.add_request(torch.randint(10, vocab, (prompt_len,), generator=g).tolist(), params[i])
     while engine.step_counts["decode"] == 0:  # prefill everything (real forwards)
         engine.step()
-    for _ in range(3):
+    for _ in range(warm):
         engine.step()
     prof = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
@@ -98,6 +102,7 @@ def main():
     ap.add_argument("--spec", default="tree:mc_sim_7b_63", help="'none' for plain decoding")
     ap.add_argument("--no-tokenizer", action="store_true")
     ap.add_argument("--profile", type=int, nargs="*", default=[], help="batch sizes to cProfile")
+    ap.add_argument("--warm-steps", type=int, default=3, help="untimed steps first (longer outputs when timed)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tok = None
@@ -107,11 +112,11 @@ def main():
         tok = load_gguf_tokenizer(smollm2_path())
     spec = None if args.spec == "none" else args.spec
     for b in args.batches:
-        dt, _ = run(b, args.steps, spec, tok, False)
-        print(f"spec={args.spec} batch={b:4d}: host {dt * 1e3:8.3f} ms/step  {dt * 1e6 / b:8.1f} us/seq/step",
+        dt, _ = run(b, args.steps, spec, tok, False, args.warm_steps)
+        print(f"spec={args.spec} batch={b:4d} warm={args.warm_steps}: host {dt * 1e3:8.3f} ms/step  {dt * 1e6 / b:8.1f} us/seq/step",
               flush=True)
         if b in args.profile:
-            _, prof = run(b, args.steps, spec, tok, True)
+            _, prof = run(b, args.steps, spec, tok, True, args.warm_steps)
             pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
             pstats.Stats(prof).sort_stats("tottime").print_stats(15)
 

@@ -100,13 +100,11 @@ def _text_since(pieces: list[str], count: int, stable_len: int, pending: str, le
         return ""
     if start >= stable_len:
         return pending[start - stable_len:length - stable_len]
-    parts, pos, i = [pending], stable_len, count  # pos: where parts[-1] begins
+    pos, i = stable_len, count  # pos: where pieces[i] begins
     while pos > start:
         i -= 1
-        parts.append(pieces[i])
-        pos -= len(parts[-1])
-    parts.reverse()
-    return "".join(parts)[start - pos:length - pos]
+        pos -= len(pieces[i])
+    return ("".join(pieces[i:count]) + pending)[start - pos:length - pos]
 
 
 NO_TEXT = OutputText([], 0, 0, "", 0)

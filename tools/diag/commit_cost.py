@@ -1,0 +1,78 @@
+"""The host's cost per step of committing tokens to a request, by output length: `LLMEngine._commit` (tokens in,
+stop tokens and strings, incremental detokenisation, the `RequestOutput`) and the server's streamed text delta
+(`_TextStream.delta`), for B sequences that each commit K tokens a step of a real text in SmolLM2's tokenizer.
+
+    PYTHONPATH=. python3 tools/diag/commit_cost.py [--batch 64] [--tokens-per-step 3] [--stop STR ...]
+
+No model runs: the engine's commit is called on sequences alone. It prints a markdown table: microseconds per
+sequence per step, averaged over each range of output lengths. A record of where host time goes, not a fast path.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import time
+import types
+
+from eyas.engine.detokenizer import IncrementalDetokenizer, decoding_of
+from eyas.engine.engine import LLMEngine
+from eyas.engine.sequence import Sequence
+from eyas.loader.gguf import load_gguf_tokenizer
+from eyas.loader.resolve import smollm2_path
+from eyas.sampling_params import SamplingParams
+from eyas.engine.detokenizer import TextStream
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+class _Scheduler:
+    def finish(self, seq, reason):
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--tokens-per-step", type=int, default=3)
+    ap.add_argument("--stop", nargs="*", default=[], help="stop strings (that never occur in the text)")
+    ap.add_argument("--max-output", type=int, default=8192)
+    args = ap.parse_args()
+    tok = load_gguf_tokenizer(smollm2_path())
+    text = "\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
+    ids = tok.encode(text)[:args.max_output]
+    # the engine's commit on sequences alone: it needs the engine's limits, its scheduler's finish and its own helpers
+    engine = types.SimpleNamespace(max_model_len=1 << 30, scheduler=_Scheduler(), seqs={},
+                                   _decode_added=LLMEngine._decode_added)
+    engine._finish = types.MethodType(LLMEngine._finish, engine)
+    seqs, streams = [], []
+    for _ in range(args.batch):
+        seq = Sequence([1, 2, 3], SamplingParams(max_tokens=1 << 30, stop=args.stop or None), 0)
+        seq.detok = IncrementalDetokenizer(tok, 3, decoding_of(tok))
+        seqs.append(seq)
+        streams.append(TextStream(args.stop))
+    K, B = args.tokens_per_step, args.batch
+    edges = [e for e in (256, 512, 1024, 2048, 4096, 8192, 16384) if e <= len(ids)]
+    print(f"| output tokens | `_commit` us / sequence / step | stream delta us / sequence / step |")
+    print("| --- | --- | --- |")
+    pos, lo = 0, 0
+    for hi in edges:
+        t_commit = t_stream = 0.0
+        steps = 0
+        while pos + K <= hi:
+            chunk = ids[pos:pos + K]
+            pos += K
+            t0 = time.perf_counter()
+            outs = [LLMEngine._commit(engine, s, chunk) for s in seqs]
+            t1 = time.perf_counter()
+            for st, out in zip(streams, outs):
+                out.num_output_tokens
+                st.delta(out)
+            t_stream += time.perf_counter() - t1
+            t_commit += t1 - t0
+            steps += 1
+        print(f"| {lo}-{hi} | {1e6 * t_commit / steps / B:.2f} | {1e6 * t_stream / steps / B:.2f} |")
+        lo = hi
+
+
+if __name__ == "__main__":
+    main()
