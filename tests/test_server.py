@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -593,6 +595,71 @@ def test_streamed_text_is_always_a_prefix_of_the_final_text(caplog):
     assert not caplog.records
     # the last character sent changed (the check reads the last CHECK sent): logged, only what is new is sent
     assert ts.delta(_out("abc" + long[:-1] + "X" + "d", True)) == "d" and "not a prefix" in caplog.text
+
+
+@settings(max_examples=60, deadline=None)
+@given(obs=st.lists(st.tuples(st.sampled_from([0.0, 0.001, 0.0049, 0.005, 0.03, 0.5, 7.5, 160.0, 161.0, 1e6]),
+                              st.integers(1, 5)), max_size=30))
+def test_repeated_histogram_reads_as_prometheus_clients_own(obs):
+    """`RepeatedHistogram.observe(v, k)` (TTIT: k tokens at one gap) against prometheus-client's Histogram fed v
+    k times: the same samples in the exposition, bounds included (Prometheus's buckets are <=)."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+    from eyas.serve.metrics import LATENCY_BUCKETS, RepeatedHistogram
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    h = RepeatedHistogram("x_seconds", "doc", ("model_name", "m"), LATENCY_BUCKETS, ours)
+    ref = Histogram("x_seconds", "doc", ["model_name"], buckets=LATENCY_BUCKETS, registry=theirs).labels("m")
+    for v, k in obs:
+        h.observe(v, k)
+        for _ in range(k):
+            ref.observe(v)
+
+    def samples(reg):
+        fam, = [f for f in text_string_to_metric_families(generate_latest(reg).decode()) if f.name == "x_seconds"]
+        return fam.type, sorted((x.name, tuple(sorted(x.labels.items())), x.value) for x in fam.samples)
+
+    (kind, got), (ref_kind, want) = samples(ours), samples(theirs)
+    assert kind == ref_kind == "histogram" and [g[:2] for g in got] == [w[:2] for w in want]
+    assert [g[2] for g in got] == pytest.approx([w[2] for w in want], rel=1e-12)  # the sum: k*v against k adds
+
+
+def test_step_accounting_sums_every_requests_part(tmp_path):
+    """The loop's metrics, summed over a step's requests and published once a step, equal the totals of the
+    requests' own stats, with several requests (and depths) in each step."""
+    from helpers import write_mirror_pair
+    from eyas.serve.async_engine import AsyncEngine, _Tracker
+    from eyas.serve.metrics import Metrics
+    target, draft = write_mirror_pair(tmp_path, vocab=24, layers=2)
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation="chain:4")
+    engine, metrics = llm.engine, Metrics("m")
+    ae = AsyncEngine(engine, metrics)
+    prompts = [[i % 20 + 1, (3 * i) % 20 + 1, 5] for i in range(6)]
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(max_tokens=12 + 3 * i, ignore_eos=True, temperature=0.0 if i % 2 else 1.0,
+                                             seed=i), request_id=f"r{i}")
+        ae._trackers[f"r{i}"] = _Tracker(None, 0, time.perf_counter())
+    finals = {}
+    while engine.has_unfinished():
+        outs = engine.step()
+        finals.update({o.request_id: o for o in outs if o.finished})
+        ae._dispatch(outs)
+    assert len(finals) == len(prompts) and not ae._trackers
+    got = {(f.name, tuple(sorted(f.labels.items()))): f.value
+           for fam in text_string_to_metric_families(metrics.render().decode()) for f in fam.samples}
+
+    def value(name, **labels):
+        return got[(name, tuple(sorted({"model_name": "m", **labels}.items())))]
+
+    stats = [o.stats for o in finals.values()]
+    depth = engine.tree.max_depth
+    assert value("eyas:generation_tokens_total") == sum(o.num_output_tokens for o in finals.values())
+    assert value("eyas:prompt_tokens_total") == sum(map(len, prompts))
+    assert value("eyas:time_per_output_token_seconds_count") == sum(o.num_output_tokens - 1 for o in finals.values())
+    assert value("eyas:spec_target_calls_total") == sum(s.target_calls for s in stats)
+    assert value("eyas:spec_committed_tokens_total") == sum(s.committed for s in stats)
+    by_depth = [sum(s.accepted_by_depth[d] for s in stats) for d in range(depth)]
+    assert [value("eyas:spec_accepted_tokens_by_depth_total", depth=str(d + 1)) for d in range(depth)] == by_depth
+    assert by_depth[depth - 1] > 0  # full-depth paths were accepted: every depth was counted
+    assert value("eyas:request_success_total", finish_reason="length") == len(prompts)
 
 
 def test_serve_command_line(tiny_dir):
