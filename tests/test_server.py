@@ -662,6 +662,27 @@ def test_step_accounting_sums_every_requests_part(tmp_path):
     assert value("eyas:request_success_total", finish_reason="length") == len(prompts)
 
 
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(), model=st.sampled_from(["smollm2", 'a "quoted" model', "\ue000eyas-text\ue000"]),
+       chat=st.booleans(), usage=st.booleans())
+def test_text_chunk_events_equal_the_whole_encoding(text, model, chat, usage):
+    """A streamed text chunk, encoded from its pieces around the text, is the event that encoding the whole chunk
+    gives, for any text (quotes, backslashes, control characters, U+2028, astral characters) and chunk kind; a
+    model name holding the marker falls back to the whole encoding."""
+    from eyas.serve.api_server import _sse, _TextChunk
+
+    def build(t, i=2):
+        c = {"id": "chatcmpl-1", "object": "chat.completion.chunk" if chat else "text_completion", "created": 1,
+             "model": model, "choices": [{"index": i, "delta": {"content": t}, "logprobs": None, "finish_reason": None}
+                                         if chat else {"index": i, "text": t, "logprobs": None, "finish_reason": None}]}
+        if usage:
+            c["usage"] = None
+        return _sse(c)
+
+    made = _TextChunk(build)
+    assert made(text) == build(text) and (made.head is None) == ("\ue000" in model)
+
+
 def test_serve_command_line(tiny_dir):
     import argparse
     parser = argparse.ArgumentParser()

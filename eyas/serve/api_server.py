@@ -67,6 +67,25 @@ def _choice_seed(seed: int | None, j: int) -> int | None:
     return None if seed is None else (seed + j) % SEED_LIMIT
 
 
+class _TextChunk:
+    """The SSE event of one choice's text chunk, `build(text)`, with only the text encoded per chunk: the event of a
+    marker text is built once and split around the marker. Encoding the whole chunk (`json.dumps` of its dict) took
+    ~4.6 us an event on the event loop, which shares the interpreter with the engine loop; the text alone ~1. Where
+    the marker shows elsewhere in the event (a model name holding it), every chunk is built whole."""
+
+    MARK = "\ue000eyas-text\ue000"  # private-use characters, in no id the server makes
+
+    def __init__(self, build):
+        self.build = build
+        parts = build(self.MARK).split(json.dumps(self.MARK, ensure_ascii=False))
+        self.head, self.tail = parts if len(parts) == 2 else (None, None)
+
+    def __call__(self, text: str) -> str:
+        if self.head is None:
+            return self.build(text)
+        return f"{self.head}{json.dumps(text, ensure_ascii=False)}{self.tail}"
+
+
 def _validation_response(errors) -> JSONResponse:
     """Malformed JSON -> 400; a body that does not fit the schema -> 422, naming the fields."""
     bad_json = [x for x in errors if x.get("type") == "json_invalid"]
@@ -369,6 +388,8 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
             return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
 
+    text_chunks = [_TextChunk(lambda text, i=i: chunk([choice(i, text)])) for i in range(n)]
+
     async def events():
         texts = [TextStream(stops) for _ in range(n)]
         completion_tokens = [0] * n
@@ -380,7 +401,7 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
                 completion_tokens[i] = out.num_output_tokens
                 delta = texts[i].delta(out)
                 if delta:
-                    yield chunk([choice(i, delta)])
+                    yield text_chunks[i](delta)
                 if out.finished:
                     yield chunk([choice(i, None if chat else "", finish=out.finish_reason)])
             if include_usage:
