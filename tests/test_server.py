@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import math
 import os
 import socket
 import subprocess
@@ -790,3 +791,86 @@ def test_eyas_serve_tensor_parallel(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(5)
+
+
+# ---- eyas bench serve: the clients' view of a server under load ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def chat_tiny(tmp_path_factory):
+    """A tiny random model with SmolLM2's tokenizer and chat template, served with at most 8 requests a batch;
+    every step notes the size of the running batch."""
+    from conftest import smollm2_tokenizer
+    from helpers import write_tiny_chat_model
+    path = write_tiny_chat_model(tmp_path_factory.mktemp("chat_tiny"), smollm2_tokenizer())
+    llm = LLM(str(path), device="cpu", dtype="float32", max_num_seqs=8)
+    step, batches = llm.engine.step, []
+
+    def noting_step():
+        batches.append(len(llm.engine.scheduler.running))
+        return step()
+
+    llm.engine.step = noting_step
+    server = LiveServer(create_app(llm, "tiny"))
+    server.batches = batches
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_bench_serve_counts_what_the_server_served(chat_tiny, tmp_path, endpoint):
+    """`eyas bench serve` against a live server: every request completes with the tokens asked for, its totals are
+    what the server's own metrics counted, no more requests run at once than --concurrency, and a second run's
+    table shows the first beside it (--compare)."""
+    from eyas.cli import main
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:5]))
+    common = ["bench", "serve", "--base-url", chat_tiny.url + "/v1", "--model", "tiny", "--endpoint", endpoint,
+              "--prompts", str(prompts), "--num-prompts", "12", "--max-tokens", "6", "--ignore-eos",
+              "--concurrency", "3", "--no-progress"]
+    before = chat_tiny.wait_idle()
+    chat_tiny.batches.clear()
+    assert main(common + ["--out", str(tmp_path / "a"), "--label", "first"]) == 0
+    after = chat_tiny.wait_idle()
+    res = json.loads((tmp_path / "a" / "serve.json").read_text())
+    rows, s = res["requests"], res["summary"]
+    assert len(rows) == 12 and s["completed"] == 12 and s["failed"] == 0
+    assert all(r["output_tokens"] == 6 and r["error"] is None for r in rows)
+    assert all(0 < r["ttft_s"] <= r["e2e_s"] and r["ttit_s"] is not None for r in rows)
+    assert s["output_tokens"] == 72 == after["eyas:generation_tokens_total{}"] - before["eyas:generation_tokens_total{}"]
+    assert after["eyas:request_success_total{finish_reason=length}"] - \
+        before["eyas:request_success_total{finish_reason=length}"] == 12
+    assert 1 <= max(chat_tiny.batches) <= 3
+    assert s["output_tokens_per_s"] == pytest.approx(72 / s["duration_s"])
+    assert (tmp_path / "a" / "serve.png").stat().st_size > 0
+    assert main(common + ["--out", str(tmp_path / "b"), "--label", "second", "--num-prompts", "2",
+                          "--compare", str(tmp_path / "a" / "serve.json")]) == 0
+    table = (tmp_path / "b" / "serve.md").read_text().splitlines()
+    assert [line.split("|")[1].strip() for line in table[2:]] == ["first", "second"]
+
+
+def test_bench_serve_reports_failures_and_bad_arguments(chat_tiny, tmp_path, capsys):
+    """Requests the server refuses are counted with their error (exit 1); bad arguments exit 2 before any load."""
+    from eyas.cli import main
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    common = ["bench", "serve", "--base-url", chat_tiny.url + "/v1", "--prompts", str(prompts), "--num-prompts", "3",
+              "--max-tokens", "2", "--no-progress", "--out", str(tmp_path / "o")]
+    assert main(common + ["--model", "no-such-model"]) == 1
+    res = json.loads((tmp_path / "o" / "serve.json").read_text())
+    assert res["summary"]["failed"] == 3 and all("NotFound" in r["error"] for r in res["requests"])
+    assert "3 of 3 requests failed" in capsys.readouterr().out
+    assert main(common + ["--model", "tiny", "--concurrency", "0"]) == 2
+    assert main(common + ["--model", "tiny", "--request-rate", "0"]) == 2
+    assert main(common + ["--model", "tiny", "--compare", str(prompts)]) == 2
+    assert "not a serve.json" in capsys.readouterr().err
+
+
+def test_request_starts_are_a_poisson_process():
+    from eyas.bench.serve import request_starts
+    assert request_starts(5, float("inf"), 0) == [0.0] * 5
+    starts = request_starts(4000, 20.0, 1)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert starts[0] == 0.0 and min(gaps) >= 0
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20.0, rel=0.05)  # exponential gaps of mean 1 / rate
+    assert sorted(gaps)[len(gaps) // 2] == pytest.approx(math.log(2) / 20.0, rel=0.08)  # and its median
+    assert request_starts(10, 20.0, 1) == starts[:10]  # the seed fixes them

@@ -1,0 +1,232 @@
+"""`eyas bench serve`: what the clients of an OpenAI-compatible server see, under load. The same requests go to any
+server that streams `/v1/chat/completions` or `/v1/completions` (`eyas serve`, vLLM's, SGLang's), so peers are
+compared on equal terms.
+
+    eyas serve --model smollm2 --draft default &
+    eyas bench serve --base-url http://127.0.0.1:8000/v1 --model smollm2 --label eyas \\
+        --prompts ../shared/data/mt_bench/question.jsonl --num-prompts 80 --max-tokens 128 --concurrency 16
+    eyas bench serve ... --label vllm --base-url http://127.0.0.1:8001/v1 --compare bench-out/serve/serve.json
+
+Each request streams (`stream_options.include_usage`, so the server counts its own output tokens). Requests start at
+the times of a Poisson process of `--request-rate` requests/s (`inf`: all at once), at most `--concurrency` in flight.
+Per request: TTFT (the start to its first text), TTIT ((end - first text) / (output tokens - 1)) and the end-to-end
+time; over the run: requests/s and output tokens/s from the first start to the last end, and each latency's mean and
+percentiles. It writes `serve.json` (the summary and every request), `serve.md` (a table, one row per run, with the
+runs of `--compare`) and `serve.png` (the distributions of TTFT and TTIT of every run). A request that fails is
+counted with its error, and the command exits 1 if any did.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+def request_starts(n: int, rate: float, seed: int) -> list[float]:
+    """When each of n requests starts, in seconds from the run's start: a Poisson process of `rate` requests/s (its
+    gaps exponential), or all at 0 for an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+async def _one(client, args, prompt: str, start_at: float, t0: float, gate: asyncio.Semaphore) -> dict:
+    await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
+    async with gate:
+        start = time.perf_counter()
+        first = last = None
+        tokens, text, error = None, [], None
+        extra = {"ignore_eos": True} if args.ignore_eos else None
+        common = dict(model=args.model, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                      stream=True, stream_options={"include_usage": True}, extra_body=extra)
+        try:
+            if args.endpoint == "chat":
+                stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}],
+                                                              **common)
+            else:
+                stream = await client.completions.create(prompt=prompt, **common)
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+                if chunk.choices:
+                    c = chunk.choices[0]
+                    piece = c.delta.content if args.endpoint == "chat" else c.text
+                    if piece:
+                        last = time.perf_counter()
+                        first = first or last
+                        text.append(piece)
+        except Exception as e:  # the server's error or the connection's: counted, never lost
+            error = f"{type(e).__name__}: {e}"
+        end = time.perf_counter()
+    if error is None and tokens is None:
+        error = "the stream ended without a usage chunk (stream_options.include_usage)"
+    row = {"start_s": start - t0, "e2e_s": end - start, "output_tokens": tokens, "error": error,
+           "ttft_s": None if first is None else first - start, "ttit_s": None, "chars": len("".join(text))}
+    if error is None and first is not None and tokens and tokens > 1:
+        row["ttit_s"] = (last - first) / (tokens - 1)
+    return row
+
+
+async def _run(args, prompts: list[str]) -> tuple[list[dict], float]:
+    from openai import AsyncOpenAI
+    from tqdm import tqdm
+    client = AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=args.timeout)
+    gate = asyncio.Semaphore(args.concurrency)
+    starts = request_starts(len(prompts), args.request_rate, args.seed)
+    t0 = time.perf_counter()
+    tasks = [asyncio.ensure_future(_one(client, args, p, s, t0, gate)) for p, s in zip(prompts, starts)]
+    rows = []
+    with tqdm(total=len(tasks), desc="requests", disable=args.no_progress) as bar:
+        for fut in asyncio.as_completed(tasks):
+            rows.append(await fut)
+            bar.update(1)
+    duration = time.perf_counter() - t0
+    await client.close()
+    rows.sort(key=lambda r: r["start_s"])
+    return rows, duration
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    a = np.asarray(values) * 1000.0
+    return {"mean": float(a.mean()), **{f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES}}
+
+
+def summarize(rows: list[dict], duration: float) -> dict:
+    """Over the run: counts, rates from the first start to the last end, and each latency's mean and percentiles
+    in ms (TTIT over the requests with at least two output tokens)."""
+    ok = [r for r in rows if r["error"] is None]
+    tokens = sum(r["output_tokens"] for r in ok)
+    return {"requests": len(rows), "completed": len(ok), "failed": len(rows) - len(ok),
+            "duration_s": duration, "requests_per_s": len(ok) / duration, "output_tokens": tokens,
+            "output_tokens_per_s": tokens / duration,
+            "ttft_ms": _stats([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
+            "ttit_ms": _stats([r["ttit_s"] for r in ok if r["ttit_s"] is not None]),
+            "e2e_ms": _stats([r["e2e_s"] for r in ok])}
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def markdown(runs: list[dict]) -> str:
+    head = ("| run | requests (failed) | concurrency | rate /s | output tokens/s | TTFT mean / p50 / p99 ms | "
+            "TTIT mean / p50 / p99 ms | e2e p50 / p99 ms |")
+    lines = [head, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for run in runs:
+        s, m = run["summary"], run["meta"]
+        t, i, e = s["ttft_ms"], s["ttit_ms"], s["e2e_ms"]
+        lines.append(f"| {m['label']} | {s['requests']} ({s['failed']}) | {m['concurrency']} | {m['request_rate']} | "
+                     f"{s['output_tokens_per_s']:.1f} | {_fmt(t['mean'])} / {_fmt(t['p50'])} / {_fmt(t['p99'])} | "
+                     f"{_fmt(i['mean'])} / {_fmt(i['p50'])} / {_fmt(i['p99'])} | {_fmt(e['p50'])} / "
+                     f"{_fmt(e['p99'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    """The empirical distribution (CDF) of TTFT and of TTIT, a line per run."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in ((axes[0], "ttft_s", "time to first token"), (axes[1], "ttit_s", "time per output token")):
+        for run in runs:
+            v = np.sort([r[key] * 1000.0 for r in run["requests"] if r["error"] is None and r[key] is not None])
+            if len(v):
+                ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=run["meta"]["label"])
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+        else:  # every request failed
+            ax.text(0.5, 0.5, "no completed requests", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def read_runs(paths: list[str]) -> list[dict]:
+    runs = []
+    for p in paths:
+        try:
+            runs.append(json.loads(Path(p).read_text()))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--compare {p}: not a serve.json ({e})") from None
+        if not {"meta", "summary", "requests"} <= set(runs[-1]):
+            raise ValueError(f"--compare {p}: not a serve.json (it needs meta, summary and requests)")
+    return runs
+
+
+def run(args) -> int:
+    from eyas.bench.tpc import read_prompts
+    try:
+        import openai  # noqa: F401  (the client: `pip install openai`, or eyas's `bench` or `test` extra)
+    except ImportError:
+        raise ValueError("eyas bench serve needs the openai package: pip install openai") from None
+    if args.concurrency < 1 or args.num_prompts < 1 or args.max_tokens < 1:
+        raise ValueError("--concurrency, --num-prompts and --max-tokens must be at least 1")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
+    earlier = read_runs(args.compare)  # a bad file fails before the load
+    records = read_prompts(args.prompts)
+    prompts = [records[i % len(records)]["text"] for i in range(args.num_prompts)]  # cycled past the file's end
+    rows, duration = asyncio.run(_run(args, prompts))
+    meta = {"label": args.label or args.base_url, "base_url": args.base_url, "model": args.model,
+            "endpoint": args.endpoint, "prompts": str(args.prompts), "num_prompts": args.num_prompts,
+            "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
+            "concurrency": args.concurrency, "request_rate": args.request_rate, "seed": args.seed,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    result = {"meta": meta, "summary": summarize(rows, duration), "requests": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve.json").write_text(json.dumps(result, indent=2))
+    runs = earlier + [result]
+    (out / "serve.md").write_text(markdown(runs))
+    plot(runs, out / "serve.png")
+    print(markdown(runs), end="")
+    failed = [r for r in rows if r["error"] is not None]
+    if failed:
+        print(f"{len(failed)} of {len(rows)} requests failed; the first: {failed[0]['error']}")
+        return 1
+    return 0
+
+
+def add_parser(bench_sub) -> argparse.ArgumentParser:
+    p = bench_sub.add_parser("serve", help="load an OpenAI-compatible server (ours or a peer's) and measure what "
+                                           "its clients see: TTFT, TTIT, tokens/s")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--model", default="smollm2", help="the model name the server serves")
+    p.add_argument("--api-key", default="unused")
+    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    p.add_argument("--prompts", default="../shared/data/mt_bench/question.jsonl",
+                   help="MT-Bench questions, conversations or {\"prompt\": ...} lines (first user turns)")
+    p.add_argument("--num-prompts", type=int, default=80, help="requests (the prompts cycled past the file's end)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--ignore-eos", action="store_true", help="every request takes --max-tokens (a vLLM extension)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="the requests' sampling seed and the arrivals' seed")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight at most")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson), or inf")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
+    p.add_argument("--label", default=None, help="this run's name in the table and plot (default: the URL)")
+    p.add_argument("--compare", nargs="*", default=[], help="earlier serve.json files to show beside this run")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", default="bench-out/serve")
+    p.set_defaults(func=run)
+    return p
