@@ -857,7 +857,8 @@ def test_bench_serve_reports_failures_and_bad_arguments(chat_tiny, tmp_path, cap
               "--max-tokens", "2", "--no-progress", "--out", str(tmp_path / "o")]
     assert main(common + ["--model", "no-such-model"]) == 1
     res = json.loads((tmp_path / "o" / "serve.json").read_text())
-    assert res["summary"]["failed"] == 3 and all("NotFound" in r["error"] for r in res["requests"])
+    assert res["summary"]["failed"] == 3 and all("HTTP 404" in r["error"] and "no-such-model" in r["error"]
+                                                 for r in res["requests"])
     assert "3 of 3 requests failed" in capsys.readouterr().out
     assert main(common + ["--model", "tiny", "--concurrency", "0"]) == 2
     assert main(common + ["--model", "tiny", "--request-rate", "0"]) == 2

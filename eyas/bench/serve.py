@@ -1,6 +1,8 @@
 """`eyas bench serve`: what the clients of an OpenAI-compatible server see, under load. The same requests go to any
 server that streams `/v1/chat/completions` or `/v1/completions` (`eyas serve`, vLLM's, SGLang's), so peers are
-compared on equal terms.
+compared on equal terms. The client is httpx with the events parsed by hand (the openai package's client took ~30%
+more CPU a streamed chunk, ~0.13 ms, which on a small machine set the pace instead of the server); the summary says
+how busy it kept a core (`client_busy`), and a note warns above 80%.
 
     eyas serve --model smollm2 --draft default &
     eyas bench serve --base-url http://127.0.0.1:8000/v1 --model smollm2 --label eyas \\
@@ -28,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+BUSY_WARNING = 0.8  # the client's CPU share of the run above which its own work may have set the pace
 
 
 def request_starts(n: int, rate: float, seed: int) -> list[float]:
@@ -43,60 +46,89 @@ def request_starts(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
+async def _stream_request(client, url: str, body: dict, on_text) -> int | None:
+    """POST one streamed request and read its server-sent events: `on_text(piece)` for each text, and the output
+    token count of the usage chunk (None if none came). Raises RuntimeError with the server's message on an HTTP
+    error or an error event."""
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            raw = (await r.aread()).decode(errors="replace")
+            try:
+                raw = json.loads(raw)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            raise RuntimeError(f"HTTP {r.status_code}: {raw}")
+        tokens = None
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"error event: {event['error'].get('message')}")
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            for c in event.get("choices", ()):
+                piece = c["delta"].get("content") if "delta" in c else c.get("text")
+                if piece:
+                    on_text(piece)
+        return tokens
+
+
 async def _one(client, args, prompt: str, start_at: float, t0: float, gate: asyncio.Semaphore) -> dict:
     await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
+    body = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    if args.endpoint == "chat":
+        body["messages"], path = [{"role": "user", "content": prompt}], "/chat/completions"
+    else:
+        body["prompt"], path = prompt, "/completions"
+    times, chars = [], [0]
+
+    def on_text(piece: str) -> None:
+        times.append(time.perf_counter())
+        chars[0] += len(piece)
+
     async with gate:
         start = time.perf_counter()
-        first = last = None
-        tokens, text, error = None, [], None
-        extra = {"ignore_eos": True} if args.ignore_eos else None
-        common = dict(model=args.model, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                      stream=True, stream_options={"include_usage": True}, extra_body=extra)
+        tokens, error = None, None
         try:
-            if args.endpoint == "chat":
-                stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}],
-                                                              **common)
-            else:
-                stream = await client.completions.create(prompt=prompt, **common)
-            async for chunk in stream:
-                if chunk.usage is not None:
-                    tokens = chunk.usage.completion_tokens
-                if chunk.choices:
-                    c = chunk.choices[0]
-                    piece = c.delta.content if args.endpoint == "chat" else c.text
-                    if piece:
-                        last = time.perf_counter()
-                        first = first or last
-                        text.append(piece)
+            tokens = await _stream_request(client, args.base_url.rstrip("/") + path, body, on_text)
         except Exception as e:  # the server's error or the connection's: counted, never lost
             error = f"{type(e).__name__}: {e}"
         end = time.perf_counter()
     if error is None and tokens is None:
         error = "the stream ended without a usage chunk (stream_options.include_usage)"
+    first = times[0] if times else None
     row = {"start_s": start - t0, "e2e_s": end - start, "output_tokens": tokens, "error": error,
-           "ttft_s": None if first is None else first - start, "ttit_s": None, "chars": len("".join(text))}
+           "ttft_s": None if first is None else first - start, "ttit_s": None, "chars": chars[0]}
     if error is None and first is not None and tokens and tokens > 1:
-        row["ttit_s"] = (last - first) / (tokens - 1)
+        row["ttit_s"] = (times[-1] - first) / (tokens - 1)
     return row
 
 
-async def _run(args, prompts: list[str]) -> tuple[list[dict], float]:
-    from openai import AsyncOpenAI
+async def _run(args, prompts: list[str]) -> tuple[list[dict], float, float]:
+    import httpx
     from tqdm import tqdm
-    client = AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=args.timeout)
-    gate = asyncio.Semaphore(args.concurrency)
-    starts = request_starts(len(prompts), args.request_rate, args.seed)
-    t0 = time.perf_counter()
-    tasks = [asyncio.ensure_future(_one(client, args, p, s, t0, gate)) for p, s in zip(prompts, starts)]
-    rows = []
-    with tqdm(total=len(tasks), desc="requests", disable=args.no_progress) as bar:
-        for fut in asyncio.as_completed(tasks):
-            rows.append(await fut)
-            bar.update(1)
-    duration = time.perf_counter() - t0
-    await client.close()
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    headers = {"Authorization": f"Bearer {args.api_key}"}
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits, headers=headers) as client:
+        gate = asyncio.Semaphore(args.concurrency)
+        starts = request_starts(len(prompts), args.request_rate, args.seed)
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        tasks = [asyncio.ensure_future(_one(client, args, p, s, t0, gate)) for p, s in zip(prompts, starts)]
+        rows = []
+        with tqdm(total=len(tasks), desc="requests", disable=args.no_progress) as bar:
+            for fut in asyncio.as_completed(tasks):
+                rows.append(await fut)
+                bar.update(1)
+        duration, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     rows.sort(key=lambda r: r["start_s"])
-    return rows, duration
+    return rows, duration, cpu
 
 
 def _stats(values: list[float]) -> dict:
@@ -106,14 +138,15 @@ def _stats(values: list[float]) -> dict:
     return {"mean": float(a.mean()), **{f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES}}
 
 
-def summarize(rows: list[dict], duration: float) -> dict:
-    """Over the run: counts, rates from the first start to the last end, and each latency's mean and percentiles
-    in ms (TTIT over the requests with at least two output tokens)."""
+def summarize(rows: list[dict], duration: float, client_cpu: float = 0.0) -> dict:
+    """Over the run: counts, rates from the first start to the last end, each latency's mean and percentiles in ms
+    (TTIT over the requests with at least two output tokens), and the share of the run the client itself kept a
+    core busy (`client_busy`: its process's CPU time over the run's)."""
     ok = [r for r in rows if r["error"] is None]
     tokens = sum(r["output_tokens"] for r in ok)
     return {"requests": len(rows), "completed": len(ok), "failed": len(rows) - len(ok),
             "duration_s": duration, "requests_per_s": len(ok) / duration, "output_tokens": tokens,
-            "output_tokens_per_s": tokens / duration,
+            "output_tokens_per_s": tokens / duration, "client_cpu_s": client_cpu, "client_busy": client_cpu / duration,
             "ttft_ms": _stats([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
             "ttit_ms": _stats([r["ttit_s"] for r in ok if r["ttit_s"] is not None]),
             "e2e_ms": _stats([r["e2e_s"] for r in ok])}
@@ -176,9 +209,9 @@ def read_runs(paths: list[str]) -> list[dict]:
 def run(args) -> int:
     from eyas.bench.tpc import read_prompts
     try:
-        import openai  # noqa: F401  (the client: `pip install openai`, or eyas's `bench` or `test` extra)
+        import httpx  # noqa: F401  (the client: `pip install httpx`, or eyas's `bench` or `test` extra)
     except ImportError:
-        raise ValueError("eyas bench serve needs the openai package: pip install openai") from None
+        raise ValueError("eyas bench serve needs the httpx package: pip install httpx") from None
     if args.concurrency < 1 or args.num_prompts < 1 or args.max_tokens < 1:
         raise ValueError("--concurrency, --num-prompts and --max-tokens must be at least 1")
     if not args.request_rate > 0:
@@ -186,13 +219,13 @@ def run(args) -> int:
     earlier = read_runs(args.compare)  # a bad file fails before the load
     records = read_prompts(args.prompts)
     prompts = [records[i % len(records)]["text"] for i in range(args.num_prompts)]  # cycled past the file's end
-    rows, duration = asyncio.run(_run(args, prompts))
+    rows, duration, cpu = asyncio.run(_run(args, prompts))
     meta = {"label": args.label or args.base_url, "base_url": args.base_url, "model": args.model,
             "endpoint": args.endpoint, "prompts": str(args.prompts), "num_prompts": args.num_prompts,
             "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
             "concurrency": args.concurrency, "request_rate": args.request_rate, "seed": args.seed,
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-    result = {"meta": meta, "summary": summarize(rows, duration), "requests": rows}
+    result = {"meta": meta, "summary": summarize(rows, duration, cpu), "requests": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve.json").write_text(json.dumps(result, indent=2))
@@ -200,6 +233,9 @@ def run(args) -> int:
     (out / "serve.md").write_text(markdown(runs))
     plot(runs, out / "serve.png")
     print(markdown(runs), end="")
+    if result["summary"]["client_busy"] > BUSY_WARNING:
+        print(f"note: this client kept a core {100 * result['summary']['client_busy']:.0f}% busy: it may have limited "
+              "the rates; run it on cores the server does not use (taskset), or on another machine")
     failed = [r for r in rows if r["error"] is not None]
     if failed:
         print(f"{len(failed)} of {len(rows)} requests failed; the first: {failed[0]['error']}")
