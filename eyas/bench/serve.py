@@ -1,6 +1,6 @@
 """`eyas bench serve`: what the clients of an OpenAI-compatible server see, under load. The same requests go to any
 server that streams `/v1/chat/completions` or `/v1/completions` (`eyas serve`, vLLM's, SGLang's), so peers are
-compared on equal terms. The client is httpx with the events parsed by hand (the openai package's client took ~30%
+compared on equal terms. The client is httpx with the events parsed by hand (the openai package's client took ~20%
 more CPU a streamed chunk, ~0.13 ms, which on a small machine set the pace instead of the server); the summary says
 how busy it kept a core (`client_busy`), and a note warns above 80%.
 
