@@ -87,11 +87,14 @@ async def _one(client, args, prompt: str, start_at: float, t0: float, gate: asyn
         body["messages"], path = [{"role": "user", "content": prompt}], "/chat/completions"
     else:
         body["prompt"], path = prompt, "/completions"
-    times, chars = [], [0]
+    first = last = None  # when the first and the latest text arrived
+    chars = 0
 
     def on_text(piece: str) -> None:
-        times.append(time.perf_counter())
-        chars[0] += len(piece)
+        nonlocal first, last, chars
+        last = time.perf_counter()
+        first = first or last
+        chars += len(piece)
 
     async with gate:
         start = time.perf_counter()
@@ -103,11 +106,10 @@ async def _one(client, args, prompt: str, start_at: float, t0: float, gate: asyn
         end = time.perf_counter()
     if error is None and tokens is None:
         error = "the stream ended without a usage chunk (stream_options.include_usage)"
-    first = times[0] if times else None
     row = {"start_s": start - t0, "e2e_s": end - start, "output_tokens": tokens, "error": error,
-           "ttft_s": None if first is None else first - start, "ttit_s": None, "chars": chars[0]}
+           "ttft_s": None if first is None else first - start, "ttit_s": None, "chars": chars}
     if error is None and first is not None and tokens and tokens > 1:
-        row["ttit_s"] = (times[-1] - first) / (tokens - 1)
+        row["ttit_s"] = (last - first) / (tokens - 1)
     return row
 
 

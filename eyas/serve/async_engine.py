@@ -51,6 +51,13 @@ class _Tracker:
     accepted: list[int] = field(default_factory=list)
 
 
+def _grown(xs: list[int], n: int) -> list[int]:
+    """`xs`, zero-padded in place to at least n entries."""
+    if len(xs) < n:
+        xs += [0] * (n - len(xs))
+    return xs
+
+
 @dataclass
 class _StepCounts:
     """What one engine step adds to the counters, summed over its requests and published once (`publish`): an
@@ -344,12 +351,8 @@ class AsyncEngine:
         step.calls += st.target_calls - tr.calls
         step.committed += st.committed - tr.committed
         tr.calls, tr.committed = st.target_calls, st.committed
-        by_depth, seen = st.accepted_by_depth, tr.accepted
-        if len(seen) < len(by_depth):
-            seen += [0] * (len(by_depth) - len(seen))
-        acc = step.accepted
-        if len(acc) < len(by_depth):
-            acc += [0] * (len(by_depth) - len(acc))
+        by_depth = st.accepted_by_depth
+        seen, acc = _grown(tr.accepted, len(by_depth)), _grown(step.accepted, len(by_depth))
         for d, v in enumerate(by_depth):
             if v != seen[d]:
                 acc[d] += v - seen[d]
