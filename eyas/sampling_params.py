@@ -5,6 +5,45 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class GuidedDecoding:
+    """What the output must match (guided decoding, `eyas.spec.grammar`); exactly one field is set.
+
+    json: a JSON schema (a dict, or its JSON text); json_object: any JSON object; regex: a regular expression the
+    whole output matches; choice: one of these strings exactly; grammar: an EBNF grammar (xgrammar's dialect, GBNF-like,
+    whose start rule is `root`)."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise ValueError("guided decoding takes exactly one of json, json_object, regex, choice, grammar; got "
+                             f"{given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"guided json must be a JSON schema (a dict or its text), got {type(self.json).__name__}")
+        if self.json_object not in (True, False):
+            raise ValueError(f"guided json_object must be true or false, got {self.json_object!r}")
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"guided {k} must be a non-empty string, got {v!r}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or any(not isinstance(c, str) or not c for c in self.choice)):
+                raise ValueError(f"guided choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None) \
+            if not self.json_object else "json_object"
+
+
+@dataclass
 class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
@@ -14,6 +53,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    guided: GuidedDecoding | None = None  # the output must match a schema, regex, choice or grammar
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -31,6 +71,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
+            raise ValueError(f"guided must be a GuidedDecoding, got {type(self.guided).__name__}")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
 

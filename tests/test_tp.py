@@ -14,7 +14,7 @@ from eyas.dist.tp import load_sharded
 from eyas.engine.engine import EngineConfig, LLMEngine
 from eyas.loader.resolve import load_target
 from eyas.models.fused import enable_fast_path
-from eyas.sampling_params import SamplingParams
+from eyas.sampling_params import GuidedDecoding, SamplingParams
 from eyas.spec.tree import resolve_tree
 from helpers import INTERPRETED_ONLY_REASON, NO_CPU_TRITON, write_mirror_pair, write_tiny_llama
 
@@ -89,13 +89,22 @@ def run_cases(rank: int, world: int, dirs: dict, device="cpu") -> dict:
     for spec in (None, "chain:3"):
         res[f"{spec}/sampled"], _ = _generate(target, tok, draft if spec else None, spec, rank, world, sampled,
                                               prompts(V))
+    # guided decoding: every rank keeps its own grammar states, fed the same committed tokens, so its masks agree
+    gt, gtok, gd = load_sharded(dirs["guided_target"], rank, world, device, "float32", dirs["guided_draft"])
+    guides = [GuidedDecoding(regex=r"(yes|no), [0-9]{1,3}!"), GuidedDecoding(json_object=True),
+              GuidedDecoding(regex=r"[a-z ]{5,40}\."), GuidedDecoding(choice=["abc", "ba"])]
+    guided = [SamplingParams(max_tokens=20, guided=guides[0]), SamplingParams(max_tokens=20, guided=guides[1]),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=20, guided=guides[2]),
+              SamplingParams(temperature=1.0, seed=4, max_tokens=20, guided=guides[3])]
+    res["tree:8/guided"], _ = _generate(gt, gtok, gd, "tree:8", rank, world, guided,
+                                        [gtok.encode(t) for t in ("yes?", "json", "abab", "pick")])
     return res
 
 
 def _rank_main(rank, world, device, out_dir, dirs):
     import torch.distributed as dist
     res = run_cases(rank, world, dirs, device)
-    tokens = {k: v for k, v in res.items() if k.endswith(("greedy", "sampled", "tokens", "preempt"))}
+    tokens = {k: v for k, v in res.items() if k.endswith(("greedy", "sampled", "tokens", "preempt", "guided"))}
     everyone = [None] * world
     dist.all_gather_object(everyone, tokens)
     res["ranks_agree"] = all(e == everyone[0] for e in everyone)
@@ -106,7 +115,10 @@ def _rank_main(rank, world, device, out_dir, dirs):
 def dirs(tmp_path_factory):
     d = tmp_path_factory.mktemp("tp")
     mt, md = write_mirror_pair(d / "mirror", vocab=24, layers=2)
-    return {"untied": str(write_tiny_llama(d / "untied", vocab=40, hidden=32, heads=4, kv_heads=2, layers=2)),
+    from test_guided import write_guided_mirror
+    gt, gd, _ = write_guided_mirror(d / "guided")
+    return {"guided_target": str(gt), "guided_draft": str(gd),
+            "untied": str(write_tiny_llama(d / "untied", vocab=40, hidden=32, heads=4, kv_heads=2, layers=2)),
             "tied": str(write_tiny_llama(d / "tied", vocab=41, hidden=32, heads=4, kv_heads=2, layers=2, tie=True,
                                          seed=3)),  # 41: the vocabulary shards are uneven (21 + 20)
             "mirror_target": str(mt), "mirror_draft": str(md)}
@@ -163,6 +175,12 @@ def test_greedy_speculative_equals_tp1(ranks, oracle, spec):
     if spec != "plain":
         preempt, used, decodes = ranks[0][f"{spec}/stats"]
         assert used == 0 and decodes < 4 * 19 / 2  # long draft paths were accepted at TP = 2 too
+
+
+def test_guided_decoding_equals_tp1(ranks, oracle):
+    """Greedy and seeded guided outputs (regex, JSON object, choice) at TP = 2 equal TP = 1's."""
+    assert all(r["tree:8/guided"] == oracle["tree:8/guided"] for r in ranks)
+    assert any(len(t) > 3 for t in oracle["tree:8/guided"])
 
 
 def test_sharded_draft_equals_tp1(ranks, oracle):

@@ -8,6 +8,7 @@ the device (`eyas.spec.carry`). Every `step()` still returns the outputs of exac
 from __future__ import annotations
 
 import random
+import threading
 import time
 from dataclasses import dataclass
 
@@ -123,6 +124,8 @@ class LLMEngine:
         self.overlap = cfg.cuda_graphs if cfg.overlap is None else cfg.overlap
         self._inflight = None  # overlapped decoding: the decode step enqueued behind the one being read back
         self.decoding = decoding_of(tokenizer) if tokenizer is not None else WHOLE
+        self._grammar = None  # guided decoding's tokenizer view and compiler (`grammar_backend`)
+        self._grammar_lock = threading.Lock()
 
     def _blocks_from_memory(self, target, draft) -> int:
         cfg = self.config
@@ -172,12 +175,31 @@ class LLMEngine:
         ids = self.check_request(prompt, request_id)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        seq = Sequence(ids, params, seed, request_id=request_id or "", stop_ids=stop_ids)
+        grammar = self.grammar_state(params)  # a bad schema fails here, before the request is queued
+        seq = Sequence(ids, params, seed, request_id=request_id or "", stop_ids=stop_ids, grammar=grammar)
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, len(ids), self.decoding)
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def grammar_state(self, params: SamplingParams):
+        """A guided request's grammar state (`eyas.spec.grammar`), None for the others. ValueError for a spec that
+        does not compile, or a model without a tokenizer."""
+        if params.guided is None:
+            return None
+        return self.grammar_backend().state(params.guided)
+
+    def grammar_backend(self):
+        """Guided decoding's view of the tokenizer and its compiler (`eyas.spec.grammar.GrammarBackend`), made once:
+        ~1 s for SmolLM2's 49k tokens, which a server spends at startup rather than at its first guided request."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                if self.tokenizer is None:
+                    raise ValueError("guided decoding needs the model's tokenizer (this model has none)")
+                from eyas.spec.grammar import GrammarBackend
+                self._grammar = GrammarBackend(self.tokenizer, self.target.config.vocab_size, sorted(self.eos_ids))
+            return self._grammar
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks. Returns False if it is unknown or already finished."""
@@ -256,6 +278,8 @@ class LLMEngine:
         sched = self.scheduler
         if not self.overlap or sched.can_admit() or len(sched.running) != len(h.seqs):
             return None
+        if any(s.grammar is not None for s in h.seqs):  # its masks need the grammar states after `h`'s commits
+            return None
         ahead = h.tree.max_depth + 1  # tokens `h` may commit
         if any(s.finished or len(s.token_ids) + ahead >= self.max_model_len for s in h.seqs):
             return None
@@ -287,6 +311,12 @@ class LLMEngine:
                     reason = "length"
                 if reason:
                     break
+        if seq.grammar is not None and added:  # guided: the grammar takes the committed tokens; complete, it ends
+            taken = seq.grammar.accept(added)   # the output (tokens after the one that completed it are dropped)
+            if taken < len(added):
+                del ids[len(ids) - (len(added) - taken):], added[taken:]
+            if seq.grammar.terminated:
+                reason = reason or "stop"
         if seq.detok is not None:
             cut = self._decode_added(seq, added)
             if cut >= 0:

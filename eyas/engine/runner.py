@@ -272,6 +272,10 @@ class ModelRunner:
 
         rows = torch.arange(B, device=dev)
         logits = self.target.compute_logits(hidden[rows, lens - 1])
+        states = [s.grammar for s in seqs]
+        if any(st is not None for st in states):  # guided decoding: the first token as the grammar allows
+            from eyas.spec.grammar import apply_bitmask, prefill_masks
+            apply_bitmask(logits, prefill_masks(states, next(st for st in states if st is not None).words).to(dev))
         p = [s.params for s in seqs]
         probs = logits_to_probs(logits, torch.tensor([x.temperature for x in p], device=dev),
                                 torch.tensor([x.top_k for x in p], device=dev),
@@ -406,7 +410,8 @@ class ModelRunner:
         steps ahead (`Scheduler.reserve_ahead`)."""
         tree = self.tree_for(len(seqs))
         self.tree_steps[tree.name] = self.tree_steps.get(tree.name, 0) + 1
-        graphed = self.graphs is not None and self.graphs.can_run(seqs)
+        guide = self._guide(seqs)
+        graphed = self.graphs is not None and self.graphs.can_run(seqs) and guide is None
         if after is not None:
             if after.seqs != seqs or after.graphed != graphed or after.tree is not tree:
                 raise ValueError("an overlapped step must follow a step of the same sequences")
@@ -427,9 +432,18 @@ class ModelRunner:
                 inp.max_context_len = (self.context_bound(seqs) if self.use_triton
                                        else max(s.num_cached for s in seqs) + self.lookahead)
             out = spec_step(self.target, self.draft, tree, self.cache, self.draft_cache, inp, self.block_size,
-                            self.use_triton, self.simulated_accept, all_greedy(seqs), self.draft_hidden)
+                            self.use_triton, self.simulated_accept, all_greedy(seqs), self.draft_hidden, guide)
         host, done = self.packer(B).readback(out.packed)
         return StepHandle(list(seqs), B, tree, graphed, out, host, done, graph_key)
+
+    @staticmethod
+    def _guide(seqs: list[Sequence]):
+        """The step's grammar masks when any of `seqs` is guided (`eyas.spec.grammar.TreeGuide`), else None."""
+        states = [s.grammar for s in seqs]
+        if all(st is None for st in states):
+            return None
+        from eyas.spec.grammar import TreeGuide
+        return TreeGuide(states, next(st for st in states if st is not None).words)
 
     def _grow_slot_tables(self, seqs: list[Sequence]) -> None:
         """Copy the blocks a sequence's table gained into its slot's host row (blocks are only appended while a

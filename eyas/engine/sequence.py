@@ -17,9 +17,13 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from eyas.engine.detokenizer import NO_TEXT, IncrementalDetokenizer, OutputText
 from eyas.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from eyas.spec.grammar import GrammarState
 
 _ids = itertools.count()
 
@@ -63,6 +67,7 @@ class Sequence:
     output_text: OutputText = NO_TEXT  # the detokenised output as the last commit left it (stop strings cut)
     detok: IncrementalDetokenizer | None = None  # keeps `text` up to date (set by the engine when it has a tokenizer)
     stop_ids: frozenset[int] = frozenset()  # token ids that end the output (set by the engine: stop_token_ids + EOS)
+    grammar: "GrammarState | None" = None  # guided decoding: the state after the committed output (eyas.spec.grammar)
 
     def __post_init__(self):
         if not self.token_ids:

@@ -94,7 +94,7 @@ class DecodeOutputs:
 
 def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: DecodeInputs, block_size: int,
               use_triton: bool = False, simulated_accept: torch.Tensor | None = None,
-              all_greedy: bool = False, draft_hidden: torch.Tensor | None = None) -> DecodeOutputs:
+              all_greedy: bool = False, draft_hidden: torch.Tensor | None = None, guide=None) -> DecodeOutputs:
     """One speculative step for every sequence.
 
     Before: the target KV holds positions 0..n-1 of each sequence, the last committed token x_n has none; the draft
@@ -110,6 +110,9 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
     target's hidden states along the accepted path, as the draft reads them (`draft.read_features`: the final hidden
     state for an EAGLE-1 draft, the fused multi-layer features for a draft with feature layers): the draft's next
     catch-up pairs.
+    `guide` (guided decoding, an `eyas.spec.grammar.TreeGuide`): the target's logits at every node are masked by the
+    grammar state that node's path reaches, before acceptance; the step then reads the tree's tokens back to the
+    host once, in its middle, and cannot be captured in a CUDA graph.
     With the bare-root tree (plain decoding; with a draft, a dispatcher's choice for large batches) the root's K/V
     are written straight to the cache, and its attention is one prefix pass that includes it (no suffix pass).
     """
@@ -154,6 +157,9 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
             else:
                 expand_tree(draft, target, draft_cache, tree, root_h, n, node_tokens, meta, positions - 1)
 
+    if guide is not None:  # guided decoding: the tree's tokens go to the host while the target verifies them
+        guide.read(node_tokens, tree.parents)
+
     # verify: one target forward over root + tree; split tree attention; K/V stashed, not cached (a bare root, which
     # is always accepted, writes its K/V to the cache directly)
     mask = tree.ancestor_mask if dynamic else tree.ancestor_mask.to(device)[None].expand(B, N1, N1)
@@ -172,6 +178,8 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
     else:  # EAGLE-3-style draft: it reads lower layers' features too (fused to H at commit, `read_features`)
         hidden, feats = target(node_tokens, positions, vmeta, cache, feature_layers=feature_layers)
     logits = target.compute_logits(hidden, dtype=None)  # argmaxes need no float32 copy; the sampler upcasts
+    if guide is not None:  # each node's logits restricted to what the grammar allows after its path
+        guide.apply(logits)
     V = logits.shape[-1]
     packed = None  # (num_accepted, path tokens, bonus): what the host reads; the Triton acceptance writes it itself
 

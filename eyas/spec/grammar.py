@@ -1,0 +1,243 @@
+"""Guided decoding (structured outputs): a grammar state per request, which follows the speculative tree.
+
+xgrammar compiles a JSON schema, a regular expression, a list of choices or an EBNF grammar against the tokenizer's
+vocabulary (`GrammarBackend`); its matcher says which tokens may come next. A request's matcher (`GrammarState`) holds
+exactly its committed tokens, and nothing else, at every step:
+
+* After the draft has proposed a step's tree, the host reads the tree's tokens (`TreeGuide.read`). Each node gets the
+  token mask of the state that the path root -> node reaches (`tree_bitmask`); the matcher itself is left as it was.
+* The target's logits at every node are masked (`apply_bitmask`) before acceptance. Acceptance (greedy, or the
+  lossless multi-round sampling of `eyas.spec.verifier`) so runs on the target's distribution restricted to the
+  grammar, which is what plain guided decoding samples from: speculation changes nothing of the output's law, and
+  greedy output equals plain greedy guided output token for token.
+* A draft token that the grammar refuses has probability 0 under its parent's masked distribution, so it is never
+  accepted; the nodes below it are unreachable, and their rows allow every token (a row that allows nothing would
+  make NaNs in the sampler).
+* The commit feeds the matcher the committed tokens only: the accepted path and the bonus token
+  (`LLMEngine._commit`). A rejected branch never touched it. A grammar that is complete ends the output ("stop").
+
+The masks need the draft's tokens on the host, so a guided step synchronises once in its middle (the tree's tokens
+are read while the target's verify forward runs) and is not captured in a CUDA graph or overlapped with the next.
+The draft proposes without the grammar: its proposals that break it cost acceptance, never exactness.
+"""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from eyas.sampling_params import GuidedDecoding
+
+XGRAMMAR_MISSING = "guided decoding needs the xgrammar package (pip install xgrammar)"
+
+
+def _xgr():
+    try:
+        import xgrammar
+    except ImportError as e:  # a core dependency; a broken install says what is missing
+        raise ValueError(f"{XGRAMMAR_MISSING}: {e}") from None
+    return xgrammar
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """The EBNF grammar whose sentences are exactly `choices` (string literals in JSON's escaping, which xgrammar's
+    EBNF reads)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarBackend:
+    """The tokenizer's vocabulary as xgrammar sees it, and a compiler (with its own cache) of guided specs."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]):
+        """`tokenizer`: an `eyas.loader.tokenizer.Tokenizer`; `vocab_size`: the model's logits width (>= the
+        tokenizer's); `stop_ids`: the tokens that may end a complete output (the model's end-of-sequence ids)."""
+        xgr = _xgr()
+        backend = tokenizer.backend
+        self.vocab_size = vocab_size
+        self.stop_ids = sorted(stop_ids)
+        vocab = [""] * vocab_size
+        for token, i in backend.get_vocab(with_added_tokens=True).items():
+            if i < vocab_size:
+                vocab[i] = token
+        # special tokens (<|im_start|>, ...) as empty strings: xgrammar never allows those, where it would take
+        # their literal text inside a JSON string or a regex's `.*`, text the detokenizer then drops
+        for i, t in backend.get_added_tokens_decoder().items():
+            if t.special and i < vocab_size:
+                vocab[i] = ""
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())  # byte-level, byte-fallback or raw
+        self.info = xgr.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=vocab_size, stop_token_ids=self.stop_ids,
+                                      add_prefix_space=meta["add_prefix_space"])
+        self.compiler = xgr.GrammarCompiler(self.info)
+
+    @property
+    def words(self) -> int:
+        """int32 words of a token bitmask row."""
+        return (self.vocab_size + 31) // 32
+
+    def compile(self, g: GuidedDecoding):
+        """A compiled grammar; ValueError naming the field for a schema, regex or grammar that xgrammar refuses."""
+        try:
+            if g.json is not None or g.json_object:  # an object, as OpenAI's json_object mode promises
+                schema = g.json if isinstance(g.json, str) else json.dumps(g.json or {"type": "object"})
+                # one space after ':' and ',' and no other whitespace: a free choice of whitespace lets a model
+                # loop on it (a weak one does) and makes the draft's proposals disagree about layout
+                return self.compiler.compile_json_schema(schema, any_whitespace=False)
+            if g.regex is not None:
+                return self.compiler.compile_regex(g.regex)
+            if g.choice is not None:
+                return self.compiler.compile_grammar(choice_grammar(g.choice))
+            return self.compiler.compile_grammar(g.grammar)
+        except (RuntimeError, ValueError) as e:  # xgrammar's parse errors: "[time] file.cc:line: message"
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"guided decoding: invalid {g.kind}: {msg.split(': ', 1)[-1]}") from None
+
+    def state(self, g: GuidedDecoding) -> "GrammarState":
+        return GrammarState(self.compile(g), self.stop_ids, self.words)
+
+
+class GrammarState:
+    """One request's grammar matcher: the state after its committed output tokens."""
+
+    def __init__(self, compiled, stop_ids: list[int], words: int):
+        xgr = _xgr()
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_ids)
+        self.words = words
+        self.num_accepted = 0
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and a stop token was taken: nothing may follow."""
+        return self.matcher.is_terminated()
+
+    def accept(self, tokens: list[int]) -> int:
+        """Feed committed tokens; returns how many were taken: all, or fewer when one of them completed the grammar
+        (the rest are dropped from the output). A token the grammar refuses is a bug upstream: RuntimeError."""
+        for i, t in enumerate(tokens):
+            if self.matcher.is_terminated():
+                return i
+            if not self.matcher.accept_token(int(t)):
+                raise RuntimeError(f"the grammar refused committed token {t} (after {self.num_accepted} tokens): "
+                                   "its mask was not applied")
+            self.num_accepted += 1
+        return len(tokens)
+
+    def fill(self, out: torch.Tensor, row: int = 0) -> None:
+        """out[row] = the mask of the tokens that may come next (all allowed once terminated)."""
+        if self.matcher.is_terminated():
+            out[row] = -1
+        else:
+            self.matcher.fill_next_token_bitmask(out, row)
+
+    def tree_bitmask(self, tokens: np.ndarray, parents: np.ndarray, out: torch.Tensor) -> None:
+        """out [N1, words] int32 = each tree node's mask: what may follow the path root -> node (the root is the last
+        committed token, which the matcher has taken). Nodes the grammar cannot reach (a refused token on their path,
+        or a completed grammar above them) allow every token. `tokens`, `parents`: [N1] (the root's parent -1,
+        parents before children). xgrammar walks the tree in one call (`traverse_draft_tree`), restoring the matcher
+        after; `tree_bitmask_reference` is the plain walk it is held equal to."""
+        N1 = len(tokens)
+        first, sibling = _child_links(parents)
+        out.fill_(-1)
+        if not self.matcher.is_terminated():
+            self.matcher.traverse_draft_tree(torch.from_numpy(first), torch.from_numpy(sibling),
+                                             torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)), out[:N1])
+        # xgrammar leaves the rows of nodes under a refused token as they were (all allowed here) and zeroes the
+        # rows of refused or terminal nodes: allowing nothing is never a valid state, so those allow everything too
+        out[~out[:N1].any(-1)] = -1
+
+
+def tree_bitmask_reference(state: GrammarState, tokens, parents, out: torch.Tensor) -> None:
+    """`GrammarState.tree_bitmask` the plain way: for each node, a fork of the matcher takes the path's tokens one by
+    one; a refused token or a completed grammar on the way leaves the node's row allowing everything."""
+    N1 = len(tokens)
+    for i in range(N1):
+        path, j = [], i
+        while j > 0:
+            path.append(int(tokens[j]))
+            j = int(parents[j])
+        m = state.matcher.fork()
+        ok = True
+        for t in reversed(path):
+            if m.is_terminated() or not m.accept_token(t):
+                ok = False
+                break
+        if ok and not m.is_terminated():
+            m.fill_next_token_bitmask(out, i)
+        else:
+            out[i] = -1
+
+
+def _child_links(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first child, next sibling) of every node, -1 where none: the tree as `traverse_draft_tree` reads it."""
+    N1 = len(parents)
+    first = np.full(N1, -1, dtype=np.int64)
+    sibling = np.full(N1, -1, dtype=np.int64)
+    last = {}
+    for i in range(1, N1):
+        p = int(parents[i])
+        if p < 0:
+            continue
+        if first[p] < 0:
+            first[p] = i
+        else:
+            sibling[last[p]] = i
+        last[p] = i
+    return first, sibling
+
+
+@lru_cache(maxsize=64)
+def _bit_shifts(device: torch.device) -> torch.Tensor:
+    return torch.arange(32, dtype=torch.int32, device=device)
+
+
+def allowed_tokens(bitmask: torch.Tensor, V: int) -> torch.Tensor:
+    """bitmask [..., words] int32 -> bool [..., V]: token t is allowed where bit t % 32 of word t // 32 is set."""
+    bits = (bitmask[..., None] >> _bit_shifts(bitmask.device)) & 1
+    return bits.view(*bitmask.shape[:-1], -1)[..., :V].bool()
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: logits [..., V] = -inf where the bitmask [..., words] (same leading shape) forbids the token."""
+    logits.masked_fill_(~allowed_tokens(bitmask, logits.shape[-1]), float("-inf"))
+
+
+class TreeGuide:
+    """The masks of one decode step's trees, for the rows of a batch whose requests are guided (`states[b]`, None
+    for the others and for padding rows). `spec_step` calls `read` once the tree's tokens are drafted (the copy to
+    the host is enqueued, the step goes on) and `apply` once the target's logits are computed."""
+
+    def __init__(self, states: list[GrammarState | None], words: int):
+        self.states, self.words = states, words
+        self._tokens = self._parents = self._done = None
+
+    def read(self, node_tokens: torch.Tensor, parents: torch.Tensor) -> None:
+        """Start copying the step's tree to the host: node_tokens [B, N1]; parents [N1] (a static tree) or [B, N1]."""
+        cuda = node_tokens.device.type == "cuda"
+        self._tokens = node_tokens.to("cpu", non_blocking=cuda)
+        self._parents = parents.to("cpu", non_blocking=cuda)
+        if cuda:
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Mask logits [B, N1, V] in place: each guided row's nodes by their states' masks."""
+        if self._done is not None:
+            self._done.synchronize()
+        B, N1, _ = logits.shape
+        tokens = self._tokens.numpy()
+        parents = self._parents.numpy()
+        masks = torch.full((B, N1, self.words), -1, dtype=torch.int32)
+        for b, st in enumerate(self.states):
+            if st is not None:
+                st.tree_bitmask(tokens[b], parents if parents.ndim == 1 else parents[b], masks[b])
+        apply_bitmask(logits, masks.to(logits.device, non_blocking=True))
+
+
+def prefill_masks(states: list[GrammarState | None], words: int) -> torch.Tensor:
+    """[B, words] masks of the next token of each row's state (every token for rows without one)."""
+    masks = torch.full((len(states), words), -1, dtype=torch.int32)
+    for b, st in enumerate(states):
+        if st is not None:
+            st.fill(masks, b)
+    return masks

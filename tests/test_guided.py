@@ -1,0 +1,349 @@
+"""Guided decoding (eyas.spec.grammar): the grammar state follows the speculative tree.
+
+Oracles: xgrammar's matcher fed the whole history afresh (for the tree's masks and the committed state), plain
+guided decoding (for speculative guided decoding, token for token), Python's `re` and `json` (for what the output
+matches), and the law enumerated exactly from HF transformers' forward with the grammar's masks (temperature 1)."""
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from eyas import LLM, GuidedDecoding, SamplingParams
+from eyas.loader.tokenizer import Tokenizer, _bytes_to_unicode
+from eyas.spec.grammar import GrammarBackend, allowed_tokens, apply_bitmask, choice_grammar, tree_bitmask_reference
+from helpers import write_mirror_pair
+
+END = "<|end|>"
+SEP = "<|sep|>"  # a special token that is not a stop token
+MERGES = [("a", "b"), ("ab", "c"), ("b", "a"), ("Ġ", "y"), ("Ġy", "e"), ("Ġye", "s"), ("n", "o"), ("{", "\""),
+          ("\"", ":"), ("1", "2")]
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """A byte-level BPE of 256 bytes, ten merges and one special end token: a real tokenizer's kind, small enough
+    for a tiny model and for enumerating a grammar's token paths."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    vocab = {c: i for i, c in enumerate(_bytes_to_unicode().values())}
+    for a, b in MERGES:
+        vocab[a + b] = len(vocab)
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=MERGES))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([END, SEP])
+    return Tokenizer(backend, eos_token=END)
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
+
+
+def write_guided_mirror(d):
+    """(target dir, draft dir, tokenizer): the mirror pair (a draft that nearly copies its target, so long paths
+    are accepted) over the tiny tokenizer, with a chat template."""
+    tok = tiny_tokenizer()
+    target, draft = write_mirror_pair(d, vocab=tok.vocab_size, layers=2)
+    tok.backend.save(str(target / "tokenizer.json"))
+    (target / "tokenizer_config.json").write_text(json.dumps({"eos_token": END, "chat_template": CHAT_TEMPLATE}))
+    return target, draft, tok
+
+
+@pytest.fixture(scope="module")
+def mirror(tmp_path_factory):
+    return write_guided_mirror(tmp_path_factory.mktemp("guided"))
+
+
+@pytest.fixture(scope="module")
+def backend():
+    tok = tiny_tokenizer()
+    return GrammarBackend(tok, tok.vocab_size + 5, [tok.eos_token_id]), tok  # a head wider than the vocabulary
+
+
+def allowed_set(state_or_matcher, words, V):
+    m = getattr(state_or_matcher, "matcher", state_or_matcher)
+    mask = torch.zeros(1, words, dtype=torch.int32)
+    m.fill_next_token_bitmask(mask, 0)
+    return set(torch.nonzero(allowed_tokens(mask, V)[0]).flatten().tolist())
+
+
+def fresh_mask(be, compiled, history, words):
+    """The oracle: a new matcher fed `history` from the start (None if it refuses a token or has terminated)."""
+    import xgrammar as xgr
+    m = xgr.GrammarMatcher(compiled, override_stop_tokens=be.stop_ids)
+    for t in history:
+        if m.is_terminated() or not m.accept_token(t):
+            return None
+    if m.is_terminated():
+        return None
+    out = torch.zeros(1, words, dtype=torch.int32)
+    m.fill_next_token_bitmask(out, 0)
+    return out[0]
+
+
+GUIDES = [GuidedDecoding(regex=r"(yes|no), [0-9]{1,3}!"), GuidedDecoding(choice=["a", "ab", "abc", "ba"]),
+          GuidedDecoding(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+          GuidedDecoding(grammar='root ::= ("ab" | "c")+ "."')]
+
+
+@pytest.mark.parametrize("g", GUIDES, ids=lambda g: g.kind)
+def test_tree_masks_follow_each_path(backend, g):
+    """Every node's mask is the state its path reaches from the committed history: xgrammar's tree walk equals the
+    plain walk (forks of the matcher), and both equal a fresh matcher fed history + path; nodes under a refused
+    token or past a complete grammar allow everything. The matcher is unchanged afterwards."""
+    be, tok = backend
+    V = be.vocab_size
+    rng = np.random.default_rng(0)
+    for trial in range(12):
+        state = be.state(g)
+        compiled = be.compile(g)
+        history = []
+        for _ in range(int(rng.integers(0, 3))):  # commit a few allowed tokens first
+            allowed = sorted(allowed_set(state, be.words, V) - set(be.stop_ids))
+            if not allowed:
+                break
+            t = int(rng.choice(allowed))
+            assert state.accept([t]) == 1
+            history.append(t)
+        N1 = int(rng.integers(2, 14))
+        parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, N1)])
+        tokens = np.zeros(N1, dtype=np.int64)
+        for i in range(1, N1):  # mostly tokens the grammar allows after the parent's path, sometimes any (refused)
+            path, j = [], parents[i]
+            while j > 0:
+                path.append(int(tokens[j]))
+                j = parents[j]
+            ref = fresh_mask(be, compiled, history + path[::-1], be.words)
+            ok = [] if ref is None else torch.nonzero(allowed_tokens(ref, V)).flatten().tolist()
+            tokens[i] = int(rng.choice(ok)) if ok and rng.random() < 0.8 else int(rng.integers(0, V))
+        before = allowed_set(state, be.words, V)
+        fast = torch.zeros(N1, be.words, dtype=torch.int32)
+        plain = torch.zeros(N1, be.words, dtype=torch.int32)
+        state.tree_bitmask(tokens, parents, fast)
+        tree_bitmask_reference(state, tokens, parents, plain)
+        assert torch.equal(fast, plain), trial
+        assert allowed_set(state, be.words, V) == before
+        for i in range(N1):
+            path, j = [], i
+            while j > 0:
+                path.append(int(tokens[j]))
+                j = parents[j]
+            ref = fresh_mask(be, compiled, history + path[::-1], be.words)
+            expect = torch.full((be.words,), -1, dtype=torch.int32) if ref is None else ref
+            assert torch.equal(fast[i], expect), (trial, i)
+
+
+def test_special_tokens_are_never_allowed_but_the_stop_token(backend):
+    """A special token's literal text fits a JSON string or `[a-z<|>]*`, but the detokenizer drops it: never allowed
+    (the stop token only where the grammar may end)."""
+    be, tok = backend
+    sep, end = tok.backend.token_to_id(SEP), tok.eos_token_id
+    for g, prefix in ((GuidedDecoding(regex=r"[a-z<|>]{0,30}"), ""),
+                      (GuidedDecoding(json={"type": "object", "properties": {"a": {"type": "string"}}}), '{"a": "x')):
+        st = be.state(g)
+        st.accept(tok.encode(prefix))
+        allowed = allowed_set(st, be.words, be.vocab_size)
+        assert tok.encode("<")[0] in allowed and sep not in allowed
+        assert (end in allowed) == (g.regex is not None)
+
+
+def test_apply_bitmask_against_a_loop():
+    torch.manual_seed(0)
+    V, words = 70, 3
+    logits = torch.randn(2, 4, V)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 4, words), dtype=torch.int32)
+    masked = logits.clone()
+    apply_bitmask(masked, bitmask)
+    for idx in np.ndindex(2, 4):
+        for t in range(V):
+            on = (int(bitmask[idx][t // 32]) >> (t % 32)) & 1
+            assert masked[idx][t] == (logits[idx][t] if on else float("-inf"))
+
+
+def test_choice_grammar_escapes():
+    assert choice_grammar(['a"b', "c\\d", "é"]) == 'root ::= "a\\"b" | "c\\\\d" | "é"'
+
+
+def test_bad_specs_are_value_errors(backend):
+    be, _ = backend
+    with pytest.raises(ValueError, match="exactly one"):
+        GuidedDecoding(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="exactly one"):
+        GuidedDecoding()
+    with pytest.raises(ValueError, match="non-empty list"):
+        GuidedDecoding(choice=[])
+    with pytest.raises(ValueError, match="guided json"):
+        GuidedDecoding(json=3)
+    with pytest.raises(ValueError, match="invalid regex"):
+        be.compile(GuidedDecoding(regex="a("))
+    with pytest.raises(ValueError, match="invalid json"):
+        be.compile(GuidedDecoding(json={"type": "objec"}))
+    with pytest.raises(ValueError, match="invalid grammar"):
+        be.compile(GuidedDecoding(grammar="root ::= ("))
+    with pytest.raises(ValueError, match="GuidedDecoding"):
+        SamplingParams(guided={"regex": "a"})
+
+
+def matches(g: GuidedDecoding, text: str) -> bool:
+    if g.regex is not None:
+        return re.fullmatch(g.regex, text) is not None
+    if g.choice is not None:
+        return text in g.choice
+    if g.grammar is not None:
+        return re.fullmatch(r"(ab|c)+\.", text) is not None
+    obj = json.loads(text)
+    return isinstance(obj, dict) and (g.json is None or isinstance(obj.get("a"), int))
+
+
+PROMPTS = ["Hello there", "yes or no?", "{\"", "abcabc", "12 12 12"]
+
+
+@pytest.mark.parametrize("spec", ["chain:3", "tree:8", "dyn:k4d3n8"])
+def test_speculative_guided_equals_plain_guided(mirror, spec):
+    """Greedy guided output with speculation equals plain guided output token for token, for every kind of
+    guide, batched with an unguided request; each guided output matches its guide, and drafts were accepted."""
+    target, draft, _ = mirror
+    plain = LLM(str(target), device="cpu", dtype="float32")
+    fast = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec)
+    guides = GUIDES + [GuidedDecoding(json_object=True), GuidedDecoding(regex=r"[a-z ]{5,60}\."), None]
+    params = [SamplingParams(max_tokens=40, guided=g) for g in guides]
+    accepted = 0
+    for prompt in PROMPTS[:3]:
+        a = plain.generate([prompt] * len(guides), params)
+        b = fast.generate([prompt] * len(guides), params)
+        for g, x, y in zip(guides, a, b):
+            assert x.token_ids == y.token_ids, (prompt, g)
+            if g is not None and x.finish_reason == "stop":
+                assert matches(g, x.text), (g, x.text)
+        accepted += sum(sum(o.stats.accepted_by_depth) for o, g in zip(b, guides) if g is not None)
+    assert accepted > 0
+
+
+def test_grammar_state_is_the_committed_history(mirror):
+    """After every speculative step (rejected branches included), each guided request's matcher allows exactly
+    what a fresh matcher fed its committed output allows."""
+    target, draft, tok = mirror
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation="tree:8")
+    engine = llm.engine
+    g = GuidedDecoding(regex=r"[a-z ]{5,80}\.")
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=60, guided=g)) for p in PROMPTS]
+    be = engine._grammar
+    compiled = be.compile(g)
+    steps = rejected = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        for s in seqs:
+            if s.finished:
+                continue
+            ref = fresh_mask(be, compiled, s.output_ids, be.words)
+            got = torch.zeros(1, be.words, dtype=torch.int32)
+            s.grammar.fill(got, 0)
+            assert torch.equal(got[0], ref), (steps, s.output_ids)
+            rejected += s.stats.target_calls * engine.tree.max_depth - sum(s.stats.accepted_by_depth)
+    assert rejected > 0 and steps > 3
+    assert all(s.finish_reason in ("stop", "length") for s in seqs)
+    assert engine.blocks.num_free == engine.blocks.num_usable  # no KV block leaked
+
+
+def test_grammar_completion_ends_the_output_even_with_ignore_eos(mirror):
+    target, draft, tok = mirror
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation="chain:3")
+    g = GuidedDecoding(choice=["abc", "ba"])
+    out = llm.generate(PROMPTS, SamplingParams(max_tokens=30, guided=g, ignore_eos=True))
+    for o in out:
+        assert o.finish_reason == "stop" and o.text in ("abc", "ba")
+        assert o.token_ids[-1] == tok.eos_token_id  # the grammar's stop token ends it, and is its last token
+
+
+def test_engine_rejects_a_bad_schema_before_queueing(mirror):
+    target, _, _ = mirror
+    llm = LLM(str(target), device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="invalid regex"):
+        llm.generate(["x"], SamplingParams(guided=GuidedDecoding(regex="(")))
+    assert not llm.engine.has_unfinished()
+
+
+# ---- the law at temperature 1 -------------------------------------------------------------------------------------
+
+RUNS = 20_000
+LAW_GUIDE = GuidedDecoding(choice=["a", "ab", "abc", "b", "ba"])
+
+
+def exact_guided_law(target_dir, tok, prompt):
+    """The law of the whole output (token paths, end token included) of plain guided sampling at temperature 1:
+    each token drawn from HF transformers' next-token softmax restricted to what a fresh matcher allows."""
+    from transformers import LlamaForCausalLM
+    hf = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    be = GrammarBackend(tok, hf.config.vocab_size, [tok.eos_token_id])
+    compiled = be.compile(LAW_GUIDE)
+    law = {}
+
+    def walk(path, prob):
+        mask = fresh_mask(be, compiled, path, be.words)
+        if mask is None:  # terminated: the end token was the last one
+            law[tuple(path)] = prob
+            return
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + path])).logits[0, -1].double()
+        logits[~allowed_tokens(mask, logits.shape[0])] = float("-inf")
+        p = torch.softmax(logits, -1)
+        for t in torch.nonzero(p > 0).flatten().tolist():
+            walk(path + [t], prob * float(p[t]))
+
+    walk([], 1.0)
+    return law
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["chain:3", "tree:8"])
+def test_guided_sampling_law_is_exact(mirror, spec, tmp_path):
+    from test_spec_distribution import pooled_chisquare
+    import shutil
+
+    from eyas.spec.draft_vocab import save_draft_vocab
+    target, mirror_draft, tok = mirror
+    # the mirror draft restricted to the choices' tokens (a draft vocabulary), so that it proposes what the grammar
+    # allows and paths are accepted: over the whole vocabulary its top tokens are none of them
+    draft = tmp_path / "draft"
+    shutil.copytree(mirror_draft, draft)
+    words = sorted({t for c in ["a", "b", "ab", "abc", "ba"] for t in tok.encode(c)} | {tok.eos_token_id})
+    save_draft_vocab(draft, torch.tensor(words))
+    prompt = tok.encode("abab")
+    law = exact_guided_law(target, tok, prompt)
+    assert len(law) >= 8 and abs(sum(law.values()) - 1) < 1e-9
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec,
+              max_num_seqs=1024, num_blocks=1024 * 4 + 8, block_size=4)
+    params = [SamplingParams(temperature=1.0, max_tokens=8, seed=s, guided=LAW_GUIDE) for s in range(RUNS)]
+    outs = llm.generate([prompt] * RUNS, params)
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    assert set(counts) <= set(law), set(counts) - set(law)
+    p = pooled_chisquare(counts, law, RUNS)
+    accepted = sum(sum(o.stats.accepted_by_depth) for o in outs)
+    print(f"{spec}: {len(law)} outputs, chi-square p {p:.3f}, {accepted} draft tokens accepted")
+    assert p > 1e-3, p
+    assert accepted > 0
+
+
+# ---- the embedded model and its shipped draft ----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_smollm2_json_schema_with_its_draft(smollm2):
+    """SmolLM2 asked for JSON under a schema: the shipped draft's chain and tree give the plain guided tokens, the
+    outputs parse and hold the schema's keys, and the draft still gets tokens accepted."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                               "colour": {"type": "string"}}, "required": ["name", "age", "colour"]}
+    conv = [[{"role": "user", "content": "Describe a cat as JSON with its name, age and colour."}],
+            [{"role": "user", "content": "Extract the person from this sentence as JSON (name, age, colour of "
+                                         "hair): 'Anna, 34, has red hair.'"}]]
+    params = SamplingParams(max_tokens=64, guided=GuidedDecoding(json=schema))
+    plain = smollm2.chat(conv, params)
+    for o in plain:
+        assert o.finish_reason == "stop" and set(json.loads(o.text)) == {"name", "age", "colour"}, o.text
+    for spec in ("chain:3", "tree:8"):
+        llm = LLM("smollm2", device="cpu", dtype="float32", draft="default", speculation=spec)
+        out = llm.chat(conv, params)
+        assert [o.token_ids for o in out] == [o.token_ids for o in plain], spec
+        assert sum(o.stats.committed for o in out) > 1.5 * sum(o.stats.target_calls for o in out), spec
