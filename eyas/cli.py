@@ -21,10 +21,42 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto")
 
 
+def _text_or_file(value: str | None, what: str) -> str | None:
+    """A flag's value as given, or the contents of the file it names (a path that exists)."""
+    if value is None:
+        return None
+    from pathlib import Path
+    p = Path(value)
+    try:
+        return p.read_text() if p.is_file() else value
+    except OSError as e:
+        raise ValueError(f"could not read {what} from {value}: {e}") from None
+
+
+def _guided(args):
+    """`eyas generate`'s guided decoding flags -> GuidedDecoding (or None)."""
+    import json
+
+    from eyas import GuidedDecoding
+    schema = _text_or_file(getattr(args, "json_schema", None), "--json-schema")
+    if schema is not None:
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema is neither a file nor JSON: {e}") from None
+    asked = {"json": schema, "regex": getattr(args, "regex", None), "choice": getattr(args, "choice", None),
+             "grammar": _text_or_file(getattr(args, "grammar", None), "--grammar"),
+             "json_object": getattr(args, "json_object", False)}
+    if all(v in (None, False) for v in asked.values()):
+        return None
+    return GuidedDecoding(**asked)
+
+
 def _sampling_params(args):
     from eyas import SamplingParams
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+                          max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
+                          guided=_guided(args))
 
 
 def _timings(n: int, t0: float, first: float | None, t1: float, spec: str = "") -> str:
@@ -105,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    guide = g.add_argument_group("guided decoding (the output must match; at most one)").add_mutually_exclusive_group()
+    guide.add_argument("--json-schema", help="a JSON schema, as JSON text or a file")
+    guide.add_argument("--json-object", action="store_true", help="any JSON object")
+    guide.add_argument("--regex", help="a regular expression the whole output matches")
+    guide.add_argument("--choice", nargs="+", help="one of these strings exactly")
+    guide.add_argument("--grammar", help="an EBNF grammar (xgrammar's dialect, start rule 'root'), text or a file")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly on a GPU (default: replay them from CUDA graphs)")
     g.add_argument("--tensor-parallel", type=int, default=1,

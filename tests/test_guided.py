@@ -327,6 +327,87 @@ def test_guided_sampling_law_is_exact(mirror, spec, tmp_path):
     assert accepted > 0
 
 
+# ---- the server: OpenAI's response_format and vLLM's guided_* fields -------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 6}},
+          "required": ["a", "b"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def guided_server(mirror):
+    from eyas.serve.api_server import create_app
+    from test_server import LiveServer
+    target, draft, _ = mirror
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation="tree:8")
+    g = SamplingParams(max_tokens=40)
+    refs = {"schema": llm.chat([{"role": "user", "content": "json"}], _with(g, json=SCHEMA))[0],
+            "object": llm.chat([{"role": "user", "content": "json"}], _with(g, json_object=True))[0],
+            "regex": llm.generate(["yes?"], _with(g, regex=r"(yes|no), [0-9]{1,3}!"))[0],
+            "choice": llm.generate(["pick"], _with(g, choice=["abc", "ba"]))[0]}
+    server = LiveServer(create_app(llm, "mirror"))
+    server.refs = refs
+    yield server
+    server.close()
+
+
+def _with(params: SamplingParams, **guided) -> SamplingParams:
+    import dataclasses
+    return dataclasses.replace(params, guided=GuidedDecoding(**guided))
+
+
+def test_server_guided_outputs_equal_offline(guided_server):
+    refs = guided_server.refs
+    client = guided_server.client()
+    msgs = [{"role": "user", "content": "json"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "ab", "schema": SCHEMA, "strict": True}}
+    r = client.chat.completions.create(model="mirror", messages=msgs, max_tokens=40, temperature=0,
+                                       response_format=fmt)
+    assert r.choices[0].message.content == refs["schema"].text
+    assert r.choices[0].finish_reason == refs["schema"].finish_reason
+    if refs["schema"].finish_reason == "stop":
+        assert set(json.loads(refs["schema"].text)) == {"a", "b"}
+    chunks = client.chat.completions.create(model="mirror", messages=msgs, max_tokens=40, temperature=0,
+                                            response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == refs["schema"].text
+    r = client.chat.completions.create(model="mirror", messages=msgs, max_tokens=40, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].message.content == refs["object"].text
+    r = client.completions.create(model="mirror", prompt="yes?", max_tokens=40, temperature=0,
+                                  extra_body={"guided_regex": r"(yes|no), [0-9]{1,3}!"})
+    assert r.choices[0].text == refs["regex"].text and re.fullmatch(r"(yes|no), [0-9]{1,3}!", r.choices[0].text)
+    r = client.completions.create(model="mirror", prompt="pick", max_tokens=40, temperature=0,
+                                  extra_body={"guided_choice": ["abc", "ba"]})
+    assert r.choices[0].text == refs["choice"].text and r.choices[0].text in ("abc", "ba")
+    r = client.chat.completions.create(model="mirror", messages=msgs, max_tokens=5, temperature=0,
+                                       response_format={"type": "text"})
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_server_rejects_bad_guides_with_400(guided_server):
+    import httpx
+    msgs = [{"role": "user", "content": "hi"}]
+    cases = [
+        ({"response_format": {"type": "xml"}}, "response_format.type", "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "json_schema.schema", "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}},
+         "json_schema.schema", "response_format"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "at most one", "guided_regex"),
+        ({"guided_choice": []}, "non-empty list", "guided_choice"),
+        ({"guided_regex": "a("}, "invalid regex", None),
+        ({"guided_json": {"type": "objec"}}, "invalid json", None),
+        ({"guided_grammar": "root ::= ("}, "invalid grammar", None),
+    ]
+    with httpx.Client(base_url=guided_server.url, timeout=60) as http:
+        for extra, words, param in cases:
+            r = http.post("/v1/chat/completions", json={"model": "mirror", "messages": msgs, **extra})
+            assert r.status_code == 400, (extra, r.text)
+            err = r.json()["error"]
+            assert words in err["message"] and err["param"] == param, (extra, err)
+        r = http.post("/v1/completions", json={"model": "mirror", "prompt": "x", "guided_choice": "abc"})
+        assert r.status_code == 422  # a string is not a list of choices: the schema's error
+    assert guided_server.wait_idle()["eyas:kv_cache_used_blocks{}"] == 0
+
+
 # ---- the embedded model and its shipped draft ----------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -347,3 +428,50 @@ def test_smollm2_json_schema_with_its_draft(smollm2):
         out = llm.chat(conv, params)
         assert [o.token_ids for o in out] == [o.token_ids for o in plain], spec
         assert sum(o.stats.committed for o in out) > 1.5 * sum(o.stats.target_calls for o in out), spec
+
+
+# ---- the command line and the benchmark ----------------------------------------------------------------------------
+
+def test_generate_command_line_guides(mirror, tmp_path, capsys):
+    from eyas.cli import main
+    target, draft, _ = mirror
+    base = ["generate", "--model", str(target), "--draft", str(draft), "--speculation", "chain:3", "--device", "cpu",
+            "--dtype", "float32", "--prompt", "yes?", "--max-tokens", "30"]
+    assert main(base + ["--regex", r"(yes|no), [0-9]{1,3}!"]) == 0
+    assert re.fullmatch(r"(yes|no), [0-9]{1,3}!", capsys.readouterr().out.strip())
+    assert main(base + ["--choice", "abc", "ba"]) == 0
+    assert capsys.readouterr().out.strip() in ("abc", "ba")
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(SCHEMA))
+    assert main(base + ["--json-schema", str(schema), "--max-tokens", "60"]) == 0
+    text = capsys.readouterr().out.strip()
+    assert text.startswith('{"a": ')
+    # bad guides exit 2 with a message, before anything is generated
+    assert main(base + ["--json-schema", "{not json"]) == 2
+    assert "--json-schema" in capsys.readouterr().err
+    assert main(base + ["--regex", "a("]) == 2
+    assert "invalid regex" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: at most one guide
+        main(base + ["--regex", "a", "--json-object"])
+
+
+def test_bench_tpc_guided_prompts(mirror, tmp_path):
+    from eyas.bench.tpc import main, read_prompts
+    target, draft, _ = mirror
+    f = tmp_path / "tasks.jsonl"
+    recs = [{"id": 1, "prompt": "json", "json_schema": SCHEMA}, {"id": 2, "prompt": "yes?", "regex": r"(yes|no)!"},
+            {"id": 3, "prompt": "pick", "choice": ["abc", "ba"]}, {"id": 4, "prompt": "free text"}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert [r["guided"].kind if r["guided"] else None for r in read_prompts(f)] == ["json", "regex", "choice", None]
+    out = tmp_path / "out"
+    common = ["--model", str(target), "--draft", str(draft), "--prompts", str(f), "--max-tokens", "40",
+              "--device", "cpu", "--dtype", "float32", "--speculation", "tree:8"]
+    assert main(common + ["--out", str(out)]) == 0
+    r = json.loads((out / "tpc.json").read_text())["results"][0]
+    assert r["guided"] == 3 and r["guided_ended"] >= 2 and r["guided_valid"] == r["guided_ended"]
+    assert "guided (valid / ended)" in (out / "tpc.md").read_text()
+    assert main(common + ["--out", str(tmp_path / "free"), "--no-guided"]) == 0
+    assert "guided" not in json.loads((tmp_path / "free" / "tpc.json").read_text())["results"][0]
+    f.write_text(json.dumps({"id": 9, "prompt": "x", "regex": "a", "choice": ["a"]}) + "\n")
+    with pytest.raises(ValueError, match="record 9: guided decoding takes exactly one"):
+        read_prompts(f)

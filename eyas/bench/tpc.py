@@ -8,6 +8,12 @@ question.jsonl by default, wrapped in the model's chat template) with `max_token
 * acceptance by depth: the share of speculative steps whose accepted path reached depth d (d = 1..tree depth);
 * the same by prompt category, where the prompt file has one (MT-Bench's `category`: writing, roleplay, ...).
 
+A prompt record may carry a guide (`json_schema`, `regex`, `choice`, `grammar`, or `"json_object": true`): its
+output is then guided (`eyas.spec.grammar`), and each result counts `guided` prompts and, of the guided outputs
+that ended, how many match their guide (`guided_valid`: JSON that parses, a full regex match, a choice).
+`--no-guided` runs the same prompts without their guides, for comparison (docs/bench/json_tasks.jsonl: tasks with
+a JSON schema each).
+
 It writes `tpc.json`, `tpc.md` (markdown tables: the results, then TPC by category) and `acceptance.png`
 (acceptance by depth, one panel per temperature) into --out. It runs on the CPU or the GPU.
 """
@@ -42,12 +48,46 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
                 continue
             text = users[0]
         out.append({"id": rec.get("question_id", rec.get("id", len(out))), "category": rec.get("category"),
-                    "text": text})
+                    "text": text, "guided": guide_of(rec, path)})
         if limit is not None and len(out) >= limit:
             break
     if not out:
         raise ValueError(f"{path}: no prompts found")
     return out
+
+
+GUIDE_KEYS = {"json_schema": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
+              "json_object": "json_object"}
+
+
+def guide_of(rec: dict, path) -> "GuidedDecoding | None":
+    """A prompt record's guide, or None (ValueError naming the file for a bad one)."""
+    from eyas.sampling_params import GuidedDecoding
+    asked = {GUIDE_KEYS[k]: rec[k] for k in GUIDE_KEYS if rec.get(k) not in (None, False)}
+    if not asked:
+        return None
+    try:
+        return GuidedDecoding(**asked)
+    except ValueError as e:
+        raise ValueError(f"{path}: record {rec.get('question_id', rec.get('id', '?'))}: {e}") from None
+
+
+def matches_guide(g, text: str) -> bool:
+    """Whether a finished output matches its guide (JSON that parses to an object with the schema's required
+    keys; a full match of the regex, in Python's dialect; one of the choices). Grammars are not checked: True."""
+    import re
+    if g.regex is not None:
+        return re.fullmatch(g.regex, text) is not None
+    if g.choice is not None:
+        return text in g.choice
+    if g.json is not None or g.json_object:
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            return False
+        schema = g.json if isinstance(g.json, dict) else json.loads(g.json) if g.json else {}
+        return isinstance(obj, dict) and all(k in obj for k in schema.get("required", []))
+    return True
 
 
 def summarize(stats: list, depth: int) -> dict:
@@ -65,9 +105,10 @@ def summarize(stats: list, depth: int) -> dict:
 
 def run_one(target, tokenizer, draft, speculation: str, prompts: list[list[int]], temperature: float,
             max_tokens: int, batch_size: int, seed: int, kv_cache_bytes: int | None = None,
-            categories: list | None = None) -> dict:
+            categories: list | None = None, guides: list | None = None) -> dict:
     """`categories` (one per prompt, None where a prompt has none): the result also holds `by_category`, the same
-    summary for each category's prompts, in order of first appearance."""
+    summary for each category's prompts, in order of first appearance. `guides` (one per prompt, None where a
+    prompt has none): guided decoding for those prompts."""
     from eyas.engine.engine import EngineConfig, LLMEngine
     from eyas.sampling_params import SamplingParams
     from eyas.spec.tree import resolve_tree
@@ -76,20 +117,27 @@ def run_one(target, tokenizer, draft, speculation: str, prompts: list[list[int]]
     engine = LLMEngine(target, tokenizer, draft, tree,
                        EngineConfig(max_num_seqs=batch_size, kv_cache_bytes=kv_cache_bytes))
     depth = engine.tree.max_depth
-    stats = []
+    guides = guides or [None] * len(prompts)
+    stats, valid, ended = [], 0, 0
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start: start + batch_size]
         seqs = [engine.add_request(p, SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                                                     seed=seed + start + i))
+                                                     seed=seed + start + i, guided=guides[start + i]))
                 for i, p in enumerate(chunk)]
         while engine.has_unfinished():
             engine.step()
         stats += [s.stats for s in seqs]
+        for s in seqs:
+            if s.params.guided is not None and s.finish_reason == "stop":
+                ended += 1
+                valid += matches_guide(s.params.guided, s.text)
     wall = time.perf_counter() - t0
     del engine
     out = {"speculation": speculation, "temperature": temperature, "prompts": len(prompts), "max_tokens": max_tokens,
            **summarize(stats, depth), "tree_nodes": engine_nodes(tree), "depth": depth, "wall_seconds": round(wall, 2)}
+    if any(g is not None for g in guides):
+        out.update(guided=sum(g is not None for g in guides), guided_ended=ended, guided_valid=valid)
     if categories is not None and any(c is not None for c in categories):
         if len(categories) != len(prompts):
             raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts")
@@ -107,7 +155,8 @@ def engine_nodes(tree) -> int:
 def bench_tpc(model: str, drafts: list[str], speculations: list[str], prompts_path: str,
               temperatures: list[float], max_tokens: int = 128, limit: int | None = None, device: str = "auto",
               dtype: str = "auto", batch_size: int = 80, seed: int = 0, out: str | None = None,
-              kv_cache_bytes: int | None = None, log=print, draft_quant: str | None = None) -> dict:
+              kv_cache_bytes: int | None = None, log=print, draft_quant: str | None = None,
+              guided: bool = True) -> dict:
     from eyas.loader.eagle import load_draft
     from eyas.loader.resolve import draft_dir, load_target
     from eyas.spec.draft_quant import apply_draft_quant, check_quant_mode
@@ -125,14 +174,17 @@ def bench_tpc(model: str, drafts: list[str], speculations: list[str], prompts_pa
         for temp in temperatures:  # every speculation at the first temperature first
             for spec in speculations:
                 r = run_one(target, tok, draft, spec, prompts, temp, max_tokens, batch_size, seed, kv_cache_bytes,
-                            [rec["category"] for rec in records])
+                            [rec["category"] for rec in records],
+                            [rec["guided"] if guided else None for rec in records])
                 r["draft"] = dname
                 r["draft_layers"] = draft.config.num_hidden_layers
                 if getattr(draft, "quant", None):  # asked, or the draft's own choice on this device
                     r["draft_quant"] = draft.quant
                 results.append(r)
                 log(f"draft={dname} {spec} T={temp:g}: TPC {r['tpc']:.3f}  acceptance by depth "
-                    + " ".join(f"{a:.3f}" for a in r["acceptance_by_depth"]) + f"  ({r['wall_seconds']:.1f} s)")
+                    + " ".join(f"{a:.3f}" for a in r["acceptance_by_depth"]) + f"  ({r['wall_seconds']:.1f} s)"
+                    + (f"  guided {r['guided']}, {r['guided_valid']} of {r['guided_ended']} ended valid"
+                       if "guided" in r else ""))
                 if out:  # write as we go: a long run cut short still leaves its numbers
                     write_outputs(out, meta(model, prompts_path, records, max_tokens, device, target), results)
         del draft
@@ -153,10 +205,14 @@ def meta(model, prompts_path, records, max_tokens, device, target) -> dict:
 
 def markdown_table(results: list[dict]) -> str:
     depth = max((r["depth"] for r in results), default=0)
+    guided = any("guided" in r for r in results)
     head = ["draft", "speculation", "T", "TPC", "TPC (per-prompt mean)"] + [f"acc@{d + 1}" for d in range(depth)]
+    head += ["guided (valid / ended)"] if guided else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         acc = [f"{a:.3f}" for a in r["acceptance_by_depth"]] + [""] * (depth - r["depth"])
+        acc += ([f"{r['guided']} ({r['guided_valid']} / {r['guided_ended']})" if "guided" in r else "no"]
+                if guided else [])
         lines.append("| " + " | ".join([str(r["draft"]), r["speculation"], f"{r['temperature']:g}",
                                         f"{r['tpc']:.3f}", f"{r['tpc_mean_per_prompt']:.3f}"] + acc) + " |")
     return "\n".join(lines) + "\n"
@@ -242,6 +298,8 @@ def add_tpc_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     from eyas.spec.draft_quant import add_draft_quant_arg
     add_draft_quant_arg(p, "quantize every draft (eyas.spec.draft_quant) and measure what that costs in acceptance")
+    p.add_argument("--no-guided", dest="guided", action="store_false",
+                   help="ignore the prompt file's guides (json_schema, regex, ...): the same prompts unconstrained")
     p.add_argument("--out", default="bench-out/tpc")
     p.set_defaults(func=run)
     return p
@@ -250,7 +308,8 @@ def add_tpc_parser(bench_subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     report = bench_tpc(args.model, args.draft, args.speculation or ["chain:3"], args.prompts, args.temperature,
                        args.max_tokens, args.limit, args.device, args.dtype, args.batch_size, args.seed, args.out,
-                       args.kv_cache_bytes, log=lambda m: print(m, flush=True), draft_quant=args.draft_quant)
+                       args.kv_cache_bytes, log=lambda m: print(m, flush=True), draft_quant=args.draft_quant,
+                       guided=args.guided)
     print(markdown_table(report["results"]))
     print(f"written to {args.out}/tpc.json, tpc.md, acceptance.png")
     return 0

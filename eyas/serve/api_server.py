@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 import time
 from dataclasses import replace
 
@@ -26,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eyas.engine.detokenizer import TextStream
 from eyas.loader.resolve import resolve_draft_arg
-from eyas.sampling_params import SamplingParams
+from eyas.sampling_params import GuidedDecoding, SamplingParams
 from eyas.serve.async_engine import AsyncEngine, EngineDead, EngineError, QueueFull
 from eyas.serve.metrics import CONTENT_TYPE, Metrics
 from eyas.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
@@ -46,6 +47,43 @@ def _param_of(message: str) -> str | None:
     return word if word in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop") else None
 
 
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+def _guided(req) -> GuidedDecoding | None:
+    """The request's guided decoding: OpenAI's `response_format` (chat) or one of vLLM's `guided_*` fields."""
+    asked, params = {}, []
+    rf = getattr(req, "response_format", None)
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            asked["json_object"] = True
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise APIError("response_format of type json_schema needs json_schema.schema, a JSON schema object",
+                               param="response_format")
+            asked["json"] = spec["schema"]
+        elif kind != "text":
+            raise APIError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                           param="response_format")
+        params.append("response_format")
+    for field, key in GUIDED_FIELDS.items():
+        value = getattr(req, field)
+        if value is not None:
+            asked[key] = value
+            params.append(field)
+    if len(params) > 1:
+        raise APIError(f"give at most one of response_format and the guided_* fields, got {params}", param=params[1])
+    if not asked:
+        return None
+    try:
+        return GuidedDecoding(**asked)
+    except ValueError as e:
+        raise APIError(str(e), param=params[0]) from None
+
+
 def _sampling_params(req, max_tokens: int | None) -> SamplingParams:
     if req.presence_penalty not in (None, 0, 0.0) or req.frequency_penalty not in (None, 0, 0.0):
         raise APIError("presence_penalty and frequency_penalty are not supported (only 0)", param="presence_penalty")
@@ -57,7 +95,7 @@ def _sampling_params(req, max_tokens: int | None) -> SamplingParams:
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
             max_tokens=1 if max_tokens is None else max_tokens,  # the real value is set per prompt
-            seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos)
+            seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos, guided=_guided(req))
     except ValueError as e:
         raise APIError(str(e), param=_param_of(str(e))) from None
 
@@ -132,6 +170,31 @@ class Server:
         self.metrics = Metrics(served_model_name)
         self.async_engine = AsyncEngine(engine, self.metrics, max_queue=max_queue)
         self.max_model_len = engine.max_model_len
+        self._grammar = None
+        if self.tokenizer is not None and hasattr(engine, "grammar_backend"):
+            # guided decoding's tokenizer view takes ~1 s to make: made now, beside startup, not at the first
+            # guided request (it would hold up the engine loop, and every stream with it)
+            self._grammar = threading.Thread(target=self._backend, name="eyas-grammar-warmup", daemon=True)
+            self._grammar.start()
+
+    def _backend(self):
+        try:
+            return self.engine.grammar_backend()
+        except Exception as e:  # noqa: BLE001 - a guided request will meet the same error and report it
+            log.warning("guided decoding is unavailable: %s", e)
+            return None
+
+    async def compile_guided(self, guided) -> None:
+        """Compile a request's guide off the event loop and the engine loop (xgrammar caches it for the engine's
+        own compile): a schema, regex or grammar it refuses is a 400 before anything is queued."""
+        if guided is None:
+            return
+        if not hasattr(self.engine, "grammar_backend"):
+            raise APIError("guided decoding is not available on this engine", param="response_format")
+        try:
+            await asyncio.to_thread(lambda: self.engine.grammar_backend().compile(guided))
+        except ValueError as e:
+            raise APIError(str(e)) from None
 
     # ---- validation -----------------------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -308,6 +371,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         else:
             raise APIError("the prompt is empty", param="prompt")
         base = _sampling_params(req, req.max_tokens)
+        await server.compile_guided(base.guided)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
         ids = [server.prompt_ids(x, "prompt") for x in prompts]
         budgets = [server.fit(x, max_tokens, "prompt", "max_tokens") for x in ids]
@@ -346,6 +410,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         if req.max_completion_tokens is not None:
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
         base = _sampling_params(req, max_tokens)
+        await server.compile_guided(base.guided)
         ids = server.prompt_ids(server.tokenizer.encode(text), "messages")
         budget = server.fit(ids, max_tokens, "messages", max_param)
         cid = completion_id("chatcmpl")

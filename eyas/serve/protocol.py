@@ -72,6 +72,11 @@ class _SamplingFields(_Request):
     # accepted for compatibility, but only their neutral values (checked in the server)
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
+    # guided decoding, vLLM's extensions (chat also takes OpenAI's response_format): at most one of them
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -107,6 +112,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
+    # {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", ...}}
     response_format: dict | None = None
 
 
