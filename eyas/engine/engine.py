@@ -51,6 +51,35 @@ class EngineConfig:
     # decode: an offline job's prefill steps come fewer and larger (`make-distill-data`); 1 (admit at once) keeps a
     # server's time to first token
     min_admit: int = 1
+    # "prefill": every request is handed off once its prompt is prefilled and its first token committed
+    # (`take_handoffs`), for a decode engine to go on with it (`add_prefilled`; eyas.engine.disagg). "both": prefill
+    # and decode here
+    role: str = "both"
+
+
+@dataclass(eq=False)
+class Handoff:
+    """A request one engine prefilled, for another to decode (disaggregated prefill and decode,
+    `eyas.engine.disagg`): its committed tokens and sampling state, and the rows of every cache it has, as
+    contiguous tensors (on the prefill engine's device; `to` moves them)."""
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]  # prompt and output so far
+    params: SamplingParams
+    seed: int
+    num_cached: int  # target KV entries (positions 0..num_cached-1)
+    num_draft_cached: int
+    target_kv: torch.Tensor  # [2, layers, num_cached, kv_heads, head_dim]: K then V
+    draft_kv: torch.Tensor | None  # [2, draft layers, num_draft_cached, kv_heads, head_dim]
+    pending: torch.Tensor | None  # [num_cached - num_draft_cached, H]: the features the draft has still to read
+    arrival: float = 0.0
+    first_token_time: float | None = None
+
+    def to(self, device) -> "Handoff":
+        import dataclasses
+        move = (lambda t: None if t is None else t.to(device))
+        return dataclasses.replace(self, target_kv=move(self.target_kv), draft_kv=move(self.draft_kv),
+                                   pending=move(self.pending))
 
 
 class RequestOutput:
@@ -124,6 +153,9 @@ class LLMEngine:
         self.overlap = cfg.cuda_graphs if cfg.overlap is None else cfg.overlap
         self._inflight = None  # overlapped decoding: the decode step enqueued behind the one being read back
         self.decoding = decoding_of(tokenizer) if tokenizer is not None else WHOLE
+        if cfg.role not in ("both", "prefill"):
+            raise ValueError(f"role must be 'both' or 'prefill', got {cfg.role!r}")
+        self.handoffs: list[Handoff] = []  # role "prefill": prefilled requests, for `take_handoffs`
         self._grammar = None  # guided decoding's tokenizer view and compiler (`grammar_backend`)
         self._grammar_lock = threading.Lock()
 
@@ -171,6 +203,15 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:
+        seq = self.new_sequence(prompt, params, request_id)
+        self.enqueue(seq)
+        return seq
+
+    def new_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None) -> Sequence:
+        """A request's `Sequence`, checked (ValueError for bad input) but not queued: `add_request`'s first half,
+        which reads only the engine's settings (`eyas.engine.disagg` makes sequences on one thread and queues them
+        on the prefill engine's)."""
         params = params or SamplingParams()
         ids = self.check_request(prompt, request_id)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
@@ -179,9 +220,14 @@ class LLMEngine:
         seq = Sequence(ids, params, seed, request_id=request_id or "", stop_ids=stop_ids, grammar=grammar)
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, len(ids), self.decoding)
+        return seq
+
+    def enqueue(self, seq: Sequence) -> None:
+        """`add_request`'s second half: the sequence waits for admission."""
+        if seq.request_id in self.seqs:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
-        return seq
 
     def grammar_state(self, params: SamplingParams):
         """A guided request's grammar state (`eyas.spec.grammar`), None for the others. ValueError for a spec that
@@ -238,7 +284,10 @@ class LLMEngine:
             for seq, tok in zip(batch.seqs, self.runner.prefill(batch.seqs, batch.chunk_lens)):
                 if tok is not None:
                     seq.first_token_time = seq.first_token_time or time.perf_counter()
-                    outputs.append(self._commit(seq, [tok]))
+                    out = self._commit(seq, [tok])
+                    outputs.append(out)
+                    if self.config.role == "prefill" and not out.finished:
+                        self._hand_off(seq)
         else:
             outputs += self._decoded(self.runner.launch(batch.seqs))
         return outputs
@@ -289,6 +338,48 @@ class LLMEngine:
             return None
         self.step_counts["decode"] += 1
         return self.runner.launch(h.seqs, after=h)
+
+    # ---- disaggregated prefill and decode -----------------------------------------------------------------
+    def _hand_off(self, seq: Sequence) -> None:
+        """Role "prefill": package a prefilled request (its committed tokens and every cache row it has) for a
+        decode engine, and let it go here (its blocks and slot are freed)."""
+        target_kv, draft_kv, pending = self.runner.read_sequence(seq)
+        self.handoffs.append(Handoff(seq.request_id, list(seq.prompt_ids), list(seq.token_ids), seq.params, seq.seed,
+                                     seq.num_cached, seq.num_draft_cached, target_kv, draft_kv, pending,
+                                     seq.arrival, seq.first_token_time))
+        self.scheduler.finish(seq, "handoff")
+        self.seqs.pop(seq.request_id, None)
+
+    def take_handoffs(self) -> list[Handoff]:
+        """The requests handed off since the last call (role "prefill"), oldest first."""
+        out, self.handoffs = self.handoffs, []
+        return out
+
+    def add_prefilled(self, h: Handoff) -> Sequence:
+        """Go on with a request another engine prefilled (`take_handoffs`; the same model). Its caches are copied
+        into this engine's blocks and it decodes from its next step, exactly as if it had been prefilled here. When
+        this engine has no place or blocks for it now, it waits instead, and its tokens are prefilled again here
+        (as after a preemption): slower, never different. ValueError for caches of another model's shapes."""
+        if h.request_id in self.seqs:
+            raise ValueError(f"request id {h.request_id!r} is already in use")
+        self.runner.check_handoff(h)
+        params = h.params
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        seq = Sequence(list(h.prompt_ids), params, h.seed, request_id=h.request_id, token_ids=list(h.token_ids),
+                       stop_ids=stop_ids, grammar=self.grammar_state(params), arrival=h.arrival,
+                       first_token_time=h.first_token_time)
+        if seq.grammar is not None:
+            seq.grammar.accept(seq.output_ids)
+        if self.tokenizer is not None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.num_prompt, self.decoding)
+            seq.detok.update(seq.token_ids)
+            seq.output_text = seq.detok.snapshot()
+        self.seqs[seq.request_id] = seq
+        if self.scheduler.admit_prefilled(seq, h.num_cached):
+            self.runner.load_sequence(seq, h)
+        else:
+            self.scheduler.add(seq)
+        return seq
 
     def _commit(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append committed tokens, honouring stop tokens, stop strings, max_tokens and the context limit: never

@@ -51,15 +51,30 @@ class LLM:
 
     def __init__(self, model: str = "smollm2", device: str = "auto", dtype: str = "auto",
                  draft: str | None = None, speculation: str | None = None, draft_quant: str | None = None,
-                 **engine_kwargs):
+                 disaggregate: str | None = None, **engine_kwargs):
+        """`disaggregate`: "PREFILL_DEVICE,DECODE_DEVICE" (e.g. "cuda:0,cuda:1"): prompts are prefilled by an engine
+        on the first device, then decoded by one on the second (`eyas.engine.disagg`; the model is loaded on each,
+        and `device` is not used)."""
         if asks_quant(draft_quant) and draft is None:
             raise ValueError(f"draft_quant={draft_quant!r} needs a draft (draft=...)")
+        tree = resolve_tree(speculation)  # a bad name fails before anything loads
+        if disaggregate is not None:
+            from eyas.engine.disagg import DisaggregatedEngine, split_devices
+            engines = []
+            for dev, role in zip(split_devices(disaggregate), ("prefill", "both")):
+                self._load(model, str(dev), dtype, draft, draft_quant)
+                engines.append(build_engine(self.target, self.tokenizer, self.draft, tree, speculation,
+                                            **engine_kwargs, role=role))
+            self.engine = DisaggregatedEngine(*engines, threaded=True)
+            return
+        self._load(model, device, dtype, draft, draft_quant)
+        self.engine = build_engine(self.target, self.tokenizer, self.draft, tree, speculation, **engine_kwargs)
+
+    def _load(self, model, device, dtype, draft, draft_quant) -> None:
         self.target, self.tokenizer = load_target(model, device, dtype)
-        tree = resolve_tree(speculation)  # a bad name fails before the draft loads
         self.draft = load_draft(draft_dir(model, draft), self.target) if draft is not None else None
         if self.draft is not None:  # INT4 / FP8 draft weights (eyas.spec.draft_quant), as asked or the draft's own
             apply_draft_quant(self.draft, self.target, draft_quant)
-        self.engine = build_engine(self.target, self.tokenizer, self.draft, tree, speculation, **engine_kwargs)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[CompletionOutput]:

@@ -319,6 +319,63 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             s.num_draft_cached += lens[i]
 
+    # ---- disaggregated prefill and decode: a sequence's cache rows out and in -----------------------------------
+    def _flat_slots(self, seq: Sequence, n: int) -> torch.Tensor:
+        pos = torch.arange(n)
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
+
+    @staticmethod
+    def _rows(cache: KVCache, slots: torch.Tensor) -> torch.Tensor:
+        """[2, layers, len(slots), kv_heads, head_dim]: K and V at flat cache slots."""
+        return torch.stack([c.flatten(1, 2)[:, slots] for c in (cache.k, cache.v)])
+
+    @torch.inference_mode()
+    def read_sequence(self, seq: Sequence):
+        """(target K/V, draft K/V or None, the draft's pending features or None) of a sequence, copied out of the
+        caches (`LLMEngine._hand_off`)."""
+        target_kv = self._rows(self.cache, self._flat_slots(seq, seq.num_cached))
+        if self.draft is None:
+            return target_kv, None, None
+        draft_kv = self._rows(self.draft_cache, self._flat_slots(seq, seq.num_draft_cached))
+        pending = self.draft_hidden[seq.slot, :seq.num_cached - seq.num_draft_cached].clone()
+        return target_kv, draft_kv, pending
+
+    def check_handoff(self, h) -> None:
+        """ValueError unless a `Handoff`'s caches fit this runner's (the same target and draft shapes)."""
+        def shape(cache):
+            return tuple(cache.k.shape[i] for i in (0, 3, 4))  # layers, kv_heads, head_dim
+
+        want = shape(self.cache)
+        got = (h.target_kv.shape[1], *h.target_kv.shape[3:])
+        if tuple(got) != want or h.target_kv.shape[2] != h.num_cached:
+            raise ValueError(f"request {h.request_id}: target caches of shape {tuple(h.target_kv.shape)} do not fit "
+                             f"this engine's target (layers, kv heads, head dim = {want})")
+        if (h.draft_kv is None) != (self.draft is None):
+            raise ValueError(f"request {h.request_id}: prefilled {'with' if h.draft_kv is not None else 'without'} "
+                             f"a draft, but this engine has {'one' if self.draft is not None else 'none'}")
+        if self.draft is not None and (tuple((h.draft_kv.shape[1], *h.draft_kv.shape[3:])) != shape(self.draft_cache)
+                                       or h.draft_kv.shape[2] != h.num_draft_cached
+                                       or h.pending.shape != (h.num_cached - h.num_draft_cached,
+                                                              self.draft_hidden.shape[-1])):
+            raise ValueError(f"request {h.request_id}: the draft's caches do not fit this engine's draft")
+
+    @torch.inference_mode()
+    def load_sequence(self, seq: Sequence, h) -> None:
+        """Write a `Handoff`'s cache rows into `seq`'s blocks and slot (the scheduler gave it both): `seq` is then as
+        if this runner had prefilled it."""
+        self._claim_slot(seq)
+        for cache, kv, n in ((self.cache, h.target_kv, h.num_cached), (self.draft_cache, h.draft_kv,
+                                                                        h.num_draft_cached)):
+            if kv is None:
+                continue
+            slots = self._flat_slots(seq, n)
+            for c, rows in zip((cache.k, cache.v), kv):
+                c.flatten(1, 2)[:, slots] = rows.to(self.device, c.dtype)
+        if self.draft is not None:
+            self.draft_hidden[seq.slot, :len(h.pending)] = h.pending.to(self.device, self.draft_hidden.dtype)
+        seq.num_cached, seq.num_draft_cached = h.num_cached, h.num_draft_cached
+
     # ---- decode: one speculative step -----------------------------------------------------------------------
     @torch.inference_mode()
     def decode_inputs(self, seqs: list[Sequence], B: int | None = None) -> DecodeInputs:

@@ -137,6 +137,19 @@ class Scheduler:
         seq = self.waiting[0]
         return self.blocks.blocks_needed(seq.block_table, seq.prefill_target + self.lookahead) <= self.blocks.num_free
 
+    def admit_prefilled(self, seq: Sequence, num_cached: int) -> bool:
+        """A request prefilled elsewhere (`LLMEngine.add_prefilled`) joins the running batch at once, with blocks
+        for its `num_cached` entries and one decode step, when a place and the blocks are free (and no request
+        waits before it); else False and nothing changes."""
+        need = num_cached + self.lookahead
+        if self.waiting or len(self.running) >= self.max_num_seqs or not self.blocks.can_reserve([], need):
+            return False
+        seq.status = Status.RUNNING
+        seq.slot = self.free_slots.pop()
+        self.blocks.reserve(seq.block_table, need)
+        self.running.append(seq)
+        return True
+
     def reserve_ahead(self, seqs: list[Sequence]) -> bool:
         """Overlapped decoding: before a step is enqueued behind the one in flight for `seqs`, reserve the KV blocks
         it may fill (the step in flight commits up to `lookahead` tokens the host has not seen yet, then this one up

@@ -516,6 +516,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "rank 0 serves HTTP and schedules")
     p.add_argument("--tp-draft", choices=["sharded", "replicated"], default="sharded",
                    help="with --tensor-parallel: the draft sharded like the target, or whole on every rank")
+    p.add_argument("--disaggregate", default=None, metavar="PREFILL_DEVICE,DECODE_DEVICE",
+                   help="prefill on one device and decode on another (e.g. cuda:0,cuda:1; eyas.engine.disagg): "
+                        "decode steps do not wait for prefills; --device is not used")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
@@ -535,7 +538,8 @@ def _engine_kwargs(args) -> dict:
 def build_llm(args):
     from eyas import LLM
     return LLM(args.model, device=args.device, dtype=args.dtype, draft=resolve_draft_arg(args.model, args.draft),
-               speculation=args.speculation, draft_quant=getattr(args, "draft_quant", None), **_engine_kwargs(args))
+               speculation=args.speculation, draft_quant=getattr(args, "draft_quant", None),
+               disaggregate=getattr(args, "disaggregate", None), **_engine_kwargs(args))
 
 
 def _capture_graphs(engine, max_num_seqs: int) -> None:
@@ -589,6 +593,8 @@ def run_serve(args) -> int:
     if args.tensor_parallel < 1:
         raise ValueError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.tensor_parallel > 1 and getattr(args, "disaggregate", None):
+        raise ValueError("--disaggregate does not combine with --tensor-parallel yet")
     if args.tensor_parallel > 1:
         import torch
         from eyas.dist.launch import run_ranks
