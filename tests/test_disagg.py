@@ -145,14 +145,15 @@ def test_llm_disaggregate(pair):
 
 
 def test_server_on_a_disaggregated_engine(pair):
-    """`eyas serve --disaggregate cpu,cpu`'s engine behind the OpenAI API: chat, streamed and not, and seeded n > 1
-    choices equal one engine's offline outputs; both pools end empty."""
+    """`eyas serve --disaggregate cpu,cpu`'s engine behind the OpenAI API: chat, streamed and not, seeded n > 1
+    choices, and a guided (JSON object) chat equal one engine's offline outputs; both pools end empty."""
     from eyas.serve.api_server import create_app
     from test_server import LiveServer
     one = LLM(pair[0], device="cpu", dtype="float32", draft=pair[1], speculation="tree:8")
     conv = [{"role": "user", "content": "say yes or no"}]
     greedy = one.chat(conv, SamplingParams(max_tokens=24))[0]
     seeded = one.generate(["abc"] * 3, [SamplingParams(temperature=1.0, seed=5 + j, max_tokens=12) for j in range(3)])
+    guided = one.chat(conv, SamplingParams(max_tokens=30, guided=GuidedDecoding(json_object=True)))[0]
     llm = LLM(pair[0], dtype="float32", draft=pair[1], speculation="tree:8", disaggregate="cpu,cpu")
     server = LiveServer(create_app(llm, "m"))
     try:
@@ -163,6 +164,9 @@ def test_server_on_a_disaggregated_engine(pair):
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == greedy.text
         r = client.completions.create(model="m", prompt="abc", max_tokens=12, temperature=1.0, seed=5, n=3)
         assert [c.text for c in r.choices] == [o.text for o in seeded]
+        r = client.chat.completions.create(model="m", messages=conv, max_tokens=30, temperature=0,
+                                           response_format={"type": "json_object"})
+        assert r.choices[0].message.content == guided.text and guided.text.startswith("{")
         server.wait_idle()
         assert llm.engine.prefill.blocks.num_used == 0 and llm.engine.decode.blocks.num_used == 0
     finally:

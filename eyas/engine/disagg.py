@@ -97,6 +97,8 @@ class DisaggregatedEngine:
         return self.decode.encode(prompt)
 
     def grammar_backend(self):
+        """Both engines' (each has its own, made under its own lock): the server warms them beside startup."""
+        self.prefill.grammar_backend()
         return self.decode.grammar_backend()
 
     def add_request(self, prompt, params=None, request_id: str | None = None) -> Tracked:
