@@ -215,12 +215,16 @@ class LLMEngine:
         params = params or SamplingParams()
         ids = self.check_request(prompt, request_id)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         grammar = self.grammar_state(params)  # a bad schema fails here, before the request is queued
-        seq = Sequence(ids, params, seed, request_id=request_id or "", stop_ids=stop_ids, grammar=grammar)
+        seq = Sequence(ids, params, seed, request_id=request_id or "", stop_ids=self._stop_ids(params),
+                       grammar=grammar)
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, len(ids), self.decoding)
         return seq
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The token ids that end a request's output: its stop_token_ids, and EOS unless ignore_eos."""
+        return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
 
     def enqueue(self, seq: Sequence) -> None:
         """`add_request`'s second half: the sequence waits for admission."""
@@ -365,9 +369,8 @@ class LLMEngine:
             raise ValueError(f"request id {h.request_id!r} is already in use")
         self.runner.check_handoff(h)
         params = h.params
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         seq = Sequence(list(h.prompt_ids), params, h.seed, request_id=h.request_id, token_ids=list(h.token_ids),
-                       stop_ids=stop_ids, grammar=self.grammar_state(params), arrival=h.arrival,
+                       stop_ids=self._stop_ids(params), grammar=self.grammar_state(params), arrival=h.arrival,
                        first_token_time=h.first_token_time)
         if seq.grammar is not None:
             seq.grammar.accept(seq.output_ids)

@@ -87,10 +87,7 @@ class Scheduler:
             if self.blocks.blocks_needed(seq.block_table, seq.prefill_target + self.lookahead) > self.blocks.num_free:
                 break
             self.waiting.popleft()
-            seq.status = Status.RUNNING
-            seq.slot = self.free_slots.pop()
-            self.running.append(seq)
-            self.blocks.reserve(seq.block_table, seq.prefill_target)
+            self._admit(seq, seq.prefill_target)
             seqs.append(seq)
             chunks.append(chunk)
             budget -= chunk
@@ -144,11 +141,15 @@ class Scheduler:
         need = num_cached + self.lookahead
         if self.waiting or len(self.running) >= self.max_num_seqs or not self.blocks.can_reserve([], need):
             return False
+        self._admit(seq, need)
+        return True
+
+    def _admit(self, seq: Sequence, num_slots: int) -> None:
+        """`seq` joins the running batch: a slot of its own and blocks for `num_slots` KV entries."""
         seq.status = Status.RUNNING
         seq.slot = self.free_slots.pop()
-        self.blocks.reserve(seq.block_table, need)
         self.running.append(seq)
-        return True
+        self.blocks.reserve(seq.block_table, num_slots)
 
     def reserve_ahead(self, seqs: list[Sequence]) -> bool:
         """Overlapped decoding: before a step is enqueued behind the one in flight for `seqs`, reserve the KV blocks

@@ -137,10 +137,10 @@ class GrammarState:
         parents before children). xgrammar walks the tree in one call (`traverse_draft_tree`), restoring the matcher
         after; `tree_bitmask_reference` is the plain walk it is held equal to."""
         N1 = len(tokens)
-        first, sibling = _child_links(parents)
+        first, sibling = _child_links(np.ascontiguousarray(parents, dtype=np.int64).tobytes())
         out.fill_(-1)
         if not self.matcher.is_terminated():
-            self.matcher.traverse_draft_tree(torch.from_numpy(first), torch.from_numpy(sibling),
+            self.matcher.traverse_draft_tree(first, sibling,
                                              torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)), out[:N1])
         # xgrammar leaves the rows of nodes under a refused token as they were (all allowed here) and zeroes the
         # rows of refused or terminal nodes: allowing nothing is never a valid state, so those allow everything too
@@ -168,8 +168,11 @@ def tree_bitmask_reference(state: GrammarState, tokens, parents, out: torch.Tens
             out[i] = -1
 
 
-def _child_links(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(first child, next sibling) of every node, -1 where none: the tree as `traverse_draft_tree` reads it."""
+@lru_cache(maxsize=256)
+def _child_links(parents_bytes: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first child, next sibling) of every node, -1 where none: the tree as `traverse_draft_tree` reads it. Keyed
+    by the parents' bytes (int64): a static tree's are the same every step, so its links are made once."""
+    parents = np.frombuffer(parents_bytes, dtype=np.int64)
     N1 = len(parents)
     first = np.full(N1, -1, dtype=np.int64)
     sibling = np.full(N1, -1, dtype=np.int64)
@@ -183,7 +186,7 @@ def _child_links(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         else:
             sibling[last[p]] = i
         last[p] = i
-    return first, sibling
+    return torch.from_numpy(first), torch.from_numpy(sibling)
 
 
 @lru_cache(maxsize=64)
