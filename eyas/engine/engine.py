@@ -242,8 +242,8 @@ class LLMEngine:
 
     def grammar_backend(self):
         """Guided decoding's view of the tokenizer and its compiler (`eyas.spec.grammar.GrammarBackend`), made once:
-        ~0.7 s for SmolLM2's 49k tokens on this repository's CPU, which a server spends beside startup rather than at
-        its first guided request."""
+        0.65 s for SmolLM2's 49k tokens on this repository's CPU (`tools/diag/guided_mask_cost.py`), which a server
+        spends beside startup rather than at its first guided request."""
         with self._grammar_lock:
             if self._grammar is None:
                 if self.tokenizer is None:
