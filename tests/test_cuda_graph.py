@@ -187,3 +187,58 @@ def test_smollm2_quantized_draft_under_graphs_gives_the_targets_output(quant):
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == ref
         assert sum(o.stats.committed for o in outs) > 1.5 * sum(o.stats.target_calls for o in outs)
+
+
+@pytest.fixture(scope="module")
+def guided_mirror(tmp_path_factory):
+    from test_guided import write_guided_mirror
+    return write_guided_mirror(tmp_path_factory.mktemp("guided"))
+
+
+@pytest.mark.parametrize("spec", [None, "chain:3", "tree:8", "dyn:k4d3n8"])
+def test_guided_graphs_equal_eager(guided_mirror, spec):
+    """Guided steps replayed as three graphs (draft; verify; masks from the host, acceptance, commit) equal the
+    eager guided step: greedy against the reference path, sampled (seeded) against the eager Triton path; guided
+    requests batched with an unguided one; the guided graphs were replayed."""
+    from eyas import GuidedDecoding
+    target, draft, _ = guided_mirror
+    guides = [GuidedDecoding(regex=r"(yes|no), [0-9]{1,3}!"), GuidedDecoding(json_object=True),
+              GuidedDecoding(choice=["abc", "ba"]), GuidedDecoding(regex=r"[a-z ]{5,60}\."), None]
+    prompts = ["Hello there", "yes or no?", "{\""]
+    kw = dict(device="cuda", dtype="float32", draft=str(draft) if spec else None, speculation=spec)
+    for temperature in (0.0, 1.0):
+        params = [SamplingParams(max_tokens=40, guided=g, temperature=temperature, seed=i)
+                  for i, g in enumerate(guides)]
+        eager = LLM(str(target), **kw)
+        if temperature == 0:
+            eager.engine.runner.use_triton = False
+            reference_ops(eager)
+        graphed = LLM(str(target), cuda_graphs=True, **kw)
+        for p in prompts:
+            ref = [(o.token_ids, o.finish_reason) for o in eager.generate([p] * len(guides), params)]
+            got = [(o.token_ids, o.finish_reason) for o in graphed.generate([p] * len(guides), params)]
+            assert got == ref, (spec, temperature, p)
+            assert graphed.generate([p], params[1])[0].token_ids == ref[1][0]  # bucket 1, alone
+        assert graphed.engine.runner.graphs.guided, "no guided step ran on graphs"
+        assert graphed.engine.blocks.num_used == 0
+
+
+def test_graphs_captured_beside_a_prefill_thread(guided_mirror):
+    """`disaggregate="cuda:0,cuda:0"`: the decode engine captures its graphs (guided ones among them) when its steps
+    first need them, while the prefill engine's thread works on the same GPU (its synchronisations invalidated a
+    capture in CUDA's global capture mode: session 50); outputs equal one graphed engine's."""
+    from eyas import GuidedDecoding
+    target, draft, _ = guided_mirror
+    guides = [GuidedDecoding(regex=r"(yes|no), [0-9]{1,3}!"), GuidedDecoding(json_object=True),
+              GuidedDecoding(regex=r"[a-z ]{5,60}\."), None]
+    prompts = [p for p in ["Hello there", "yes or no?", "{\"", "abcabc abcabc", "a", "b"] for _ in guides]
+    params = [SamplingParams(max_tokens=40, guided=g) for g in guides] * 6
+    kw = dict(dtype="float32", draft=str(draft), speculation="tree:8", cuda_graphs=True)
+    ref = [(o.token_ids, o.finish_reason) for o in LLM(str(target), device="cuda", **kw).generate(prompts, params)]
+    dis = LLM(str(target), disaggregate="cuda:0,cuda:0", **kw)
+    try:
+        got = [(o.token_ids, o.finish_reason) for o in dis.generate(prompts, params)]
+        assert dis.engine.decode.runner.graphs.guided
+    finally:
+        dis.engine.close()
+    assert got == ref

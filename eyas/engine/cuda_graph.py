@@ -8,6 +8,8 @@ lands in the scratch block 0 (and in the scratch slot of the draft's hidden stat
 The reference beside this fast path is `spec_step` run eagerly; tests/test_cuda_graph.py holds the two equal.
 Beside each step graph a small graph of `eyas.spec.carry.carry_inputs` turns the static outputs of one replay into
 the static inputs of the next, for overlapped decoding (the engine enqueues a successor before reading a step back).
+A guided step (grammar masks from the host between draft and acceptance) is three graphs, one per phase of the step
+(`launch_guided`); its reference is `spec_step` with the same guide, run eagerly.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import dataclasses
 
 import torch
 
-from eyas.spec.step import DecodeInputs, DecodeOutputs, spec_step
+from eyas.spec.step import DecodeInputs, DecodeOutputs, accept_phase, draft_phase, spec_step, verify_phase
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Context buckets (tokens), for the Triton attention only. A graph bakes in the attention's split count, chosen for
@@ -48,6 +50,7 @@ class GraphedStep:
         # bucket)
         self.graphs: dict[tuple[int, bool, str, int], tuple[torch.cuda.CUDAGraph, DecodeInputs, DecodeOutputs]] = {}
         self.carries: dict[tuple[int, bool, str, int], torch.cuda.CUDAGraph] = {}  # overlapped steps' input carries
+        self.guided: dict[tuple[int, bool, str, int], GuidedGraphs] = {}  # guided steps' (`launch_guided`)
         self.pool = None
 
     def bucket(self, n: int) -> int | None:
@@ -69,6 +72,13 @@ class GraphedStep:
         return spec_step(r.target, r.draft, tree, r.cache, r.draft_cache, inp, r.block_size, r.use_triton,
                          r.simulated_accept, greedy, r.draft_hidden)
 
+    def _capturing(self, graph: torch.cuda.CUDAGraph):
+        """The capture of `graph` into the graphs' shared pool. Thread-local error mode: graphs are captured when a
+        step first needs them, and a disaggregated engine's prefill thread (`eyas.engine.disagg`) may then be
+        working on the same GPU; its synchronisations would invalidate a capture in the global mode (session 50's
+        device call: a guided graph's capture failed so). This thread's own unsafe calls still fail the capture."""
+        return torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local")
+
     def _capture(self, key: tuple[int, bool, str, int], tree):
         B, greedy, _, context = key
         static = self._static_inputs(B, context)
@@ -79,7 +89,7 @@ class GraphedStep:
                 self._step(static, greedy, tree)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with self._capturing(graph):
             out = self._step(static, greedy, tree)
         self.pool = graph.pool()
         self.graphs[key] = (graph, static, out)
@@ -142,6 +152,74 @@ class GraphedStep:
         graph.replay()
         return key, out
 
+    @torch.inference_mode()
+    def launch_guided(self, seqs, tree, guide) -> tuple[tuple, DecodeOutputs]:
+        """Replay a guided step (`guide`: an `eyas.spec.grammar.TreeGuide`) as three graphs: the draft; the verify
+        pass, enqueued behind the copy of the tree's tokens to the host; then, once the host has computed every
+        node's grammar mask from those tokens (while the verify pass runs) and sent the masks to a static buffer,
+        masking, acceptance and commit. One host synchronisation in the middle of the step (the tokens), none after
+        the masks are sent. Returns (the key: (bucket, greedy, tree, context bucket), the static outputs). The
+        graphs are captured the first time a key is met (guided steps are never overlapped, so the context buckets
+        need not be captured together)."""
+        from eyas.engine.runner import all_greedy
+        r = self.runner
+        context = r.context_bound(seqs) if r.use_triton else self.context_buckets[-1]
+        key = (self.bucket(len(seqs)), all_greedy(seqs), tree.name, context)
+        if key not in self.guided:
+            self._capture_guided(key, tree, guide.words)
+        g = self.guided[key]
+        r.decode_inputs(seqs, key[0])
+        g.draft.replay()
+        g.tokens_host.copy_(g.drafted.node_tokens, non_blocking=True)
+        if g.parents_host.ndim == 2:  # a dynamic tree's, drafted this step
+            g.parents_host.copy_(g.drafted.tree.parents, non_blocking=True)
+        g.read.record()
+        g.verify.replay()
+        g.read.synchronize()
+        guide.masks(g.tokens_host.numpy(), g.parents_host.numpy(), g.masks_host)
+        g.masks.copy_(g.masks_host, non_blocking=True)
+        g.accept.replay()
+        return key, g.out
+
+    def _capture_guided(self, key: tuple[int, bool, str, int], tree, words: int) -> None:
+        B, greedy, _, context = key
+        r = self.runner
+        static = self._static_inputs(B, context)
+        masks = None  # [B, N1, words]: every token allowed while warming up
+
+        def phases():
+            nonlocal masks
+            d = draft_phase(r.target, r.draft, tree, r.draft_cache, static, r.block_size, r.use_triton,
+                            r.simulated_accept, r.draft_hidden)
+            v = verify_phase(r.target, r.draft, d, r.cache, static)
+            if masks is None:
+                masks = torch.full((*v.logits.shape[:2], words), -1, dtype=torch.int32, device=v.logits.device)
+            apply_bitmask(v.logits, masks)
+            accept_phase(r.draft, d, v, r.cache, static, r.use_triton, r.simulated_accept, greedy, r.draft_hidden)
+        from eyas.spec.grammar import apply_bitmask
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile the Triton kernels and warm the allocator outside the capture
+                phases()
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs = [torch.cuda.CUDAGraph() for _ in range(3)]  # captured in the order they replay, in one pool
+        with self._capturing(graphs[0]):
+            d = draft_phase(r.target, r.draft, tree, r.draft_cache, static, r.block_size, r.use_triton,
+                            r.simulated_accept, r.draft_hidden)
+        self.pool = graphs[0].pool()
+        with self._capturing(graphs[1]):
+            v = verify_phase(r.target, r.draft, d, r.cache, static)
+        with self._capturing(graphs[2]):
+            apply_bitmask(v.logits, masks)
+            out = accept_phase(r.draft, d, v, r.cache, static, r.use_triton, r.simulated_accept, greedy,
+                               r.draft_hidden)
+        parents = d.tree.parents
+        self.guided[key] = GuidedGraphs(
+            *graphs, d, v, out, masks, torch.empty(masks.shape, dtype=torch.int32, pin_memory=True),
+            torch.empty(d.node_tokens.shape, dtype=torch.long, pin_memory=True),
+            torch.empty(parents.shape, dtype=torch.long, pin_memory=True).copy_(parents), torch.cuda.Event())
+
     def _capture_carry(self, static: DecodeInputs, out: DecodeOutputs) -> torch.cuda.CUDAGraph:
         """A graph of `carry_inputs` (static outputs -> static inputs, in place), warmed up on copies: of the inputs
         (a real run would carry them before their time) and of the outputs, zeroed (the step graph was only captured,
@@ -159,7 +237,25 @@ class GraphedStep:
                          r.use_triton)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):  # (capturing runs nothing: the inputs are not carried yet)
+        with self._capturing(graph):  # (capturing runs nothing: the inputs are not carried yet)
             carry_inputs(static, out, r.block_size, r.num_slots, r.use_triton)
         self.pool = graph.pool()
         return graph
+
+
+@dataclasses.dataclass(eq=False)
+class GuidedGraphs:
+    """A guided step's three graphs (`GraphedStep.launch_guided`) and the buffers between them: what the draft graph
+    leaves for the others (`drafted`, `verified`: the graphs' own tensors, kept alive so that no later capture in the
+    pool reuses them), the outputs, the masks on the device and their pinned host twins."""
+    draft: torch.cuda.CUDAGraph
+    verify: torch.cuda.CUDAGraph
+    accept: torch.cuda.CUDAGraph
+    drafted: object  # eyas.spec.step.Drafted
+    verified: object  # eyas.spec.step.Verified
+    out: DecodeOutputs
+    masks: torch.Tensor  # [B, N1, words] int32, what the accept graph reads
+    masks_host: torch.Tensor  # pinned
+    tokens_host: torch.Tensor  # [B, N1] pinned: the drafted tree's tokens
+    parents_host: torch.Tensor  # [N1] a static tree's parents (copied once), [B, N1] a dynamic tree's (each step)
+    read: torch.cuda.Event  # the tokens (and a dynamic tree's parents) are on the host

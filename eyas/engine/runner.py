@@ -468,13 +468,18 @@ class ModelRunner:
         tree = self.tree_for(len(seqs))
         self.tree_steps[tree.name] = self.tree_steps.get(tree.name, 0) + 1
         guide = self._guide(seqs)
-        graphed = self.graphs is not None and self.graphs.can_run(seqs) and guide is None
+        graphed = self.graphs is not None and self.graphs.can_run(seqs)
         if after is not None:
             if after.seqs != seqs or after.graphed != graphed or after.tree is not tree:
                 raise ValueError("an overlapped step must follow a step of the same sequences")
+            if guide is not None:
+                raise ValueError("a guided step cannot be overlapped: its masks need the step before's commits")
             self._refresh_tables(seqs, after.B)
         graph_key = None
-        if graphed:
+        if graphed and guide is not None:  # three graphs, the grammar masks made on the host in the middle
+            graph_key, out = self.graphs.launch_guided(seqs, tree, guide)
+            B = graph_key[0]
+        elif graphed:
             graph_key, out = self.graphs.launch(seqs, tree, carried_from=None if after is None else after.graph_key)
             B = graph_key[0]
         else:

@@ -16,8 +16,10 @@ exactly its committed tokens, and nothing else, at every step:
 * The commit feeds the matcher the committed tokens only: the accepted path and the bonus token
   (`LLMEngine._commit`). A rejected branch never touched it. A grammar that is complete ends the output ("stop").
 
-The masks need the draft's tokens on the host, so a guided step synchronises once in its middle (the tree's tokens
-are read while the target's verify forward runs) and is not captured in a CUDA graph or overlapped with the next.
+The masks need the draft's tokens on the host, so a guided step synchronises once in its middle: the tree's tokens
+are read while the target's verify forward runs, and the host computes the masks meanwhile. With CUDA graphs the step
+is three graphs (draft, verify, mask + accept + commit: `GraphedStep.launch_guided`); it is never overlapped with the
+next step, whose masks need the grammar states after this one's commit.
 The draft proposes without the grammar: its proposals that break it cost acceptance, never exactness.
 """
 from __future__ import annotations
@@ -207,12 +209,22 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
 
 class TreeGuide:
     """The masks of one decode step's trees, for the rows of a batch whose requests are guided (`states[b]`, None
-    for the others and for padding rows). `spec_step` calls `read` once the tree's tokens are drafted (the copy to
-    the host is enqueued, the step goes on) and `apply` once the target's logits are computed."""
+    for the others; rows past them are padding). Run eagerly, `spec_step` calls `read` once the tree's tokens are
+    drafted (the copy to the host is enqueued, the step goes on) and `apply` once the target's logits are computed;
+    a graphed step (`eyas.engine.cuda_graph.GraphedStep.launch_guided`) reads the tokens itself and calls `masks`."""
 
     def __init__(self, states: list[GrammarState | None], words: int):
         self.states, self.words = states, words
         self._tokens = self._parents = self._done = None
+
+    def masks(self, tokens: np.ndarray, parents: np.ndarray, out: torch.Tensor) -> torch.Tensor:
+        """out [B, N1, words] int32 on the host := each guided row's node masks (tokens [B, N1]; parents [N1] or
+        [B, N1]), every token allowed in the other rows. Returns out."""
+        out.fill_(-1)
+        for b, st in enumerate(self.states):
+            if st is not None:
+                st.tree_bitmask(tokens[b], parents if parents.ndim == 1 else parents[b], out[b])
+        return out
 
     def read(self, node_tokens: torch.Tensor, parents: torch.Tensor) -> None:
         """Start copying the step's tree to the host: node_tokens [B, N1]; parents [N1] (a static tree) or [B, N1]."""
@@ -228,12 +240,8 @@ class TreeGuide:
         if self._done is not None:
             self._done.synchronize()
         B, N1, _ = logits.shape
-        tokens = self._tokens.numpy()
-        parents = self._parents.numpy()
-        masks = torch.full((B, N1, self.words), -1, dtype=torch.int32)
-        for b, st in enumerate(self.states):
-            if st is not None:
-                st.tree_bitmask(tokens[b], parents if parents.ndim == 1 else parents[b], masks[b])
+        masks = self.masks(self._tokens.numpy(), self._parents.numpy(),
+                           torch.empty((B, N1, self.words), dtype=torch.int32))
         apply_bitmask(logits, masks.to(logits.device, non_blocking=True))
 
 

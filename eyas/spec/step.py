@@ -14,7 +14,7 @@ from eyas.layers.attention import MetaBuilder, Stash, write_kv
 from eyas.layers.sampler import logits_to_probs
 from eyas.layers.topk import argmax
 from eyas.spec.drafter import catch_up, causal_mask, expand_tree
-from eyas.spec.dynamic_tree import DynamicTree, expand_dynamic
+from eyas.spec.dynamic_tree import DynamicTree, StepTree, expand_dynamic
 from eyas.spec.tree import Tree
 from eyas.spec.verifier import accept_tree, accept_tree_greedy, simulate_accept, simulate_replay
 
@@ -92,10 +92,27 @@ class DecodeOutputs:
     packed: torch.Tensor  # [B, D+3]: num_accepted, path_tokens, bonus (what the host reads, in one transfer)
 
 
+@dataclass
+class Drafted:
+    """A step's state after its draft phase (`draft_phase`): the tree it proposes and what the verify pass reads."""
+    tree: Tree | StepTree  # a dynamic tree: this step's trees (`StepTree`: per-row parents and masks)
+    node_tokens: torch.Tensor  # [B, N+1] root and tree tokens
+    positions: torch.Tensor  # [B, N+1] their target positions
+    meta: MetaBuilder
+
+
+@dataclass
+class Verified:
+    """A step's state after its verify pass (`verify_phase`)."""
+    logits: torch.Tensor  # [B, N+1, V] the target's logits at every node (masked in place under guided decoding)
+    feats: torch.Tensor  # [B, N+1, F] what the draft reads of the target's states (`commit_features`)
+    stash: Stash | None  # every layer's K/V of root + tree (None for the bare root: its K/V are in the cache)
+
+
 def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: DecodeInputs, block_size: int,
               use_triton: bool = False, simulated_accept: torch.Tensor | None = None,
               all_greedy: bool = False, draft_hidden: torch.Tensor | None = None, guide=None) -> DecodeOutputs:
-    """One speculative step for every sequence.
+    """One speculative step for every sequence: `draft_phase`, `verify_phase`, `accept_phase`.
 
     Before: the target KV holds positions 0..n-1 of each sequence, the last committed token x_n has none; the draft
     KV holds 0..d-1 and the committed pairs (x_{t+1}, h_t), t = d..n-1, it has not read are `catchup_tokens` and
@@ -112,10 +129,26 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
     catch-up pairs.
     `guide` (guided decoding, an `eyas.spec.grammar.TreeGuide`): the target's logits at every node are masked by the
     grammar state that node's path reaches, before acceptance; the step then reads the tree's tokens back to the
-    host once, in its middle, and cannot be captured in a CUDA graph.
+    host once, between its draft and its acceptance. Run eagerly, that is this function; graphed
+    (`eyas.engine.cuda_graph.GraphedStep.launch_guided`), each phase is a graph and the host computes the masks
+    while the verify pass runs.
     With the bare-root tree (plain decoding; with a draft, a dispatcher's choice for large batches) the root's K/V
     are written straight to the cache, and its attention is one prefix pass that includes it (no suffix pass).
     """
+    d = draft_phase(target, draft, tree, draft_cache, inp, block_size, use_triton, simulated_accept, draft_hidden)
+    if guide is not None:  # guided decoding: the tree's tokens go to the host while the target verifies them
+        guide.read(d.node_tokens, d.tree.parents)
+    v = verify_phase(target, draft, d, cache, inp)
+    if guide is not None:  # each node's logits restricted to what the grammar allows after its path
+        guide.apply(v.logits)
+    return accept_phase(draft, d, v, cache, inp, use_triton, simulated_accept, all_greedy, draft_hidden)
+
+
+def draft_phase(target, draft, tree: Tree | DynamicTree, draft_cache, inp: DecodeInputs, block_size: int,
+                use_triton: bool = False, simulated_accept: torch.Tensor | None = None,
+                draft_hidden: torch.Tensor | None = None) -> Drafted:
+    """The step's draft: it reads the committed history it has not read (catch-up), then expands the tree level by
+    level. Without a draft, the tree is the bare root."""
     dynamic = isinstance(tree, DynamicTree)
     if dynamic and (draft is None or simulated_accept is not None):
         raise ValueError(f"{tree.name}: a dynamic tree needs a draft, and its acceptance cannot be replayed")
@@ -156,34 +189,44 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
                 positions = n[:, None] + tree.depth
             else:
                 expand_tree(draft, target, draft_cache, tree, root_h, n, node_tokens, meta, positions - 1)
+    return Drafted(tree, node_tokens, positions, meta)
 
-    if guide is not None:  # guided decoding: the tree's tokens go to the host while the target verifies them
-        guide.read(node_tokens, tree.parents)
 
-    # verify: one target forward over root + tree; split tree attention; K/V stashed, not cached (a bare root, which
-    # is always accepted, writes its K/V to the cache directly)
-    mask = tree.ancestor_mask if dynamic else tree.ancestor_mask.to(device)[None].expand(B, N1, N1)
+def verify_phase(target, draft, d: Drafted, cache, inp: DecodeInputs) -> Verified:
+    """The verify pass: one target forward over root + tree; split tree attention; K/V stashed, not cached (a bare
+    root, which is always accepted, writes its K/V to the cache directly)."""
+    tree, n = d.tree, inp.num_cached
+    B, N1 = d.node_tokens.shape
+    mask = tree.ancestor_mask
+    if not isinstance(tree, StepTree):  # a static tree's, the same for every row
+        mask = mask.to(n.device)[None].expand(B, N1, N1)
     stash = None
     if tree.num_nodes:
         stash = Stash.like(cache, B, N1)  # every layer's K/V of root + tree, node by node
-        vmeta = meta(n, mask, stash=stash)
+        vmeta = d.meta(n, mask, stash=stash)
     else:
         # plain decoding: the root's K/V go straight to the cache, and one prefix pass over n + 1 entries (the root
         # included) is its whole attention
-        vmeta = meta(n + 1, mask, max_context_len=inp.max_context_len + 1, prefix_includes_new=True,
-                     slot_mapping=inp.commit_slots[:, :1])
+        vmeta = d.meta(n + 1, mask, max_context_len=inp.max_context_len + 1, prefix_includes_new=True,
+                       slot_mapping=inp.commit_slots[:, :1])
     feature_layers = getattr(draft, "feature_layers", None)
     if feature_layers is None:  # EAGLE-1 (or no draft): the draft reads the final hidden state itself
-        hidden = feats = target(node_tokens, positions, vmeta, cache)
+        hidden = feats = target(d.node_tokens, d.positions, vmeta, cache)
     else:  # EAGLE-3-style draft: it reads lower layers' features too (fused to H at commit, `read_features`)
-        hidden, feats = target(node_tokens, positions, vmeta, cache, feature_layers=feature_layers)
+        hidden, feats = target(d.node_tokens, d.positions, vmeta, cache, feature_layers=feature_layers)
     logits = target.compute_logits(hidden, dtype=None)  # argmaxes need no float32 copy; the sampler upcasts
-    if guide is not None:  # each node's logits restricted to what the grammar allows after its path
-        guide.apply(logits)
-    V = logits.shape[-1]
-    packed = None  # (num_accepted, path tokens, bonus): what the host reads; the Triton acceptance writes it itself
+    return Verified(logits, feats, stash)
 
-    # accept: the longest accepted path and a bonus token (greedy or lossless speculative sampling)
+
+def accept_phase(draft, d: Drafted, v: Verified, cache, inp: DecodeInputs, use_triton: bool = False,
+                 simulated_accept: torch.Tensor | None = None, all_greedy: bool = False,
+                 draft_hidden: torch.Tensor | None = None) -> DecodeOutputs:
+    """Acceptance (the longest accepted path and a bonus token: greedy or lossless speculative sampling), then the
+    commit of the path's K/V and features."""
+    tree, node_tokens, logits, n = d.tree, d.node_tokens, v.logits, inp.num_cached
+    B, N1, V = logits.shape
+    device = logits.device
+    packed = None  # (num_accepted, path tokens, bonus): what the host reads; the Triton acceptance writes it itself
     if simulated_accept is not None and simulated_accept.is_floating_point():  # benchmarks of random weights only:
         path, num_accepted, bonus = simulate_accept(node_tokens, tree, simulated_accept, inp.seeds, n,  # rates by
                                                     argmax(logits))  # depth
@@ -212,6 +255,7 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
     # commit: the accepted path's K/V go to positions n..n+m, every layer at once (a bare root's are there already)
     D1 = path.shape[1]
     node = path.clamp(min=0)  # the accepted path's rows
+    stash = v.stash
     if stash is not None:  # the path is -1 past the accepted depth: nothing is written there
         if use_triton:
             from eyas.kernels import commit_tree_kv_triton
@@ -224,7 +268,7 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
                          slots)
     if draft is not None:
         # rows 0..m valid; a dispatcher's shallower trees fill only the first D+1 of the buffer's rows
-        commit_features(draft, feats, node, draft_hidden, inp.slots)
+        commit_features(draft, v.feats, node, draft_hidden, inp.slots)
     if packed is None:
         path_tokens = node_tokens.gather(1, node)
         packed = torch.cat([num_accepted[:, None], path_tokens, bonus[:, None]], dim=1)
