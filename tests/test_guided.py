@@ -219,6 +219,66 @@ def test_speculative_guided_equals_plain_guided(mirror, spec):
     assert accepted > 0
 
 
+def test_restrict_logits_against_a_loop():
+    """The draft's logits restricted to a grammar's tokens: over the whole vocabulary, and over a draft vocabulary
+    (column j is token ids[j])."""
+    from eyas.spec.draft_vocab import restrict_logits
+    torch.manual_seed(0)
+    V, words = 70, 3
+    allowed = torch.randint(-2**31, 2**31 - 1, (2, words), dtype=torch.int32)
+    on = [[(int(allowed[b, t // 32]) >> (t % 32)) & 1 for t in range(V)] for b in range(2)]
+    for ids in (None, torch.tensor([3, 0, 69, 40, 41, 7])):
+        draft = type("Draft", (), {"vocab_ids": ids})()
+        K = V if ids is None else len(ids)
+        logits = torch.randn(2, 3, K)
+        got = restrict_logits(draft, logits, allowed)
+        for b, i, j in np.ndindex(2, 3, K):
+            t = j if ids is None else int(ids[j])
+            assert got[b, i, j] == (logits[b, i, j] if on[b][t] else float("-inf"))
+
+
+@pytest.mark.parametrize("spec", ["chain:3", "tree:8", "dyn:k4d3n8"])
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_draft_proposes_the_roots_children_among_allowed_tokens(mirror, spec, draft_vocab, tmp_path):
+    """Under a grammar the draft proposes the root's children among the tokens the grammar allows next (its deeper
+    levels propose freely); with a draft vocabulary, among those of them it has; a top-k wider than what is allowed
+    proposes every allowed token. The mirror draft, which follows the target's free argmax, proposed refused tokens
+    there before."""
+    import shutil
+    from eyas.spec.draft_vocab import save_draft_vocab
+    from eyas.spec.grammar import TreeGuide
+    target, draft, tok = mirror
+    ids = None
+    if draft_vocab:
+        ids = torch.arange(0, tok.vocab_size, 2)  # half the tokens
+        shutil.copytree(draft, tmp_path / "d")
+        draft = tmp_path / "d"
+        save_draft_vocab(draft, ids)
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec)
+    V = llm.target.config.vocab_size
+    seen = []
+    masks = TreeGuide.masks
+
+    def spy(self, tokens, parents, out):
+        r = masks(self, tokens, parents, out)
+        for b, st in enumerate(self.states):
+            if st is not None:
+                par = parents if parents.ndim == 1 else parents[b]
+                root = allowed_tokens(r[b, 0], V)  # the root's row: what the grammar allows next
+                can = int(root.sum() if ids is None else root[ids].sum())  # allowed tokens the draft may propose
+                kids = [bool(root[tokens[b][i]]) for i in range(1, len(par)) if par[i] == 0]
+                seen.append(sum(kids) >= min(can, len(kids)))  # a top-k wider than the allowed set takes them all
+        return r
+    TreeGuide.masks = spy
+    try:
+        guides = [GuidedDecoding(regex=r"(yes|no), [0-9]{1,3}!"), GuidedDecoding(json_object=True),
+                  GuidedDecoding(regex=r"[a-z ]{5,60}\."), None]
+        llm.generate(["Hello there"] * 4, [SamplingParams(max_tokens=30, guided=g) for g in guides])
+    finally:
+        TreeGuide.masks = masks
+    assert len(seen) > 20 and all(seen)
+
+
 def test_grammar_state_is_the_committed_history(mirror):
     """After every speculative step (rejected branches included), each guided request's matcher allows exactly
     what a fresh matcher fed its committed output allows."""

@@ -154,7 +154,8 @@ class GraphedStep:
 
     @torch.inference_mode()
     def launch_guided(self, seqs, tree, guide) -> tuple[tuple, DecodeOutputs]:
-        """Replay a guided step (`guide`: an `eyas.spec.grammar.TreeGuide`) as three graphs: the draft; the verify
+        """Replay a guided step (`guide`: an `eyas.spec.grammar.TreeGuide`) as three graphs: the draft (its root's
+        children among the tokens each row's grammar allows next, from a static mask buffer); the verify
         pass, enqueued behind the copy of the tree's tokens to the host; then, once the host has computed every
         node's grammar mask from those tokens (while the verify pass runs) and sent the masks to a static buffer,
         masking, acceptance and commit. One host synchronisation in the middle of the step (the tokens), none after
@@ -169,6 +170,8 @@ class GraphedStep:
             self._capture_guided(key, tree, guide.words)
         g = self.guided[key]
         r.decode_inputs(seqs, key[0])
+        if g.root_masks is not None:  # the draft proposes the root's children among the tokens the grammar allows
+            g.root_masks.copy_(guide.root_masks(g.root_masks_host), non_blocking=True)
         g.draft.replay()
         g.tokens_host.copy_(g.drafted.node_tokens, non_blocking=True)
         if g.parents_host.ndim == 2:  # a dynamic tree's, drafted this step
@@ -186,11 +189,13 @@ class GraphedStep:
         r = self.runner
         static = self._static_inputs(B, context)
         masks = None  # [B, N1, words]: every token allowed while warming up
+        device = static.root_tokens.device
+        root_masks = None if r.draft is None else torch.full((B, words), -1, dtype=torch.int32, device=device)
 
         def phases():
             nonlocal masks
             d = draft_phase(r.target, r.draft, tree, r.draft_cache, static, r.block_size, r.use_triton,
-                            r.simulated_accept, r.draft_hidden)
+                            r.simulated_accept, r.draft_hidden, root_masks)
             v = verify_phase(r.target, r.draft, d, r.cache, static)
             if masks is None:
                 masks = torch.full((*v.logits.shape[:2], words), -1, dtype=torch.int32, device=v.logits.device)
@@ -206,7 +211,7 @@ class GraphedStep:
         graphs = [torch.cuda.CUDAGraph() for _ in range(3)]  # captured in the order they replay, in one pool
         with self._capturing(graphs[0]):
             d = draft_phase(r.target, r.draft, tree, r.draft_cache, static, r.block_size, r.use_triton,
-                            r.simulated_accept, r.draft_hidden)
+                            r.simulated_accept, r.draft_hidden, root_masks)
         self.pool = graphs[0].pool()
         with self._capturing(graphs[1]):
             v = verify_phase(r.target, r.draft, d, r.cache, static)
@@ -218,7 +223,8 @@ class GraphedStep:
         self.guided[key] = GuidedGraphs(
             *graphs, d, v, out, masks, torch.empty(masks.shape, dtype=torch.int32, pin_memory=True),
             torch.empty(d.node_tokens.shape, dtype=torch.long, pin_memory=True),
-            torch.empty(parents.shape, dtype=torch.long, pin_memory=True).copy_(parents), torch.cuda.Event())
+            torch.empty(parents.shape, dtype=torch.long, pin_memory=True).copy_(parents), torch.cuda.Event(),
+            root_masks, None if root_masks is None else torch.empty((B, words), dtype=torch.int32, pin_memory=True))
 
     def _capture_carry(self, static: DecodeInputs, out: DecodeOutputs) -> torch.cuda.CUDAGraph:
         """A graph of `carry_inputs` (static outputs -> static inputs, in place), warmed up on copies: of the inputs
@@ -259,3 +265,5 @@ class GuidedGraphs:
     tokens_host: torch.Tensor  # [B, N1] pinned: the drafted tree's tokens
     parents_host: torch.Tensor  # [N1] a static tree's parents (copied once), [B, N1] a dynamic tree's (each step)
     read: torch.cuda.Event  # the tokens (and a dynamic tree's parents) are on the host
+    root_masks: torch.Tensor | None  # [B, words] int32, what the draft graph reads (None without a draft)
+    root_masks_host: torch.Tensor | None  # pinned

@@ -88,12 +88,26 @@ def draft_logits(draft, target, h: torch.Tensor) -> torch.Tensor:
     return (h.reshape(-1, H) @ draft.vocab_head.t()).view(*h.shape[:-1], -1)  # one 2-D matmul
 
 
-def draft_topk(draft, target, h: torch.Tensor, k: int) -> torch.Tensor:
-    """Target token ids [..., k] of the draft's top-k candidates from features h [..., H]: over the draft
-    vocabulary when one is attached, the whole vocabulary otherwise (`draft_logits`)."""
+def restrict_logits(draft, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits [B, ..., K] (the draft's, `draft_logits`) with -inf where `allowed` [B, words] (int32 token bitmasks
+    over the target's vocabulary: guided decoding's, `eyas.spec.grammar`) forbids the token; a draft vocabulary's
+    columns read their tokens' bits."""
+    from eyas.spec.grammar import allowed_tokens
+    bits = allowed_tokens(allowed, allowed.shape[-1] * 32)  # [B, words * 32]
+    ids = getattr(draft, "vocab_ids", None)
+    bits = bits[:, ids] if ids is not None else bits[:, :logits.shape[-1]]
+    return logits.masked_fill(~bits.view(bits.shape[0], *([1] * (logits.dim() - 2)), -1), float("-inf"))
+
+
+def draft_topk(draft, target, h: torch.Tensor, k: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Target token ids [..., k] of the draft's top-k candidates from features h [B, ..., H]: over the draft
+    vocabulary when one is attached, the whole vocabulary otherwise (`draft_logits`); only tokens that `allowed`
+    ([B, words] bitmasks, guided decoding) allows, when given."""
     ids = getattr(draft, "vocab_ids", None)
     # the logits stay in the head's dtype: the float32 upcast of the same values would order them the same
     logits = draft_logits(draft, target, h)
+    if allowed is not None:
+        logits = restrict_logits(draft, logits, allowed)
     # k = 1 (every chain level): an argmax; otherwise a top-k (on CUDA each is two Triton launches, `eyas.kernels.
     # chunk_topk`)
     top = argmax(logits)[..., None] if k == 1 else topk_indices(logits, k)

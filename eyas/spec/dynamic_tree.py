@@ -32,7 +32,7 @@ import torch
 
 from eyas.layers.attention import MetaBuilder, Stash
 from eyas.layers.topk import topk_logp
-from eyas.spec.draft_vocab import draft_logits
+from eyas.spec.draft_vocab import draft_logits, restrict_logits
 from eyas.spec.drafter import draft_pairs
 
 PREFIX = "dyn:"
@@ -97,19 +97,25 @@ class StepTree:
         return [self.children.shape[-1]] * self.max_depth
 
 
-def draft_topk_logp(draft, target, h: torch.Tensor, k: int):
-    """The draft's top-k from features h [..., H]: (log-probabilities [..., k] in float32, target token ids [..., k]),
-    over the draft vocabulary when one is attached (`draft_logits`)."""
+def draft_topk_logp(draft, target, h: torch.Tensor, k: int, allowed: torch.Tensor | None = None):
+    """The draft's top-k from features h [B, ..., H]: (log-probabilities [..., k] in float32, target token ids
+    [..., k]), over the draft vocabulary when one is attached (`draft_logits`); over the tokens `allowed` ([B, words]
+    bitmasks, guided decoding) allows, when given (the log-probabilities renormalised over them)."""
+    logits = draft_logits(draft, target, h)
+    if allowed is not None:
+        logits = restrict_logits(draft, logits, allowed)
     # on CUDA two Triton launches, where torch.topk and a float32 logsumexp over a 49k row take ~35 kernels
-    logp, idx = topk_logp(draft_logits(draft, target, h), k)
+    logp, idx = topk_logp(logits, k)
     ids = getattr(draft, "vocab_ids", None)
     return logp, (idx if ids is None else ids[idx])
 
 
 def expand_dynamic(draft, target, draft_cache, dyn: DynamicTree, root_h: torch.Tensor, root_tokens: torch.Tensor,
-                   n: torch.Tensor, meta: MetaBuilder):
+                   n: torch.Tensor, meta: MetaBuilder, root_allowed: torch.Tensor | None = None):
     """The step's trees from the root feature root_h [B, H] (root_tokens [B]; n [B] = target KV length: the root's
-    draft entry is at n-1, a node of depth d at draft position n-1+d). Returns (node_tokens [B, N+1], StepTree)."""
+    draft entry is at n-1, a node of depth d at draft position n-1+d). `root_allowed` ([B, words] bitmasks, guided
+    decoding): the root's children are drawn from the tokens the grammar allows next. Returns (node_tokens
+    [B, N+1], StepTree)."""
     B, H = root_h.shape
     K, D, N = dyn.topk, dyn.depth, dyn.num_nodes
     device = root_h.device
@@ -121,7 +127,7 @@ def expand_dynamic(draft, target, draft_cache, dyn: DynamicTree, root_h: torch.T
     pool_score = torch.empty((B, P), dtype=torch.float32, device=device)
     pool_tok = torch.empty((B, P), dtype=torch.long, device=device)
     pool_path = torch.empty((B, P, D), dtype=torch.long, device=device)
-    logp, tok = draft_topk_logp(draft, target, root_h, K)  # [B, K]
+    logp, tok = draft_topk_logp(draft, target, root_h, K, root_allowed)  # [B, K]
     pool_score[:, :K] = logp
     pool_tok[:, :K] = tok
     pool_path[:, :K] = first_path

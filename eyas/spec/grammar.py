@@ -20,7 +20,9 @@ The masks need the draft's tokens on the host, so a guided step synchronises onc
 are read while the target's verify forward runs, and the host computes the masks meanwhile. With CUDA graphs the step
 is three graphs (draft, verify, mask + accept + commit: `GraphedStep.launch_guided`); it is never overlapped with the
 next step, whose masks need the grammar states after this one's commit.
-The draft proposes without the grammar: its proposals that break it cost acceptance, never exactness.
+The draft proposes the root's children among the tokens the grammar allows next (`TreeGuide.root_masks`: known on the
+host before the step, as the state after the committed tokens); its deeper levels propose freely, since their states
+depend on the tree's tokens. A proposal that breaks the grammar costs acceptance, never exactness.
 """
 from __future__ import annotations
 
@@ -226,6 +228,11 @@ class TreeGuide:
                 st.tree_bitmask(tokens[b], parents if parents.ndim == 1 else parents[b], out[b])
         return out
 
+    def root_masks(self, out: torch.Tensor) -> torch.Tensor:
+        """out [B, words] int32 on the host := each guided row's mask of what may follow its committed tokens (the
+        root's children: the draft proposes among them), every token in the other rows. Returns out."""
+        return next_token_masks(self.states, out)
+
     def read(self, node_tokens: torch.Tensor, parents: torch.Tensor) -> None:
         """Start copying the step's tree to the host: node_tokens [B, N1]; parents [N1] (a static tree) or [B, N1]."""
         cuda = node_tokens.device.type == "cuda"
@@ -245,10 +252,16 @@ class TreeGuide:
         apply_bitmask(logits, masks.to(logits.device, non_blocking=True))
 
 
-def prefill_masks(states: list[GrammarState | None], words: int) -> torch.Tensor:
-    """[B, words] masks of the next token of each row's state (every token for rows without one)."""
-    masks = torch.full((len(states), words), -1, dtype=torch.int32)
+def next_token_masks(states: list[GrammarState | None], out: torch.Tensor) -> torch.Tensor:
+    """out [B, words] := the mask of the next token of each row's state (every token for rows without one, and for
+    rows past `states`). Returns out."""
+    out.fill_(-1)
     for b, st in enumerate(states):
         if st is not None:
-            st.fill(masks, b)
-    return masks
+            st.fill(out, b)
+    return out
+
+
+def prefill_masks(states: list[GrammarState | None], words: int) -> torch.Tensor:
+    """[B, words] masks of the next token of each row's state (every token for rows without one)."""
+    return next_token_masks(states, torch.empty((len(states), words), dtype=torch.int32))
