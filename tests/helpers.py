@@ -109,6 +109,44 @@ def write_mirror_pair(path: Path, vocab=24, layers=2, seed=0) -> tuple[Path, Pat
     return target_dir, save_draft(draft, Path(path) / "draft", dtype=torch.float32)
 
 
+# ---- guided decoding's tiny world: a byte-level BPE and the mirror pair over it ------------------------------------
+
+END = "<|end|>"
+SEP = "<|sep|>"  # a special token that is not a stop token
+MERGES = [("a", "b"), ("ab", "c"), ("b", "a"), ("Ġ", "y"), ("Ġy", "e"), ("Ġye", "s"), ("n", "o"), ("{", "\""),
+          ("\"", ":"), ("1", "2")]
+
+
+def tiny_tokenizer():
+    """A byte-level BPE of 256 bytes, ten merges and one special end token: a real tokenizer's kind, small enough
+    for a tiny model and for enumerating a grammar's token paths."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from eyas.loader.tokenizer import Tokenizer, _bytes_to_unicode
+    vocab = {c: i for i, c in enumerate(_bytes_to_unicode().values())}
+    for a, b in MERGES:
+        vocab[a + b] = len(vocab)
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=MERGES))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([END, SEP])
+    return Tokenizer(backend, eos_token=END)
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
+
+
+def write_guided_mirror(d):
+    """(target dir, draft dir, tokenizer): the mirror pair (a draft that nearly copies its target, so long paths
+    are accepted) over the tiny tokenizer, with a chat template."""
+    tok = tiny_tokenizer()
+    target, draft = write_mirror_pair(d, vocab=tok.vocab_size, layers=2)
+    tok.backend.save(str(target / "tokenizer.json"))
+    (target / "tokenizer_config.json").write_text(json.dumps({"eos_token": END, "chat_template": CHAT_TEMPLATE}))
+    return target, draft, tok
+
+
 def dense_kv(model_layers, rope, run):
     """K (after RoPE) and V of every layer of a dense forward, captured with hooks on k_proj / v_proj."""
     ks, vs, hooks = {}, {}, []

@@ -191,7 +191,7 @@ def test_smollm2_quantized_draft_under_graphs_gives_the_targets_output(quant):
 
 @pytest.fixture(scope="module")
 def guided_mirror(tmp_path_factory):
-    from test_guided import write_guided_mirror
+    from helpers import write_guided_mirror
     return write_guided_mirror(tmp_path_factory.mktemp("guided"))
 
 

@@ -11,7 +11,7 @@ from eyas.engine.engine import EngineConfig, LLMEngine
 from eyas.loader.eagle import load_draft
 from eyas.loader.resolve import load_target
 from eyas.spec.tree import resolve_tree
-from test_guided import write_guided_mirror
+from helpers import write_guided_mirror
 
 PROMPTS = ["Hello there", "yes or no?", "{\"", "abcabc " * 9, "12 12 12", "a", "The end is near, said the"]
 

@@ -11,43 +11,8 @@ import pytest
 import torch
 
 from eyas import LLM, GuidedDecoding, SamplingParams
-from eyas.loader.tokenizer import Tokenizer, _bytes_to_unicode
 from eyas.spec.grammar import GrammarBackend, allowed_tokens, apply_bitmask, choice_grammar, tree_bitmask_reference
-from helpers import write_mirror_pair
-
-END = "<|end|>"
-SEP = "<|sep|>"  # a special token that is not a stop token
-MERGES = [("a", "b"), ("ab", "c"), ("b", "a"), ("Ġ", "y"), ("Ġy", "e"), ("Ġye", "s"), ("n", "o"), ("{", "\""),
-          ("\"", ":"), ("1", "2")]
-
-
-def tiny_tokenizer() -> Tokenizer:
-    """A byte-level BPE of 256 bytes, ten merges and one special end token: a real tokenizer's kind, small enough
-    for a tiny model and for enumerating a grammar's token paths."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
-    vocab = {c: i for i, c in enumerate(_bytes_to_unicode().values())}
-    for a, b in MERGES:
-        vocab[a + b] = len(vocab)
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=MERGES))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([END, SEP])
-    return Tokenizer(backend, eos_token=END)
-
-
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
-
-
-def write_guided_mirror(d):
-    """(target dir, draft dir, tokenizer): the mirror pair (a draft that nearly copies its target, so long paths
-    are accepted) over the tiny tokenizer, with a chat template."""
-    tok = tiny_tokenizer()
-    target, draft = write_mirror_pair(d, vocab=tok.vocab_size, layers=2)
-    tok.backend.save(str(target / "tokenizer.json"))
-    (target / "tokenizer_config.json").write_text(json.dumps({"eos_token": END, "chat_template": CHAT_TEMPLATE}))
-    return target, draft, tok
-
+from helpers import SEP, tiny_tokenizer, write_guided_mirror
 
 @pytest.fixture(scope="module")
 def mirror(tmp_path_factory):
@@ -304,6 +269,35 @@ def test_grammar_state_is_the_committed_history(mirror):
     assert rejected > 0 and steps > 3
     assert all(s.finish_reason in ("stop", "length") for s in seqs)
     assert engine.blocks.num_free == engine.blocks.num_usable  # no KV block leaked
+
+
+def test_guided_requests_survive_preemption(mirror):
+    """A KV pool too small for the batch preempts guided requests and prefills them again: their outputs equal a
+    roomy engine's (speculative and plain), each grammar state holds exactly its committed output afterwards (the
+    re-prefill feeds it nothing twice), and no block leaks."""
+    target, draft, tok = mirror
+    guides = [GuidedDecoding(regex=r"[a-z ]{5,60}\."), GuidedDecoding(json_object=True),
+              GuidedDecoding(regex=r"(yes|no), [0-9]{1,3}!"), None, GuidedDecoding(regex=r"[a-c]{20,40}")]
+    params = [SamplingParams(max_tokens=40, guided=g, temperature=t, seed=i)
+              for i, (g, t) in enumerate(zip(guides * 2, [0.0] * 5 + [1.0] * 5))]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    kw = dict(device="cpu", dtype="float32", draft=str(draft), speculation="tree:8")
+    ref = [(o.token_ids, o.finish_reason) for o in LLM(str(target), **kw).generate(prompts, params)]
+    tight = LLM(str(target), num_blocks=40, block_size=4, max_num_seqs=6, **kw)
+    engine = tight.engine
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    be = engine.grammar_backend()
+    while engine.has_unfinished():
+        engine.step()
+        for s in seqs:
+            if s.grammar is not None and not s.finished:
+                ref_mask = fresh_mask(be, be.compile(s.params.guided), s.output_ids, be.words)
+                got = torch.zeros(1, be.words, dtype=torch.int32)
+                s.grammar.fill(got, 0)
+                assert torch.equal(got[0], ref_mask), s.request_id
+    assert engine.scheduler.num_preemptions > 0
+    assert [(s.output_ids, s.finish_reason) for s in seqs] == ref
+    assert engine.blocks.num_used == 0
 
 
 def test_grammar_completion_ends_the_output_even_with_ignore_eos(mirror):

@@ -115,7 +115,7 @@ def _rank_main(rank, world, device, out_dir, dirs):
 def dirs(tmp_path_factory):
     d = tmp_path_factory.mktemp("tp")
     mt, md = write_mirror_pair(d / "mirror", vocab=24, layers=2)
-    from test_guided import write_guided_mirror
+    from helpers import write_guided_mirror
     gt, gd, _ = write_guided_mirror(d / "guided")
     return {"guided_target": str(gt), "guided_draft": str(gd),
             "untied": str(write_tiny_llama(d / "untied", vocab=40, hidden=32, heads=4, kv_heads=2, layers=2)),

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 import torch  # noqa: E402
 
 from eyas import LLM, GuidedDecoding, SamplingParams  # noqa: E402
-from test_guided import write_guided_mirror  # noqa: E402
+from helpers import write_guided_mirror  # noqa: E402
 
 DEV = os.environ.get("DEV", "cuda")
 GUIDES = [GuidedDecoding(regex=r"(yes|no), [0-9]{1,3}!"), GuidedDecoding(json_object=True),
