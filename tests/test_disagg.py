@@ -144,9 +144,51 @@ def test_llm_disaggregate(pair):
         llm.engine.close()
 
 
-def test_server_on_a_disaggregated_engine(pair):
-    """`eyas serve --disaggregate cpu,cpu`'s engine behind the OpenAI API: chat, streamed and not, seeded n > 1
-    choices, and a guided (JSON object) chat equal one engine's offline outputs; both pools end empty."""
+def test_prefill_in_a_process_of_its_own(pair):
+    """`LLM(..., prefill_process=True)`: the prefill engine in a spawned child process; the same outputs and
+    acceptance as one engine (greedy, seeded, stop strings, max_tokens 1, guided), aborts while the child holds a
+    request, a child's failure raised in the parent, and the child gone after close()."""
+    from eyas.engine.prefill_process import RemotePrefillEngine
+    plist = params()
+    ref = LLM(pair[0], device="cpu", dtype="float32", draft=pair[1], speculation="chain:3").generate(PROMPTS, plist)
+    llm = LLM(pair[0], dtype="float32", draft=pair[1], speculation="chain:3", disaggregate="cpu,cpu",
+              prefill_process=True)
+    eng = llm.engine
+    remote = eng.prefill
+    assert isinstance(remote, RemotePrefillEngine)
+    try:
+        out = llm.generate(PROMPTS, plist)
+        assert [(o.token_ids, o.text, o.finish_reason, o.stats.accepted_by_depth) for o in out] == \
+            [(o.token_ids, o.text, o.finish_reason, o.stats.accepted_by_depth) for o in ref]
+        assert all(o.ttft is not None and o.latency >= o.ttft for o in out)
+        # aborted at once (queued in the child) and after a few steps; the others finish as before
+        got = run(eng, PROMPTS, plist, abort_at={1: 0, 4: 3})
+        assert got[1][0] == ref[1].token_ids and got[6][0] == ref[6].token_ids
+        assert not remote.seqs and eng.decode.blocks.num_used == 0
+        # an unseeded sampled request keeps the seed the parent drew for it (the child sampled its first token so)
+        h = eng.add_request(PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True))
+        local, seed = h.seq, h.seq.seed
+        while eng.has_unfinished():
+            eng.step()
+        assert h.seq is not local and h.seq.seed == seed and h.seq.finish_reason == "length"  # decoded after a handoff
+        # a request the child cannot take: its failure comes back as the parent's error
+        remote._commands.put(("add", "bad", [10 ** 9], SamplingParams(max_tokens=2), 0))
+        remote.seqs["bad"] = eng.decode.new_sequence([1], SamplingParams(max_tokens=2), "bad")
+        with pytest.raises(RuntimeError, match="prefill"):
+            for _ in range(300):
+                remote.step(0.05)
+    finally:
+        eng.close()
+    assert not remote._proc.is_alive()
+    with pytest.raises(ValueError, match="disaggregate"):
+        LLM(pair[0], dtype="float32", prefill_process=True)
+
+
+@pytest.mark.parametrize("process", [False, True])
+def test_server_on_a_disaggregated_engine(pair, process):
+    """`eyas serve --disaggregate cpu,cpu`'s engine behind the OpenAI API (`--prefill-process`: the prefill engine
+    in a child process): chat, streamed and not, seeded n > 1 choices, and a guided (JSON object) chat equal one
+    engine's offline outputs; both pools end empty."""
     from eyas.serve.api_server import create_app
     from test_server import LiveServer
     one = LLM(pair[0], device="cpu", dtype="float32", draft=pair[1], speculation="tree:8")
@@ -154,7 +196,8 @@ def test_server_on_a_disaggregated_engine(pair):
     greedy = one.chat(conv, SamplingParams(max_tokens=24))[0]
     seeded = one.generate(["abc"] * 3, [SamplingParams(temperature=1.0, seed=5 + j, max_tokens=12) for j in range(3)])
     guided = one.chat(conv, SamplingParams(max_tokens=30, guided=GuidedDecoding(json_object=True)))[0]
-    llm = LLM(pair[0], dtype="float32", draft=pair[1], speculation="tree:8", disaggregate="cpu,cpu")
+    llm = LLM(pair[0], dtype="float32", draft=pair[1], speculation="tree:8", disaggregate="cpu,cpu",
+              prefill_process=process)
     server = LiveServer(create_app(llm, "m"))
     try:
         client = server.client()
@@ -168,7 +211,8 @@ def test_server_on_a_disaggregated_engine(pair):
                                            response_format={"type": "json_object"})
         assert r.choices[0].message.content == guided.text and guided.text.startswith("{")
         server.wait_idle()
-        assert llm.engine.prefill.blocks.num_used == 0 and llm.engine.decode.blocks.num_used == 0
+        assert llm.engine.decode.blocks.num_used == 0
+        assert not llm.engine.prefill.seqs if process else llm.engine.prefill.blocks.num_used == 0
     finally:
         server.close()
         llm.engine.close()

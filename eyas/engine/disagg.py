@@ -17,7 +17,8 @@ The output is the same as one engine's, token for token, greedy or seeded (the s
 (seed, position)); `tests/test_disagg.py` holds them equal. `DisaggregatedEngine` drives both with the interface of
 one `LLMEngine` (what `LLM`, the server and the benchmarks step). With `threaded`, the prefill engine steps on a
 thread of its own, so a decode step never waits for a prefill (on two GPUs their kernels run at once; the host's
-work still shares one interpreter); otherwise each `step()` runs a step of each, in turn.
+work still shares one interpreter); otherwise each `step()` runs a step of each, in turn. The prefill engine can
+also live in a process of its own (`eyas.engine.prefill_process`), with an interpreter of its own.
 """
 from __future__ import annotations
 
@@ -152,6 +153,9 @@ class DisaggregatedEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(30)
+        close = getattr(self.prefill, "close", None)  # a prefill engine in its own process
+        if close is not None:
+            close()
 
     # ---- the prefill side ---------------------------------------------------------------------------------------
     def _command(self, cmd: tuple) -> None:

@@ -51,30 +51,44 @@ class LLM:
 
     def __init__(self, model: str = "smollm2", device: str = "auto", dtype: str = "auto",
                  draft: str | None = None, speculation: str | None = None, draft_quant: str | None = None,
-                 disaggregate: str | None = None, **engine_kwargs):
+                 disaggregate: str | None = None, prefill_process: bool = False, **engine_kwargs):
         """`disaggregate`: "PREFILL_DEVICE,DECODE_DEVICE" (e.g. "cuda:0,cuda:1"): prompts are prefilled by an engine
         on the first device, then decoded by one on the second (`eyas.engine.disagg`; the model is loaded on each,
-        and `device` is not used)."""
+        and `device` is not used). `prefill_process`: the prefill engine runs in a child process
+        (`eyas.engine.prefill_process`), not on a thread of this one."""
         if asks_quant(draft_quant) and draft is None:
             raise ValueError(f"draft_quant={draft_quant!r} needs a draft (draft=...)")
         tree = resolve_tree(speculation)  # a bad name fails before anything loads
+        if prefill_process and disaggregate is None:
+            raise ValueError("prefill_process=True needs disaggregate='PREFILL_DEVICE,DECODE_DEVICE'")
         if disaggregate is not None:
             from eyas.engine.disagg import DisaggregatedEngine, split_devices
-            engines = []
-            for dev, role in zip(split_devices(disaggregate), ("prefill", "both")):
-                self._load(model, str(dev), dtype, draft, draft_quant)
-                engines.append(build_engine(self.target, self.tokenizer, self.draft, tree, speculation,
-                                            **engine_kwargs, role=role))
-            self.engine = DisaggregatedEngine(*engines, threaded=True)
+            pre_dev, dec_dev = split_devices(disaggregate)
+            self._load(model, str(dec_dev), dtype, draft, draft_quant)
+            decode = build_engine(self.target, self.tokenizer, self.draft, tree, speculation, **engine_kwargs)
+            if prefill_process:
+                from eyas.engine.prefill_process import RemotePrefillEngine
+                prefill = RemotePrefillEngine(decode, model, str(pre_dev), dtype, draft, speculation, draft_quant,
+                                              **engine_kwargs)
+            else:
+                prefill = build_engine(*self._loaded(model, str(pre_dev), dtype, draft, draft_quant), tree,
+                                       speculation, **engine_kwargs, role="prefill")
+            self.engine = DisaggregatedEngine(prefill, decode, threaded=True)
             return
         self._load(model, device, dtype, draft, draft_quant)
         self.engine = build_engine(self.target, self.tokenizer, self.draft, tree, speculation, **engine_kwargs)
 
     def _load(self, model, device, dtype, draft, draft_quant) -> None:
-        self.target, self.tokenizer = load_target(model, device, dtype)
-        self.draft = load_draft(draft_dir(model, draft), self.target) if draft is not None else None
-        if self.draft is not None:  # INT4 / FP8 draft weights (eyas.spec.draft_quant), as asked or the draft's own
-            apply_draft_quant(self.draft, self.target, draft_quant)
+        self.target, self.tokenizer, self.draft = self._loaded(model, device, dtype, draft, draft_quant)
+
+    @staticmethod
+    def _loaded(model, device, dtype, draft, draft_quant):
+        """(target, tokenizer, draft) loaded on `device`."""
+        target, tokenizer = load_target(model, device, dtype)
+        d = load_draft(draft_dir(model, draft), target) if draft is not None else None
+        if d is not None:  # INT4 / FP8 draft weights (eyas.spec.draft_quant), as asked or the draft's own
+            apply_draft_quant(d, target, draft_quant)
+        return target, tokenizer, d
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[CompletionOutput]:

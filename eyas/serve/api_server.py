@@ -519,6 +519,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--disaggregate", default=None, metavar="PREFILL_DEVICE,DECODE_DEVICE",
                    help="prefill on one device and decode on another (e.g. cuda:0,cuda:1; eyas.engine.disagg): "
                         "decode steps do not wait for prefills; --device is not used")
+    p.add_argument("--prefill-process", action="store_true",
+                   help="with --disaggregate: the prefill engine in a process of its own, not on a thread of the "
+                        "server's (eyas.engine.prefill_process)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
@@ -539,7 +542,8 @@ def build_llm(args):
     from eyas import LLM
     return LLM(args.model, device=args.device, dtype=args.dtype, draft=resolve_draft_arg(args.model, args.draft),
                speculation=args.speculation, draft_quant=getattr(args, "draft_quant", None),
-               disaggregate=getattr(args, "disaggregate", None), **_engine_kwargs(args))
+               disaggregate=getattr(args, "disaggregate", None),
+               prefill_process=getattr(args, "prefill_process", False), **_engine_kwargs(args))
 
 
 def _capture_graphs(engine, max_num_seqs: int) -> None:
