@@ -167,12 +167,13 @@ def test_prefill_in_a_process_of_its_own(pair):
         assert not remote.seqs and eng.decode.blocks.num_used == 0
         # an unseeded sampled request keeps the seed the parent drew for it (the child sampled its first token so)
         h = eng.add_request(PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True))
-        local, seed = h.seq, h.seq.seed
+        local, seed, arrival = h.seq, h.seq.seed, h.seq.arrival
         while eng.has_unfinished():
             eng.step()
-        assert h.seq is not local and h.seq.seed == seed and h.seq.finish_reason == "length"  # decoded after a handoff
+        assert h.seq is not local and h.seq.finish_reason == "length"  # decoded after a handoff
+        assert (h.seq.seed, h.seq.arrival) == (seed, arrival)  # TTFT counts from the parent's arrival
         # a request the child cannot take: its failure comes back as the parent's error
-        remote._commands.put(("add", "bad", [10 ** 9], SamplingParams(max_tokens=2), 0))
+        remote._commands.put(("add", "bad", [10 ** 9], SamplingParams(max_tokens=2), 0, 0.0))
         remote.seqs["bad"] = eng.decode.new_sequence([1], SamplingParams(max_tokens=2), "bad")
         with pytest.raises(RuntimeError, match="prefill"):
             for _ in range(300):

@@ -75,7 +75,7 @@ class RemotePrefillEngine:
 
     def enqueue(self, seq: Sequence) -> None:
         self.seqs[seq.request_id] = seq
-        self._commands.put(("add", seq.request_id, list(seq.prompt_ids), seq.params, seq.seed))
+        self._commands.put(("add", seq.request_id, list(seq.prompt_ids), seq.params, seq.seed, seq.arrival))
 
     def abort(self, request_id: str) -> bool:
         self._commands.put(("abort", request_id))
@@ -161,9 +161,11 @@ def _child_main(spec: dict, commands, results) -> None:
                 if cmd[0] == "stop":
                     return
                 if cmd[0] == "add":
-                    _, rid, ids, params, seed = cmd
+                    _, rid, ids, params, seed, arrival = cmd
                     seq = engine.new_sequence(ids, params, rid)
-                    seq.seed = seed  # the parent's, so a sampled first token is the one one engine would draw
+                    # the parent's seed (its first token is sampled with it) and arrival (TTFT counts from there;
+                    # perf_counter is the system's monotonic clock, the same in both processes)
+                    seq.seed, seq.arrival = seed, arrival
                     engine.enqueue(seq)
                 else:
                     engine.abort(cmd[1])
