@@ -437,6 +437,40 @@ def test_server_guided_outputs_equal_offline(guided_server):
     assert r.choices[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_bench_serve_sends_each_prompts_guide(guided_server, mirror, tmp_path, endpoint):
+    """`eyas bench serve` with guided prompt records: each request carries its guide (response_format on chat,
+    vLLM's guided_* fields otherwise), the server decodes under it, and the summary counts as valid exactly the
+    outputs that offline guided decoding of the same prompts makes valid; `--no-guided` sends them free."""
+    from eyas.bench.tpc import matches_guide, read_prompts
+    from eyas.cli import main
+    recs = [{"prompt": "json", "json_schema": SCHEMA}, {"prompt": "yes?", "regex": r"(yes|no), [0-9]{1,3}!"},
+            {"prompt": "pick", "choice": ["abc", "ba"]}, {"prompt": "{", "json_object": True},
+            {"prompt": "a b", "grammar": 'root ::= ("ab" | "c")+ "."'}, {"prompt": "free"}]
+    file = tmp_path / "p.jsonl"
+    file.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    common = ["bench", "serve", "--base-url", guided_server.url + "/v1", "--model", "mirror", "--endpoint", endpoint,
+              "--prompts", str(file), "--num-prompts", str(len(recs)), "--max-tokens", "40", "--no-progress"]
+    assert main(common + ["--out", str(tmp_path / "g")]) == 0
+    res = json.loads((tmp_path / "g" / "serve.json").read_text())
+    assert res["summary"]["failed"] == 0 and res["summary"]["guided"] == res["meta"]["guided"] == 5
+    assert [r.get("guided") for r in res["requests"]] == ["json", "regex", "choice", "json_object", "grammar", None]
+    target, draft, _ = mirror
+    llm = LLM(str(target), device="cpu", dtype="float32")
+    guides = [r["guided"] for r in read_prompts(file)]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, seed=0, guided=g) for g in guides]
+    if endpoint == "chat":
+        outs = llm.chat([[{"role": "user", "content": r["prompt"]}] for r in recs], params)
+    else:
+        outs = llm.generate([r["prompt"] for r in recs], params)
+    valid = [g is not None and o.finish_reason == "stop" and matches_guide(g, o.text) for g, o in zip(guides, outs)]
+    assert [bool(r.get("guided_valid")) for r in res["requests"]] == valid and any(valid)
+    assert res["summary"]["guided_valid"] == sum(valid)
+    assert main(common + ["--out", str(tmp_path / "f"), "--no-guided"]) == 0
+    free = json.loads((tmp_path / "f" / "serve.json").read_text())
+    assert free["summary"]["guided"] == 0 and not any("guided" in r for r in free["requests"])
+
+
 def test_server_rejects_bad_guides_with_400(guided_server):
     import httpx
     msgs = [{"role": "user", "content": "hi"}]

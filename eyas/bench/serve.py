@@ -16,6 +16,11 @@ time; over the run: requests/s and output tokens/s from the first start to the l
 percentiles. It writes `serve.json` (the summary and every request), `serve.md` (a table, one row per run, with the
 runs of `--compare`) and `serve.png` (the distributions of TTFT and TTIT of every run). A request that fails is
 counted with its error, and the command exits 1 if any did.
+
+Prompt records with a guide (`json_schema`, `json_object`, `regex`, `choice`, `grammar`: docs/bench/json_tasks.jsonl)
+are sent as structured-output requests, in the fields vLLM reads too (`response_format` for JSON, `guided_regex`,
+`guided_choice`, `guided_grammar`), and each output is checked against its guide (`guided_valid` in the summary; an
+output cut by `--max-tokens` counts as invalid); `--no-guided` sends the same prompts free.
 """
 from __future__ import annotations
 
@@ -46,10 +51,10 @@ def request_starts(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-async def _stream_request(client, url: str, body: dict, on_text) -> int | None:
-    """POST one streamed request and read its server-sent events: `on_text(piece)` for each text, and the output
-    token count of the usage chunk (None if none came). Raises RuntimeError with the server's message on an HTTP
-    error or an error event."""
+async def _stream_request(client, url: str, body: dict, on_text, finished=None) -> int | None:
+    """POST one streamed request and read its server-sent events: `on_text(piece)` for each text, `finished[0]` :=
+    the choice's finish reason (when given a list), and the output token count of the usage chunk (None if none
+    came). Raises RuntimeError with the server's message on an HTTP error or an error event."""
     async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             raw = (await r.aread()).decode(errors="replace")
@@ -74,13 +79,35 @@ async def _stream_request(client, url: str, body: dict, on_text) -> int | None:
                 piece = c["delta"].get("content") if "delta" in c else c.get("text")
                 if piece:
                     on_text(piece)
+                if finished is not None and c.get("finish_reason"):
+                    finished[0] = c["finish_reason"]
         return tokens
 
 
-async def _one(client, args, prompt: str, start_at: float, t0: float, gate: asyncio.Semaphore) -> dict:
+def guided_fields(g, chat: bool = True) -> dict:
+    """A `GuidedDecoding`'s request fields: JSON as OpenAI's chat API asks it (`response_format`; on /completions,
+    vLLM's `guided_json`), the others as vLLM's extensions."""
+    if g.json is not None or g.json_object:
+        schema = {"type": "object"} if g.json is None else g.json if isinstance(g.json, dict) else json.loads(g.json)
+        if not chat:
+            return {"guided_json": schema}
+        if g.json is None:
+            return {"response_format": {"type": "json_object"}}
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}}
+    if g.regex is not None:
+        return {"guided_regex": g.regex}
+    if g.choice is not None:
+        return {"guided_choice": list(g.choice)}
+    return {"guided_grammar": g.grammar}
+
+
+async def _one(client, args, prompt: str, start_at: float, t0: float, gate: asyncio.Semaphore,
+               guided=None) -> dict:
     await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
     body = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
             "stream": True, "stream_options": {"include_usage": True}}
+    if guided is not None:
+        body.update(guided_fields(guided, args.endpoint == "chat"))
     if args.ignore_eos:
         body["ignore_eos"] = True
     if args.endpoint == "chat":
@@ -89,31 +116,39 @@ async def _one(client, args, prompt: str, start_at: float, t0: float, gate: asyn
         body["prompt"], path = prompt, "/completions"
     first = last = None  # when the first and the latest text arrived
     chars = 0
+    pieces = [] if guided is not None else None  # a guided output's text, checked against its guide at the end
 
     def on_text(piece: str) -> None:
         nonlocal first, last, chars
         last = time.perf_counter()
         first = first or last
         chars += len(piece)
+        if pieces is not None:
+            pieces.append(piece)
 
     async with gate:
         start = time.perf_counter()
-        tokens, error = None, None
+        tokens, error, finished = None, None, [None]
         try:
-            tokens = await _stream_request(client, args.base_url.rstrip("/") + path, body, on_text)
+            tokens = await _stream_request(client, args.base_url.rstrip("/") + path, body, on_text, finished)
         except Exception as e:  # the server's error or the connection's: counted, never lost
             error = f"{type(e).__name__}: {e}"
         end = time.perf_counter()
     if error is None and tokens is None:
         error = "the stream ended without a usage chunk (stream_options.include_usage)"
     row = {"start_s": start - t0, "e2e_s": end - start, "output_tokens": tokens, "error": error,
-           "ttft_s": None if first is None else first - start, "ttit_s": None, "chars": chars}
+           "ttft_s": None if first is None else first - start, "ttit_s": None, "chars": chars,
+           "finish_reason": finished[0]}
     if error is None and first is not None and tokens and tokens > 1:
         row["ttit_s"] = (last - first) / (tokens - 1)
+    if guided is not None:
+        from eyas.bench.tpc import matches_guide
+        row["guided"] = guided.kind
+        row["guided_valid"] = error is None and finished[0] == "stop" and matches_guide(guided, "".join(pieces))
     return row
 
 
-async def _run(args, prompts: list[str]) -> tuple[list[dict], float, float]:
+async def _run(args, prompts: list[str], guides: list | None = None) -> tuple[list[dict], float, float]:
     import httpx
     from tqdm import tqdm
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
@@ -122,7 +157,9 @@ async def _run(args, prompts: list[str]) -> tuple[list[dict], float, float]:
         gate = asyncio.Semaphore(args.concurrency)
         starts = request_starts(len(prompts), args.request_rate, args.seed)
         t0, cpu0 = time.perf_counter(), time.process_time()
-        tasks = [asyncio.ensure_future(_one(client, args, p, s, t0, gate)) for p, s in zip(prompts, starts)]
+        guides = guides or [None] * len(prompts)
+        tasks = [asyncio.ensure_future(_one(client, args, p, s, t0, gate, g))
+                 for p, s, g in zip(prompts, starts, guides)]
         rows = []
         with tqdm(total=len(tasks), desc="requests", disable=args.no_progress) as bar:
             for fut in asyncio.as_completed(tasks):
@@ -149,6 +186,7 @@ def summarize(rows: list[dict], duration: float, client_cpu: float = 0.0) -> dic
     return {"requests": len(rows), "completed": len(ok), "failed": len(rows) - len(ok),
             "duration_s": duration, "requests_per_s": len(ok) / duration, "output_tokens": tokens,
             "output_tokens_per_s": tokens / duration, "client_cpu_s": client_cpu, "client_busy": client_cpu / duration,
+            "guided": sum("guided" in r for r in rows), "guided_valid": sum(bool(r.get("guided_valid")) for r in rows),
             "ttft_ms": _stats([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
             "ttit_ms": _stats([r["ttit_s"] for r in ok if r["ttit_s"] is not None]),
             "e2e_ms": _stats([r["e2e_s"] for r in ok])}
@@ -220,12 +258,14 @@ def run(args) -> int:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
     earlier = read_runs(args.compare)  # a bad file fails before the load
     records = read_prompts(args.prompts)
-    prompts = [records[i % len(records)]["text"] for i in range(args.num_prompts)]  # cycled past the file's end
-    rows, duration, cpu = asyncio.run(_run(args, prompts))
+    chosen = [records[i % len(records)] for i in range(args.num_prompts)]  # cycled past the file's end
+    guides = [r["guided"] if args.guided else None for r in chosen]
+    rows, duration, cpu = asyncio.run(_run(args, [r["text"] for r in chosen], guides))
     meta = {"label": args.label or args.base_url, "base_url": args.base_url, "model": args.model,
             "endpoint": args.endpoint, "prompts": str(args.prompts), "num_prompts": args.num_prompts,
             "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
             "concurrency": args.concurrency, "request_rate": args.request_rate, "seed": args.seed,
+            "guided": sum(g is not None for g in guides),
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     result = {"meta": meta, "summary": summarize(rows, duration, cpu), "requests": rows}
     out = Path(args.out)
@@ -238,6 +278,9 @@ def run(args) -> int:
     if result["summary"]["client_busy"] > BUSY_WARNING:
         print(f"note: this client kept a core {100 * result['summary']['client_busy']:.0f}% busy: it may have limited "
               "the rates; run it on cores the server does not use (taskset), or on another machine")
+    s = result["summary"]
+    if s["guided"]:
+        print(f"guided outputs valid: {s['guided_valid']} of {s['guided']}")
     failed = [r for r in rows if r["error"] is not None]
     if failed:
         print(f"{len(failed)} of {len(rows)} requests failed; the first: {failed[0]['error']}")
@@ -264,6 +307,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     p.add_argument("--label", default=None, help="this run's name in the table and plot (default: the URL)")
     p.add_argument("--compare", nargs="*", default=[], help="earlier serve.json files to show beside this run")
+    p.add_argument("--no-guided", dest="guided", action="store_false",
+                   help="send prompts with a guide (json_schema, regex, ...) free: the same prompts unconstrained")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default="bench-out/serve")
     p.set_defaults(func=run)
