@@ -175,9 +175,12 @@ def test_prefill_in_a_process_of_its_own(pair):
         # a request the child cannot take: its failure comes back as the parent's error
         remote._commands.put(("add", "bad", [10 ** 9], SamplingParams(max_tokens=2), 0, 0.0))
         remote.seqs["bad"] = eng.decode.new_sequence([1], SamplingParams(max_tokens=2), "bad")
-        with pytest.raises(RuntimeError, match="prefill"):
+        with pytest.raises(RuntimeError, match="prefill process failed"):
             for _ in range(300):
                 remote.step(0.05)
+        remote._proc.join(10)  # the child ends after reporting; a later read says so, and does not wait forever
+        with pytest.raises(RuntimeError, match="died"):
+            remote.step(5.0)
     finally:
         eng.close()
     assert not remote._proc.is_alive()

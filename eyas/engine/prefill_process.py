@@ -122,12 +122,18 @@ class RemotePrefillEngine:
             self._proc.join(5)
 
     def _get(self, timeout: float):
-        try:
-            return self._results.get(timeout=timeout) if timeout > 0 else self._results.get_nowait()
-        except queue.Empty:
-            if not self._proc.is_alive():
-                raise RuntimeError(f"the prefill process died (exit code {self._proc.exitcode})") from None
-            return None
+        """The child's next message, waiting up to `timeout` seconds (in slices of a second, so that a child that
+        died without a word is noticed), or None. RuntimeError if the child is gone."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                left = end - time.monotonic()
+                return self._results.get(timeout=min(left, 1.0)) if left > 0 else self._results.get_nowait()
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    raise RuntimeError(f"the prefill process died (exit code {self._proc.exitcode})") from None
+                if time.monotonic() >= end:
+                    return None
 
 
 class _Role:
