@@ -200,6 +200,12 @@ def test_restrict_logits_against_a_loop():
         for b, i, j in np.ndindex(2, 3, K):
             t = j if ids is None else int(ids[j])
             assert got[b, i, j] == (logits[b, i, j] if on[b][t] else float("-inf"))
+    # a row that allows none of the draft's tokens stays whole (all -inf would make NaN log-probabilities)
+    only = torch.zeros(2, words, dtype=torch.int32)
+    only[0, 1] = 1 << 3  # token 35 only, outside the draft vocabulary below; row 1 allows nothing at all
+    draft = type("Draft", (), {"vocab_ids": torch.tensor([3, 0, 69])})()
+    logits = torch.randn(2, 1, 3)
+    assert torch.equal(restrict_logits(draft, logits, only), logits)
 
 
 @pytest.mark.parametrize("spec", ["chain:3", "tree:8", "dyn:k4d3n8"])

@@ -91,11 +91,13 @@ def draft_logits(draft, target, h: torch.Tensor) -> torch.Tensor:
 def restrict_logits(draft, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """logits [B, ..., K] (the draft's, `draft_logits`) with -inf where `allowed` [B, words] (int32 token bitmasks
     over the target's vocabulary: guided decoding's, `eyas.spec.grammar`) forbids the token; a draft vocabulary's
-    columns read their tokens' bits."""
+    columns read their tokens' bits. A row that allows none of the columns (a draft vocabulary without the only
+    tokens allowed, e.g. the end token) is left whole: all -inf would give NaN log-probabilities."""
     from eyas.spec.grammar import allowed_tokens
     bits = allowed_tokens(allowed, allowed.shape[-1] * 32)  # [B, words * 32]
     ids = getattr(draft, "vocab_ids", None)
     bits = bits[:, ids] if ids is not None else bits[:, :logits.shape[-1]]
+    bits = bits | ~bits.any(-1, keepdim=True)
     return logits.masked_fill(~bits.view(bits.shape[0], *([1] * (logits.dim() - 2)), -1), float("-inf"))
 
 
