@@ -128,6 +128,13 @@ class GraphedStep:
                 new += 1
         return new
 
+    def _key(self, seqs, tree) -> tuple[int, bool, str, int]:
+        """The graph of a step of `tree` for `seqs`: (batch bucket, all greedy, tree, context bucket)."""
+        from eyas.engine.runner import all_greedy
+        r = self.runner
+        context = r.context_bound(seqs) if r.use_triton else self.context_buckets[-1]
+        return self.bucket(len(seqs)), all_greedy(seqs), tree.name, context
+
     @torch.inference_mode()
     def launch(self, seqs, tree, carried_from: tuple | None = None) -> tuple[tuple, DecodeOutputs]:
         """Replay the step of `tree` for `seqs` (inputs packed from the host), or, `carried_from` (the key of the
@@ -135,10 +142,7 @@ class GraphedStep:
         the device by a small captured graph of `eyas.spec.carry.carry_inputs` from that step's outputs; the
         context may have crossed into the next bucket's graph, which reads the same static inputs). Returns (the
         graph's key: (bucket, greedy, tree, context bucket), its static outputs)."""
-        from eyas.engine.runner import all_greedy
-        r = self.runner
-        context = r.context_bound(seqs) if r.use_triton else self.context_buckets[-1]
-        key = (self.bucket(len(seqs)), all_greedy(seqs), tree.name, context)
+        key = self._key(seqs, tree)
         if carried_from is not None:
             if carried_from[:3] != key[:3]:
                 raise ValueError(f"a carried step must replay the graph of the same batch and tree: {carried_from} "
@@ -162,10 +166,8 @@ class GraphedStep:
         the masks are sent. Returns (the key: (bucket, greedy, tree, context bucket), the static outputs). The
         graphs are captured the first time a key is met (guided steps are never overlapped, so the context buckets
         need not be captured together)."""
-        from eyas.engine.runner import all_greedy
         r = self.runner
-        context = r.context_bound(seqs) if r.use_triton else self.context_buckets[-1]
-        key = (self.bucket(len(seqs)), all_greedy(seqs), tree.name, context)
+        key = self._key(seqs, tree)
         if key not in self.guided:
             self._capture_guided(key, tree, guide.words)
         g = self.guided[key]
@@ -188,37 +190,38 @@ class GraphedStep:
         B, greedy, _, context = key
         r = self.runner
         static = self._static_inputs(B, context)
-        masks = None  # [B, N1, words]: every token allowed while warming up
         device = static.root_tokens.device
         root_masks = None if r.draft is None else torch.full((B, words), -1, dtype=torch.int32, device=device)
-
-        def phases():
-            nonlocal masks
-            d = draft_phase(r.target, r.draft, tree, r.draft_cache, static, r.block_size, r.use_triton,
-                            r.simulated_accept, r.draft_hidden, root_masks)
-            v = verify_phase(r.target, r.draft, d, r.cache, static)
-            if masks is None:
-                masks = torch.full((*v.logits.shape[:2], words), -1, dtype=torch.int32, device=v.logits.device)
-            apply_bitmask(v.logits, masks)
-            accept_phase(r.draft, d, v, r.cache, static, r.use_triton, r.simulated_accept, greedy, r.draft_hidden)
+        # every node's mask ([B, N1, words]: root and the N tree tokens, a dynamic tree's too); all allowed to warm up
+        masks = torch.full((B, tree.num_nodes + 1, words), -1, dtype=torch.int32, device=device)
         from eyas.spec.grammar import apply_bitmask
+
+        def drafted():
+            return draft_phase(r.target, r.draft, tree, r.draft_cache, static, r.block_size, r.use_triton,
+                               r.simulated_accept, r.draft_hidden, root_masks)
+
+        def verified(d):
+            return verify_phase(r.target, r.draft, d, r.cache, static)
+
+        def accepted(d, v):
+            apply_bitmask(v.logits, masks)
+            return accept_phase(r.draft, d, v, r.cache, static, r.use_triton, r.simulated_accept, greedy,
+                                r.draft_hidden)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile the Triton kernels and warm the allocator outside the capture
-                phases()
+                d = drafted()
+                accepted(d, verified(d))
         torch.cuda.current_stream().wait_stream(stream)
         graphs = [torch.cuda.CUDAGraph() for _ in range(3)]  # captured in the order they replay, in one pool
         with self._capturing(graphs[0]):
-            d = draft_phase(r.target, r.draft, tree, r.draft_cache, static, r.block_size, r.use_triton,
-                            r.simulated_accept, r.draft_hidden, root_masks)
+            d = drafted()
         self.pool = graphs[0].pool()
         with self._capturing(graphs[1]):
-            v = verify_phase(r.target, r.draft, d, r.cache, static)
+            v = verified(d)
         with self._capturing(graphs[2]):
-            apply_bitmask(v.logits, masks)
-            out = accept_phase(r.draft, d, v, r.cache, static, r.use_triton, r.simulated_accept, greedy,
-                               r.draft_hidden)
+            out = accepted(d, v)
         parents = d.tree.parents
         self.guided[key] = GuidedGraphs(
             *graphs, d, v, out, masks, torch.empty(masks.shape, dtype=torch.int32, pin_memory=True),
