@@ -22,8 +22,8 @@ from __future__ import annotations
 import queue
 import time
 import traceback
+from types import SimpleNamespace
 
-import torch
 import torch.multiprocessing as mp
 
 from eyas.engine.engine import Handoff, LLMEngine, RequestOutput
@@ -52,20 +52,15 @@ class RemotePrefillEngine:
         if kind != "ready":
             self.close()
             raise RuntimeError(f"the prefill process failed to start:\n{info[0]}")
-        self.max_model_len, self.vocab_size, self.has_draft = info
-        self.config = _Role()
+        self.max_model_len, vocab_size, has_draft = info
+        # what DisaggregatedEngine checks of a prefill engine: its role, its vocabulary, whether it has a draft
+        self.config = SimpleNamespace(role="prefill")
+        self.target = SimpleNamespace(config=SimpleNamespace(vocab_size=vocab_size))
+        self.draft = True if has_draft else None
         self.seqs: dict[str, Sequence] = {}  # requests sent and not yet handed off or finished
         self._handoffs: list[Handoff] = []
 
-    # ---- what DisaggregatedEngine reads of a prefill engine -----------------------------------------------------
-    @property
-    def target(self):  # DisaggregatedEngine compares the vocabularies
-        return _Target(self.vocab_size)
-
-    @property
-    def draft(self):  # ... and whether both have a draft
-        return True if self.has_draft else None
-
+    # ---- what DisaggregatedEngine calls of a prefill engine -----------------------------------------------------
     def grammar_backend(self):
         """The child makes its own when a guided request first needs it."""
         return None
@@ -136,15 +131,6 @@ class RemotePrefillEngine:
                     return None
 
 
-class _Role:
-    role = "prefill"
-
-
-class _Target:
-    def __init__(self, vocab_size: int):
-        self.config = type("Config", (), {"vocab_size": vocab_size})()
-
-
 def _child_main(spec: dict, commands, results) -> None:
     """The child: load the model, build the prefill engine, then apply commands and step until told to stop."""
     try:
@@ -160,7 +146,7 @@ def _child_main(spec: dict, commands, results) -> None:
     try:
         while True:
             try:  # block while there is nothing to prefill
-                cmd = commands.get(timeout=None if not engine.has_unfinished() else 0.0001)
+                cmd = commands.get_nowait() if engine.has_unfinished() else commands.get()
             except queue.Empty:
                 cmd = None
             while cmd is not None:
