@@ -203,7 +203,8 @@ def build_engine(target, tokenizer, draft, mode: str, batch: int, prompts, max_t
                        block_size=block_size, max_model_len=min(target.config.max_position_embeddings,
                                                                 max_model_len or need),
                        num_blocks=batch * (-(-need // block_size)) + 8, one_row=one_row,
-                       few_rows=few_rows, fold_norms=fold_norms, overlap=overlap and graphs)
+                       few_rows=few_rows, fold_norms=fold_norms, overlap=overlap and graphs,
+                       prefix_caching=False)  # the warm-up's prompts are the measured ones: TTFT would time hits
     engine = LLMEngine(target, tokenizer, draft if tree is not None else None, tree, cfg)
     if tree is not None and simulates(mode, simulated_rates):
         simulate_acceptance(engine, simulated_rates)

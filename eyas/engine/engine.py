@@ -55,6 +55,9 @@ class EngineConfig:
     # (`take_handoffs`), for a decode engine to go on with it (`add_prefilled`; eyas.engine.disagg). "both": prefill
     # and decode here
     role: str = "both"
+    # prefix caching (eyas.cache.prefix_cache): full KV blocks (target and draft) outlive their request, and a prompt
+    # that begins with the same tokens takes them instead of prefilling them again
+    prefix_caching: bool = True
 
 
 @dataclass(eq=False)
@@ -74,6 +77,7 @@ class Handoff:
     pending: torch.Tensor | None  # [num_cached - num_draft_cached, H]: the features the draft has still to read
     arrival: float = 0.0
     first_token_time: float | None = None
+    prefix_hit: int = 0  # KV entries the prefill engine found in its prefix cache
 
     def to(self, device) -> "Handoff":
         import dataclasses
@@ -92,13 +96,15 @@ class RequestOutput:
     `num_output_tokens` and `text_since(i)` are the cheap reads for streaming."""
 
     __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "num_prompt_tokens", "stats", "_ids",
-                 "_end", "_text")
+                 "_end", "_text", "num_cached_tokens")
 
     def __init__(self, request_id: str, new_token_ids: list[int], finished: bool, finish_reason: str | None,
                  num_prompt_tokens: int, stats: SpecStats | None = None, ids: list[int] | None = None,
-                 text: OutputText = NO_TEXT):
+                 text: OutputText = NO_TEXT, num_cached_tokens: int = 0):
         """`ids`: the sequence's token ids, prompt first (shared, not copied; their first `num_prompt_tokens` are
-        the prompt's); the output is ids[num_prompt_tokens:len(ids)] as they are now."""
+        the prompt's); the output is ids[num_prompt_tokens:len(ids)] as they are now. `num_cached_tokens`: prompt
+        tokens the prefix cache held when the request was admitted (OpenAI's usage `cached_tokens`)."""
+        self.num_cached_tokens = num_cached_tokens
         self.request_id, self.new_token_ids = request_id, new_token_ids
         self.finished, self.finish_reason = finished, finish_reason
         self.num_prompt_tokens, self.stats = num_prompt_tokens, stats if stats is not None else SpecStats()
@@ -142,9 +148,9 @@ class LLMEngine:
                                   max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
                                   one_row=cfg.one_row, few_rows=cfg.few_rows, fold_norms=cfg.fold_norms)
         self.tree = self.runner.tree
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   self.runner.lookahead, cfg.min_admit)
+                                   self.runner.lookahead, cfg.min_admit, with_draft=draft is not None)
         self.seqs: dict[str, Sequence] = {}
         self.eos_ids = set(mcfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -287,6 +293,7 @@ class LLMEngine:
         self.step_counts[batch.kind] += 1
         if batch.kind == "prefill":
             for seq, tok in zip(batch.seqs, self.runner.prefill(batch.seqs, batch.chunk_lens)):
+                self.scheduler.cache_blocks(seq)
                 if tok is not None:
                     seq.first_token_time = seq.first_token_time or time.perf_counter()
                     out = self._commit(seq, [tok])
@@ -351,7 +358,7 @@ class LLMEngine:
         target_kv, draft_kv, pending = self.runner.read_sequence(seq)
         self.handoffs.append(Handoff(seq.request_id, list(seq.prompt_ids), list(seq.token_ids), seq.params, seq.seed,
                                      seq.num_cached, seq.num_draft_cached, target_kv, draft_kv, pending,
-                                     seq.arrival, seq.first_token_time))
+                                     seq.arrival, seq.first_token_time, seq.prefix_hit))
         self.scheduler.finish(seq, "handoff")
         self.seqs.pop(seq.request_id, None)
 
@@ -371,7 +378,7 @@ class LLMEngine:
         params = h.params
         seq = Sequence(list(h.prompt_ids), params, h.seed, request_id=h.request_id, token_ids=list(h.token_ids),
                        stop_ids=self._stop_ids(params), grammar=self.grammar_state(params), arrival=h.arrival,
-                       first_token_time=h.first_token_time)
+                       first_token_time=h.first_token_time, prefix_hit=h.prefix_hit)
         if seq.grammar is not None:
             seq.grammar.accept(seq.output_ids)
         if self.tokenizer is not None:
@@ -420,14 +427,14 @@ class LLMEngine:
         if reason:
             return self._finish(seq, reason, added)
         return RequestOutput(seq.request_id, added, False, None, seq.num_prompt, seq.stats, seq.token_ids,
-                             seq.output_text)
+                             seq.output_text, min(seq.prefix_hit, seq.num_prompt))
 
     def _finish(self, seq: Sequence, reason: str, added: list[int] | None = None) -> RequestOutput:
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq, reason)
         self.seqs.pop(seq.request_id, None)
         return RequestOutput(seq.request_id, added or [], True, reason, seq.num_prompt, seq.stats, seq.token_ids,
-                             seq.output_text)
+                             seq.output_text, min(seq.prefix_hit, seq.num_prompt))
 
     @staticmethod
     def _decode_added(seq: Sequence, added: list[int]) -> int:

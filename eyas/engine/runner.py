@@ -253,7 +253,7 @@ class ModelRunner:
         """Run prompt chunks; return the first sampled token of each sequence whose prompt completes (else None)."""
         dev = self.device
         for s in seqs:
-            if s.num_cached == 0:  # admitted (or re-admitted after preemption): the slot is this sequence's now
+            if s.num_cached == s.prefix_hit:  # admitted (or re-admitted after preemption): the slot is its own now
                 self._claim_slot(s)
         B, Q = len(seqs), max(chunk_lens)
         meta = self._meta(seqs, max(s.num_cached for s in seqs))
@@ -302,8 +302,10 @@ class ModelRunner:
             end = s.num_cached + c  # target KV length after this chunk
             tok_rows.append(s.token_ids[s.num_draft_cached + 1: end])
             h = hidden[i, :c]
-            # a first chunk starts at pair (x_1, h_0); a later one with the pending h of the previous chunk's end
-            feats.append(h if s.num_cached == 0 else torch.cat([self.draft_hidden[s.slot, :1].to(h.dtype), h]))
+            # a first chunk starts at pair (x_{n+1}, h_n), n = num_cached (0, or the entries found in the prefix
+            # cache); a later one with the pending h of the previous chunk's end
+            first = s.num_draft_cached == s.num_cached
+            feats.append(h if first else torch.cat([self.draft_hidden[s.slot, :1].to(h.dtype), h]))
         lens = [len(r) for r in tok_rows]
         P = max(max(lens), 1)
         H = hidden.shape[-1]

@@ -4,6 +4,10 @@ A step is either a prefill step (chunks of prompts, at most `max_num_batched_tok
 running sequence whose prefill is done advances by one speculative step). Prefill goes first, as in vLLM v0 and
 nano-vllm. When the KV pool cannot hold the next decode step, the most recently arrived sequence is preempted: its
 blocks are freed and it goes back to the front of the waiting queue, keeping its committed tokens (recompute).
+
+Prefix caching (`BlockManager(prefix_caching=True)`, `eyas.cache.prefix_cache`): a sequence admitted to prefill
+first takes the cached blocks its tokens begin with (`_prefix_hit`) and prefills only the rest. Its full blocks are
+cached after each of its prefill steps and when it lets them go (finished, handed off or preempted: `cache_blocks`).
 """
 from __future__ import annotations
 
@@ -23,10 +27,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, lookahead: int,
-                 min_admit: int = 1):
+                 min_admit: int = 1, with_draft: bool = False):
         """`lookahead`: KV slots a decode step may fill beyond the committed ones (tree depth + 1). `min_admit`:
         while some sequence is decoding, waiting requests are admitted only once that many places in the batch are
-        free (or all that wait fit): fewer, larger prefill steps for offline jobs (`EngineConfig.min_admit`)."""
+        free (or all that wait fit): fewer, larger prefill steps for offline jobs (`EngineConfig.min_admit`).
+        `with_draft`: the engine has a draft, whose KV a cached block must hold too."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
         self.blocks = blocks
@@ -39,6 +44,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.out_of_capacity: list[Sequence] = []  # sequences the whole pool can no longer hold: the engine ends them
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # a running sequence owns one (Sequence.slot)
+        self.with_draft = with_draft
+        self.prefix_queries = 0  # prefix caching: tokens looked up at admissions ...
+        self.prefix_hits = 0  # ... and found cached
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -54,6 +62,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        self.cache_blocks(seq)
         self.blocks.release(seq.block_table)
         self._release_slot(seq)
         if seq in self.running:
@@ -82,12 +91,13 @@ class Scheduler:
             return ScheduledBatch("prefill", seqs, chunks) if seqs else None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            chunk = min(seq.prefill_target - seq.num_cached, budget)
             # admit only if the whole prompt and one decode step fit; the prompt's blocks are reserved at once
-            if self.blocks.blocks_needed(seq.block_table, seq.prefill_target + self.lookahead) > self.blocks.num_free:
+            hit = self._prefix_hit(seq)
+            if not self._fits(seq, hit[0]):
                 break
             self.waiting.popleft()
-            self._admit(seq, seq.prefill_target)
+            self._admit(seq, seq.prefill_target, hit)
+            chunk = min(seq.prefill_target - seq.num_cached, budget)
             seqs.append(seq)
             chunks.append(chunk)
             budget -= chunk
@@ -132,7 +142,45 @@ class Scheduler:
         if not self._admission_open():
             return False
         seq = self.waiting[0]
-        return self.blocks.blocks_needed(seq.block_table, seq.prefill_target + self.lookahead) <= self.blocks.num_free
+        return self._fits(seq, self._prefix_hit(seq)[0])
+
+    def _fits(self, seq: Sequence, hit: list[int]) -> bool:
+        """Whether the pool holds `seq`'s prompt and one decode step, its first blocks being the cached `hit`."""
+        need = self.blocks.blocks_needed(hit, seq.prefill_target + self.lookahead)
+        return need + self.blocks.num_parked(hit) <= self.blocks.num_free
+
+    # ---- prefix caching -----------------------------------------------------------------------------------
+    def _prefix_hit(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """The cached blocks `seq`'s tokens begin with, and their entry ids: ([], []) without prefix caching.
+        At least one token is left to prefill, as its logits give the first token (or, after a preemption, its
+        hidden state is the draft's pending feature for the next step)."""
+        cache = self.blocks.prefix
+        if cache is None:
+            return [], []
+        B, ids = self.blocks.block_size, seq.token_ids
+        blocks, entries, parent = [], [], 0
+        for b in range((seq.prefill_target - 1) // B):
+            found = cache.lookup(parent, tuple(ids[b * B: (b + 1) * B + 1]))
+            if found is None:
+                break
+            parent, block = found
+            blocks.append(block)
+            entries.append(parent)
+        return blocks, entries
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Offer `seq`'s full blocks to the prefix cache: those whose positions both caches hold (the target's,
+        and the draft's where there is one), once the token after them is known (the key's last token)."""
+        cache = self.blocks.prefix
+        if cache is None:
+            return
+        B, ids = self.blocks.block_size, seq.token_ids
+        done = min(seq.num_cached, seq.num_draft_cached) if self.with_draft else seq.num_cached
+        full = min(done, len(ids) - 1, len(seq.block_table) * B) // B
+        parent = seq.prefix_entries[-1] if seq.prefix_entries else 0
+        for b in range(len(seq.prefix_entries), full):
+            parent = cache.insert(seq.block_table[b], parent, tuple(ids[b * B: (b + 1) * B + 1]))
+            seq.prefix_entries.append(parent)
 
     def admit_prefilled(self, seq: Sequence, num_cached: int) -> bool:
         """A request prefilled elsewhere (`LLMEngine.add_prefilled`) joins the running batch at once, with blocks
@@ -144,11 +192,22 @@ class Scheduler:
         self._admit(seq, need)
         return True
 
-    def _admit(self, seq: Sequence, num_slots: int) -> None:
-        """`seq` joins the running batch: a slot of its own and blocks for `num_slots` KV entries."""
+    def _admit(self, seq: Sequence, num_slots: int, hit: tuple[list[int], list[int]] | None = None) -> None:
+        """`seq` joins the running batch: a slot of its own and blocks for `num_slots` KV entries. An admission to
+        prefill passes `hit` (`_prefix_hit`): the cached blocks to start its table with, whose positions it need
+        not prefill, and their entries."""
         seq.status = Status.RUNNING
         seq.slot = self.free_slots.pop()
         self.running.append(seq)
+        if hit is not None:  # ([], []) without prefix caching
+            blocks, entries = hit
+            self.blocks.share(blocks)
+            seq.block_table[:] = blocks
+            seq.prefix_entries[:] = entries
+            seq.num_cached = seq.prefix_hit = len(blocks) * self.blocks.block_size
+            seq.num_draft_cached = seq.num_cached if self.with_draft else 0
+            self.prefix_queries += seq.prefill_target
+            self.prefix_hits += seq.num_cached
         self.blocks.reserve(seq.block_table, num_slots)
 
     def reserve_ahead(self, seqs: list[Sequence]) -> bool:
@@ -164,6 +223,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        self.cache_blocks(seq)
         self.blocks.release(seq.block_table)
         self._release_slot(seq)
         seq.reset_for_recompute()

@@ -9,7 +9,8 @@ prefill is done:
 
 `slot`: while a sequence is running (admitted, not finished or preempted) it owns one slot in 0..max_num_seqs-1,
 assigned by the scheduler; the runner keys its per-sequence device and host state by it and resets that state when a
-prefill starts from scratch (`num_cached == 0`: admission, or re-admission after preemption). -1 when not running.
+prefill starts (`num_cached == prefix_hit`, the KV entries found in the prefix cache: admission, or re-admission
+after preemption). -1 when not running.
 """
 from __future__ import annotations
 
@@ -68,6 +69,10 @@ class Sequence:
     detok: IncrementalDetokenizer | None = None  # keeps `text` up to date (set by the engine when it has a tokenizer)
     stop_ids: frozenset[int] = frozenset()  # token ids that end the output (set by the engine: stop_token_ids + EOS)
     grammar: "GrammarState | None" = None  # guided decoding: the state after the committed output (eyas.spec.grammar)
+    # prefix caching (eyas.cache.prefix_cache): the entries of the leading blocks of `block_table` that are cached
+    # (or hold what a cached one holds), and how many KV entries the last admission found cached
+    prefix_entries: list[int] = field(default_factory=list)
+    prefix_hit: int = 0
 
     def __post_init__(self):
         if not self.token_ids:
@@ -108,5 +113,6 @@ class Sequence:
         """Preemption by recompute: forget every cached state; the committed tokens stay."""
         self.num_cached = 0
         self.num_draft_cached = 0
+        self.prefix_entries.clear()
         self.num_preemptions += 1
         self.status = Status.WAITING
