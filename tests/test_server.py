@@ -444,6 +444,11 @@ def test_metrics_parse_and_move(spec):
 
     n_out = len(ref.token_ids)
     assert moved("eyas:prompt_tokens_total{}") == len(ref.prompt_token_ids)
+    # the offline reference ran the same prompt on this engine: its blocks were cached, and the counts below are
+    # the reference's all the same
+    cached = out.usage.prompt_tokens_details.cached_tokens
+    assert moved("eyas:prefix_cache_hits_total{}") == cached > 0
+    assert moved("eyas:prefix_cache_queries_total{}") == len(ref.prompt_token_ids)
     assert moved("eyas:generation_tokens_total{}") == n_out
     assert moved("eyas:time_to_first_token_seconds_count{}") == 1
     assert moved("eyas:e2e_request_latency_seconds_count{}") == 1
@@ -500,7 +505,8 @@ def test_token_id_prompts_and_usage(tiny):
     assert r.status_code == 200, r.text
     j = r.json()
     assert [c["finish_reason"] for c in j["choices"]] == ["length", "length"]
-    assert j["usage"] == {"prompt_tokens": 5, "completion_tokens": 10, "total_tokens": 15}
+    assert j["usage"] == {"prompt_tokens": 5, "completion_tokens": 10, "total_tokens": 15,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
     # no tokenizer: a clear 400 for chat and for text prompts
     r = httpx.post(tiny.url + "/v1/chat/completions",
                    json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
@@ -510,6 +516,23 @@ def test_token_id_prompts_and_usage(tiny):
     r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(prompt=[TINY_VOCAB]), timeout=60)
     assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
     tiny.wait_idle()
+
+
+def test_usage_and_metrics_count_prefix_cache_hits(tiny):
+    """A prompt sent again finds its full blocks cached (block size 16: 32 of its 40 tokens; the last one is always
+    prefilled), in the usage of plain and streamed responses and in the prefix-cache counters."""
+    prompt = [(7 * i + 3) % TINY_VOCAB for i in range(40)]
+    before = tiny.wait_idle()
+    for expect in (0, 32):
+        r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=3, prompt=prompt), timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": expect}
+    chunks = list(tiny.client().completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+    after = tiny.wait_idle()
+    assert after["eyas:prefix_cache_queries_total{}"] - before["eyas:prefix_cache_queries_total{}"] == 3 * 40
+    assert after["eyas:prefix_cache_hits_total{}"] - before["eyas:prefix_cache_hits_total{}"] == 2 * 32
 
 
 def test_full_queue_gets_503_with_retry_after(tiny):

@@ -381,13 +381,14 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _stream(server, queue, rids, cid, req.model, "text_completion", num_prompt, include_usage,
-                           base.stop)
+                           base.stop, req.n)
         finals = await server.collect(request, queue, rids)
         choices = [{"index": i, "text": finals[i].text, "logprobs": None, "finish_reason": finals[i].finish_reason}
                    for i in range(len(rids))]
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": req.model,
                 "choices": choices,
-                "usage": make_usage(num_prompt, sum(len(o.token_ids) for o in finals.values()))}
+                "usage": make_usage(num_prompt, sum(len(o.token_ids) for o in finals.values()),
+                                    _cached(finals, req.n))}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -418,21 +419,29 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _stream(server, queue, rids, cid, req.model, "chat.completion.chunk", len(ids), include_usage,
-                           base.stop)
+                           base.stop, req.n)
         finals = await server.collect(request, queue, rids)
         choices = [{"index": i, "message": {"role": "assistant", "content": finals[i].text}, "logprobs": None,
                     "finish_reason": finals[i].finish_reason} for i in range(len(rids))]
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
                 "choices": choices,
-                "usage": make_usage(len(ids), sum(len(o.token_ids) for o in finals.values()))}
+                "usage": make_usage(len(ids), sum(len(o.token_ids) for o in finals.values()),
+                                    _cached(finals, req.n))}
 
     return app
 
 
+def _cached(outs: dict, n: int) -> int:
+    """Usage's `cached_tokens`: each prompt's tokens found in the prefix cache, as its first choice found them
+    (choice i is prompt i // n's: `Server.submit`)."""
+    return sum(o.num_cached_tokens for i, o in outs.items() if i % n == 0)
+
+
 def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: str, num_prompt: int,
-            include_usage: bool, stops: list[str]) -> StreamingResponse:
+            include_usage: bool, stops: list[str], per_prompt: int) -> StreamingResponse:
     """SSE: one chunk per new text of a choice, a finish chunk per choice, the usage chunk when asked for, then
-    `data: [DONE]`. A client that goes away cancels this generator: its requests are aborted (KV blocks freed)."""
+    `data: [DONE]`. A client that goes away cancels this generator: its requests are aborted (KV blocks freed).
+    `per_prompt`: the choices of each prompt (the request's n)."""
     created = int(time.time())
     chat = obj == "chat.completion.chunk"
     n = len(rids)
@@ -458,19 +467,21 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
     async def events():
         texts = [TextStream(stops) for _ in range(n)]
         completion_tokens = [0] * n
+        cached: dict[int, object] = {}
         try:
             if chat:
                 for i in range(n):
                     yield chunk([choice(i, "", role=True)])
             async for i, out in AsyncEngine.results(queue, n):
                 completion_tokens[i] = out.num_output_tokens
+                cached[i] = out
                 delta = texts[i].delta(out)
                 if delta:
                     yield text_chunks[i](delta)
                 if out.finished:
                     yield chunk([choice(i, None if chat else "", finish=out.finish_reason)])
             if include_usage:
-                yield chunk([], make_usage(num_prompt, sum(completion_tokens)))
+                yield chunk([], make_usage(num_prompt, sum(completion_tokens), _cached(cached, per_prompt)))
             yield "data: [DONE]\n\n"
         except EngineError as e:
             yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
@@ -509,6 +520,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="compute every prompt whole (default: full KV blocks outlive their request, and a prompt that "
+                        "begins with the same tokens reuses them: eyas.cache.prefix_cache)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly on a GPU (default: CUDA graphs, all captured at start-up)")
     p.add_argument("--tensor-parallel", type=int, default=1,
@@ -530,7 +544,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 def _engine_kwargs(args) -> dict:
     """The engine settings (`EngineConfig` keywords) of `eyas serve`'s options."""
     kwargs = dict(max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                  cuda_graphs="auto" if args.cuda_graphs else False)
+                  cuda_graphs="auto" if args.cuda_graphs else False,
+                  prefix_caching=getattr(args, "prefix_caching", True))
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     if args.num_blocks is not None:

@@ -343,6 +343,8 @@ class AsyncEngine:
                 tr.first = now
                 m.ttft.observe(now - tr.arrival)
                 step.prompt_tokens += out.num_prompt_tokens
+                m.prefix_queries.inc(out.num_prompt_tokens)
+                m.prefix_hits.inc(out.num_cached_tokens)
             else:
                 m.ttit.observe((now - tr.last) / k, k)
             tr.last = now

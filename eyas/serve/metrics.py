@@ -10,6 +10,7 @@ engine step and whenever the loop goes idle, so that a scrape of `/metrics` sees
 | eyas:e2e_request_latency_seconds | histogram | arrival to the last token, finished requests |
 | eyas:request_prompt_tokens / eyas:request_generation_tokens | histograms | per finished request |
 | eyas:prompt_tokens_total | counter | prompt tokens of requests that got their first token |
+| eyas:prefix_cache_queries_total / eyas:prefix_cache_hits_total | counters | the same prompt tokens / those of them the prefix cache held at admission (hit rate: hits / queries) |
 | eyas:generation_tokens_total | counter | output tokens |
 | eyas:request_success_total{finish_reason} | counter | finished requests: stop, length, abort (a client went away), error |
 | eyas:num_requests_running / eyas:num_requests_waiting | gauges | the scheduler's running batch / the waiting queue (+ requests handed in, not yet added) |
@@ -103,6 +104,8 @@ class Metrics:
                                    TOKEN_BUCKETS)
         self.prompt_tokens = counter("eyas:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("eyas:generation_tokens", "Output tokens generated.")
+        self.prefix_queries = counter("eyas:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("eyas:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._success = Counter("eyas:request_success", "Finished requests by finish reason.",
                                 lab + ["finish_reason"], registry=r)
         for reason in ("stop", "length", "abort", "error"):

@@ -119,15 +119,21 @@ class ChatCompletionRequest(_SamplingFields):
 # ---- responses ----------------------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held (eyas.cache.prefix_cache)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens).model_dump()
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens)).model_dump()
 
 
 def completion_id(prefix: str) -> str:
