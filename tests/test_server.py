@@ -871,6 +871,51 @@ def test_bench_serve_counts_what_the_server_served(chat_tiny, tmp_path, endpoint
     assert [line.split("|")[1].strip() for line in table[2:]] == ["first", "second"]
 
 
+def test_bench_serve_runs_conversations_of_several_turns(chat_tiny, tmp_path):
+    """`--turns 2`: each conversation's second turn is sent after its first has ended, with the first and its
+    answer, and the server's prefix cache holds what the two share (the usage's cached tokens, in the rows and the
+    table)."""
+    from eyas.cli import main
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "turns": [PROMPTS[i], PROMPTS[i + 2]]}) + "\n"
+                               for i in range(2)))
+    out = tmp_path / "t"
+    engine, seen = chat_tiny.engine, []
+    enqueue = engine.enqueue
+
+    def noting_enqueue(seq):  # the server's requests, whose token ids hold prompt and output once they end
+        seen.append(seq)
+        return enqueue(seq)
+
+    engine.enqueue = noting_enqueue
+    try:
+        assert main(["bench", "serve", "--base-url", chat_tiny.url + "/v1", "--model", "tiny", "--prompts",
+                     str(prompts), "--num-prompts", "3", "--turns", "2", "--max-tokens", "6", "--ignore-eos",
+                     "--concurrency", "2", "--no-progress", "--out", str(out)]) == 0
+    finally:
+        engine.enqueue = enqueue
+    # each second turn's prompt holds a first turn's prompt and answer
+    tok = engine.tokenizer
+    texts = [(tok.decode(s.prompt_ids, skip_special_tokens=False), tok.decode(s.output_ids)) for s in seen]
+    later = [p for p, _ in texts if PROMPTS[2] in p or PROMPTS[3] in p]
+    assert len(later) == 3 and all(any(p1 in p and a1 in p for p1, a1 in texts if p1 != p) for p in later)
+    res = json.loads((out / "serve.json").read_text())
+    rows, s = res["requests"], res["summary"]
+    assert len(rows) == 6 and s["failed"] == 0 and sorted(r["turn"] for r in rows) == [1, 1, 1, 2, 2, 2]
+    firsts = {r["conversation"]: r for r in rows if r["turn"] == 1}
+    seconds = [r for r in rows if r["turn"] == 2]
+    for b in seconds:
+        a = firsts[b["conversation"]]
+        assert b["start_s"] >= a["start_s"] + a["e2e_s"]
+    firsts = list(firsts.values())
+    assert min(r["prompt_tokens"] for r in seconds) > max(r["prompt_tokens"] for r in firsts)
+    assert all(r["cached_tokens"] >= 16 for r in seconds)
+    assert s["cached_tokens"] == sum(r["cached_tokens"] for r in rows)
+    assert set(s["ttft_ms_by_turn"]) == {"1", "2"}
+    table = (out / "serve.md").read_text()
+    assert "TTFT turns 2+" in table and f"{100 * s['cached_tokens'] / s['prompt_tokens']:.0f}%" in table
+
+
 def test_bench_serve_reports_failures_and_bad_arguments(chat_tiny, tmp_path, capsys):
     """Requests the server refuses are counted with their error (exit 1); bad arguments exit 2 before any load."""
     from eyas.cli import main
@@ -885,6 +930,7 @@ def test_bench_serve_reports_failures_and_bad_arguments(chat_tiny, tmp_path, cap
     assert "3 of 3 requests failed" in capsys.readouterr().out
     assert main(common + ["--model", "tiny", "--concurrency", "0"]) == 2
     assert main(common + ["--model", "tiny", "--request-rate", "0"]) == 2
+    assert main(common + ["--model", "tiny", "--turns", "2", "--endpoint", "completions"]) == 2
     assert main(common + ["--model", "tiny", "--compare", str(prompts)]) == 2
     assert "not a serve.json" in capsys.readouterr().err
 

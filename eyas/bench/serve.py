@@ -21,6 +21,11 @@ Prompt records with a guide (`json_schema`, `json_object`, `regex`, `choice`, `g
 are sent as structured-output requests, in the fields vLLM reads too (`response_format` for JSON, `guided_regex`,
 `guided_choice`, `guided_grammar`), and each output is checked against its guide (`guided_valid` in the summary; an
 output cut by `--max-tokens` counts as invalid); `--no-guided` sends the same prompts free.
+
+`--turns 2` runs conversations: each record's second user turn (MT-Bench's) is sent, with the first and its answer,
+once that answer has ended. Its prompt begins with the previous one, so a server with a prefix cache prefills only
+the new part: the table shows the later turns' TTFT apart, and the share of prompt tokens the server found cached
+(the usage's `prompt_tokens_details.cached_tokens`, which eyas and vLLM report).
 """
 from __future__ import annotations
 
@@ -51,10 +56,10 @@ def request_starts(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-async def _stream_request(client, url: str, body: dict, on_text, finished=None) -> int | None:
+async def _stream_request(client, url: str, body: dict, on_text, finished=None) -> dict | None:
     """POST one streamed request and read its server-sent events: `on_text(piece)` for each text, `finished[0]` :=
-    the choice's finish reason (when given a list), and the output token count of the usage chunk (None if none
-    came). Raises RuntimeError with the server's message on an HTTP error or an error event."""
+    the choice's finish reason (when given a list); returns the usage chunk's usage (None if none came). Raises
+    RuntimeError with the server's message on an HTTP error or an error event."""
     async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             raw = (await r.aread()).decode(errors="replace")
@@ -63,7 +68,7 @@ async def _stream_request(client, url: str, body: dict, on_text, finished=None) 
             except (ValueError, KeyError, TypeError):
                 pass
             raise RuntimeError(f"HTTP {r.status_code}: {raw}")
-        tokens = None
+        usage = None
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -74,14 +79,14 @@ async def _stream_request(client, url: str, body: dict, on_text, finished=None) 
             if "error" in event:
                 raise RuntimeError(f"error event: {event['error'].get('message')}")
             if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
+                usage = event["usage"]
             for c in event.get("choices", ()):
                 piece = c["delta"].get("content") if "delta" in c else c.get("text")
                 if piece:
                     on_text(piece)
                 if finished is not None and c.get("finish_reason"):
                     finished[0] = c["finish_reason"]
-        return tokens
+        return usage
 
 
 def guided_fields(g, chat: bool = True) -> dict:
@@ -101,9 +106,8 @@ def guided_fields(g, chat: bool = True) -> dict:
     return {"guided_grammar": g.grammar}
 
 
-async def _one(client, args, prompt: str, start_at: float, t0: float, gate: asyncio.Semaphore,
-               guided=None) -> dict:
-    await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
+async def _request(client, args, messages: list[dict] | str, t0: float, guided=None) -> tuple[dict, str]:
+    """One streamed request (a chat's messages, or a completion's prompt): its row and its output's text."""
     body = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
             "stream": True, "stream_options": {"include_usage": True}}
     if guided is not None:
@@ -111,44 +115,66 @@ async def _one(client, args, prompt: str, start_at: float, t0: float, gate: asyn
     if args.ignore_eos:
         body["ignore_eos"] = True
     if args.endpoint == "chat":
-        body["messages"], path = [{"role": "user", "content": prompt}], "/chat/completions"
+        body["messages"], path = messages, "/chat/completions"
     else:
-        body["prompt"], path = prompt, "/completions"
+        body["prompt"], path = messages, "/completions"
     first = last = None  # when the first and the latest text arrived
-    chars = 0
-    pieces = [] if guided is not None else None  # a guided output's text, checked against its guide at the end
+    pieces = []
 
     def on_text(piece: str) -> None:
-        nonlocal first, last, chars
+        nonlocal first, last
         last = time.perf_counter()
         first = first or last
-        chars += len(piece)
-        if pieces is not None:
-            pieces.append(piece)
+        pieces.append(piece)
 
-    async with gate:
-        start = time.perf_counter()
-        tokens, error, finished = None, None, [None]
-        try:
-            tokens = await _stream_request(client, args.base_url.rstrip("/") + path, body, on_text, finished)
-        except Exception as e:  # the server's error or the connection's: counted, never lost
-            error = f"{type(e).__name__}: {e}"
-        end = time.perf_counter()
-    if error is None and tokens is None:
+    start = time.perf_counter()
+    usage, error, finished = None, None, [None]
+    try:
+        usage = await _stream_request(client, args.base_url.rstrip("/") + path, body, on_text, finished)
+    except Exception as e:  # the server's error or the connection's: counted, never lost
+        error = f"{type(e).__name__}: {e}"
+    end = time.perf_counter()
+    if error is None and usage is None:
         error = "the stream ended without a usage chunk (stream_options.include_usage)"
+    text = "".join(pieces)
+    tokens = usage.get("completion_tokens") if usage else None
+    details = (usage or {}).get("prompt_tokens_details") or {}
     row = {"start_s": start - t0, "e2e_s": end - start, "output_tokens": tokens, "error": error,
-           "ttft_s": None if first is None else first - start, "ttit_s": None, "chars": chars,
-           "finish_reason": finished[0]}
+           "ttft_s": None if first is None else first - start, "ttit_s": None, "chars": len(text),
+           "finish_reason": finished[0], "prompt_tokens": usage.get("prompt_tokens") if usage else None,
+           "cached_tokens": details.get("cached_tokens")}
     if error is None and first is not None and tokens and tokens > 1:
         row["ttit_s"] = (last - first) / (tokens - 1)
     if guided is not None:
         from eyas.bench.tpc import matches_guide
         row["guided"] = guided.kind
-        row["guided_valid"] = error is None and finished[0] == "stop" and matches_guide(guided, "".join(pieces))
-    return row
+        row["guided_valid"] = error is None and finished[0] == "stop" and matches_guide(guided, text)
+    return row, text
 
 
-async def _run(args, prompts: list[str], guides: list | None = None) -> tuple[list[dict], float, float]:
+async def _conversation(client, args, index: int, turns: list[str], start_at: float, t0: float,
+                        gate: asyncio.Semaphore, guided=None) -> list[dict]:
+    """A client's conversation: its first `args.turns` user turns, each sent once the answer to the one before
+    has ended, with the conversation so far (one request, and one row, a turn; a failed turn ends it)."""
+    await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
+    rows, messages = [], []
+    async with gate:
+        for k, user in enumerate(turns[:args.turns]):
+            if args.endpoint == "chat":
+                messages.append({"role": "user", "content": user})
+                row, text = await _request(client, args, messages, t0, guided)
+                messages.append({"role": "assistant", "content": text})
+            else:
+                row, _ = await _request(client, args, user, t0, guided)
+            row["conversation"], row["turn"] = index, k + 1
+            rows.append(row)
+            if row["error"] is not None:
+                break
+    return rows
+
+
+async def _run(args, prompts: list[list[str]], guides: list | None = None) -> tuple[list[dict], float, float]:
+    """`prompts`: each conversation's user turns (`_conversation` sends the first `args.turns`)."""
     import httpx
     from tqdm import tqdm
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
@@ -158,12 +184,13 @@ async def _run(args, prompts: list[str], guides: list | None = None) -> tuple[li
         starts = request_starts(len(prompts), args.request_rate, args.seed)
         t0, cpu0 = time.perf_counter(), time.process_time()
         guides = guides or [None] * len(prompts)
-        tasks = [asyncio.ensure_future(_one(client, args, p, s, t0, gate, g))
-                 for p, s, g in zip(prompts, starts, guides)]
+        tasks = [asyncio.ensure_future(_conversation(client, args, i, p, s, t0, gate, g))
+                 for i, (p, s, g) in enumerate(zip(prompts, starts, guides))]
         rows = []
-        with tqdm(total=len(tasks), desc="requests", disable=args.no_progress) as bar:
+        with tqdm(total=len(tasks), desc="conversations" if args.turns > 1 else "requests",
+                  disable=args.no_progress) as bar:
             for fut in asyncio.as_completed(tasks):
-                rows.append(await fut)
+                rows += await fut
                 bar.update(1)
         duration, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     rows.sort(key=lambda r: r["start_s"])
@@ -179,15 +206,22 @@ def _stats(values: list[float]) -> dict:
 
 def summarize(rows: list[dict], duration: float, client_cpu: float = 0.0) -> dict:
     """Over the run: counts, rates from the first start to the last end, each latency's mean and percentiles in ms
-    (TTIT over the requests with at least two output tokens), and the share of the run the client itself kept a
-    core busy (`client_busy`: its process's CPU time over the run's)."""
+    (TTIT over the requests with at least two output tokens; TTFT also by turn), the prompt tokens and those the
+    server's prefix cache held (its usage's `cached_tokens`; None where a server does not report them), and the
+    share of the run the client itself kept a core busy (`client_busy`: its process's CPU time over the run's)."""
     ok = [r for r in rows if r["error"] is None]
     tokens = sum(r["output_tokens"] for r in ok)
     return {"requests": len(rows), "completed": len(ok), "failed": len(rows) - len(ok),
             "duration_s": duration, "requests_per_s": len(ok) / duration, "output_tokens": tokens,
             "output_tokens_per_s": tokens / duration, "client_cpu_s": client_cpu, "client_busy": client_cpu / duration,
             "guided": sum("guided" in r for r in rows), "guided_valid": sum(bool(r.get("guided_valid")) for r in rows),
+            "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in ok),
+            "cached_tokens": (sum(r["cached_tokens"] for r in ok) if ok and all(r.get("cached_tokens") is not None
+                                                                                 for r in ok) else None),
             "ttft_ms": _stats([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
+            "ttft_ms_by_turn": {str(k): _stats([r["ttft_s"] for r in ok if r.get("turn", 1) == k
+                                                and r["ttft_s"] is not None])
+                                for k in sorted({r.get("turn", 1) for r in rows})},
             "ttit_ms": _stats([r["ttit_s"] for r in ok if r["ttit_s"] is not None]),
             "e2e_ms": _stats([r["e2e_s"] for r in ok])}
 
@@ -196,17 +230,32 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
+def _cached_share(s: dict) -> str:
+    if s.get("cached_tokens") is None or not s.get("prompt_tokens"):
+        return "-"
+    return f"{100 * s['cached_tokens'] / s['prompt_tokens']:.0f}%"
+
+
 def markdown(runs: list[dict]) -> str:
-    head = ("| run | requests (failed) | concurrency | rate /s | output tokens/s | TTFT mean / p50 / p99 ms | "
-            "TTIT mean / p50 / p99 ms | e2e p50 / p99 ms |")
-    lines = [head, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """A row per run. With conversations of several turns, TTFT of the later turns (the prompts that begin with
+    the conversation so far) gets a column of its own."""
+    turns = max(r["meta"].get("turns", 1) for r in runs)
+    later = " | TTFT turns 2+ mean / p50 ms" if turns > 1 else ""
+    head = ("| run | requests (failed) | concurrency | rate /s | output tokens/s | TTFT mean / p50 / p99 ms" + later +
+            " | TTIT mean / p50 / p99 ms | e2e p50 / p99 ms | prompt tokens cached |")
+    lines = [head, "| --- " * (9 + bool(later)) + "|"]
     for run in runs:
         s, m = run["summary"], run["meta"]
         t, i, e = s["ttft_ms"], s["ttit_ms"], s["e2e_ms"]
+        cols = ""
+        if later:
+            rows = [r for r in run["requests"] if r.get("turn", 1) > 1 and r["error"] is None and r["ttft_s"]]
+            t2 = _stats([r["ttft_s"] for r in rows])
+            cols = f" {_fmt(t2['mean'])} / {_fmt(t2['p50'])} |"
         lines.append(f"| {m['label']} | {s['requests']} ({s['failed']}) | {m['concurrency']} | {m['request_rate']} | "
-                     f"{s['output_tokens_per_s']:.1f} | {_fmt(t['mean'])} / {_fmt(t['p50'])} / {_fmt(t['p99'])} | "
-                     f"{_fmt(i['mean'])} / {_fmt(i['p50'])} / {_fmt(i['p99'])} | {_fmt(e['p50'])} / "
-                     f"{_fmt(e['p99'])} |")
+                     f"{s['output_tokens_per_s']:.1f} | {_fmt(t['mean'])} / {_fmt(t['p50'])} / {_fmt(t['p99'])} |"
+                     f"{cols} {_fmt(i['mean'])} / {_fmt(i['p50'])} / {_fmt(i['p99'])} | {_fmt(e['p50'])} / "
+                     f"{_fmt(e['p99'])} | {_cached_share(s)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -252,19 +301,22 @@ def run(args) -> int:
         import httpx  # noqa: F401  (the client: `pip install httpx`, or eyas's `bench` or `test` extra)
     except ImportError:
         raise ValueError("eyas bench serve needs the httpx package: pip install httpx") from None
-    if args.concurrency < 1 or args.num_prompts < 1 or args.max_tokens < 1:
-        raise ValueError("--concurrency, --num-prompts and --max-tokens must be at least 1")
+    if args.concurrency < 1 or args.num_prompts < 1 or args.max_tokens < 1 or args.turns < 1:
+        raise ValueError("--concurrency, --num-prompts, --max-tokens and --turns must be at least 1")
+    if args.turns > 1 and args.endpoint != "chat":
+        raise ValueError("--turns above 1 needs --endpoint chat (a later turn is sent with the conversation so far)")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
     earlier = read_runs(args.compare)  # a bad file fails before the load
     records = read_prompts(args.prompts)
     chosen = [records[i % len(records)] for i in range(args.num_prompts)]  # cycled past the file's end
     guides = [r["guided"] if args.guided else None for r in chosen]
-    rows, duration, cpu = asyncio.run(_run(args, [r["text"] for r in chosen], guides))
+    rows, duration, cpu = asyncio.run(_run(args, [r["turns"] for r in chosen], guides))
     meta = {"label": args.label or args.base_url, "base_url": args.base_url, "model": args.model,
             "endpoint": args.endpoint, "prompts": str(args.prompts), "num_prompts": args.num_prompts,
             "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
             "concurrency": args.concurrency, "request_rate": args.request_rate, "seed": args.seed,
+            "turns": args.turns,
             "guided": sum(g is not None for g in guides),
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     result = {"meta": meta, "summary": summarize(rows, duration, cpu), "requests": rows}
@@ -297,7 +349,12 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     p.add_argument("--prompts", default="../shared/data/mt_bench/question.jsonl",
                    help="MT-Bench questions, conversations or {\"prompt\": ...} lines (first user turns)")
-    p.add_argument("--num-prompts", type=int, default=80, help="requests (the prompts cycled past the file's end)")
+    p.add_argument("--num-prompts", type=int, default=80,
+                   help="requests, or conversations with --turns (the prompts cycled past the file's end)")
+    p.add_argument("--turns", type=int, default=1,
+                   help="user turns per conversation (MT-Bench has 2): each is sent once the answer to the one "
+                        "before has ended, with the conversation so far, which a prefix cache holds; a "
+                        "conversation holds one of --concurrency's places throughout")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--ignore-eos", action="store_true", help="every request takes --max-tokens (a vLLM extension)")
     p.add_argument("--temperature", type=float, default=0.0)

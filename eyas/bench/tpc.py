@@ -29,7 +29,8 @@ DEFAULT_PROMPTS = "../shared/data/mt_bench/question.jsonl"
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Records with a first user turn: MT-Bench (`turns`), conversations, or {"prompt": ...}."""
+    """Records with a first user turn (`text`) and every user turn (`turns`): MT-Bench (`turns`), conversations,
+    or {"prompt": ...}."""
     from eyas.train.data import normalize_messages, read_jsonl
 
     path = Path(path)
@@ -38,17 +39,16 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
     out = []
     for rec in read_jsonl(path):
         if "turns" in rec and rec["turns"]:
-            text = rec["turns"][0]
+            users = list(rec["turns"])
         elif "prompt" in rec:
-            text = rec["prompt"]
+            users = [rec["prompt"]]
         else:
             msgs = normalize_messages(rec, need_assistant=False) or []
             users = [m["content"] for m in msgs if m["role"] == "user"]
             if not users:
                 continue
-            text = users[0]
         out.append({"id": rec.get("question_id", rec.get("id", len(out))), "category": rec.get("category"),
-                    "text": text, "guided": guide_of(rec, path)})
+                    "text": users[0], "turns": users, "guided": guide_of(rec, path)})
         if limit is not None and len(out) >= limit:
             break
     if not out:
