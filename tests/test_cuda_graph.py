@@ -139,6 +139,32 @@ def test_overlapped_graphs_equal_sequential_graphs(pair, spec):
     assert llm.engine.blocks.num_used == 0
 
 
+@pytest.mark.parametrize("spec", [None, "chain:4", "tree:mc_sim_7b_63", "dyn:k3d4n8"])
+def test_prefix_cache_hits_on_graphs_equal_eager_without_it(pair, spec):
+    """Prompts that share a system prefix, then second turns (prompt + answer + more), on graphs with overlapped
+    decoding and prefix caching (block size 4: many hits, some on blocks that decode steps filled), equal the
+    eager reference path without prefix caching."""
+    target, draft = pair
+    kw = dict(device="cuda", dtype="float32", draft=str(draft) if spec else None, speculation=spec, block_size=4)
+    system = list(range(1, 15))
+    first = [system + [20, 21, 22], system + [23] * 6, system + [5, 9, 13, 2, 7, 11, 3, 19, 17]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def run(llm):
+        outs = llm.generate(first, params)
+        turn2 = [p + o.token_ids + [4, 8, 12, 16, 20] for p, o in zip(first, outs)]
+        return outs + llm.generate(turn2 + [system + [1, 2, 3, 4]], params)
+
+    eager = LLM(str(target), prefix_caching=False, **kw)
+    eager.engine.runner.use_triton = False
+    reference_ops(eager)
+    ref = [o.token_ids for o in run(eager)]
+    graphed = LLM(str(target), cuda_graphs=True, overlap=True, **kw)
+    got = run(graphed)
+    assert [o.token_ids for o in got] == ref
+    assert all(o.num_cached_tokens >= 12 for o in got[3:]) and graphed.engine.blocks.num_used == 0
+
+
 def test_smollm2_graphs_equal_eager():
     from eyas.loader.resolve import default_draft_path, smollm2_path
     try:
