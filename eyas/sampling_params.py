@@ -43,6 +43,9 @@ class GuidedDecoding:
             if not self.json_object else "json_object"
 
 
+MAX_LOGPROBS = 20  # the most alternatives a token's log-probabilities list (vLLM's default limit)
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0
@@ -54,6 +57,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     guided: GuidedDecoding | None = None  # the output must match a schema, regex, choice or grammar
+    # log-probabilities of each output token and of the `logprobs` likeliest tokens in its place (0: the output
+    # token's only), under the target's logits before temperature, top-k and top-p (eyas.layers.logprobs)
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -71,6 +77,9 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
             raise ValueError(f"guided must be a GuidedDecoding, got {type(self.guided).__name__}")
         self.temperature = float(self.temperature)

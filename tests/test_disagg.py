@@ -18,9 +18,9 @@ PROMPTS = ["Hello there", "yes or no?", "{\"", "abcabc " * 9, "12 12 12", "a", "
 
 def params():
     return ([SamplingParams(max_tokens=24, ignore_eos=True)]
-            + [SamplingParams(temperature=1.0, seed=s, max_tokens=20) for s in (1, 2)]
+            + [SamplingParams(temperature=1.0, seed=s, max_tokens=20, logprobs=2 * s - 2) for s in (1, 2)]
             + [SamplingParams(max_tokens=30, guided=GuidedDecoding(regex=r"(yes|no), [0-9]{1,3}!"))]
-            + [SamplingParams(max_tokens=16, stop=["e"])]
+            + [SamplingParams(max_tokens=16, stop=["e"], logprobs=1)]
             + [SamplingParams(max_tokens=1)]
             + [SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=40,
                               guided=GuidedDecoding(json_object=True))])
@@ -129,6 +129,17 @@ def test_handoffs_must_fit_the_decode_engine(pair, tmp_path):
         split_devices("cpu")
 
 
+def assert_same_logprobs(out, ref):
+    """The requests that asked for log-probabilities got one per token, the first one's (from the prefill engine,
+    carried by the handoff) included, as one engine's up to float noise."""
+    asked = [(o, r) for o, r in zip(out, ref) if r.logprobs is not None]
+    assert len(asked) == 3
+    for o, r in asked:
+        assert len(o.logprobs) == len(o.token_ids) == len(r.logprobs)
+        assert [[i for i, _ in e.top] for e in o.logprobs] == [[i for i, _ in e.top] for e in r.logprobs]
+        assert [e.logprob for e in o.logprobs] == pytest.approx([e.logprob for e in r.logprobs], abs=1e-5)
+
+
 def test_llm_disaggregate(pair):
     """`LLM(..., disaggregate="cpu,cpu")`: two engines, a prefill thread, the same outputs as one engine."""
     plist = params()
@@ -140,6 +151,7 @@ def test_llm_disaggregate(pair):
             [(o.token_ids, o.text, o.finish_reason, o.stats.accepted_by_depth) for o in ref]
         assert all(o.ttft is not None and o.latency >= o.ttft for o in out)
         assert sum(o.stats.target_calls for o in out) > 0
+        assert_same_logprobs(out, ref)
     finally:
         llm.engine.close()
 
@@ -161,6 +173,7 @@ def test_prefill_in_a_process_of_its_own(pair):
         assert [(o.token_ids, o.text, o.finish_reason, o.stats.accepted_by_depth) for o in out] == \
             [(o.token_ids, o.text, o.finish_reason, o.stats.accepted_by_depth) for o in ref]
         assert all(o.ttft is not None and o.latency >= o.ttft for o in out)
+        assert_same_logprobs(out, ref)
         # aborted at once (queued in the child) and after a few steps; the others finish as before
         got = run(eng, PROMPTS, plist, abort_at={1: 0, 4: 3})
         assert got[1][0] == ref[1].token_ids and got[6][0] == ref[6].token_ids

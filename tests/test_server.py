@@ -166,6 +166,7 @@ def spec(tmp_path_factory, smollm2):
     params = [SamplingParams(max_tokens=c["max_tokens"], temperature=c["temperature"], seed=c["seed"], stop=c["stop"])
               for c in cases]
     refs["concurrent"] = llm.generate(ids, params)
+    refs["logprobs"] = llm.chat(CONVERSATIONS[0], SamplingParams(max_tokens=16, logprobs=3))[0]
     refs["n"] = llm.generate([PROMPTS[0]] * N_CHOICES, [SamplingParams(max_tokens=10, temperature=0.9, seed=N_SEED + j)
                                                         for j in range(N_CHOICES)])
     assert llm.engine.blocks.num_used == 0
@@ -468,6 +469,35 @@ def test_metrics_parse_and_move(spec):
     assert after["eyas:kv_cache_total_blocks{}"] == spec.engine.blocks.num_usable
 
 
+def test_chat_logprobs_match_offline(spec):
+    """`logprobs: true, top_logprobs: 3` through the openai client, plain and streamed: each token's text,
+    log-probability and alternatives are the offline run's (tests/test_logprobs.py holds those to dense forwards)."""
+    ref = spec.refs["logprobs"]
+    tok = spec.engine.tokenizer
+    client = spec.client()
+    out = client.chat.completions.create(model=MODEL, messages=CONVERSATIONS[0], max_tokens=16, temperature=0,
+                                         logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert out.choices[0].message.content == ref.text
+    assert [c.token for c in content] == [tok.decode([t], skip_special_tokens=False) for t in ref.token_ids]
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-4)
+    for c, e in zip(content, ref.logprobs):
+        assert [a.token for a in c.top_logprobs] == [tok.decode([i], skip_special_tokens=False) for i, _ in e.top]
+        assert c.bytes == list(c.token.encode())
+    streamed = [lp for ch in client.chat.completions.create(model=MODEL, messages=CONVERSATIONS[0], max_tokens=16,
+                                                            temperature=0, logprobs=True, top_logprobs=3, stream=True)
+                if ch.choices and ch.choices[0].logprobs for lp in ch.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-4)
+    plain = client.chat.completions.create(model=MODEL, messages=CONVERSATIONS[0], max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+    for body, param in [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")]:
+        r = httpx.post(spec.url + "/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": CONVERSATIONS[0], "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    spec.wait_idle()
+
+
 # ---- the tiny server: admission control, failures, token-id prompts --------------------------------------------------
 
 TINY_VOCAB = 64
@@ -515,6 +545,42 @@ def test_token_id_prompts_and_usage(tiny):
     assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
     r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(prompt=[TINY_VOCAB]), timeout=60)
     assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
+    tiny.wait_idle()
+
+
+def test_completion_logprobs_equal_a_dense_forwards(tiny):
+    """/v1/completions with `logprobs: 2` on a model without a tokenizer (tokens named token_id:N): the chosen
+    tokens' log-probabilities and the alternatives are a dense forward's log-softmax, and a stream's chunks hold
+    the same, their text offsets running on."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    body = _tiny_body(max_tokens=6, prompt=prompt, logprobs=2)
+    r = httpx.post(tiny.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    out = [int(t.split(":")[1]) for t in lp["tokens"]]
+    assert len(out) == 6 and lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:j]) for j in range(6)]
+    target = tiny.engine.target
+    with torch.no_grad():
+        ids = torch.tensor([prompt + out])
+        ref = torch.log_softmax(target.compute_logits(target(ids, torch.arange(ids.shape[1])[None]))[0].float(), -1)
+    ref = ref[len(prompt) - 1: -1]
+    assert lp["token_logprobs"] == pytest.approx(ref.gather(1, torch.tensor(out)[:, None])[:, 0].tolist(), abs=1e-5)
+    for j, top in enumerate(lp["top_logprobs"]):
+        vals, idx = ref[j].topk(2)
+        want = {f"token_id:{i}": v for i, v in zip(idx.tolist(), vals.tolist())}
+        want.setdefault(lp["tokens"][j], lp["token_logprobs"][j])
+        assert top == pytest.approx(want, abs=1e-5)
+    with httpx.stream("POST", tiny.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    parts = [e["choices"][0]["logprobs"] for e in events if e["choices"] and e["choices"][0]["logprobs"]]
+    assert [t for p in parts for t in p["tokens"]] == lp["tokens"]
+    assert [o for p in parts for o in p["text_offset"]] == lp["text_offset"]
+    assert [x for p in parts for x in p["token_logprobs"]] == pytest.approx(lp["token_logprobs"], abs=1e-5)
+    r = httpx.post(tiny.url + "/v1/completions", json={**body, "logprobs": 0}, timeout=60)
+    lp0 = r.json()["choices"][0]["logprobs"]  # no alternatives: each position maps the chosen token alone
+    assert lp0["top_logprobs"] == [{t: x} for t, x in zip(lp0["tokens"], lp0["token_logprobs"])]
+    r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=2, logprobs=21), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
     tiny.wait_idle()
 
 

@@ -78,6 +78,7 @@ class Handoff:
     arrival: float = 0.0
     first_token_time: float | None = None
     prefix_hit: int = 0  # KV entries the prefill engine found in its prefix cache
+    logprobs: list | None = None  # the output tokens' `TokenLogprobs`, when the request asked for them
 
     def to(self, device) -> "Handoff":
         import dataclasses
@@ -96,15 +97,18 @@ class RequestOutput:
     `num_output_tokens` and `text_since(i)` are the cheap reads for streaming."""
 
     __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "num_prompt_tokens", "stats", "_ids",
-                 "_end", "_text", "num_cached_tokens")
+                 "_end", "_text", "num_cached_tokens", "_logprobs", "_lp_end")
 
     def __init__(self, request_id: str, new_token_ids: list[int], finished: bool, finish_reason: str | None,
                  num_prompt_tokens: int, stats: SpecStats | None = None, ids: list[int] | None = None,
-                 text: OutputText = NO_TEXT, num_cached_tokens: int = 0):
+                 text: OutputText = NO_TEXT, num_cached_tokens: int = 0, logprobs: list | None = None):
         """`ids`: the sequence's token ids, prompt first (shared, not copied; their first `num_prompt_tokens` are
         the prompt's); the output is ids[num_prompt_tokens:len(ids)] as they are now. `num_cached_tokens`: prompt
-        tokens the prefix cache held when the request was admitted (OpenAI's usage `cached_tokens`)."""
+        tokens the prefix cache held when the request was admitted (OpenAI's usage `cached_tokens`). `logprobs`: the
+        sequence's `TokenLogprobs` (shared, like `ids`), when its request asked for them."""
         self.num_cached_tokens = num_cached_tokens
+        self._logprobs = logprobs
+        self._lp_end = len(logprobs) if logprobs is not None else 0
         self.request_id, self.new_token_ids = request_id, new_token_ids
         self.finished, self.finish_reason = finished, finish_reason
         self.num_prompt_tokens, self.stats = num_prompt_tokens, stats if stats is not None else SpecStats()
@@ -120,6 +124,16 @@ class RequestOutput:
     @property
     def num_output_tokens(self) -> int:
         return self._end - self.num_prompt_tokens
+
+    @property
+    def logprobs(self) -> list | None:
+        """Every output token's `eyas.layers.logprobs.TokenLogprobs` so far (None unless the request asked)."""
+        return None if self._logprobs is None else self._logprobs[:self._lp_end]
+
+    @property
+    def new_logprobs(self) -> list | None:
+        """Those of `new_token_ids`."""
+        return None if self._logprobs is None else self._logprobs[self._lp_end - len(self.new_token_ids):self._lp_end]
 
     @property
     def text(self) -> str:
@@ -341,6 +355,8 @@ class LLMEngine:
             return None
         if any(s.grammar is not None for s in h.seqs):  # its masks need the grammar states after `h`'s commits
             return None
+        if any(s.params.logprobs is not None for s in h.seqs):  # its log-probabilities need an eager step
+            return None
         ahead = h.tree.max_depth + 1  # tokens `h` may commit
         if any(s.finished or len(s.token_ids) + ahead >= self.max_model_len for s in h.seqs):
             return None
@@ -358,7 +374,7 @@ class LLMEngine:
         target_kv, draft_kv, pending = self.runner.read_sequence(seq)
         self.handoffs.append(Handoff(seq.request_id, list(seq.prompt_ids), list(seq.token_ids), seq.params, seq.seed,
                                      seq.num_cached, seq.num_draft_cached, target_kv, draft_kv, pending,
-                                     seq.arrival, seq.first_token_time, seq.prefix_hit))
+                                     seq.arrival, seq.first_token_time, seq.prefix_hit, list(seq.logprobs)))
         self.scheduler.finish(seq, "handoff")
         self.seqs.pop(seq.request_id, None)
 
@@ -378,7 +394,7 @@ class LLMEngine:
         params = h.params
         seq = Sequence(list(h.prompt_ids), params, h.seed, request_id=h.request_id, token_ids=list(h.token_ids),
                        stop_ids=self._stop_ids(params), grammar=self.grammar_state(params), arrival=h.arrival,
-                       first_token_time=h.first_token_time, prefix_hit=h.prefix_hit)
+                       first_token_time=h.first_token_time, prefix_hit=h.prefix_hit, logprobs=list(h.logprobs or []))
         if seq.grammar is not None:
             seq.grammar.accept(seq.output_ids)
         if self.tokenizer is not None:
@@ -424,17 +440,20 @@ class LLMEngine:
             if cut >= 0:
                 reason = "stop"
             seq.output_text = seq.detok.snapshot(cut)
+        if seq.new_logprobs is not None:  # the kept tokens' log-probabilities
+            seq.logprobs += seq.new_logprobs[:len(added)]
+            seq.new_logprobs = None
         if reason:
             return self._finish(seq, reason, added)
         return RequestOutput(seq.request_id, added, False, None, seq.num_prompt, seq.stats, seq.token_ids,
-                             seq.output_text, min(seq.prefix_hit, seq.num_prompt))
+                             seq.output_text, min(seq.prefix_hit, seq.num_prompt), _logprobs_of(seq))
 
     def _finish(self, seq: Sequence, reason: str, added: list[int] | None = None) -> RequestOutput:
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq, reason)
         self.seqs.pop(seq.request_id, None)
         return RequestOutput(seq.request_id, added or [], True, reason, seq.num_prompt, seq.stats, seq.token_ids,
-                             seq.output_text, min(seq.prefix_hit, seq.num_prompt))
+                             seq.output_text, min(seq.prefix_hit, seq.num_prompt), _logprobs_of(seq))
 
     @staticmethod
     def _decode_added(seq: Sequence, added: list[int]) -> int:
@@ -466,6 +485,10 @@ class LLMEngine:
                 del seq.token_ids[first + k:], added[k:]
                 return cut
         raise AssertionError("unreachable: the last token's text is the one searched first")
+
+
+def _logprobs_of(seq: Sequence) -> list | None:
+    return seq.logprobs if seq.params.logprobs is not None else None
 
 
 def _find_stop(tail: str, stops: list[str], start: int) -> int:

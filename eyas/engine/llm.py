@@ -40,6 +40,7 @@ class CompletionOutput:
     ttft: float | None = None  # seconds from submission to the first token
     latency: float | None = None  # seconds from submission to the last token
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (eyas.cache.prefix_cache)
+    logprobs: list | None = None  # `SamplingParams.logprobs`: each token's `eyas.layers.logprobs.TokenLogprobs`
 
 
 class LLM:
@@ -115,7 +116,8 @@ class LLM:
         return [CompletionOutput(s.prompt_ids, s.output_ids, s.text, s.finish_reason, s.stats,
                                  (s.first_token_time - s.arrival) if s.first_token_time else None,
                                  (s.finish_time - s.arrival) if s.finish_time else None,
-                                 min(s.prefix_hit, s.num_prompt)) for s in seqs]
+                                 min(s.prefix_hit, s.num_prompt),
+                                 list(s.logprobs) if s.params.logprobs is not None else None) for s in seqs]
 
     def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool = False):
         """One conversation (a list of {"role", "content"}) or a list of conversations."""

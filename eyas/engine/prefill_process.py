@@ -89,11 +89,12 @@ class RemotePrefillEngine:
             if kind == "error":
                 raise RuntimeError(f"the prefill process failed:\n{info[0]}")
             committed, handoffs = info
-            for rid, tokens in committed:
+            for rid, tokens, logprobs in committed:
                 seq = self.seqs.get(rid)
                 if seq is None:  # aborted meanwhile
                     continue
                 seq.first_token_time = seq.first_token_time or time.perf_counter()
+                seq.new_logprobs = logprobs
                 out = self.decode._commit(seq, tokens)
                 if out.finished:
                     self.seqs.pop(rid, None)
@@ -168,7 +169,7 @@ def _child_main(spec: dict, commands, results) -> None:
             if not engine.has_unfinished():
                 continue
             outputs = engine.step()
-            committed = [(o.request_id, list(o.new_token_ids)) for o in outputs]
+            committed = [(o.request_id, list(o.new_token_ids), o.new_logprobs) for o in outputs]
             handoffs = [h.to("cpu") for h in engine.take_handoffs()]
             if committed or handoffs:
                 results.put(("step", committed, handoffs))

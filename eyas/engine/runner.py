@@ -141,6 +141,13 @@ class StepPacker:
         return buf, done
 
 
+def _entries(lps, i: int, k: int, n: int):
+    """Row i's first n `TokenLogprobs` of host (chosen, top, top ids) tensors, with its own k alternatives."""
+    from eyas.layers.logprobs import entries
+    chosen, top_lp, top_ids = lps
+    return entries(chosen[i], top_lp[i, ..., :k], top_ids[i, ..., :k], n)
+
+
 def all_greedy(seqs: list[Sequence]) -> bool:
     return all(s.params.temperature == 0.0 for s in seqs)
 
@@ -277,6 +284,9 @@ class ModelRunner:
             from eyas.spec.grammar import apply_bitmask, prefill_masks
             apply_bitmask(logits, prefill_masks(states, next(st for st in states if st is not None).words).to(dev))
         p = [s.params for s in seqs]
+        lps = None
+        if any(x.logprobs is not None for x in p):  # before the sampler's temperature, top-k and top-p
+            lps = logits.float()
         probs = logits_to_probs(logits, torch.tensor([x.temperature for x in p], device=dev),
                                 torch.tensor([x.top_k for x in p], device=dev),
                                 torch.tensor([x.top_p for x in p], device=dev))
@@ -284,11 +294,16 @@ class ModelRunner:
         sampled = sample_from(probs, uniform(seeds, start + lens - 1, 0))
         if self.draft is not None:
             self._draft_prefill(seqs, chunk_lens, self.draft.read_features(feats), meta)
+        if lps is not None:
+            from eyas.layers.logprobs import token_logprobs
+            lps = [t.cpu() for t in token_logprobs(lps[:, None], sampled[:, None], max(x.logprobs or 0 for x in p))]
         sampled = sampled.tolist()
         out: list[int | None] = []
         for i, (s, c) in enumerate(zip(seqs, chunk_lens)):
             s.num_cached += c
             out.append(sampled[i] if s.num_cached == s.prefill_target and s.num_output == 0 else None)
+            if out[-1] is not None and s.params.logprobs is not None:
+                s.new_logprobs = _entries(lps, i, s.params.logprobs, 1)
         return out
 
     def _draft_prefill(self, seqs, chunk_lens, hidden, meta) -> None:
@@ -470,12 +485,16 @@ class ModelRunner:
         tree = self.tree_for(len(seqs))
         self.tree_steps[tree.name] = self.tree_steps.get(tree.name, 0) + 1
         guide = self._guide(seqs)
-        graphed = self.graphs is not None and self.graphs.can_run(seqs)
+        logprobs = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
+        # a step that reports log-probabilities runs eagerly: the graphs' outputs hold no logits
+        graphed = self.graphs is not None and logprobs is None and self.graphs.can_run(seqs)
         if after is not None:
             if after.seqs != seqs or after.graphed != graphed or after.tree is not tree:
                 raise ValueError("an overlapped step must follow a step of the same sequences")
             if guide is not None:
                 raise ValueError("a guided step cannot be overlapped: its masks need the step before's commits")
+            if logprobs is not None:
+                raise ValueError("a step that reports log-probabilities is not overlapped")
             self._refresh_tables(seqs, after.B)
         graph_key = None
         if graphed and guide is not None:  # three graphs, the grammar masks made on the host in the middle
@@ -496,7 +515,8 @@ class ModelRunner:
                 inp.max_context_len = (self.context_bound(seqs) if self.use_triton
                                        else max(s.num_cached for s in seqs) + self.lookahead)
             out = spec_step(self.target, self.draft, tree, self.cache, self.draft_cache, inp, self.block_size,
-                            self.use_triton, self.simulated_accept, all_greedy(seqs), self.draft_hidden, guide)
+                            self.use_triton, self.simulated_accept, all_greedy(seqs), self.draft_hidden, guide,
+                            logprobs)
         host, done = self.packer(B).readback(out.packed)
         return StepHandle(list(seqs), B, tree, graphed, out, host, done, graph_key)
 
@@ -543,6 +563,7 @@ class ModelRunner:
         if h.done is not None:
             h.done.synchronize()
         host = h.host[:len(h.seqs)].tolist()
+        lps = None if h.out.logprobs is None else [t.cpu() for t in h.out.logprobs]
         m_host = []
         new_tokens = []
         with_draft = self.draft is not None
@@ -554,6 +575,8 @@ class ModelRunner:
             m = row[0]
             m_host.append(m)
             new_tokens.append(row[2: m + 2] + [row[-1]])
+            if lps is not None and s.params.logprobs is not None:
+                s.new_logprobs = _entries(lps, len(new_tokens) - 1, s.params.logprobs, m + 1)
             s.num_draft_cached = s.num_cached if with_draft else 0
             s.num_cached += m + 1
         return new_tokens, m_host

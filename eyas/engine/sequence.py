@@ -73,6 +73,10 @@ class Sequence:
     # (or hold what a cached one holds), and how many KV entries the last admission found cached
     prefix_entries: list[int] = field(default_factory=list)
     prefix_hit: int = 0
+    # `params.logprobs` asked: each output token's `eyas.layers.logprobs.TokenLogprobs`, and those of the tokens the
+    # runner's last step returned, which the engine's commit takes (as many as it keeps)
+    logprobs: list = field(default_factory=list)
+    new_logprobs: list | None = None
 
     def __post_init__(self):
         if not self.token_ids:

@@ -27,8 +27,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eyas.engine.detokenizer import TextStream
 from eyas.loader.resolve import resolve_draft_arg
-from eyas.sampling_params import GuidedDecoding, SamplingParams
+from eyas.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 from eyas.serve.async_engine import AsyncEngine, EngineDead, EngineError, QueueFull
+from eyas.serve.logprobs import chat_logprobs, completion_logprobs
 from eyas.serve.metrics import CONTENT_TYPE, Metrics
 from eyas.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
                                  api_error_response, completion_id, error_response, make_usage)
@@ -44,7 +45,7 @@ RETRY_AFTER_S = 1
 
 def _param_of(message: str) -> str | None:
     word = message.split(" ", 1)[0]
-    return word if word in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop") else None
+    return word if word in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs") else None
 
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -84,7 +85,7 @@ def _guided(req) -> GuidedDecoding | None:
         raise APIError(str(e), param=params[0]) from None
 
 
-def _sampling_params(req, max_tokens: int | None) -> SamplingParams:
+def _sampling_params(req, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
     if req.presence_penalty not in (None, 0, 0.0) or req.frequency_penalty not in (None, 0, 0.0):
         raise APIError("presence_penalty and frequency_penalty are not supported (only 0)", param="presence_penalty")
     if req.seed is not None and not 0 <= req.seed < SEED_LIMIT:
@@ -95,7 +96,7 @@ def _sampling_params(req, max_tokens: int | None) -> SamplingParams:
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
             max_tokens=1 if max_tokens is None else max_tokens,  # the real value is set per prompt
-            seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos, guided=_guided(req))
+            seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos, guided=_guided(req), logprobs=logprobs)
     except ValueError as e:
         raise APIError(str(e), param=_param_of(str(e))) from None
 
@@ -171,11 +172,20 @@ class Server:
         self.async_engine = AsyncEngine(engine, self.metrics, max_queue=max_queue)
         self.max_model_len = engine.max_model_len
         self._grammar = None
+        self._token_texts: dict[int, str] = {}
         if self.tokenizer is not None and hasattr(engine, "grammar_backend"):
             # guided decoding's tokenizer view takes ~1 s to make: made now, beside startup, not at the first
             # guided request (it would hold up the engine loop, and every stream with it)
             self._grammar = threading.Thread(target=self._backend, name="eyas-grammar-warmup", daemon=True)
             self._grammar.start()
+
+    def token_text(self, token_id: int) -> str:
+        """A token's own text, as `logprobs` name tokens (eyas.serve.logprobs); kept once made."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = (f"token_id:{token_id}" if self.tokenizer is None else
+                                                  self.tokenizer.decode([token_id], skip_special_tokens=False))
+        return text
 
     def _backend(self):
         try:
@@ -355,8 +365,6 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         arrival = time.perf_counter()
         req = await _parse(request, CompletionRequest)
         server.common_checks(req)
-        if req.logprobs:
-            raise APIError("logprobs are not supported", param="logprobs")
         if req.echo:
             raise APIError("echo is not supported", param="echo")
         if req.suffix:
@@ -370,7 +378,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
             prompts = list(p)
         else:
             raise APIError("the prompt is empty", param="prompt")
-        base = _sampling_params(req, req.max_tokens)
+        base = _sampling_params(req, req.max_tokens, req.logprobs)
         await server.compile_guided(base.guided)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
         ids = [server.prompt_ids(x, "prompt") for x in prompts]
@@ -383,8 +391,8 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
             return _stream(server, queue, rids, cid, req.model, "text_completion", num_prompt, include_usage,
                            base.stop, req.n)
         finals = await server.collect(request, queue, rids)
-        choices = [{"index": i, "text": finals[i].text, "logprobs": None, "finish_reason": finals[i].finish_reason}
-                   for i in range(len(rids))]
+        choices = [{"index": i, "text": finals[i].text, "finish_reason": finals[i].finish_reason,
+                    "logprobs": _logprobs(server, finals[i], False)} for i in range(len(rids))]
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": req.model,
                 "choices": choices,
                 "usage": make_usage(num_prompt, sum(len(o.token_ids) for o in finals.values()),
@@ -395,8 +403,11 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         arrival = time.perf_counter()
         req = await _parse(request, ChatCompletionRequest)
         server.common_checks(req)
-        if req.logprobs:
-            raise APIError("logprobs are not supported", param="logprobs")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                           param="top_logprobs")
         if req.tools:
             raise APIError("tools are not supported", param="tools")
         if server.tokenizer is None:
@@ -410,7 +421,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         max_tokens, max_param = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
-        base = _sampling_params(req, max_tokens)
+        base = _sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         await server.compile_guided(base.guided)
         ids = server.prompt_ids(server.tokenizer.encode(text), "messages")
         budget = server.fit(ids, max_tokens, "messages", max_param)
@@ -421,14 +432,26 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
             return _stream(server, queue, rids, cid, req.model, "chat.completion.chunk", len(ids), include_usage,
                            base.stop, req.n)
         finals = await server.collect(request, queue, rids)
-        choices = [{"index": i, "message": {"role": "assistant", "content": finals[i].text}, "logprobs": None,
-                    "finish_reason": finals[i].finish_reason} for i in range(len(rids))]
+        choices = [{"index": i, "message": {"role": "assistant", "content": finals[i].text},
+                    "logprobs": _logprobs(server, finals[i], True), "finish_reason": finals[i].finish_reason}
+                   for i in range(len(rids))]
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
                 "choices": choices,
                 "usage": make_usage(len(ids), sum(len(o.token_ids) for o in finals.values()),
                                     _cached(finals, req.n))}
 
     return app
+
+
+def _logprobs(server: Server, out, chat: bool, new: bool = False, offset: int = 0) -> dict | None:
+    """A choice's `logprobs` field: every output token's (`new`: those of the step's new tokens), or None."""
+    entries = out.new_logprobs if new else out.logprobs
+    if entries is None:
+        return None
+    ids = out.new_token_ids if new else out.token_ids
+    if chat:
+        return chat_logprobs(entries, ids, server.token_text)
+    return completion_logprobs(entries, ids, server.token_text, offset)
 
 
 def _cached(outs: dict, n: int) -> int:
@@ -452,15 +475,15 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
             c["usage"] = usage
         return _sse(c)
 
-    def choice(i, text=None, finish=None, role=False):
+    def choice(i, text=None, finish=None, role=False, logprobs=None):
         if chat:
             delta = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
     text_chunks = [_TextChunk(lambda text, i=i: chunk([choice(i, text)])) for i in range(n)]
 
@@ -468,6 +491,7 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
         texts = [TextStream(stops) for _ in range(n)]
         completion_tokens = [0] * n
         cached: dict[int, object] = {}
+        offsets = [0] * n  # /v1/completions' logprobs: text_offset of each choice's next token
         try:
             if chat:
                 for i in range(n):
@@ -476,7 +500,13 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
                 completion_tokens[i] = out.num_output_tokens
                 cached[i] = out
                 delta = texts[i].delta(out)
-                if delta:
+                if out.logprobs is not None:  # the step's tokens' log-probabilities ride with its text
+                    if out.new_token_ids or delta:
+                        lp = _logprobs(server, out, chat, new=True, offset=offsets[i])
+                        if not chat:
+                            offsets[i] += sum(len(t) for t in lp["tokens"])
+                        yield chunk([choice(i, delta, logprobs=lp)])
+                elif delta:
                     yield text_chunks[i](delta)
                 if out.finished:
                     yield chunk([choice(i, None if chat else "", finish=out.finish_reason)])

@@ -90,6 +90,9 @@ class DecodeOutputs:
     num_accepted: torch.Tensor  # [B] draft tokens accepted
     bonus: torch.Tensor  # [B] the token sampled after the accepted path
     packed: torch.Tensor  # [B, D+3]: num_accepted, path_tokens, bonus (what the host reads, in one transfer)
+    # with `logprobs` asked (eager steps only): the committed tokens' log-probabilities [B, D+1] (accepted draft
+    # tokens, then the bonus; valid up to num_accepted + 1), the top k's [B, D+1, k] and their ids
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -111,7 +114,8 @@ class Verified:
 
 def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: DecodeInputs, block_size: int,
               use_triton: bool = False, simulated_accept: torch.Tensor | None = None,
-              all_greedy: bool = False, draft_hidden: torch.Tensor | None = None, guide=None) -> DecodeOutputs:
+              all_greedy: bool = False, draft_hidden: torch.Tensor | None = None, guide=None,
+              logprobs: int | None = None) -> DecodeOutputs:
     """One speculative step for every sequence: `draft_phase`, `verify_phase`, `accept_phase`.
 
     Before: the target KV holds positions 0..n-1 of each sequence, the last committed token x_n has none; the draft
@@ -134,6 +138,8 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
     while the verify pass runs.
     With the bare-root tree (plain decoding; with a draft, a dispatcher's choice for large batches) the root's K/V
     are written straight to the cache, and its attention is one prefix pass that includes it (no suffix pass).
+    `logprobs` (k, when a request asks for log-probabilities): the outputs also hold the committed tokens' and the top
+    k's (`eyas.layers.logprobs`).
     """
     allowed = None
     if guide is not None and draft is not None:  # the root's children from the tokens the grammar allows next
@@ -146,7 +152,7 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
     v = verify_phase(target, draft, d, cache, inp)
     if guide is not None:  # each node's logits restricted to what the grammar allows after its path
         guide.apply(v.logits)
-    return accept_phase(draft, d, v, cache, inp, use_triton, simulated_accept, all_greedy, draft_hidden)
+    return accept_phase(draft, d, v, cache, inp, use_triton, simulated_accept, all_greedy, draft_hidden, logprobs)
 
 
 def draft_phase(target, draft, tree: Tree | DynamicTree, draft_cache, inp: DecodeInputs, block_size: int,
@@ -227,9 +233,9 @@ def verify_phase(target, draft, d: Drafted, cache, inp: DecodeInputs) -> Verifie
 
 def accept_phase(draft, d: Drafted, v: Verified, cache, inp: DecodeInputs, use_triton: bool = False,
                  simulated_accept: torch.Tensor | None = None, all_greedy: bool = False,
-                 draft_hidden: torch.Tensor | None = None) -> DecodeOutputs:
+                 draft_hidden: torch.Tensor | None = None, logprobs: int | None = None) -> DecodeOutputs:
     """Acceptance (the longest accepted path and a bonus token: greedy or lossless speculative sampling), then the
-    commit of the path's K/V and features."""
+    commit of the path's K/V and features, and with `logprobs` (k) the committed tokens' log-probabilities."""
     tree, node_tokens, logits, n = d.tree, d.node_tokens, v.logits, inp.num_cached
     B, N1, V = logits.shape
     device = logits.device
@@ -281,4 +287,11 @@ def accept_phase(draft, d: Drafted, v: Verified, cache, inp: DecodeInputs, use_t
         packed = torch.cat([num_accepted[:, None], path_tokens, bonus[:, None]], dim=1)
     else:
         path_tokens = packed[:, 1: D1 + 1]
-    return DecodeOutputs(path_tokens, num_accepted, bonus, packed)
+    lps = None
+    if logprobs is not None:  # committed token j (the path's token at depth j + 1, or the bonus at j = m) was
+        # verified against the logits of the path's node at depth j
+        committed = torch.cat([path_tokens[:, 1:], bonus[:, None]], dim=1)
+        committed.scatter_(1, num_accepted[:, None].long(), bonus[:, None])
+        from eyas.layers.logprobs import token_logprobs
+        lps = token_logprobs(logits.gather(1, node[:, :, None].expand(B, D1, V)), committed, logprobs)
+    return DecodeOutputs(path_tokens, num_accepted, bonus, packed, lps)

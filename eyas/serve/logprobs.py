@@ -1,0 +1,35 @@
+"""The `logprobs` of OpenAI's responses, from the engine's `TokenLogprobs` (eyas.layers.logprobs).
+
+* /v1/completions (`logprobs: k`): {"tokens", "token_logprobs", "top_logprobs", "text_offset"}; each position's
+  `top_logprobs` maps the k likeliest tokens' texts, and the chosen token's, to their log-probabilities (vLLM's
+  shape); `text_offset` counts characters of the tokens' texts from the start of the completion.
+* /v1/chat/completions (`logprobs: true`, `top_logprobs: k`): {"content": [{"token", "logprob", "bytes",
+  "top_logprobs": [{"token", "logprob", "bytes"}, ...]}]}.
+A token's text is its own decoding (a token that holds part of a UTF-8 character decodes to U+FFFD, and its `bytes`
+are those of that text); a model without a tokenizer names tokens "token_id:<id>" (vLLM's spelling)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def completion_logprobs(entries: list, token_ids: list[int], text_of: Callable[[int], str], offset: int = 0) -> dict:
+    tokens, chosen, tops, offsets = [], [], [], []
+    for t, e in zip(token_ids, entries):
+        s = text_of(t)
+        tokens.append(s)
+        chosen.append(e.logprob)
+        top = {text_of(i): lp for i, lp in e.top}
+        top.setdefault(s, e.logprob)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list, token_ids: list[int], text_of: Callable[[int], str]) -> dict:
+    def item(i: int, lp: float) -> dict:
+        s = text_of(i)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**item(t, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
+                        for t, e in zip(token_ids, entries)]}
