@@ -56,7 +56,8 @@ def _sampling_params(args):
     from eyas import SamplingParams
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
-                          guided=_guided(args))
+                          guided=_guided(args), repetition_penalty=args.repetition_penalty,
+                          frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
 
 
 def _timings(n: int, t0: float, first: float | None, t1: float, spec: str = "") -> str:
@@ -137,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the logits of tokens already in the prompt or output by this (> 1 repeats less)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times each token's count in the output from its logit ([-2, 2])")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logits of tokens in the output ([-2, 2])")
     guide = g.add_argument_group("guided decoding (the output must match; at most one)").add_mutually_exclusive_group()
     guide.add_argument("--json-schema", help="a JSON schema, as JSON text or a file")
     guide.add_argument("--json-object", action="store_true", help="any JSON object")

@@ -60,6 +60,11 @@ class SamplingParams:
     # log-probabilities of each output token and of the `logprobs` likeliest tokens in its place (0: the output
     # token's only), under the target's logits before temperature, top-k and top-p (eyas.layers.logprobs)
     logprobs: int | None = None
+    # repetition penalties, as vLLM's (eyas.layers.penalties): presence and frequency (OpenAI's, in [-2, 2]) on the
+    # output's tokens, repetition (CTRL's, > 0; 1 is off) on the prompt's and the output's
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -80,10 +85,23 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+            setattr(self, name, float(v))
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 0:
+            raise ValueError(f"repetition_penalty must be a number > 0, got {r!r}")
+        self.repetition_penalty = float(r)
         if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
             raise ValueError(f"guided must be a GuidedDecoding, got {type(self.guided).__name__}")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

@@ -25,6 +25,26 @@ def test_bad_input_exits_2(capsys):
     assert main(["generate", "--model", "smollm2", "--prompt", "hi", "--device", "cpu", "--dtype", "float32",
                  "--draft", "none", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+    assert main(["generate", "--model", "smollm2", "--prompt", "hi", "--device", "cpu", "--dtype", "float32",
+                 "--draft", "none", "--repetition-penalty", "0"]) == 2
+    assert "repetition_penalty" in capsys.readouterr().err
+
+
+def test_generate_takes_the_penalties(tmp_path, capsys):
+    """--repetition-penalty / --frequency-penalty / --presence-penalty reach the engine: the text is the API's with
+    the same penalties, and not the text without them."""
+    from eyas import LLM
+    path = _tiny_with_tokenizer(tmp_path)
+    args = ["generate", "--model", str(path), "--prompt", "w1 w2 w3", "--max-tokens", "16", "--device", "cpu",
+            "--dtype", "float32", "--draft", "none", "--ignore-eos"]
+    pen = dict(repetition_penalty=1.6, frequency_penalty=0.5, presence_penalty=0.25)
+    assert main(args + ["--repetition-penalty", "1.6", "--frequency-penalty", "0.5", "--presence-penalty",
+                        "0.25"]) == 0
+    out = capsys.readouterr().out.strip()
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    ref = llm.generate(["w1 w2 w3"], SamplingParams(max_tokens=16, ignore_eos=True, **pen))[0].text
+    free = llm.generate(["w1 w2 w3"], SamplingParams(max_tokens=16, ignore_eos=True))[0].text
+    assert out == ref.strip() and ref != free
 
 
 def _tiny_with_tokenizer(tmp_path):

@@ -165,6 +165,28 @@ def test_prefix_cache_hits_on_graphs_equal_eager_without_it(pair, spec):
     assert all(o.num_cached_tokens >= 12 for o in got[3:]) and graphed.engine.blocks.num_used == 0
 
 
+def test_logprobs_and_penalties_beside_graphed_requests(pair):
+    """Requests that ask for log-probabilities or penalties run eager steps inside an engine with graphs and
+    overlap on (their batches' steps are neither graphed nor overlapped): every request's tokens and log-probabilities
+    equal the eager reference path's."""
+    target, draft = pair
+    kw = dict(device="cuda", dtype="float32", draft=str(draft), speculation="tree:mc_sim_7b_63")
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=0.4),
+              SamplingParams(max_tokens=30, ignore_eos=True), SamplingParams(max_tokens=30, ignore_eos=True)]
+    eager = LLM(str(target), **kw)
+    eager.engine.runner.use_triton = False
+    reference_ops(eager)
+    ref = eager.generate(PROMPTS, params)
+    graphed = LLM(str(target), cuda_graphs=True, overlap=True, **kw)
+    got = graphed.generate(PROMPTS, params) + [graphed.generate([p], sp)[0] for p, sp in zip(PROMPTS, params)]
+    for o, r in zip(got, ref + ref):
+        assert o.token_ids == r.token_ids
+        if r.logprobs is not None:
+            assert [e.logprob for e in o.logprobs] == pytest.approx([e.logprob for e in r.logprobs], abs=1e-4)
+    assert graphed.engine.runner.graphs.graphs  # the free requests alone were graphed
+
+
 def test_smollm2_graphs_equal_eager():
     from eyas.loader.resolve import default_draft_path, smollm2_path
     try:

@@ -520,6 +520,7 @@ def tiny(tiny_dir):
 
     llm.engine.step = slow_step
     server = LiveServer(create_app(llm, "tiny", max_queue=1))
+    server.tiny_dir = tiny_dir
     yield server
     server.close()
 
@@ -582,6 +583,27 @@ def test_completion_logprobs_equal_a_dense_forwards(tiny):
     r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=2, logprobs=21), timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
     tiny.wait_idle()
+
+
+def test_penalties_reach_the_engine(tiny):
+    """presence / frequency / repetition penalties (tests/test_penalties.py holds the engine to its oracles): the
+    server's output is the offline engine's with the same penalties; out-of-range values are 400s naming them."""
+    prompt = [2, 7, 1, 8, 2, 8]
+    pen = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.4}
+    r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=12, prompt=prompt, logprobs=0, **pen),
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    got = [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+    free = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=12, prompt=prompt, logprobs=0),
+                      timeout=60).json()["choices"][0]["logprobs"]["tokens"]
+    assert got != [int(t.split(":")[1]) for t in free]
+    tiny.wait_idle()
+    ref = LLM(str(tiny.tiny_dir), device="cpu", dtype="float32").generate(
+        [prompt], SamplingParams(max_tokens=12, ignore_eos=True, **pen))[0].token_ids
+    assert got == ref
+    for name, bad in [("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0)]:
+        r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=2, **{name: bad}), timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
 
 
 def test_usage_and_metrics_count_prefix_cache_hits(tiny):

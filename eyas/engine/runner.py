@@ -23,6 +23,7 @@ import torch
 from eyas.cache.kv_cache import KVCache
 from eyas.engine.sequence import Sequence
 from eyas.layers.attention import MetaBuilder
+from eyas.layers.penalties import Penalties
 from eyas.layers.sampler import logits_to_probs, sample_from, uniform
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
@@ -284,6 +285,9 @@ class ModelRunner:
             from eyas.spec.grammar import apply_bitmask, prefill_masks
             apply_bitmask(logits, prefill_masks(states, next(st for st in states if st is not None).words).to(dev))
         p = [s.params for s in seqs]
+        pen = Penalties.of(seqs, logits.shape[-1], dev)
+        if pen is not None:  # repetition penalties: the first token's by the prompt
+            pen.apply(logits)
         lps = None
         if any(x.logprobs is not None for x in p):  # before the sampler's temperature, top-k and top-p
             lps = logits.float()
@@ -486,15 +490,18 @@ class ModelRunner:
         self.tree_steps[tree.name] = self.tree_steps.get(tree.name, 0) + 1
         guide = self._guide(seqs)
         logprobs = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
-        # a step that reports log-probabilities runs eagerly: the graphs' outputs hold no logits
-        graphed = self.graphs is not None and logprobs is None and self.graphs.can_run(seqs)
+        penalties = Penalties.of(seqs, self.target.config.vocab_size, self.device)
+        # a step that reports log-probabilities or applies penalties runs eagerly: the graphs' outputs hold no
+        # logits, and their inputs no token counts
+        graphed = (self.graphs is not None and logprobs is None and penalties is None
+                   and self.graphs.can_run(seqs))
         if after is not None:
             if after.seqs != seqs or after.graphed != graphed or after.tree is not tree:
                 raise ValueError("an overlapped step must follow a step of the same sequences")
             if guide is not None:
                 raise ValueError("a guided step cannot be overlapped: its masks need the step before's commits")
-            if logprobs is not None:
-                raise ValueError("a step that reports log-probabilities is not overlapped")
+            if logprobs is not None or penalties is not None:
+                raise ValueError("a step that reports log-probabilities or applies penalties is not overlapped")
             self._refresh_tables(seqs, after.B)
         graph_key = None
         if graphed and guide is not None:  # three graphs, the grammar masks made on the host in the middle
@@ -516,7 +523,7 @@ class ModelRunner:
                                        else max(s.num_cached for s in seqs) + self.lookahead)
             out = spec_step(self.target, self.draft, tree, self.cache, self.draft_cache, inp, self.block_size,
                             self.use_triton, self.simulated_accept, all_greedy(seqs), self.draft_hidden, guide,
-                            logprobs)
+                            logprobs, penalties)
         host, done = self.packer(B).readback(out.packed)
         return StepHandle(list(seqs), B, tree, graphed, out, host, done, graph_key)
 

@@ -45,7 +45,8 @@ RETRY_AFTER_S = 1
 
 def _param_of(message: str) -> str | None:
     word = message.split(" ", 1)[0]
-    return word if word in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs") else None
+    return word if word in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs",
+                            "presence_penalty", "frequency_penalty", "repetition_penalty") else None
 
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -86,8 +87,6 @@ def _guided(req) -> GuidedDecoding | None:
 
 
 def _sampling_params(req, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
-    if req.presence_penalty not in (None, 0, 0.0) or req.frequency_penalty not in (None, 0, 0.0):
-        raise APIError("presence_penalty and frequency_penalty are not supported (only 0)", param="presence_penalty")
     if req.seed is not None and not 0 <= req.seed < SEED_LIMIT:
         raise APIError(f"seed must be an integer in [0, 2**63), got {req.seed}", param="seed")
     try:
@@ -96,7 +95,9 @@ def _sampling_params(req, max_tokens: int | None, logprobs: int | None = None) -
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
             max_tokens=1 if max_tokens is None else max_tokens,  # the real value is set per prompt
-            seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos, guided=_guided(req), logprobs=logprobs)
+            seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos, guided=_guided(req), logprobs=logprobs,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
     except ValueError as e:
         raise APIError(str(e), param=_param_of(str(e))) from None
 

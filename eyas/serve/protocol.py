@@ -69,9 +69,9 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # vLLM's extension
     user: str | None = None
-    # accepted for compatibility, but only their neutral values (checked in the server)
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None  # vLLM's extension
     # guided decoding, vLLM's extensions (chat also takes OpenAI's response_format): at most one of them
     guided_json: dict | str | None = None
     guided_regex: str | None = None

@@ -115,7 +115,7 @@ class Verified:
 def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: DecodeInputs, block_size: int,
               use_triton: bool = False, simulated_accept: torch.Tensor | None = None,
               all_greedy: bool = False, draft_hidden: torch.Tensor | None = None, guide=None,
-              logprobs: int | None = None) -> DecodeOutputs:
+              logprobs: int | None = None, penalties=None) -> DecodeOutputs:
     """One speculative step for every sequence: `draft_phase`, `verify_phase`, `accept_phase`.
 
     Before: the target KV holds positions 0..n-1 of each sequence, the last committed token x_n has none; the draft
@@ -139,7 +139,8 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
     With the bare-root tree (plain decoding; with a draft, a dispatcher's choice for large batches) the root's K/V
     are written straight to the cache, and its attention is one prefix pass that includes it (no suffix pass).
     `logprobs` (k, when a request asks for log-probabilities): the outputs also hold the committed tokens' and the top
-    k's (`eyas.layers.logprobs`).
+    k's (`eyas.layers.logprobs`). `penalties` (`eyas.layers.penalties.Penalties`, when a request asks for repetition
+    penalties): every node's logits are penalised by the committed tokens and its own path's, before acceptance.
     """
     allowed = None
     if guide is not None and draft is not None:  # the root's children from the tokens the grammar allows next
@@ -152,6 +153,8 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
     v = verify_phase(target, draft, d, cache, inp)
     if guide is not None:  # each node's logits restricted to what the grammar allows after its path
         guide.apply(v.logits)
+    if penalties is not None:  # ... and penalised by the tokens before it, its path's included
+        penalties.apply_to_tree(v.logits, d.node_tokens, d.tree.ancestor_mask)
     return accept_phase(draft, d, v, cache, inp, use_triton, simulated_accept, all_greedy, draft_hidden, logprobs)
 
 

@@ -1,0 +1,78 @@
+"""Repetition penalties on the target's logits, as vLLM applies them (`SamplingParams.presence_penalty`,
+`frequency_penalty`, `repetition_penalty`):
+
+* frequency: logit[v] -= frequency_penalty * (times v is in the output so far);
+* presence: logit[v] -= presence_penalty where v is in the output so far;
+* repetition (CTRL's, HF's): where v is in the prompt or the output, a positive logit is divided by
+  repetition_penalty and a negative one multiplied by it.
+
+They change the target's law at each position by the tokens before it, so under speculation each tree node's
+logits are penalised by the committed tokens *and the tokens on its own path* (`apply_to_tree`): a node's law is
+then exactly the law plain decoding would use after that path, and acceptance stays lossless. The draft proposes
+without them (only its proposals change)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def penalize(logits: torch.Tensor, out_counts: torch.Tensor, seen: torch.Tensor, frequency: torch.Tensor,
+             presence: torch.Tensor, repetition: torch.Tensor) -> None:
+    """In place: logits [..., V]; out_counts [..., V] (output occurrences), seen [..., V] (bool: in the prompt or
+    the output); frequency, presence, repetition [...]: each row's coefficients."""
+    rep = repetition[..., None].to(logits.dtype)
+    scaled = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(seen, scaled, logits))
+    counts = out_counts.to(logits.dtype)
+    logits.sub_(frequency[..., None].to(logits.dtype) * counts + presence[..., None].to(logits.dtype) * (counts > 0))
+
+
+@dataclass
+class Penalties:
+    """One step's penalties for B rows: the counts of the committed tokens and each row's coefficients (device
+    tensors; rows without penalties have coefficients 0, 0, 1, which change nothing)."""
+    out_counts: torch.Tensor  # [B, V] float: occurrences in the committed output
+    seen: torch.Tensor  # [B, V] bool: in the prompt or the committed output
+    frequency: torch.Tensor  # [B]
+    presence: torch.Tensor  # [B]
+    repetition: torch.Tensor  # [B]
+
+    @classmethod
+    def of(cls, seqs, vocab: int, device, rows: int | None = None) -> "Penalties | None":
+        """The penalties of `seqs` (rows past them: none), or None when no sequence asks for any."""
+        if not any(s.params.has_penalties for s in seqs):
+            return None
+        B = rows or len(seqs)
+        out_counts = torch.zeros(B, vocab, dtype=torch.float32)
+        seen = torch.zeros(B, vocab, dtype=torch.bool)
+        coef = torch.tensor([[0.0, 0.0, 1.0]] * B)
+        for i, s in enumerate(seqs):
+            p = s.params
+            if not p.has_penalties:
+                continue
+            coef[i] = torch.tensor([p.frequency_penalty, p.presence_penalty, p.repetition_penalty])
+            out = torch.tensor(s.output_ids, dtype=torch.long)
+            out_counts[i].index_add_(0, out, torch.ones(len(out)))
+            seen[i, torch.tensor(s.token_ids, dtype=torch.long)] = True
+        coef = coef.to(device)
+        return cls(out_counts.to(device), seen.to(device), coef[:, 0], coef[:, 1], coef[:, 2])
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """In place, logits [B, V] of each row's next token after its committed tokens (a prefill's last row)."""
+        penalize(logits, self.out_counts, self.seen, self.frequency, self.presence, self.repetition)
+
+    def apply_to_tree(self, logits: torch.Tensor, node_tokens: torch.Tensor, ancestor_mask: torch.Tensor) -> None:
+        """In place, logits [B, N+1, V] at the root (node 0) and every tree node: each penalised by the committed
+        tokens and the tokens of the nodes from the root's child down to itself (`ancestor_mask` [N+1, N+1] or
+        [B, N+1, N+1]: [j, a] true where a is j or an ancestor of j; the root's token is committed already)."""
+        B, N1, V = logits.shape
+        counts = self.out_counts[:, None].expand(B, N1, V).clone()
+        if N1 > 1:
+            onehot = torch.nn.functional.one_hot(node_tokens[:, 1:], V).float()  # [B, N, V]
+            mask = ancestor_mask.to(logits.device).float()
+            mask = (mask if mask.dim() == 3 else mask[None].expand(B, N1, N1))[:, :, 1:]  # [B, N+1, N]
+            counts += torch.bmm(mask, onehot)
+        seen = self.seen[:, None] | (counts > 0)
+        penalize(logits, counts, seen, self.frequency[:, None].expand(B, N1), self.presence[:, None].expand(B, N1),
+                 self.repetition[:, None].expand(B, N1))

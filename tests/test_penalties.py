@@ -1,0 +1,152 @@
+"""Repetition penalties (presence, frequency, repetition: eyas.layers.penalties). Plain decoding with
+`repetition_penalty` equals HF transformers' `generate` (the oracle); with every penalty it equals a dense loop that
+penalises each step's logits from scratch; speculative decoding equals plain decoding token for token (its tree
+nodes penalised by their own paths); and at temperature 1 the joint law of the first tokens matches the penalised
+law enumerated from the target (tests/test_spec_distribution.py's harness)."""
+import numpy as np
+import pytest
+import torch
+
+from eyas import LLM, SamplingParams
+from eyas.layers.penalties import penalize
+from helpers import write_mirror_pair, write_random_draft
+
+SPECS = ["chain:4", "tree:mc_sim_7b_63", "dyn:k3d4n8"]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    target, mirror = write_mirror_pair(tmp_path_factory.mktemp("mirror"), vocab=24, layers=2)
+    return {"mirror": (target, mirror), "random": (target, write_random_draft(tmp_path_factory.mktemp("r"), target))}
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(6)
+    return [torch.randint(0, 24, (n,), generator=g).tolist() for n in (1, 4, 9, 16)]
+
+
+def test_penalize_by_hand():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    counts = torch.tensor([[2.0, 1.0, 0.0, 0.0]])
+    seen = torch.tensor([[True, True, True, False]])  # token 2 in the prompt only
+    penalize(logits, counts, seen, torch.tensor([0.5]), torch.tensor([0.25]), torch.tensor([2.0]))
+    # token 0: 2 / 2 - 0.5 * 2 - 0.25; token 1: -1 * 2 - 0.5 - 0.25; token 2: 0.5 / 2; token 3 untouched
+    torch.testing.assert_close(logits, torch.tensor([[-0.25, -2.75, 0.25, 3.0]]))
+
+
+def test_repetition_penalty_equals_hf_generate(pairs):
+    from transformers import LlamaForCausalLM
+    target = pairs["mirror"][0]
+    hf = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # as ignore_eos: 20 tokens whatever they are
+    outs = LLM(str(target), device="cpu", dtype="float32").generate(
+        _prompts(), SamplingParams(max_tokens=20, ignore_eos=True, repetition_penalty=1.8))
+    for p, o in zip(_prompts(), outs):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, repetition_penalty=1.8,
+                          pad_token_id=0)[0, len(p):].tolist()
+        assert o.token_ids == ref
+
+
+PARAMS = [dict(frequency_penalty=0.7), dict(presence_penalty=1.1), dict(repetition_penalty=1.6),
+          dict(frequency_penalty=0.4, presence_penalty=-0.3, repetition_penalty=1.3)]
+
+
+def _dense_greedy(target, prompt, n, **pen):
+    """Greedy decoding by dense forwards, each step's logits penalised from scratch."""
+    ids = list(prompt)
+    for _ in range(n):
+        with torch.no_grad():
+            logits = target.compute_logits(target(torch.tensor([ids]), torch.arange(len(ids))[None]))[0, -1:].clone()
+        out = ids[len(prompt):]
+        counts = torch.zeros(1, logits.shape[-1])
+        for t in out:
+            counts[0, t] += 1
+        seen = torch.zeros(1, logits.shape[-1], dtype=torch.bool)
+        seen[0, ids] = True
+        penalize(logits, counts, seen, torch.tensor([pen.get("frequency_penalty", 0.0)]),
+                 torch.tensor([pen.get("presence_penalty", 0.0)]), torch.tensor([pen.get("repetition_penalty", 1.0)]))
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("pair", ["mirror", "random"])
+@pytest.mark.parametrize("spec", [None] + SPECS)
+def test_greedy_with_penalties_equals_a_dense_loop(pairs, pair, spec):
+    target, draft = pairs[pair]
+    kw = dict(device="cpu", dtype="float32", block_size=4)
+    if spec is not None:
+        kw.update(draft=str(draft), speculation=spec)
+    llm = LLM(str(target), **kw)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, **pen) for pen in PARAMS]
+    outs = llm.generate(_prompts(), params)
+    for p, o, pen in zip(_prompts(), outs, PARAMS):
+        assert o.token_ids == _dense_greedy(llm.target, p, 24, **pen), pen
+    plain = llm.generate(_prompts(), SamplingParams(max_tokens=24, ignore_eos=True))
+    assert all(a.token_ids != b.token_ids for a, b in zip(outs, plain))  # the penalties changed every output
+    if spec is not None and pair == "mirror":  # paths were accepted, so the tree's own penalties were used
+        assert sum(o.stats.committed for o in outs) > 1.3 * sum(o.stats.target_calls for o in outs)
+
+
+def test_bad_penalties_are_refused():
+    for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3.0), dict(repetition_penalty=0.0),
+                dict(repetition_penalty=-1.0), dict(presence_penalty="1")):
+        with pytest.raises(ValueError, match="penalty"):
+            SamplingParams(**bad)
+
+
+# ---- the law at temperature 1, enumerated -------------------------------------------------------------------------
+
+V = 6
+PROMPT = [1, 4, 2]
+RUNS = 12_000
+PEN = dict(frequency_penalty=0.6, presence_penalty=0.3, repetition_penalty=1.5)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    from helpers import write_tiny_llama
+    d = tmp_path_factory.mktemp("dist")
+    target = write_tiny_llama(d / "t", vocab=V, hidden=32, heads=4, kv_heads=2, layers=2, seed=5)
+    return target, write_random_draft(d / "rd", target, seed=2, scale=1.0)
+
+
+def _law(hf, prefix, pen):
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT + list(prefix)])).logits[0, -1:].double()
+    counts = torch.zeros(1, V, dtype=torch.float64)
+    for t in prefix:
+        counts[0, t] += 1
+    seen = torch.zeros(1, V, dtype=torch.bool)
+    seen[0, PROMPT + list(prefix)] = True
+    penalize(logits, counts, seen, torch.tensor([pen.get("frequency_penalty", 0.0)]),
+             torch.tensor([pen.get("presence_penalty", 0.0)]), torch.tensor([pen.get("repetition_penalty", 1.0)]))
+    return torch.softmax(logits[0], -1).numpy()
+
+
+def _joint(hf, pen):
+    p1 = _law(hf, (), pen)
+    return {(a, b): p1[a] * _law(hf, (a,), pen)[b] for a in range(V) for b in range(V)}
+
+
+def _pvalue(observed: dict, joint: dict) -> float:
+    from scipy.stats import chisquare
+    keys = sorted(joint)
+    expected = np.array([joint[k] for k in keys]) * RUNS
+    obs = np.array([observed.get(k, 0) for k in keys])
+    big = expected >= 5  # pool the rare cells
+    return chisquare(np.append(obs[big], obs[~big].sum()), np.append(expected[big], expected[~big].sum())).pvalue
+
+
+@pytest.mark.parametrize("spec", ["chain:2", "tree:8"])
+def test_joint_law_with_penalties(small, spec):
+    from transformers import LlamaForCausalLM
+    target, draft = small
+    hf = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec, max_num_seqs=256)
+    outs = llm.generate([PROMPT] * RUNS, [SamplingParams(temperature=1.0, max_tokens=2, seed=s, ignore_eos=True,
+                                                         **PEN) for s in range(RUNS)])
+    observed = {}
+    for o in outs:
+        observed[tuple(o.token_ids)] = observed.get(tuple(o.token_ids), 0) + 1
+    assert _pvalue(observed, _joint(hf, PEN)) > 1e-3
+    assert _pvalue(observed, _joint(hf, {})) < 1e-6  # the unpenalised law is far from it: the test has power
