@@ -233,3 +233,24 @@ def test_a_prompts_last_block_is_cached_with_the_token_after_it(request, mirror_
     out = llm.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0]
     again = llm.generate([prompt + out.token_ids[:3]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert again.num_cached_tokens == 2 * BS
+
+
+def test_a_waiting_requests_lookup_is_redone_once_the_cache_changes():
+    """A request that cannot be admitted is looked up at every step; the lookup is kept until an entry is made or
+    evicted, and then found anew."""
+    from eyas.engine.scheduler import Scheduler
+    from eyas.engine.sequence import Sequence
+    bm = BlockManager(8, 2, prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, lookahead=1, with_draft=True)
+    seq = Sequence([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=2), 0)
+    assert sched._prefix_hit(seq) == ([], [])
+    held = []
+    bm.reserve(held, 4)
+    e = bm.prefix.insert(held[0], 0, (1, 2, 3))
+    assert sched._prefix_hit(seq) == ([held[0]], [e])  # found once the cache changed
+    bm.prefix.insert(held[1], e, (3, 4, 5))
+    assert sched._prefix_hit(seq) == (held, [e, e + 1])
+    bm.release(held)
+    other = []
+    bm.reserve(other, 14)  # every block: both cached ones evicted
+    assert sched._prefix_hit(seq) == ([], [])

@@ -29,6 +29,7 @@ class PrefixCache:
         self.key_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> its key
         self.parked: OrderedDict[int, None] = OrderedDict()  # cached blocks no sequence holds, oldest first
         self._ids = itertools.count(ROOT + 1)
+        self.version = 0  # moves whenever an entry is made or forgotten: what a lookup finds may have changed
 
     def __len__(self) -> int:
         return len(self.key_of)
@@ -53,6 +54,7 @@ class PrefixCache:
         entry = next(self._ids)
         self.entries[key] = (entry, block)
         self.key_of[block] = key
+        self.version += 1
         return entry
 
     def park(self, block: int) -> None:
@@ -65,4 +67,5 @@ class PrefixCache:
         """Forget the least recently parked block and return it, for reuse."""
         block, _ = self.parked.popitem(last=False)
         del self.entries[self.key_of.pop(block)]
+        self.version += 1
         return block

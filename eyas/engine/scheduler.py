@@ -157,6 +157,8 @@ class Scheduler:
         cache = self.blocks.prefix
         if cache is None:
             return [], []
+        if seq.prefix_memo is not None and seq.prefix_memo[0] == cache.version:  # a request that waits is looked
+            return seq.prefix_memo[1]  # up at every step: again only once the cache has changed
         B, ids = self.blocks.block_size, seq.token_ids
         blocks, entries, parent = [], [], 0
         for b in range((seq.prefill_target - 1) // B):
@@ -166,6 +168,7 @@ class Scheduler:
             parent, block = found
             blocks.append(block)
             entries.append(parent)
+        seq.prefix_memo = (cache.version, (blocks, entries))
         return blocks, entries
 
     def cache_blocks(self, seq: Sequence) -> None:
@@ -204,6 +207,7 @@ class Scheduler:
             self.blocks.share(blocks)
             seq.block_table[:] = blocks
             seq.prefix_entries[:] = entries
+            seq.prefix_memo = None
             seq.num_cached = seq.prefix_hit = len(blocks) * self.blocks.block_size
             seq.num_draft_cached = seq.num_cached if self.with_draft else 0
             self.prefix_queries += seq.prefill_target

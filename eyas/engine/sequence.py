@@ -73,6 +73,7 @@ class Sequence:
     # (or hold what a cached one holds), and how many KV entries the last admission found cached
     prefix_entries: list[int] = field(default_factory=list)
     prefix_hit: int = 0
+    prefix_memo: tuple | None = None  # (the cache's version, its hit) while it waits (`Scheduler._prefix_hit`)
     # `params.logprobs` asked: each output token's `eyas.layers.logprobs.TokenLogprobs`, and those of the tokens the
     # runner's last step returned, which the engine's commit takes (as many as it keeps)
     logprobs: list = field(default_factory=list)
@@ -118,5 +119,6 @@ class Sequence:
         self.num_cached = 0
         self.num_draft_cached = 0
         self.prefix_entries.clear()
+        self.prefix_memo = None
         self.num_preemptions += 1
         self.status = Status.WAITING
