@@ -254,3 +254,56 @@ def test_a_waiting_requests_lookup_is_redone_once_the_cache_changes():
     other = []
     bm.reserve(other, 14)  # every block: both cached ones evicted
     assert sched._prefix_hit(seq) == ([], [])
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("spec", [None, "chain:4", "tree:mc_sim_7b_63"])
+def test_random_workloads_with_aborts_and_preemption(mirror_pair, spec, seed):
+    """Eight requests over three shared prefixes arrive at random steps into a pool too small for them all, and a
+    quarter of them are aborted mid-way: every request that ran to its end gave what it gives alone on a roomy
+    engine without the cache, and the pool's accounting holds (nothing held at the end, parked blocks all cached)."""
+    import random
+    rng = random.Random(seed)
+    target_dir, draft_dir = mirror_pair
+    kw = dict(device="cpu", dtype="float32", block_size=BS)
+    if spec is not None:
+        kw.update(draft=str(draft_dir), speculation=spec)
+    prefixes = [_ids(9, 60), _ids(13, 61), _ids(6, 62)]
+    prompts = [rng.choice(prefixes) + _ids(rng.randint(1, 9), 70 + 10 * seed + i) for i in range(8)]
+    arrivals = sorted(rng.randint(0, 8) for _ in range(8))
+    aborted = set(rng.sample(range(8), 2))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = _reference(str(target_dir), tuple(map(tuple, prompts)))
+    llm = LLM(str(target_dir), num_blocks=18, max_num_seqs=4, **kw)
+    engine = llm.engine
+    seqs, step = {}, 0
+    while len(seqs) < 8 or engine.has_unfinished():
+        for i in range(len(seqs), 8):
+            if arrivals[i] <= step:
+                seqs[i] = engine.add_request(prompts[i], params)
+        for i in aborted & set(seqs):  # two steps after arrival, while it prefills or decodes
+            if not seqs[i].finished and step == arrivals[i] + 2:
+                engine.abort(seqs[i].request_id)
+        engine.step()
+        step += 1
+        assert step < 400
+    for i, s in seqs.items():
+        if s.finish_reason != "abort":
+            assert s.output_ids == ref[i], i
+    assert engine.scheduler.prefix_hits > 0
+    bm = engine.blocks
+    assert bm.num_used == 0 and all(r == 0 for r in bm.refs) and all(bm.prefix.holds(b) for b in bm.prefix.parked)
+
+
+_REFS: dict = {}
+
+
+def _reference(target_dir: str, prompts: tuple) -> list[list[int]]:
+    """Each prompt's 12 greedy tokens, alone, on a roomy plain engine without the cache (memoised)."""
+    if target_dir not in _REFS:
+        _REFS[target_dir] = (LLM(target_dir, device="cpu", dtype="float32", prefix_caching=False), {})
+    llm, memo = _REFS[target_dir]
+    for p in prompts:
+        if p not in memo:
+            memo[p] = llm.generate([list(p)], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    return [memo[p] for p in prompts]
