@@ -54,7 +54,7 @@ def _guided(args):
 
 def _sampling_params(args):
     from eyas import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                           max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
                           guided=_guided(args), repetition_penalty=args.repetition_penalty,
                           frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens at least this many times as likely as the likeliest (0: off)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--repetition-penalty", type=float, default=1.0,

@@ -51,6 +51,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the likeliest (vLLM's; 0: off)
     max_tokens: int = 64
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -73,6 +74,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        self.min_p = float(self.min_p)
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):

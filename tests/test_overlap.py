@@ -93,7 +93,7 @@ def test_triton_carry_equals_the_reference(B, P, short, block_size, draft, strid
                        catchup_tokens=ri(50, B, P) if draft else None, catchup_positions=ri(9, B, P) if draft else None,
                        catchup_slots=ri(99, B, P) if draft else None, catchup_lens=ri(P + 1, B) if draft else None,
                        slots=slots, temperature=torch.zeros(B, device=dev), top_k=ri(3, B),
-                       top_p=torch.ones(B, device=dev), seeds=ri(9, B),
+                       top_p=torch.ones(B, device=dev), min_p=torch.zeros(B, device=dev), seeds=ri(9, B),
                        max_context_len=0)
     packed = torch.cat([ri(D1, B, 1), ri(50, B, D1), ri(50, B, 1)], dim=1)
     if strided:

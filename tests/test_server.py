@@ -601,7 +601,8 @@ def test_penalties_reach_the_engine(tiny):
     ref = LLM(str(tiny.tiny_dir), device="cpu", dtype="float32").generate(
         [prompt], SamplingParams(max_tokens=12, ignore_eos=True, **pen))[0].token_ids
     assert got == ref
-    for name, bad in [("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0)]:
+    for name, bad in [("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
+                      ("min_p", 1.5)]:
         r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=2, **{name: bad}), timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
 

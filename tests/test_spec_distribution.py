@@ -27,12 +27,15 @@ def models(tmp_path_factory):
     return target, {"random": random_draft, "bad": bad_draft, "subset": subset_draft}
 
 
-def target_probs(hf, prefix, top_p):
-    """Next-token law after temperature 1 and top-p, in float64, from HF transformers' forward."""
+def target_probs(hf, prefix, top_p, min_p=0.0):
+    """Next-token law after temperature 1, min-p and top-p, in float64, from HF transformers' forward."""
     with torch.no_grad():
         logits = hf(torch.tensor([PROMPT + list(prefix)])).logits[0, -1].double().numpy()
     p = np.exp(logits - logits.max())
     p /= p.sum()
+    if min_p > 0:  # the tokens at least min_p times as likely as the likeliest
+        p = np.where(p >= min_p * p.max(), p, 0.0)
+        p /= p.sum()
     if top_p < 1.0:
         order = np.argsort(-p, kind="stable")
         before = np.cumsum(p[order]) - p[order]
@@ -43,19 +46,19 @@ def target_probs(hf, prefix, top_p):
     return p
 
 
-def exact_joint(target_dir, top_p):
+def exact_joint(target_dir, top_p, min_p=0.0):
     from transformers import LlamaForCausalLM
     hf = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     joint = {}
-    p1 = target_probs(hf, (), top_p)
+    p1 = target_probs(hf, (), top_p, min_p)
     for a in range(V):
         if p1[a] == 0:
             continue
-        p2 = target_probs(hf, (a,), top_p)
+        p2 = target_probs(hf, (a,), top_p, min_p)
         for b in range(V):
             if p2[b] == 0:
                 continue
-            p3 = target_probs(hf, (a, b), top_p)
+            p3 = target_probs(hf, (a, b), top_p, min_p)
             for c in range(V):
                 joint[(a, b, c)] = p1[a] * p2[b] * p3[c]
     return joint
@@ -82,6 +85,37 @@ def test_joint_law_of_three_tokens(models, draft_kind, top_p, spec):
     accepted = sum(sum(o.stats.accepted_by_depth) for o in outs)
     if draft_kind in ("random", "subset"):
         assert accepted > 0
+
+
+@pytest.mark.parametrize("spec", ["tree:8", "chain:2"])
+def test_joint_law_with_min_p(models, spec):
+    """min-p 0.15 (vLLM's): the tokens less than 0.15 times as likely as the likeliest never come, and the rest
+    follow the renormalised law."""
+    target, drafts = models
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(drafts["random"]), speculation=spec,
+              max_num_seqs=RUNS, num_blocks=RUNS + 8, block_size=8)
+    outs = llm.generate([PROMPT] * RUNS, [SamplingParams(temperature=1.0, min_p=0.15, max_tokens=3, seed=s,
+                                                         ignore_eos=True) for s in range(RUNS)])
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    joint = {k: v for k, v in exact_joint(target, 1.0, 0.15).items() if v > 0}
+    assert set(counts) <= set(joint), "a token below min-p was emitted"
+    assert len(joint) < 0.8 * V ** 3  # min-p removed some paths: the test has power
+    assert pooled_chisquare(counts, joint, RUNS) > 1e-3
+
+
+def test_min_p_by_hand():
+    from eyas.layers.sampler import logits_to_probs
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    one = torch.ones(1)
+    got = logits_to_probs(p.log(), one, torch.zeros(1, dtype=torch.long), one, torch.tensor([0.4]))
+    torch.testing.assert_close(got, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))  # 0.15 < 0.4 * 0.5
+    free = logits_to_probs(p.log(), one, torch.zeros(1, dtype=torch.long), one, torch.zeros(1))
+    torch.testing.assert_close(free, p)
+    for bad in (-0.1, 1.5, "0.2"):
+        with pytest.raises(ValueError, match="min_p"):
+            SamplingParams(min_p=bad)
 
 
 def pooled_chisquare(counts: dict, joint: dict, runs: int) -> float:

@@ -63,7 +63,8 @@ class StepPacker:
 
     Layout, each field contiguous: root_tokens, num_cached, num_draft_cached, top_k, seeds, slots [B] each;
     commit_slots [B, P]; with a draft catchup_tokens, catchup_positions, catchup_slots [B, P] and catchup_lens [B];
-    block_tables [B, W]; temperature and top_p [B] float32 each, sharing B int64 words. The slots and positions are
+    block_tables [B, W]; temperature, top_p and min_p [B] float32 each, in B + B // 2 int64 words (rounded up). The
+    slots and positions are
     host arithmetic on the block tables, sent with the rest rather than computed by a dozen small kernels a step."""
 
     PER_STEP = ("commit_slots", "catchup_tokens", "catchup_positions", "catchup_slots")  # the [B, P] fields
@@ -77,7 +78,7 @@ class StepPacker:
         if with_draft:
             sizes += [("catchup_tokens", B * P), ("catchup_positions", B * P), ("catchup_slots", B * P),
                       ("catchup_lens", B)]
-        sizes += [("block_tables", B * W), ("floats", B)]
+        sizes += [("block_tables", B * W), ("floats", -(-3 * B // 2))]
         total = sum(n for _, n in sizes)
         pin = device.type == "cuda"
         staging = pin if staging is None else staging
@@ -102,9 +103,10 @@ class StepPacker:
             d, a = self.dev[off: off + n], h[off: off + n]
             self.span[name] = slice(off, off + n)
             if name == "floats":
-                views["temperature"], views["top_p"] = d.view(torch.float32).view(2, B).unbind(0)
-                fa = a.view(np.float32).reshape(2, B)
-                self.np["temperature"], self.np["top_p"] = fa[0], fa[1]
+                floats = d.view(torch.float32)[:3 * B].view(3, B)
+                views["temperature"], views["top_p"], views["min_p"] = floats.unbind(0)
+                fa = a.view(np.float32)[:3 * B].reshape(3, B)
+                self.np["temperature"], self.np["top_p"], self.np["min_p"] = fa[0], fa[1], fa[2]
             else:
                 shape = (B, W) if name == "block_tables" else (B, P) if name in self.PER_STEP else (B,)
                 views[name], self.np[name] = d.view(shape), a.reshape(shape)
@@ -221,6 +223,7 @@ class ModelRunner:
         self.slot_num_blocks = np.zeros(S + 1, dtype=np.int64)
         self.slot_temperature = np.zeros(S + 1, dtype=np.float32)
         self.slot_top_p = np.ones(S + 1, dtype=np.float32)
+        self.slot_min_p = np.zeros(S + 1, dtype=np.float32)
         self.slot_top_k = np.zeros(S + 1, dtype=np.int64)
         self.slot_seed = np.zeros(S + 1, dtype=np.int64)
         # [S + 1, P, H]: h_t for the pairs the draft has not read yet (rows 0..n-d-1), as the draft reads them
@@ -244,6 +247,7 @@ class ModelRunner:
         self.slot_num_blocks[i] = 0  # so the sequence's first decode step copies its whole table (slot_epoch moves)
         p = s.params
         self.slot_temperature[i], self.slot_top_p[i], self.slot_top_k[i] = p.temperature, p.top_p, p.top_k
+        self.slot_min_p[i] = p.min_p
         self.slot_seed[i] = s.seed
 
     def packer(self, B: int) -> StepPacker:
@@ -293,7 +297,8 @@ class ModelRunner:
             lps = logits.float()
         probs = logits_to_probs(logits, torch.tensor([x.temperature for x in p], device=dev),
                                 torch.tensor([x.top_k for x in p], device=dev),
-                                torch.tensor([x.top_p for x in p], device=dev))
+                                torch.tensor([x.top_p for x in p], device=dev),
+                                torch.tensor([x.min_p for x in p], device=dev))
         seeds = torch.tensor([s.seed for s in seqs], device=dev)
         sampled = sample_from(probs, uniform(seeds, start + lens - 1, 0))
         if self.draft is not None:
@@ -446,6 +451,7 @@ class ModelRunner:
             bt.take(sl, axis=0, out=tables)  # the ndarray methods: no numpy dispatch wrapper on this path
             self.slot_temperature.take(sl, out=a["temperature"])
             self.slot_top_p.take(sl, out=a["top_p"])
+            self.slot_min_p.take(sl, out=a["min_p"])
             self.slot_top_k.take(sl, out=a["top_k"])
             self.slot_seed.take(sl, out=a["seeds"])
             pk.rows = rows

@@ -52,10 +52,12 @@ def uniform(seeds: torch.Tensor, counters: torch.Tensor, index: torch.Tensor | i
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
-    """Target distribution after temperature, top-k and top-p. logits [N, V]; per-row settings [N].
+                    top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Target distribution after temperature, min-p, top-k and top-p (vLLM's order). logits [N, V]; per-row
+    settings [N].
 
-    Rows with temperature 0 give the one-hot of the argmax. top_k <= 0 and top_p = 1 disable the filters.
+    Rows with temperature 0 give the one-hot of the argmax. top_k <= 0, top_p = 1 and min_p = 0 disable the filters.
+    min-p keeps the tokens whose probability (after temperature) is at least min_p times the likeliest one's.
     """
     logits = logits.float()
     V = logits.shape[-1]
@@ -66,6 +68,9 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     ranks = torch.arange(V, device=x.device)[None, :]
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
     keep_sorted = ranks < k[:, None]
+    if min_p is not None:  # p / p_max = exp(x - x_max) >= min_p, where min_p > 0
+        mp = min_p.float()[:, None]
+        keep_sorted &= ((sorted_x - sorted_x[:, :1]) >= torch.log(mp.clamp(min=1e-30))) | (mp <= 0)
     sorted_p = torch.softmax(sorted_x.masked_fill(~keep_sorted, float("-inf")), dim=-1)
     # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays)
     fixed, cum = fixed_point_cumsum(sorted_p)

@@ -45,7 +45,7 @@ RETRY_AFTER_S = 1
 
 def _param_of(message: str) -> str | None:
     word = message.split(" ", 1)[0]
-    return word if word in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs",
+    return word if word in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
                             "presence_penalty", "frequency_penalty", "repetition_penalty") else None
 
 
@@ -94,6 +94,7 @@ def _sampling_params(req, max_tokens: int | None, logprobs: int | None = None) -
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
             max_tokens=1 if max_tokens is None else max_tokens,  # the real value is set per prompt
             seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos, guided=_guided(req), logprobs=logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,

@@ -62,6 +62,7 @@ class _SamplingFields(_Request):
     temperature: StrictFloat | None = None  # None: 1.0, OpenAI's default
     top_p: StrictFloat | None = None
     top_k: StrictInt | None = None  # not in OpenAI's API; vLLM's extension
+    min_p: StrictFloat | None = None  # vLLM's extension
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     n: StrictInt = 1

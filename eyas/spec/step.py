@@ -80,6 +80,7 @@ class DecodeInputs:
     temperature: torch.Tensor  # [B]
     top_k: torch.Tensor  # [B]
     top_p: torch.Tensor  # [B]
+    min_p: torch.Tensor  # [B]
     seeds: torch.Tensor  # [B]
     max_context_len: int  # host-side bound on num_cached (the reference attention's gather width)
 
@@ -265,7 +266,8 @@ def accept_phase(draft, d: Drafted, v: Verified, cache, inp: DecodeInputs, use_t
             path, num_accepted, bonus = accept_tree_greedy(argmax(logits), node_tokens, tree)
     else:
         probs = logits_to_probs(logits.view(B * N1, V), inp.temperature.repeat_interleave(N1),
-                                inp.top_k.repeat_interleave(N1), inp.top_p.repeat_interleave(N1)).view(B, N1, V)
+                                inp.top_k.repeat_interleave(N1), inp.top_p.repeat_interleave(N1),
+                                inp.min_p.repeat_interleave(N1)).view(B, N1, V)
         path, num_accepted, bonus = accept_tree(probs, node_tokens, tree, inp.seeds, n)
 
     # commit: the accepted path's K/V go to positions n..n+m, every layer at once (a bare root's are there already)
