@@ -2,6 +2,7 @@
 engine equals one engine's, token for token, greedy and seeded, plain, speculative and guided; in turn and on a
 prefill thread; when the decode engine has no room (the request is prefilled again there); with aborts at every
 stage, and no KV block left in either pool."""
+import httpx
 import pytest
 import torch
 
@@ -230,6 +231,8 @@ def test_server_on_a_disaggregated_engine(pair, process):
         server.wait_idle()
         assert llm.engine.decode.blocks.num_used == 0
         assert not llm.engine.prefill.seqs if process else llm.engine.prefill.blocks.num_used == 0
+        r = httpx.post(server.url + "/reset_prefix_cache", timeout=30)  # two engines: refused, with its reason
+        assert r.status_code == 400 and "single engine" in r.json()["error"]["message"]
     finally:
         server.close()
         llm.engine.close()

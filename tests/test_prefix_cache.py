@@ -307,3 +307,28 @@ def _reference(target_dir: str, prompts: tuple) -> list[list[int]]:
         if p not in memo:
             memo[p] = llm.generate([list(p)], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
     return [memo[p] for p in prompts]
+
+
+def test_reset_forgets_every_cached_block_and_the_running_cache_theirs_again(mirror_pair):
+    """`Scheduler.reset_prefix_cache`: parked blocks become free ones, nothing is found until blocks are cached
+    again, and a request running through the reset caches its blocks anew (from its first) when it ends."""
+    target_dir, draft_dir = mirror_pair
+    llm = LLM(str(target_dir), device="cpu", dtype="float32", draft=str(draft_dir), speculation="chain:4",
+              block_size=BS)
+    engine, prompt = llm.engine, _ids(17, 90)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    ref = llm.generate([prompt], params)[0]
+    running = engine.add_request(prompt + [1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    assert running.prefix_hit == 16
+    bm = engine.blocks
+    free = bm.num_free
+    assert engine.scheduler.reset_prefix_cache() > 0
+    assert len(bm.prefix) == 0 and not bm.prefix.parked and bm.num_free == free
+    from eyas.engine.sequence import Sequence
+    assert engine.scheduler._prefix_hit(Sequence(list(prompt), params, 0)) == ([], [])  # nothing is found
+    while engine.has_unfinished():
+        engine.step()
+    assert bm.num_used == 0
+    again = llm.generate([prompt], params)[0]  # the running request cached its blocks again as it ended
+    assert again.num_cached_tokens == 16 and again.token_ids == ref.token_ids

@@ -622,6 +622,13 @@ def test_usage_and_metrics_count_prefix_cache_hits(tiny):
     after = tiny.wait_idle()
     assert after["eyas:prefix_cache_queries_total{}"] - before["eyas:prefix_cache_queries_total{}"] == 3 * 40
     assert after["eyas:prefix_cache_hits_total{}"] - before["eyas:prefix_cache_hits_total{}"] == 2 * 32
+    # POST /reset_prefix_cache (vLLM's): the next request finds nothing cached, the one after it finds it again
+    r = httpx.post(tiny.url + "/reset_prefix_cache", timeout=60)
+    assert r.status_code == 200 and r.json()["reset"] is True and r.json()["blocks"] >= 2, r.text
+    for expect in (0, 32):
+        r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=3, prompt=prompt), timeout=60)
+        assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": expect}
+    tiny.wait_idle()
 
 
 def test_full_queue_gets_503_with_retry_after(tiny):

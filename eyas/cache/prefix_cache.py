@@ -63,6 +63,15 @@ class PrefixCache:
     def unpark(self, block: int) -> None:
         del self.parked[block]
 
+    def clear(self) -> list[int]:
+        """Forget every entry; return the parked blocks (now plain free ones)."""
+        parked = list(self.parked)
+        self.entries.clear()
+        self.key_of.clear()
+        self.parked.clear()
+        self.version += 1
+        return parked
+
     def evict(self) -> int:
         """Forget the least recently parked block and return it, for reuse."""
         block, _ = self.parked.popitem(last=False)

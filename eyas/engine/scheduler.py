@@ -185,6 +185,18 @@ class Scheduler:
             parent = cache.insert(seq.block_table[b], parent, tuple(ids[b * B: (b + 1) * B + 1]))
             seq.prefix_entries.append(parent)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (their KV stays with the requests that hold them): later prompts find nothing
+        cached until blocks are cached again, the running requests' included. Returns how many were forgotten."""
+        cache = self.blocks.prefix
+        if cache is None:
+            return 0
+        n = len(cache)
+        self.blocks.free.extend(cache.clear())
+        for seq in self.running:
+            seq.prefix_entries.clear()
+        return n
+
     def admit_prefilled(self, seq: Sequence, num_cached: int) -> bool:
         """A request prefilled elsewhere (`LLMEngine.add_prefilled`) joins the running batch at once, with blocks
         for its `num_cached` entries and one decode step, when a place and the blocks are free (and no request

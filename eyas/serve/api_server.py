@@ -362,6 +362,16 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         server.check_model(name)
         return card(name).model_dump()
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Forget every cached KV block (vLLM's endpoint of the same name): cold-start timings without a restart."""
+        from eyas.engine.engine import LLMEngine
+        if not isinstance(server.engine, LLMEngine):  # TP ranks must stay in step; two engines for disaggregation
+            raise APIError("reset_prefix_cache is only available on a single engine (no --tensor-parallel or "
+                           "--disaggregate)")
+        n = await server.async_engine.call(lambda eng: eng.scheduler.reset_prefix_cache())
+        return {"reset": True, "blocks": n}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         arrival = time.perf_counter()

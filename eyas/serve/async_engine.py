@@ -92,6 +92,12 @@ class _Abort:
     request_ids: list[str]
 
 
+@dataclass
+class _Call:
+    fn: object  # engine -> result, run on the loop thread between two steps
+    future: asyncio.Future
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: Metrics | None = None, max_queue: int = 256):
         if max_queue < 0:
@@ -170,6 +176,14 @@ class AsyncEngine:
             raise
         return queue
 
+    async def call(self, fn):
+        """`fn(engine)` on the loop thread between two steps (the engine is not thread-safe); its result."""
+        if not self.alive:
+            raise EngineDead(self._dead or "the engine loop is not running")
+        fut = asyncio.get_running_loop().create_future()
+        self._submit(_Call(fn, fut))
+        return await fut
+
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (unknown or finished ones are ignored). Safe from any thread."""
         if request_ids:
@@ -207,6 +221,8 @@ class AsyncEngine:
                 for cmd in cmds:
                     if isinstance(cmd, _Add):
                         self._handle_add(cmd)
+                    elif isinstance(cmd, _Call):
+                        self._handle_call(cmd)
                     else:
                         self._handle_abort(cmd.request_ids, "abort")
                 if stopping:
@@ -279,6 +295,22 @@ class AsyncEngine:
         for i, (rid, _, _) in enumerate(cmd.items):
             self._trackers[rid] = _Tracker(cmd.queue, i, cmd.arrival)
         self._resolve(cmd.future, None)
+
+    def _handle_call(self, cmd: _Call) -> None:
+        try:
+            result, exc = cmd.fn(self.engine), None
+        except Exception as e:  # noqa: BLE001 - the caller's to report
+            result, exc = None, e
+
+        def set_():
+            if cmd.future.done():
+                return
+            if exc is None:
+                cmd.future.set_result(result)
+            else:
+                cmd.future.set_exception(exc)
+
+        self._outbox.append(set_)
 
     def _handle_abort(self, request_ids: list[str], reason: str) -> None:
         for rid in request_ids:
