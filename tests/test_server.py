@@ -894,6 +894,8 @@ def test_eyas_serve_tensor_parallel(tmp_path):
         assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="tiny", prompt="hi", max_tokens=10, temperature=-1)
+        r = httpx.post(f"http://127.0.0.1:{port}/reset_prefix_cache", timeout=30)  # rank 0 alone: refused
+        assert r.status_code == 400 and "single engine" in r.json()["error"]["message"]
         time.sleep(3)  # idle: rank 0 keeps stepping (a heartbeat), so the other rank is not left waiting
         stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=10, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
