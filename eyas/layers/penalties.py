@@ -39,11 +39,11 @@ class Penalties:
     repetition: torch.Tensor  # [B]
 
     @classmethod
-    def of(cls, seqs, vocab: int, device, rows: int | None = None) -> "Penalties | None":
-        """The penalties of `seqs` (rows past them: none), or None when no sequence asks for any."""
+    def of(cls, seqs, vocab: int, device) -> "Penalties | None":
+        """The penalties of `seqs`, or None when no sequence asks for any."""
         if not any(s.params.has_penalties for s in seqs):
             return None
-        B = rows or len(seqs)
+        B = len(seqs)
         out_counts = torch.zeros(B, vocab, dtype=torch.float32)
         seen = torch.zeros(B, vocab, dtype=torch.bool)
         coef = torch.tensor([[0.0, 0.0, 1.0]] * B)
@@ -68,11 +68,10 @@ class Penalties:
         [B, N+1, N+1]: [j, a] true where a is j or an ancestor of j; the root's token is committed already)."""
         B, N1, V = logits.shape
         counts = self.out_counts[:, None].expand(B, N1, V).clone()
-        if N1 > 1:
-            onehot = torch.nn.functional.one_hot(node_tokens[:, 1:], V).float()  # [B, N, V]
+        if N1 > 1:  # counts[b, j, token of node a] += 1 for each a from the root's child down to j
             mask = ancestor_mask.to(logits.device).float()
             mask = (mask if mask.dim() == 3 else mask[None].expand(B, N1, N1))[:, :, 1:]  # [B, N+1, N]
-            counts += torch.bmm(mask, onehot)
+            counts.scatter_add_(2, node_tokens[:, None, 1:].expand(B, N1, N1 - 1), mask)
         seen = self.seen[:, None] | (counts > 0)
         penalize(logits, counts, seen, self.frequency[:, None].expand(B, N1), self.presence[:, None].expand(B, N1),
                  self.repetition[:, None].expand(B, N1))
