@@ -65,6 +65,15 @@ class BlockManager:
                 self.prefix.unpark(b)
             self.refs[b] += 1
 
+    def forget_cached(self) -> int:
+        """Forget every cached block (`PrefixCache.clear`): the parked ones become free ones, the held ones plain
+        blocks of their holders. Returns how many were cached."""
+        if self.prefix is None:
+            return 0
+        n = len(self.prefix)
+        self.free.extend(self.prefix.clear())
+        return n
+
     def release(self, block_table: list[int]) -> None:
         """The sequence lets its blocks go: each one no other sequence holds is freed, or parked if it is cached (the
         table's last blocks first, so that they are evicted before the earlier blocks a longer prefix needs)."""

@@ -188,11 +188,7 @@ class Scheduler:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (their KV stays with the requests that hold them): later prompts find nothing
         cached until blocks are cached again, the running requests' included. Returns how many were forgotten."""
-        cache = self.blocks.prefix
-        if cache is None:
-            return 0
-        n = len(cache)
-        self.blocks.free.extend(cache.clear())
+        n = self.blocks.forget_cached()
         for seq in self.running:
             seq.prefix_entries.clear()
         return n

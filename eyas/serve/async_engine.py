@@ -266,11 +266,11 @@ class AsyncEngine:
         if deliveries:
             self._outbox.append(lambda: [q.put_nowait(item) for q, item in deliveries])
 
-    def _resolve(self, fut: asyncio.Future, exc: BaseException | None) -> None:
+    def _resolve(self, fut: asyncio.Future, exc: BaseException | None, result=None) -> None:
         def set_():
             if not fut.done():
                 if exc is None:
-                    fut.set_result(None)
+                    fut.set_result(result)
                 else:
                     fut.set_exception(exc)
 
@@ -301,16 +301,7 @@ class AsyncEngine:
             result, exc = cmd.fn(self.engine), None
         except Exception as e:  # noqa: BLE001 - the caller's to report
             result, exc = None, e
-
-        def set_():
-            if cmd.future.done():
-                return
-            if exc is None:
-                cmd.future.set_result(result)
-            else:
-                cmd.future.set_exception(exc)
-
-        self._outbox.append(set_)
+        self._resolve(cmd.future, exc, result)
 
     def _handle_abort(self, request_ids: list[str], reason: str) -> None:
         for rid in request_ids:
