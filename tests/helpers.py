@@ -75,6 +75,13 @@ def write_random_draft(path: Path, target_dir: Path, layers=1, seed=1, scale=1.0
     return save_draft(draft, path, dtype=torch.float32)
 
 
+def write_mirror_and_random(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """{"mirror": the mirror pair, "random": its target with a random draft}: a draft that accepts long paths but
+    reads only token embeddings, and one whose every output depends on the features it reads."""
+    target, mirror = write_mirror_pair(tmp_path_factory.mktemp("mirror"), vocab=24, layers=2)
+    return {"mirror": (target, mirror), "random": (target, write_random_draft(tmp_path_factory.mktemp("r"), target))}
+
+
 def write_mirror_pair(path: Path, vocab=24, layers=2, seed=0) -> tuple[Path, Path]:
     """A tiny target and a draft that nearly copies it, so that long draft paths are accepted.
 

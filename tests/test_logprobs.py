@@ -5,15 +5,14 @@ import pytest
 import torch
 
 from eyas import LLM, SamplingParams
-from helpers import write_mirror_pair, write_random_draft
+from helpers import write_mirror_and_random
 
 SPECS = [None, "chain:4", "tree:mc_sim_7b_63", "dyn:k3d4n8"]
 
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    target, mirror = write_mirror_pair(tmp_path_factory.mktemp("mirror"), vocab=24, layers=2)
-    return {"mirror": (target, mirror), "random": (target, write_random_draft(tmp_path_factory.mktemp("r"), target))}
+    return write_mirror_and_random(tmp_path_factory)
 
 
 def _prompts():
