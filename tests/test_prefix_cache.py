@@ -258,7 +258,7 @@ def test_a_waiting_requests_lookup_is_redone_once_the_cache_changes():
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("spec", [None, "chain:4", "tree:mc_sim_7b_63"])
-def test_random_workloads_with_aborts_and_preemption(mirror_pair, spec, seed):
+def test_random_workloads_with_aborts_and_preemption(mirror_pair, reference, spec, seed):
     """Eight requests over three shared prefixes arrive at random steps into a pool too small for them all, and a
     quarter of them are aborted mid-way: every request that ran to its end gave what it gives alone on a roomy
     engine without the cache, and the pool's accounting holds (nothing held at the end, parked blocks all cached)."""
@@ -273,7 +273,7 @@ def test_random_workloads_with_aborts_and_preemption(mirror_pair, spec, seed):
     arrivals = sorted(rng.randint(0, 8) for _ in range(8))
     aborted = set(rng.sample(range(8), 2))
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    ref = _reference(str(target_dir), tuple(map(tuple, prompts)))
+    ref = reference(tuple(map(tuple, prompts)))
     llm = LLM(str(target_dir), num_blocks=18, max_num_seqs=4, **kw)
     engine = llm.engine
     seqs, step = {}, 0
@@ -295,18 +295,19 @@ def test_random_workloads_with_aborts_and_preemption(mirror_pair, spec, seed):
     assert bm.num_used == 0 and all(r == 0 for r in bm.refs) and all(bm.prefix.holds(b) for b in bm.prefix.parked)
 
 
-_REFS: dict = {}
+@pytest.fixture(scope="module")
+def reference(mirror_pair):
+    """prompts -> each one's 12 greedy tokens, alone, on a plain engine without the cache (memoised; a pool of 64
+    blocks, not the default gigabyte, as the fixture lives as long as the module's tests)."""
+    llm, memo = LLM(str(mirror_pair[0]), device="cpu", dtype="float32", prefix_caching=False, num_blocks=64), {}
 
+    def run(prompts: tuple) -> list[list[int]]:
+        for p in prompts:
+            if p not in memo:
+                memo[p] = llm.generate([list(p)], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+        return [memo[p] for p in prompts]
 
-def _reference(target_dir: str, prompts: tuple) -> list[list[int]]:
-    """Each prompt's 12 greedy tokens, alone, on a roomy plain engine without the cache (memoised)."""
-    if target_dir not in _REFS:
-        _REFS[target_dir] = (LLM(target_dir, device="cpu", dtype="float32", prefix_caching=False), {})
-    llm, memo = _REFS[target_dir]
-    for p in prompts:
-        if p not in memo:
-            memo[p] = llm.generate([list(p)], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
-    return [memo[p] for p in prompts]
+    return run
 
 
 def test_reset_forgets_every_cached_block_and_the_running_cache_theirs_again(mirror_pair):
