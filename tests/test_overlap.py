@@ -130,7 +130,10 @@ def _run(llm, params, ps, waiting=None, wasted=None):
             wasted.append(not any(new_tokens))
         return new_tokens, m
     llm.engine.runner.launch, llm.engine.runner.collect = counted, read
-    outs = llm.generate(ps, params)
+    try:
+        outs = llm.generate(ps, params)
+    finally:  # the closures hold `llm`: a cycle that would keep its engine alive until the cycle collector ran
+        del llm.engine.runner.launch, llm.engine.runner.collect
     return outs, launches
 
 
