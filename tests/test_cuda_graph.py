@@ -1,5 +1,7 @@
 """The CUDA-graphed speculative step (with the Triton kernels) changes nothing: greedy output equals the eager
 reference path (plain PyTorch attention), for plain decoding, chains and trees. GPU only."""
+import math
+
 import pytest
 import torch
 
@@ -165,26 +167,51 @@ def test_prefix_cache_hits_on_graphs_equal_eager_without_it(pair, spec):
     assert all(o.num_cached_tokens >= 12 for o in got[3:]) and graphed.engine.blocks.num_used == 0
 
 
-def test_logprobs_and_penalties_beside_graphed_requests(pair):
-    """Requests that ask for log-probabilities or penalties run eager steps inside an engine with graphs and
-    overlap on (their batches' steps are neither graphed nor overlapped): every request's tokens and log-probabilities
-    equal the eager reference path's."""
+def same_logprobs(got, ref):
+    """Each token's log-probability and its top k (ids and values) agree; the ids of tokens a grammar forbids
+    (log-probability -inf, tied) may differ."""
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref):
+        assert g.logprob == pytest.approx(r.logprob, abs=1e-4)
+        assert [v for _, v in g.top] == pytest.approx([v for _, v in r.top], abs=1e-4)
+        assert [t for t, v in g.top if v > -math.inf] == [t for t, v in r.top if v > -math.inf]
+
+
+@pytest.mark.parametrize("spec", [None, "chain:4", "tree:mc_sim_7b_63", "dyn:k3d4n8"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_and_penalties_on_graphs_equal_eager(pair, spec, temperature):
+    """Requests that ask for log-probabilities (k of 0, 2 and 5) or penalties, batched with free ones and alone,
+    replay graphs of their own kind (`launch_extras`) in an engine with graphs and overlap on: tokens and
+    log-probabilities equal the eager step's (greedy: the reference path; sampled, seeded: the eager Triton path,
+    whose kernels the graphs replay, acceptance counts included)."""
     target, draft = pair
-    kw = dict(device="cuda", dtype="float32", draft=str(draft), speculation="tree:mc_sim_7b_63")
-    params = [SamplingParams(max_tokens=30, ignore_eos=True, logprobs=2),
-              SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=0.4),
-              SamplingParams(max_tokens=30, ignore_eos=True), SamplingParams(max_tokens=30, ignore_eos=True)]
+    kw = dict(device="cuda", dtype="float32", draft=str(draft) if spec else None, speculation=spec)
+    base = dict(max_tokens=30, ignore_eos=True, temperature=temperature)
+    params = [SamplingParams(logprobs=2, seed=1, **base), SamplingParams(repetition_penalty=1.5, frequency_penalty=0.4,
+                                                                         seed=2, **base),
+              SamplingParams(seed=3, **base),
+              SamplingParams(logprobs=5, presence_penalty=0.7, seed=4, **base)]
+    mixed = [SamplingParams(logprobs=0, seed=5, **base)] + [SamplingParams(seed=6 + i, **base) for i in range(3)]
     eager = LLM(str(target), **kw)
-    eager.engine.runner.use_triton = False
-    reference_ops(eager)
-    ref = eager.generate(PROMPTS, params)
+    if temperature == 0:
+        eager.engine.runner.use_triton = False
+        reference_ops(eager)
+    same = (lambda o: o.token_ids) if temperature == 0 else (lambda o: (o.token_ids, o.stats.accepted_by_depth))
+    ref = eager.generate(PROMPTS, params) + eager.generate(PROMPTS, mixed)
+    alone = [(p, sp) for p, sp in zip(PROMPTS, params)][:2]
+    ref += [eager.generate([p], sp)[0] for p, sp in alone]
     graphed = LLM(str(target), cuda_graphs=True, overlap=True, **kw)
-    got = graphed.generate(PROMPTS, params) + [graphed.generate([p], sp)[0] for p, sp in zip(PROMPTS, params)]
-    for o, r in zip(got, ref + ref):
-        assert o.token_ids == r.token_ids
+    got = graphed.generate(PROMPTS, params) + graphed.generate(PROMPTS, mixed)
+    got += [graphed.generate([p], sp)[0] for p, sp in alone]
+    for o, r in zip(got, ref, strict=True):
+        assert same(o) == same(r)
+        assert (o.logprobs is None) == (r.logprobs is None)
         if r.logprobs is not None:
-            assert [e.logprob for e in o.logprobs] == pytest.approx([e.logprob for e in r.logprobs], abs=1e-4)
-    assert graphed.engine.runner.graphs.graphs  # the free requests alone were graphed
+            same_logprobs(o.logprobs, r.logprobs)
+    extras = graphed.engine.runner.graphs.extras
+    assert {k[4:] for k in extras} >= {(True, True), (True, False), (False, True)}, "not every kind ran on graphs"
+    assert {k[0] for k in extras} >= {1, 4}
+    assert graphed.engine.blocks.num_used == 0
 
 
 def test_smollm2_graphs_equal_eager():
@@ -273,6 +300,29 @@ def test_guided_graphs_equal_eager(guided_mirror, spec):
             assert graphed.generate([p], params[1])[0].token_ids == ref[1][0]  # bucket 1, alone
         assert graphed.engine.runner.graphs.guided, "no guided step ran on graphs"
         assert graphed.engine.blocks.num_used == 0
+
+
+@pytest.mark.parametrize("spec", ["chain:3", "dyn:k4d3n8"])
+def test_guided_graphs_with_logprobs_and_penalties_equal_eager(guided_mirror, spec):
+    """Guided requests that also ask for log-probabilities and penalties: the accept graph masks, then penalises,
+    then reports them; greedy tokens and log-probabilities equal the eager reference path's."""
+    from eyas import GuidedDecoding
+    target, draft, _ = guided_mirror
+    guides = [GuidedDecoding(regex=r"[a-z ]{5,60}\."), GuidedDecoding(json_object=True), None]
+    params = [SamplingParams(max_tokens=40, guided=g, logprobs=3, repetition_penalty=1.3, presence_penalty=0.5)
+              for g in guides]
+    kw = dict(device="cuda", dtype="float32", draft=str(draft), speculation=spec)
+    eager = LLM(str(target), **kw)
+    eager.engine.runner.use_triton = False
+    reference_ops(eager)
+    graphed = LLM(str(target), cuda_graphs=True, **kw)
+    for p in ["Hello there", "{\""]:
+        ref = eager.generate([p] * len(guides), params)
+        got = graphed.generate([p] * len(guides), params)
+        for o, r in zip(got, ref, strict=True):
+            assert (o.token_ids, o.finish_reason) == (r.token_ids, r.finish_reason)
+            same_logprobs(o.logprobs, r.logprobs)
+    assert any(k[4:] == (True, True) for k in graphed.engine.runner.graphs.guided)
 
 
 def test_graphs_captured_beside_a_prefill_thread(guided_mirror):

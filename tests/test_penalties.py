@@ -33,6 +33,30 @@ def test_penalize_by_hand():
     torch.testing.assert_close(logits, torch.tensor([[-0.25, -2.75, 0.25, 3.0]]))
 
 
+def test_static_buffers_filled_from_fewer_rows_penalise_those_rows_only():
+    """A graph's static penalties (`Penalties.neutral`, then `fill` from a step's rows): its first rows penalise as
+    the step's own penalties do, its padding rows (filled after a batch that had more rows) change nothing."""
+    from types import SimpleNamespace
+    from eyas.layers.penalties import Penalties
+    V = 6
+    seq = lambda prompt, out, **kw: SimpleNamespace(  # noqa: E731
+        token_ids=prompt + out, output_ids=out, params=SamplingParams(**kw))
+    wide = [seq([1], [2, 2], frequency_penalty=0.5)] * 3
+    step = [seq([0, 3], [3, 5], repetition_penalty=2.0, presence_penalty=0.25), seq([4], [1], frequency_penalty=1.0)]
+    buf = Penalties.neutral(4, V, "cpu")
+    buf.fill(Penalties.of(wide, V, "cpu"))
+    buf.fill(Penalties.of(step, V, "cpu"))
+    logits = torch.randn(4, 3, V, generator=torch.Generator().manual_seed(0))
+    tokens, anc = torch.tensor([[0, 2, 3]] * 4), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    got = logits.clone()
+    buf.apply_to_tree(got, tokens, anc)
+    want = logits[:2].clone()
+    Penalties.of(step, V, "cpu").apply_to_tree(want, tokens[:2], anc)
+    torch.testing.assert_close(got[:2], want)
+    torch.testing.assert_close(got[2:], logits[2:])
+    assert not torch.equal(want, logits[:2])
+
+
 def test_repetition_penalty_equals_hf_generate(pairs):
     from transformers import LlamaForCausalLM
     target = pairs["mirror"][0]

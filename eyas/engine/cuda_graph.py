@@ -9,7 +9,10 @@ The reference beside this fast path is `spec_step` run eagerly; tests/test_cuda_
 Beside each step graph a small graph of `eyas.spec.carry.carry_inputs` turns the static outputs of one replay into
 the static inputs of the next, for overlapped decoding (the engine enqueues a successor before reading a step back).
 A guided step (grammar masks from the host between draft and acceptance) is three graphs, one per phase of the step
-(`launch_guided`); its reference is `spec_step` with the same guide, run eagerly.
+(`launch_guided`); its reference is `spec_step` with the same guide, run eagerly. A step in which a request asks for
+log-probabilities or applies penalties replays a graph of its own kind (`launch_extras`): it writes the top
+MAX_LOGPROBS log-probabilities of every committed token to static outputs, and reads the penalties' counts and
+coefficients from static inputs; its reference is `spec_step` with the same arguments, run eagerly.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import dataclasses
 
 import torch
 
+from eyas.layers.penalties import Penalties
+from eyas.sampling_params import MAX_LOGPROBS
 from eyas.spec.step import DecodeInputs, DecodeOutputs, accept_phase, draft_phase, spec_step, verify_phase
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -50,7 +55,10 @@ class GraphedStep:
         # bucket)
         self.graphs: dict[tuple[int, bool, str, int], tuple[torch.cuda.CUDAGraph, DecodeInputs, DecodeOutputs]] = {}
         self.carries: dict[tuple[int, bool, str, int], torch.cuda.CUDAGraph] = {}  # overlapped steps' input carries
-        self.guided: dict[tuple[int, bool, str, int], GuidedGraphs] = {}  # guided steps' (`launch_guided`)
+        # guided steps' (`launch_guided`), keyed as the graphs plus (log-probabilities, penalties)
+        self.guided: dict[tuple[int, bool, str, int, bool, bool], GuidedGraphs] = {}
+        # steps that report log-probabilities or apply penalties (`launch_extras`), keyed so too
+        self.extras: dict[tuple[int, bool, str, int, bool, bool], ExtrasGraph] = {}
         self.pool = None
 
     def bucket(self, n: int) -> int | None:
@@ -67,10 +75,11 @@ class GraphedStep:
         r.decode_inputs([], B)  # all rows padding: the warm-up and capture runs write only to the scratch block/slot
         return dataclasses.replace(r.packer(B).inputs, max_context_len=context)
 
-    def _step(self, inp: DecodeInputs, greedy: bool, tree) -> DecodeOutputs:
+    def _step(self, inp: DecodeInputs, greedy: bool, tree, logprobs: int | None = None,
+              penalties: Penalties | None = None) -> DecodeOutputs:
         r = self.runner
         return spec_step(r.target, r.draft, tree, r.cache, r.draft_cache, inp, r.block_size, r.use_triton,
-                         r.simulated_accept, greedy, r.draft_hidden)
+                         r.simulated_accept, greedy, r.draft_hidden, None, logprobs, penalties)
 
     def _capturing(self, graph: torch.cuda.CUDAGraph):
         """The capture of `graph` into the graphs' shared pool. Thread-local error mode: graphs are captured when a
@@ -82,18 +91,23 @@ class GraphedStep:
     def _capture(self, key: tuple[int, bool, str, int], tree):
         B, greedy, _, context = key
         static = self._static_inputs(B, context)
+        graph, out = self._capture_step(static, greedy, tree)
+        self.graphs[key] = (graph, static, out)
+        self.carries[key] = self._capture_carry(static, out)  # for overlapped decoding
+
+    def _capture_step(self, static: DecodeInputs, greedy: bool, tree, logprobs: int | None = None,
+                      penalties: Penalties | None = None) -> tuple[torch.cuda.CUDAGraph, DecodeOutputs]:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile the Triton kernels and warm the allocator outside the capture
-                self._step(static, greedy, tree)
+                self._step(static, greedy, tree, logprobs, penalties)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with self._capturing(graph):
-            out = self._step(static, greedy, tree)
+            out = self._step(static, greedy, tree, logprobs, penalties)
         self.pool = graph.pool()
-        self.graphs[key] = (graph, static, out)
-        self.carries[key] = self._capture_carry(static, out)  # for overlapped decoding
+        return graph, out
 
     @torch.inference_mode()
     def capture_all(self, max_batch: int, greedy: tuple[bool, ...] = (True, False)) -> int:
@@ -157,7 +171,31 @@ class GraphedStep:
         return key, out
 
     @torch.inference_mode()
-    def launch_guided(self, seqs, tree, guide) -> tuple[tuple, DecodeOutputs]:
+    def launch_extras(self, seqs, tree, logprobs: int | None, penalties: Penalties | None
+                      ) -> tuple[tuple, DecodeOutputs]:
+        """Replay a step that reports log-probabilities (`logprobs`, any k: the graph writes the top MAX_LOGPROBS of
+        each committed token, and each request keeps its own k) or applies `penalties` (copied into the graph's
+        static buffers, its padding rows neutral). Such steps are never overlapped (penalties need the counts of the
+        step before's commits), so each graph is captured the first time its key is met. Returns (the key: the
+        graphs' plus (log-probabilities, penalties), the static outputs)."""
+        key = self._key(seqs, tree) + (logprobs is not None, penalties is not None)
+        if key not in self.extras:
+            B, greedy, _, context = key[:4]
+            static = self._static_inputs(B, context)
+            pen = Penalties.neutral(B, self.runner.target.config.vocab_size, static.root_tokens.device) \
+                if penalties is not None else None
+            graph, out = self._capture_step(static, greedy, tree, MAX_LOGPROBS if logprobs is not None else None, pen)
+            self.extras[key] = ExtrasGraph(graph, static, pen, out)
+        g = self.extras[key]
+        self.runner.decode_inputs(seqs, key[0])
+        if penalties is not None:
+            g.penalties.fill(penalties)
+        g.graph.replay()
+        return key, g.out
+
+    @torch.inference_mode()
+    def launch_guided(self, seqs, tree, guide, logprobs: int | None = None, penalties: Penalties | None = None
+                      ) -> tuple[tuple, DecodeOutputs]:
         """Replay a guided step (`guide`: an `eyas.spec.grammar.TreeGuide`) as three graphs: the draft (its root's
         children among the tokens each row's grammar allows next, from a static mask buffer); the verify
         pass, enqueued behind the copy of the tree's tokens to the host; then, once the host has computed every
@@ -165,13 +203,16 @@ class GraphedStep:
         masking, acceptance and commit. One host synchronisation in the middle of the step (the tokens), none after
         the masks are sent. Returns (the key: (bucket, greedy, tree, context bucket), the static outputs). The
         graphs are captured the first time a key is met (guided steps are never overlapped, so the context buckets
-        need not be captured together)."""
+        need not be captured together). With `logprobs` or `penalties`, the accept graph also does what
+        `launch_extras`'s does, the penalties after the masks as in `spec_step`; they are part of the key."""
         r = self.runner
-        key = self._key(seqs, tree)
+        key = self._key(seqs, tree) + (logprobs is not None, penalties is not None)
         if key not in self.guided:
             self._capture_guided(key, tree, guide.words)
         g = self.guided[key]
         r.decode_inputs(seqs, key[0])
+        if penalties is not None:
+            g.penalties.fill(penalties)
         if g.root_masks is not None:  # the draft proposes the root's children among the tokens the grammar allows
             g.root_masks.copy_(guide.root_masks(g.root_masks_host), non_blocking=True)
         g.draft.replay()
@@ -186,11 +227,12 @@ class GraphedStep:
         g.accept.replay()
         return key, g.out
 
-    def _capture_guided(self, key: tuple[int, bool, str, int], tree, words: int) -> None:
-        B, greedy, _, context = key
+    def _capture_guided(self, key: tuple[int, bool, str, int, bool, bool], tree, words: int) -> None:
+        B, greedy, _, context, with_logprobs, with_penalties = key
         r = self.runner
         static = self._static_inputs(B, context)
         device = static.root_tokens.device
+        pen = Penalties.neutral(B, r.target.config.vocab_size, device) if with_penalties else None
         root_masks = None if r.draft is None else torch.full((B, words), -1, dtype=torch.int32, device=device)
         # every node's mask ([B, N1, words]: root and the N tree tokens, a dynamic tree's too); all allowed to warm up
         masks = torch.full((B, tree.num_nodes + 1, words), -1, dtype=torch.int32, device=device)
@@ -205,8 +247,10 @@ class GraphedStep:
 
         def accepted(d, v):
             apply_bitmask(v.logits, masks)
+            if pen is not None:
+                pen.apply_to_tree(v.logits, d.node_tokens, d.tree.ancestor_mask)
             return accept_phase(r.draft, d, v, r.cache, static, r.use_triton, r.simulated_accept, greedy,
-                                r.draft_hidden)
+                                r.draft_hidden, MAX_LOGPROBS if with_logprobs else None)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -227,7 +271,8 @@ class GraphedStep:
             *graphs, d, v, out, masks, torch.empty(masks.shape, dtype=torch.int32, pin_memory=True),
             torch.empty(d.node_tokens.shape, dtype=torch.long, pin_memory=True),
             torch.empty(parents.shape, dtype=torch.long, pin_memory=True).copy_(parents), torch.cuda.Event(),
-            root_masks, None if root_masks is None else torch.empty((B, words), dtype=torch.int32, pin_memory=True))
+            root_masks, None if root_masks is None else torch.empty((B, words), dtype=torch.int32, pin_memory=True),
+            pen)
 
     def _capture_carry(self, static: DecodeInputs, out: DecodeOutputs) -> torch.cuda.CUDAGraph:
         """A graph of `carry_inputs` (static outputs -> static inputs, in place), warmed up on copies: of the inputs
@@ -270,3 +315,13 @@ class GuidedGraphs:
     read: torch.cuda.Event  # the tokens (and a dynamic tree's parents) are on the host
     root_masks: torch.Tensor | None  # [B, words] int32, what the draft graph reads (None without a draft)
     root_masks_host: torch.Tensor | None  # pinned
+    penalties: Penalties | None  # static inputs of the accept graph (`Penalties.fill`), when its key has them
+
+
+@dataclasses.dataclass(eq=False)
+class ExtrasGraph:
+    """A step graph that reports log-probabilities or applies penalties (`GraphedStep.launch_extras`)."""
+    graph: torch.cuda.CUDAGraph
+    static: DecodeInputs
+    penalties: Penalties | None  # static inputs (`Penalties.fill`), when the key has them
+    out: DecodeOutputs  # `logprobs` holds the top MAX_LOGPROBS of each committed token when the key has them

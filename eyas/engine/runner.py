@@ -497,10 +497,7 @@ class ModelRunner:
         guide = self._guide(seqs)
         logprobs = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
         penalties = Penalties.of(seqs, self.target.config.vocab_size, self.device)
-        # a step that reports log-probabilities or applies penalties runs eagerly: the graphs' outputs hold no
-        # logits, and their inputs no token counts
-        graphed = (self.graphs is not None and logprobs is None and penalties is None
-                   and self.graphs.can_run(seqs))
+        graphed = self.graphs is not None and self.graphs.can_run(seqs)
         if after is not None:
             if after.seqs != seqs or after.graphed != graphed or after.tree is not tree:
                 raise ValueError("an overlapped step must follow a step of the same sequences")
@@ -511,7 +508,10 @@ class ModelRunner:
             self._refresh_tables(seqs, after.B)
         graph_key = None
         if graphed and guide is not None:  # three graphs, the grammar masks made on the host in the middle
-            graph_key, out = self.graphs.launch_guided(seqs, tree, guide)
+            graph_key, out = self.graphs.launch_guided(seqs, tree, guide, logprobs, penalties)
+            B = graph_key[0]
+        elif graphed and (logprobs is not None or penalties is not None):  # a graph of their own, never overlapped
+            graph_key, out = self.graphs.launch_extras(seqs, tree, logprobs, penalties)
             B = graph_key[0]
         elif graphed:
             graph_key, out = self.graphs.launch(seqs, tree, carried_from=None if after is None else after.graph_key)

@@ -58,6 +58,21 @@ class Penalties:
         coef = coef.to(device)
         return cls(out_counts.to(device), seen.to(device), coef[:, 0], coef[:, 1], coef[:, 2])
 
+    @classmethod
+    def neutral(cls, rows: int, vocab: int, device) -> "Penalties":
+        """Buffers for `rows` rows that change nothing (a graphed step's static inputs, `fill`ed before replay)."""
+        z = torch.zeros(rows, device=device)
+        return cls(torch.zeros(rows, vocab, device=device), torch.zeros(rows, vocab, dtype=torch.bool, device=device),
+                   z, z.clone(), torch.ones(rows, device=device))
+
+    def fill(self, p: "Penalties") -> None:
+        """In place: this buffer's first rows become `p`'s, the rest (a graph's padding rows) neutral."""
+        n = p.out_counts.shape[0]
+        for name, pad in (("out_counts", 0), ("seen", 0), ("frequency", 0), ("presence", 0), ("repetition", 1)):
+            dst = getattr(self, name)
+            dst[:n].copy_(getattr(p, name), non_blocking=True)
+            dst[n:].fill_(pad)
+
     def apply(self, logits: torch.Tensor) -> None:
         """In place, logits [B, V] of each row's next token after its committed tokens (a prefill's last row)."""
         penalize(logits, self.out_counts, self.seen, self.frequency, self.presence, self.repetition)

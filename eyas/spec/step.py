@@ -91,7 +91,7 @@ class DecodeOutputs:
     num_accepted: torch.Tensor  # [B] draft tokens accepted
     bonus: torch.Tensor  # [B] the token sampled after the accepted path
     packed: torch.Tensor  # [B, D+3]: num_accepted, path_tokens, bonus (what the host reads, in one transfer)
-    # with `logprobs` asked (eager steps only): the committed tokens' log-probabilities [B, D+1] (accepted draft
+    # with `logprobs` asked: the committed tokens' log-probabilities [B, D+1] (accepted draft
     # tokens, then the bonus; valid up to num_accepted + 1), the top k's [B, D+1, k] and their ids
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
