@@ -12,8 +12,10 @@ then exactly the law plain decoding would use after that path, and acceptance st
 without them (only its proposals change)."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -40,23 +42,29 @@ class Penalties:
 
     @classmethod
     def of(cls, seqs, vocab: int, device) -> "Penalties | None":
-        """The penalties of `seqs`, or None when no sequence asks for any."""
+        """The penalties of `seqs`, or None when no sequence asks for any. The counts are made on `device` from the
+        token ids (one small copy), not as [B, V] host tensors (on the H100 those took ~3.6 ms a step at batch 8)."""
         if not any(s.params.has_penalties for s in seqs):
             return None
         B = len(seqs)
-        out_counts = torch.zeros(B, vocab, dtype=torch.float32)
-        seen = torch.zeros(B, vocab, dtype=torch.bool)
-        coef = torch.tensor([[0.0, 0.0, 1.0]] * B)
-        for i, s in enumerate(seqs):
-            p = s.params
-            if not p.has_penalties:
-                continue
-            coef[i] = torch.tensor([p.frequency_penalty, p.presence_penalty, p.repetition_penalty])
-            out = torch.tensor(s.output_ids, dtype=torch.long)
-            out_counts[i].index_add_(0, out, torch.ones(len(out)))
-            seen[i, torch.tensor(s.token_ids, dtype=torch.long)] = True
-        coef = coef.to(device)
-        return cls(out_counts.to(device), seen.to(device), coef[:, 0], coef[:, 1], coef[:, 2])
+        coef = [[0.0, 0.0, 1.0]] * B
+        rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
+        for i in rows:
+            p = seqs[i].params
+            coef[i] = [p.frequency_penalty, p.presence_penalty, p.repetition_penalty]
+        outs = [seqs[i].output_ids for i in rows]
+        seens = [seqs[i].token_ids for i in rows]  # the prompt and the output
+        n = sum(len(x) for x in outs)
+        idx = np.stack([  # [2, n + m]: (row, token) of every output token, then of every token seen
+            np.concatenate([np.repeat(rows, [len(x) for x in outs]), np.repeat(rows, [len(x) for x in seens])]),
+            np.fromiter(itertools.chain(*outs, *seens), dtype=np.int64)]).astype(np.int64)
+        idx = torch.from_numpy(idx).to(device)
+        coef = torch.tensor(coef).to(device)
+        out_counts = torch.zeros(B, vocab, device=device)
+        out_counts.index_put_((idx[0, :n], idx[1, :n]), torch.ones(n, device=device), accumulate=True)
+        seen = torch.zeros(B, vocab, dtype=torch.bool, device=device)
+        seen[idx[0, n:], idx[1, n:]] = True
+        return cls(out_counts, seen, coef[:, 0], coef[:, 1], coef[:, 2])
 
     @classmethod
     def neutral(cls, rows: int, vocab: int, device) -> "Penalties":
