@@ -1,0 +1,90 @@
+"""What requests that ask for log-probabilities or penalties cost their batch: ms per output token of a batch of B
+MT-Bench first turns (greedy, `--max-tokens` each, end-of-sequence ignored), decoded with no such request ("free"),
+with one request of the batch asking for log-probabilities (k = 5), for penalties (repetition 1.2, frequency 0.3), or
+for both, and every request asking for both ("all"). On CUDA each row runs with graphs ("graphed": such steps replay
+the graphs of `GraphedStep.launch_extras`) and without ("eager": every step eager, which is what a batch with such a
+request cost before those graphs). A record of costs, not a fast path.
+
+    PYTHONPATH=. python3 tools/diag/extras_cost.py --prompts question.jsonl [--batch-sizes 1,8,32] \\
+        [--max-tokens 128] [--speculation tree:smollm2_48d5] [--repeat 2] [--out extras.json]
+
+Prints one line per row and writes the rows as JSON: the best of `--repeat` timed runs (wall time of `generate`
+over the whole batch, prefill included, divided by `--max-tokens`), after one untimed run of the same batch (it
+captures the graphs the row needs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+KINDS = {"free": (), "logprobs": ("lp",), "penalties": ("pen",), "both": ("lp", "pen"), "all": ("lp", "pen")}
+
+
+def params_for(kind: str, B: int, max_tokens: int):
+    from eyas import SamplingParams
+    base = dict(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    extra = {}
+    if "lp" in KINDS[kind]:
+        extra["logprobs"] = 5
+    if "pen" in KINDS[kind]:
+        extra.update(repetition_penalty=1.2, frequency_penalty=0.3)
+    asking = B if kind == "all" else (1 if extra else 0)
+    return [SamplingParams(**base, **(extra if i < asking else {})) for i in range(B)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--draft", default="default")
+    ap.add_argument("--speculation", default="tree:smollm2_48d5")
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--modes", default="graphed,eager", help="graphed (CUDA only), eager")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    from eyas import LLM
+    from eyas.bench.tpc import read_prompts
+
+    records = read_prompts(args.prompts)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    rows = []
+    for mode in args.modes.split(","):
+        llm = LLM(args.model, device=args.device, draft=args.draft, speculation=args.speculation,
+                  cuda_graphs=mode == "graphed", prefix_caching=False, max_num_seqs=max(sizes))
+        tok = llm.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": r["text"]}])) for r in records]
+        for B in sizes:
+            batch = (prompts * B)[:B]
+            for kind in args.kinds.split(","):
+                params = params_for(kind, B, args.max_tokens)
+                llm.generate(batch, params)  # captures the graphs this row needs
+                best = float("inf")
+                for _ in range(args.repeat):
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    outs = llm.generate(batch, params)
+                    best = min(best, time.perf_counter() - t0)
+                tpc = sum(len(o.token_ids) for o in outs) / max(1, sum(o.stats.target_calls for o in outs))
+                row = dict(mode=mode, batch=B, kind=kind, ms_per_token=round(1e3 * best / args.max_tokens, 4),
+                           tpc=round(tpc, 3))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        del llm
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(args=vars(args), device=torch.cuda.get_device_name() if torch.cuda.is_available()
+                           else "cpu", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=rows), f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
