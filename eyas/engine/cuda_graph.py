@@ -240,7 +240,7 @@ class GraphedStep:
 
         def drafted():
             return draft_phase(r.target, r.draft, tree, r.draft_cache, static, r.block_size, r.use_triton,
-                               r.simulated_accept, r.draft_hidden, root_masks)
+                               r.simulated_accept, r.draft_hidden, root_masks, pen)
 
         def verified(d):
             return verify_phase(r.target, r.draft, d, r.cache, static)

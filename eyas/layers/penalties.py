@@ -89,12 +89,32 @@ class Penalties:
         """In place, logits [B, N+1, V] at the root (node 0) and every tree node: each penalised by the committed
         tokens and the tokens of the nodes from the root's child down to itself (`ancestor_mask` [N+1, N+1] or
         [B, N+1, N+1]: [j, a] true where a is j or an ancestor of j; the root's token is committed already)."""
-        B, N1, V = logits.shape
-        counts = self.out_counts[:, None].expand(B, N1, V).clone()
-        if N1 > 1:  # counts[b, j, token of node a] += 1 for each a from the root's child down to j
-            mask = ancestor_mask.to(logits.device).float()
-            mask = (mask if mask.dim() == 3 else mask[None].expand(B, N1, N1))[:, :, 1:]  # [B, N+1, N]
-            counts.scatter_add_(2, node_tokens[:, None, 1:].expand(B, N1, N1 - 1), mask)
+        self.apply_to_nodes(logits, node_tokens[:, 1:], ancestor_mask[..., 1:])
+
+    def for_draft(self, path_tokens: torch.Tensor, on_path: torch.Tensor):
+        """The `adjust` of `eyas.spec.draft_vocab.draft_topk`: the draft's logits ([B, L, K], or [B, K] for one node)
+        penalised as `apply_to_nodes` does."""
+        def adjust(logits: torch.Tensor, columns: torch.Tensor | None) -> None:
+            self.apply_to_nodes(logits if logits.dim() == 3 else logits[:, None], path_tokens, on_path, columns)
+        return adjust
+
+    def apply_to_nodes(self, logits: torch.Tensor, path_tokens: torch.Tensor, on_path: torch.Tensor,
+                       columns: torch.Tensor | None = None) -> None:
+        """In place, logits [B, L, K] of L tree nodes: each penalised by the committed tokens and its path's:
+        `path_tokens` ([B, M]: the tokens of nodes 1..M, or [B, L, M]: each node's own) where `on_path` ([L, M] or
+        [B, L, M]) is true. `columns` [K]: the token id of each column of `logits` (a draft vocabulary's), None when
+        K is the vocabulary."""
+        B, L = logits.shape[:2]
+        V = self.out_counts.shape[-1]
+        M = path_tokens.shape[-1]
+        counts = self.out_counts[:, None].expand(B, L, V).clone()
+        if M:  # counts[b, l, token of node a] += 1 for each node a on l's path
+            mask = on_path.to(logits.device).float()
+            mask = mask if mask.dim() == 3 else mask[None].expand(B, L, M)
+            tokens = path_tokens if path_tokens.dim() == 3 else path_tokens[:, None].expand(B, L, M)
+            counts.scatter_add_(2, tokens, mask)
         seen = self.seen[:, None] | (counts > 0)
-        penalize(logits, counts, seen, self.frequency[:, None].expand(B, N1), self.presence[:, None].expand(B, N1),
-                 self.repetition[:, None].expand(B, N1))
+        if columns is not None:
+            counts, seen = counts[..., columns], seen[..., columns]
+        penalize(logits, counts, seen, self.frequency[:, None].expand(B, L), self.presence[:, None].expand(B, L),
+                 self.repetition[:, None].expand(B, L))

@@ -101,15 +101,20 @@ def restrict_logits(draft, logits: torch.Tensor, allowed: torch.Tensor) -> torch
     return logits.masked_fill(~bits.view(bits.shape[0], *([1] * (logits.dim() - 2)), -1), float("-inf"))
 
 
-def draft_topk(draft, target, h: torch.Tensor, k: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
+def draft_topk(draft, target, h: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
+               adjust=None) -> torch.Tensor:
     """Target token ids [..., k] of the draft's top-k candidates from features h [B, ..., H]: over the draft
     vocabulary when one is attached, the whole vocabulary otherwise (`draft_logits`); only tokens that `allowed`
-    ([B, words] bitmasks, guided decoding) allows, when given."""
+    ([B, words] bitmasks, guided decoding) allows, when given. `adjust(logits, columns)`: changes the logits in
+    place before the top-k (repetition penalties, `eyas.layers.penalties`; `columns`: the draft vocabulary's ids or
+    None)."""
     ids = getattr(draft, "vocab_ids", None)
     # the logits stay in the head's dtype: the float32 upcast of the same values would order them the same
     logits = draft_logits(draft, target, h)
     if allowed is not None:
         logits = restrict_logits(draft, logits, allowed)
+    if adjust is not None:
+        adjust(logits, ids)
     # k = 1 (every chain level): an argmax; otherwise a top-k (on CUDA each is two Triton launches, `eyas.kernels.
     # chunk_topk`)
     top = argmax(logits)[..., None] if k == 1 else topk_indices(logits, k)

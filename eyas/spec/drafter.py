@@ -138,14 +138,17 @@ def _chain_rows(P: int, device: str) -> torch.Tensor:
 
 
 def expand_tree(draft, target, draft_cache, tree: Tree, root_h, n, node_tokens, meta: MetaBuilder,
-                draft_positions, node_h=None, root_allowed=None) -> None:
+                draft_positions, node_h=None, root_allowed=None, penalties=None) -> None:
     """Fill node_tokens[:, 1:] level by level from the root feature root_h [B, H]; n [B] = target KV length (the
     root's draft entry is at n-1, so a node of depth d sits at draft position n-1+d: `draft_positions` [B, N+1]).
     The levels' K/V go to a stash (row = node), and each level's suffix attends to rows 1.. of it: the ancestors it
     needs, no concatenation. `node_h` [B, N+1, H]: the nodes' feature buffer, when the caller has written root_h
     to its row 0 (then root_h is that row). `root_allowed` [B, words] (guided decoding: the token bitmasks of what
     may follow each row's committed tokens): the root's children are drawn from the tokens it allows; deeper levels
-    propose freely (their grammar states are only known once the tree's tokens are on the host)."""
+    propose freely (their grammar states are only known once the tree's tokens are on the host). `penalties`
+    (`eyas.layers.penalties.Penalties`): each node's children are proposed from the draft's logits penalised as the
+    target's will be after that node's path (the committed tokens, then the nodes from the root's child down to
+    it), so that the draft proposes what the penalised target is likely to accept."""
     B, H = root_h.shape
     device = root_h.device
     if node_h is None:
@@ -158,8 +161,11 @@ def expand_tree(draft, target, draft_cache, tree: Tree, root_h, n, node_tokens, 
         level, nxt = tree.levels[d], tree.levels[d + 1]
         pick, par_abs = idx[d]  # each child's entry in its level's flat [parent, rank] top-k, its parent's node id
         # the draft's candidates: greedy top-k over the vocabulary (or the draft's reduced vocabulary)
+        adjust = None
+        if penalties is not None:  # the level's nodes' paths run through nodes 1..level.stop - 1
+            adjust = penalties.for_draft(node_tokens[:, 1: level.stop], ancestors[level.start: level.stop, 1: level.stop])
         top = draft_topk(draft, target, node_h[:, level.start: level.stop], tree.topk_per_level[d],  # [B, |level|, k]
-                         root_allowed if d == 0 else None)
+                         root_allowed if d == 0 else None, adjust)
         # the children's tokens into node_tokens, and their pairs (token, parent's feature) for the draft
         last = d + 1 == tree.max_depth  # the deepest level needs tokens, not features
         pairs = draft_pairs(target, meta.use_triton, top.flatten(1), pick, node_h, par_abs,

@@ -97,13 +97,16 @@ class StepTree:
         return [self.children.shape[-1]] * self.max_depth
 
 
-def draft_topk_logp(draft, target, h: torch.Tensor, k: int, allowed: torch.Tensor | None = None):
+def draft_topk_logp(draft, target, h: torch.Tensor, k: int, allowed: torch.Tensor | None = None, adjust=None):
     """The draft's top-k from features h [B, ..., H]: (log-probabilities [..., k] in float32, target token ids
     [..., k]), over the draft vocabulary when one is attached (`draft_logits`); over the tokens `allowed` ([B, words]
-    bitmasks, guided decoding) allows, when given (the log-probabilities renormalised over them)."""
+    bitmasks, guided decoding) allows, when given (the log-probabilities renormalised over them). `adjust`: as
+    `draft_topk`'s."""
     logits = draft_logits(draft, target, h)
     if allowed is not None:
         logits = restrict_logits(draft, logits, allowed)
+    if adjust is not None:
+        adjust(logits, getattr(draft, "vocab_ids", None))
     # on CUDA two Triton launches, where torch.topk and a float32 logsumexp over a 49k row take ~35 kernels
     logp, idx = topk_logp(logits, k)
     ids = getattr(draft, "vocab_ids", None)
@@ -111,11 +114,12 @@ def draft_topk_logp(draft, target, h: torch.Tensor, k: int, allowed: torch.Tenso
 
 
 def expand_dynamic(draft, target, draft_cache, dyn: DynamicTree, root_h: torch.Tensor, root_tokens: torch.Tensor,
-                   n: torch.Tensor, meta: MetaBuilder, root_allowed: torch.Tensor | None = None):
+                   n: torch.Tensor, meta: MetaBuilder, root_allowed: torch.Tensor | None = None, penalties=None):
     """The step's trees from the root feature root_h [B, H] (root_tokens [B]; n [B] = target KV length: the root's
     draft entry is at n-1, a node of depth d at draft position n-1+d). `root_allowed` ([B, words] bitmasks, guided
-    decoding): the root's children are drawn from the tokens the grammar allows next. Returns (node_tokens
-    [B, N+1], StepTree)."""
+    decoding): the root's children are drawn from the tokens the grammar allows next. `penalties`
+    (`eyas.layers.penalties.Penalties`): each beam's candidates (and their scores) come from the draft's logits
+    penalised as the target's will be after the beam's path. Returns (node_tokens [B, N+1], StepTree)."""
     B, H = root_h.shape
     K, D, N = dyn.topk, dyn.depth, dyn.num_nodes
     device = root_h.device
@@ -127,7 +131,11 @@ def expand_dynamic(draft, target, draft_cache, dyn: DynamicTree, root_h: torch.T
     pool_score = torch.empty((B, P), dtype=torch.float32, device=device)
     pool_tok = torch.empty((B, P), dtype=torch.long, device=device)
     pool_path = torch.empty((B, P, D), dtype=torch.long, device=device)
-    logp, tok = draft_topk_logp(draft, target, root_h, K, root_allowed)  # [B, K]
+    adjust = None
+    if penalties is not None:  # the root's candidates: by the committed tokens
+        no_path = torch.empty(B, 1, 0, dtype=torch.long, device=device)
+        adjust = penalties.for_draft(no_path, no_path.bool())
+    logp, tok = draft_topk_logp(draft, target, root_h, K, root_allowed, adjust)  # [B, K]
     pool_score[:, :K] = logp
     pool_tok[:, :K] = tok
     pool_path[:, :K] = first_path
@@ -140,7 +148,11 @@ def expand_dynamic(draft, target, draft_cache, dyn: DynamicTree, root_h: torch.T
         pairs = draft_pairs(target, meta.use_triton, beam_tok, feats=beam_feat)
         m = meta(n, anc, stash=stash, stash_at=1 + (d - 1) * K, suffix_from=1)
         h = draft.forward_pairs(pairs, positions + d, m, draft_cache)  # [B, K, H]
-        logp, tok = draft_topk_logp(draft, target, h, K)  # [B, K, K]
+        if penalties is not None:  # each beam's: by the committed tokens and its path's (depths 1..d)
+            path = beam_path[:, :, :d]
+            path_tok = pool_tok.gather(1, path.clamp(min=0).flatten(1)).view(B, K, d)
+            adjust = penalties.for_draft(path_tok, path >= 0)
+        logp, tok = draft_topk_logp(draft, target, h, K, None, adjust)  # [B, K, K]
         beam = grow_pool(beam_score, logp, tok, beam_path, h, anc, pool_score, pool_tok, pool_path,
                          K + (d - 1) * K * K, d, next_beam=d + 1 < D)
         if beam is not None:

@@ -141,14 +141,15 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
     are written straight to the cache, and its attention is one prefix pass that includes it (no suffix pass).
     `logprobs` (k, when a request asks for log-probabilities): the outputs also hold the committed tokens' and the top
     k's (`eyas.layers.logprobs`). `penalties` (`eyas.layers.penalties.Penalties`, when a request asks for repetition
-    penalties): every node's logits are penalised by the committed tokens and its own path's, before acceptance.
+    penalties): every node's logits are penalised by the committed tokens and its own path's, before acceptance, and
+    the draft proposes from logits penalised so too.
     """
     allowed = None
     if guide is not None and draft is not None:  # the root's children from the tokens the grammar allows next
         B = inp.root_tokens.shape[0]
         allowed = guide.root_masks(torch.empty((B, guide.words), dtype=torch.int32)).to(inp.root_tokens.device)
     d = draft_phase(target, draft, tree, draft_cache, inp, block_size, use_triton, simulated_accept, draft_hidden,
-                    allowed)
+                    allowed, penalties)
     if guide is not None:  # guided decoding: the tree's tokens go to the host while the target verifies them
         guide.read(d.node_tokens, d.tree.parents)
     v = verify_phase(target, draft, d, cache, inp)
@@ -159,12 +160,22 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
     return accept_phase(draft, d, v, cache, inp, use_triton, simulated_accept, all_greedy, draft_hidden, logprobs)
 
 
+# The draft proposes from logits penalised as the target's will be (`expand_tree`'s `penalties`), when a request asks
+# for repetition penalties. Off, it proposes as if there were none, and accepts less of what the penalised target
+# says (the output is the same: the draft only proposes).
+PENALISE_DRAFT = True
+
+
 def draft_phase(target, draft, tree: Tree | DynamicTree, draft_cache, inp: DecodeInputs, block_size: int,
                 use_triton: bool = False, simulated_accept: torch.Tensor | None = None,
-                draft_hidden: torch.Tensor | None = None, root_allowed: torch.Tensor | None = None) -> Drafted:
+                draft_hidden: torch.Tensor | None = None, root_allowed: torch.Tensor | None = None,
+                penalties=None) -> Drafted:
     """The step's draft: it reads the committed history it has not read (catch-up), then expands the tree level by
     level. Without a draft, the tree is the bare root. `root_allowed` [B, words] (guided decoding: each row's
-    grammar mask after its committed tokens): the root's children are proposed among the tokens it allows."""
+    grammar mask after its committed tokens): the root's children are proposed among the tokens it allows.
+    `penalties`: each node's children are proposed from penalised draft logits (`expand_tree`; not when
+    PENALISE_DRAFT is off)."""
+    penalties = penalties if PENALISE_DRAFT else None
     dynamic = isinstance(tree, DynamicTree)
     if dynamic and (draft is None or simulated_accept is not None):
         raise ValueError(f"{tree.name}: a dynamic tree needs a draft, and its acceptance cannot be replayed")
@@ -196,16 +207,16 @@ def draft_phase(target, draft, tree: Tree | DynamicTree, draft_cache, inp: Decod
             from eyas.kernels.spec_prologue import root_row_triton
             node_h = torch.empty(B, N1, out.shape[-1], dtype=out.dtype, device=device)
             expand_tree(draft, target, draft_cache, tree, root_row_triton(out, lens, node_h[:, 0]), n, node_tokens,
-                        meta, draft_positions, node_h=node_h, root_allowed=root_allowed)
+                        meta, draft_positions, node_h=node_h, root_allowed=root_allowed, penalties=penalties)
         elif tree.num_nodes:  # the root's feature: the last pair's output (n > d always: the root's own pair)
             root_h = root_row_reference(out, lens)
             if dynamic:
                 node_tokens, tree = expand_dynamic(draft, target, draft_cache, tree, root_h, inp.root_tokens, n,
-                                                   meta, root_allowed)
+                                                   meta, root_allowed, penalties)
                 positions = n[:, None] + tree.depth
             else:
                 expand_tree(draft, target, draft_cache, tree, root_h, n, node_tokens, meta, positions - 1,
-                            root_allowed=root_allowed)
+                            root_allowed=root_allowed, penalties=penalties)
     return Drafted(tree, node_tokens, positions, meta)
 
 
