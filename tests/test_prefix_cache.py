@@ -203,6 +203,35 @@ def test_outputs_and_acceptance_equal_an_engine_without_it(request, pair, spec, 
 
 
 @pytest.mark.parametrize("spec", [None, "tree:mc_sim_7b_63"])
+def test_requests_that_arrive_together_wait_for_a_long_shared_prefix(mirror_pair, spec):
+    """Three choices of one 101-token prompt, then three prompts on a 90-token system prompt (and, second, one whose
+    65th token differs from it), and one that shares only 40 of it, all at once. The first of each group computes
+    the shared blocks; the others wait a prefill step (they would gain >= SHARE_MIN_TOKENS = 64) and take them all;
+    the two others would gain too little to wait for (the one that differs at token 65 shares 64 tokens but only 15
+    whole blocks' keys), and take what is cached when their turn comes. Outputs equal an engine without prefix
+    caching; no block leaks."""
+    from eyas.engine.scheduler import SHARE_MIN_TOKENS
+    assert SHARE_MIN_TOKENS == 64
+    target_dir, draft_dir = mirror_pair
+    kw = dict(device="cpu", dtype="float32", block_size=BS)
+    if spec is not None:
+        kw.update(draft=str(draft_dir), speculation=spec)
+    system = _ids(90, 40)
+    other = system[:64] + [(system[64] + 1) % 24] + _ids(20, 51)  # 64 alike, but a block's key holds the token after
+    prompts = ([_ids(101, 41)] * 3 + [system + _ids(7, 42)] + [other] + [system + _ids(7, 43 + i) for i in range(2)]
+               + [system[:40] + _ids(9, 50)])
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    ref = LLM(str(target_dir), prefix_caching=False, **kw).generate(prompts, params)
+    llm = LLM(str(target_dir), **kw)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    # 100 = the prompt's whole blocks (one token is always prefilled); 88 = the system prompt's whole blocks whose
+    # next token is the system prompt's too; 36: the block that holds token 40 has a different next token
+    assert [o.num_cached_tokens for o in outs] == [0, 100, 100, 0, 0, 88, 88, 36]
+    assert llm.engine.blocks.num_used == 0
+
+
+@pytest.mark.parametrize("spec", [None, "tree:mc_sim_7b_63"])
 def test_preemption_with_shared_blocks_loses_nothing(mirror_pair, spec):
     """A pool too small for the batch: sequences that share cached blocks are preempted and come back through the
     cache; outputs equal a roomy engine's without prefix caching, and every block comes back."""

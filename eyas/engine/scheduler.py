@@ -8,6 +8,11 @@ blocks are freed and it goes back to the front of the waiting queue, keeping its
 Prefix caching (`BlockManager(prefix_caching=True)`, `eyas.cache.prefix_cache`): a sequence admitted to prefill
 first takes the cached blocks its tokens begin with (`_prefix_hit`) and prefills only the rest. Its full blocks are
 cached after each of its prefill steps and when it lets them go (finished, handed off or preempted: `cache_blocks`).
+Requests that begin alike and arrive together (a request's `n` choices, a burst that shares a long system prompt)
+would each compute the shared part, since blocks are cached only after the step that computes them. So a waiting
+request that a sequence prefilling now would give at least SHARE_MIN_TOKENS more cached tokens waits for it
+(`_waits_for_shared_prefix`; SGLang's in-batch prefix caching): its admission, and those behind it, move to a later
+step, where it finds those blocks cached.
 """
 from __future__ import annotations
 
@@ -16,6 +21,11 @@ from dataclasses import dataclass, field
 
 from eyas.cache.block_manager import BlockManager
 from eyas.engine.sequence import Sequence, Status
+
+
+# The least a waiting request must gain (tokens it would find cached once a sequence prefilling now has cached its
+# blocks) to wait a step for it. A step's wait is worth a prefill of that many tokens or more.
+SHARE_MIN_TOKENS = 64
 
 
 @dataclass
@@ -93,7 +103,7 @@ class Scheduler:
             seq = self.waiting[0]
             # admit only if the whole prompt and one decode step fit; the prompt's blocks are reserved at once
             hit = self._prefix_hit(seq)
-            if not self._fits(seq, hit[0]):
+            if not self._fits(seq, hit[0]) or self._waits_for_shared_prefix(seq, hit[0]):
                 break
             self.waiting.popleft()
             self._admit(seq, seq.prefill_target, hit)
@@ -142,7 +152,8 @@ class Scheduler:
         if not self._admission_open():
             return False
         seq = self.waiting[0]
-        return self._fits(seq, self._prefix_hit(seq)[0])
+        hit = self._prefix_hit(seq)[0]
+        return self._fits(seq, hit) and not self._waits_for_shared_prefix(seq, hit)
 
     def _fits(self, seq: Sequence, hit: list[int]) -> bool:
         """Whether the pool holds `seq`'s prompt and one decode step, its first blocks being the cached `hit`."""
@@ -150,6 +161,21 @@ class Scheduler:
         return need + self.blocks.num_parked(hit) <= self.blocks.num_free
 
     # ---- prefix caching -----------------------------------------------------------------------------------
+    def _waits_for_shared_prefix(self, seq: Sequence, hit: list[int]) -> bool:
+        """Whether `seq` should wait: a running sequence still in prefill begins with the same tokens as `seq` for at
+        least SHARE_MIN_TOKENS (whole blocks) past the `hit` that `seq` finds cached now, and will cache them (its
+        prefill reaches past them, the draft's too). The wait ends when they are cached, or when no sequence in
+        prefill shares them any more."""
+        if self.blocks.prefix is None:
+            return False
+        B, ids = self.blocks.block_size, seq.token_ids
+        need = len(hit) + -(-SHARE_MIN_TOKENS // B)  # blocks
+        if need > (seq.prefill_target - 1) // B:  # more than a hit may take (one token is always prefilled)
+            return False
+        head = ids[: need * B + 1]  # a block's key holds the token after it
+        return any(s.in_prefill and need * B < s.prefill_target and s.token_ids[: need * B + 1] == head
+                   for s in self.running)
+
     def _prefix_hit(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """The cached blocks `seq`'s tokens begin with, and their entry ids: ([], []) without prefix caching.
         At least one token is left to prefill, as its logits give the first token (or, after a preemption, its
