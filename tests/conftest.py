@@ -28,8 +28,11 @@ def mt_bench_first_turns(n: int | None = None) -> list[str]:
 # closure over the LLM (to count steps, say) makes a cycle, which only the cycle collector frees; it runs by object
 # counts, not bytes, so such engines (each with its KV pool, 1 GiB on the CPU by default) piled up to ~16 GB in one
 # worker (session 52: test_overlap). After a test that left the process 1.5 GiB larger than after the last
-# collection, collect (~0.2 s; most tests do not trigger it).
+# collection, collect (~0.2 s; most tests do not trigger it). On a GPU the same holds for device memory, where it
+# matters more: an engine's KV pool takes 60% of the free memory, so each engine kept alive shrinks the next one's
+# pool (session 52's device run of tests/test_cuda_graph.py, where earlier tests' engines were left in cycles).
 _RSS_AT_COLLECT = [0]
+_CUDA_AT_COLLECT = [0]
 
 
 def _rss_bytes() -> int:
@@ -43,9 +46,14 @@ def _rss_bytes() -> int:
 @pytest.fixture(autouse=True)
 def _collect_cycles_when_memory_grows():
     yield
-    if _rss_bytes() > _RSS_AT_COLLECT[0] + (3 << 29):
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if _rss_bytes() > _RSS_AT_COLLECT[0] + (3 << 29) or (
+            cuda and torch.cuda.memory_allocated() > _CUDA_AT_COLLECT[0] + (1 << 30)):
         gc.collect()
         _RSS_AT_COLLECT[0] = _rss_bytes()
+        if cuda:
+            torch.cuda.empty_cache()
+            _CUDA_AT_COLLECT[0] = torch.cuda.memory_allocated()
 
 
 @pytest.fixture(scope="session")
