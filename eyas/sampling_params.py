@@ -61,6 +61,10 @@ class SamplingParams:
     # log-probabilities of each output token and of the `logprobs` likeliest tokens in its place (0: the output
     # token's only), under the target's logits before temperature, top-k and top-p (eyas.layers.logprobs)
     logprobs: int | None = None
+    # the same for every prompt token after the first (vLLM's `prompt_logprobs`; OpenAI's completions with `echo`):
+    # the target's log-probability of each prompt token given those before it, and the k likeliest in its place.
+    # A request that asks for them takes nothing from the prefix cache (every prompt position must be computed)
+    prompt_logprobs: int | None = None
     # repetition penalties, as vLLM's (eyas.layers.penalties): presence and frequency (OpenAI's, in [-2, 2]) on the
     # output's tokens, repetition (CTRL's, > 0; 1 is off) on the prompt's and the output's
     presence_penalty: float = 0.0
@@ -89,6 +93,9 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        k = self.prompt_logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {k!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:

@@ -18,11 +18,11 @@ PROMPTS = ["Hello there", "yes or no?", "{\"", "abcabc " * 9, "12 12 12", "a", "
 
 
 def params():
-    return ([SamplingParams(max_tokens=24, ignore_eos=True)]
+    return ([SamplingParams(max_tokens=24, ignore_eos=True, prompt_logprobs=2)]
             + [SamplingParams(temperature=1.0, seed=s, max_tokens=20, logprobs=2 * s - 2) for s in (1, 2)]
             + [SamplingParams(max_tokens=30, guided=GuidedDecoding(regex=r"(yes|no), [0-9]{1,3}!"))]
             + [SamplingParams(max_tokens=16, stop=["e"], logprobs=1)]
-            + [SamplingParams(max_tokens=1)]
+            + [SamplingParams(max_tokens=1, prompt_logprobs=0)]
             + [SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=40,
                               guided=GuidedDecoding(json_object=True))])
 
@@ -132,13 +132,22 @@ def test_handoffs_must_fit_the_decode_engine(pair, tmp_path):
 
 def assert_same_logprobs(out, ref):
     """The requests that asked for log-probabilities got one per token, the first one's (from the prefill engine,
-    carried by the handoff) included, as one engine's up to float noise."""
+    carried by the handoff) included, as one engine's up to float noise; and those that asked for the prompt's (the
+    prefill engine's, carried by the handoff or, for a request that ends there, with its output), theirs."""
     asked = [(o, r) for o, r in zip(out, ref) if r.logprobs is not None]
     assert len(asked) == 3
     for o, r in asked:
         assert len(o.logprobs) == len(o.token_ids) == len(r.logprobs)
         assert [[i for i, _ in e.top] for e in o.logprobs] == [[i for i, _ in e.top] for e in r.logprobs]
         assert [e.logprob for e in o.logprobs] == pytest.approx([e.logprob for e in r.logprobs], abs=1e-5)
+    prompted = [(o, r) for o, r in zip(out, ref) if r.prompt_logprobs is not None]
+    assert len(prompted) == 2 and len(prompted[0][1].prompt_logprobs) > 1  # (the other's prompt is one token)
+    for o, r in prompted:
+        assert len(o.prompt_logprobs) == len(r.prompt_logprobs) == len(o.prompt_token_ids)
+        assert [[i for i, _ in e.top] for e in o.prompt_logprobs[1:]] == [[i for i, _ in e.top]
+                                                                         for e in r.prompt_logprobs[1:]]
+        assert [e.logprob for e in o.prompt_logprobs[1:]] == \
+            pytest.approx([e.logprob for e in r.prompt_logprobs[1:]], abs=1e-5)
 
 
 def test_llm_disaggregate(pair):

@@ -72,7 +72,50 @@ def test_stops_cut_the_logprobs_with_the_tokens(pairs):
         assert [e.logprob for e in o.logprobs] == pytest.approx([e.logprob for e in kept], abs=1e-5)
 
 
+@pytest.mark.parametrize("spec", [None, "tree:mc_sim_7b_63"])
+def test_prompt_logprobs_equal_a_dense_forward(pairs, spec):
+    """`prompt_logprobs`: each prompt token's log-probability given those before it, and its top k, equal a dense
+    forward's over the prompt (None for the first token); across prefill chunks (a 6-token budget splits the long
+    prompts), beside requests that do not ask, after a preemption (a pool too small for all), and with prefix
+    caching on (a request that asks takes no cached block: every position is computed; one that does not still
+    hits what the others cached)."""
+    target, draft = pairs["mirror"]
+    kw = dict(device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=6)
+    if spec is not None:
+        kw.update(draft=str(draft), speculation=spec)
+    prompts = _prompts() + [_prompts()[3] + [7, 7, 1]]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, prompt_logprobs=k) for k in (2, 0, 4, 3)] + \
+        [SamplingParams(max_tokens=12, ignore_eos=True)]
+    for num_blocks in (None, 14):
+        llm = LLM(str(target), num_blocks=num_blocks, **kw)
+        outs = llm.generate(prompts, params)
+        if num_blocks is not None:
+            assert llm.engine.scheduler.num_preemptions > 0
+        for p, o, sp in zip(prompts, outs, params):
+            if sp.prompt_logprobs is None:
+                assert o.prompt_logprobs is None
+                continue
+            assert len(o.prompt_logprobs) == len(p) and o.prompt_logprobs[0] is None
+            ref = _dense(llm, p, 1)[: len(p) - 1]  # positions 0..len-2 predict tokens 1..len-1
+            got = o.prompt_logprobs[1:]
+            torch.testing.assert_close(torch.tensor([e.logprob for e in got]),
+                                       ref.gather(1, torch.tensor(p[1:])[:, None])[:, 0], atol=1e-5, rtol=0)
+            top_lp, top_ids = ref.topk(sp.prompt_logprobs, dim=-1)
+            assert [[i for i, _ in e.top] for e in got] == top_ids.tolist()
+            torch.testing.assert_close(torch.tensor([[lp for _, lp in e.top] for e in got]).reshape(top_lp.shape),
+                                       top_lp, atol=1e-5, rtol=0)
+        if num_blocks is None:
+            assert outs[4].num_cached_tokens > 0  # the same prompt's blocks, cached by request 3
+            again = llm.generate([prompts[3]], params[3])[0]  # its blocks are cached now: it takes none
+            assert again.num_cached_tokens == 0 and len(again.prompt_logprobs) == len(prompts[3])
+            assert [e.logprob for e in again.prompt_logprobs[1:]] == \
+                pytest.approx([e.logprob for e in outs[3].prompt_logprobs[1:]], abs=1e-5)
+        assert llm.engine.blocks.num_used == 0
+
+
 def test_bad_logprobs_are_refused():
     for bad in (-1, 21, 2.0, True):
         with pytest.raises(ValueError, match="logprobs"):
             SamplingParams(logprobs=bad)
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)

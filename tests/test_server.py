@@ -585,6 +585,47 @@ def test_completion_logprobs_equal_a_dense_forwards(tiny):
     tiny.wait_idle()
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(tiny):
+    """lm-evaluation-harness's loglikelihood request (`echo: true, logprobs: 1, max_tokens: 1`, the prompt as token
+    ids): the text and the tokens are the prompt's and then the completion's; the first prompt token's
+    log-probability and alternatives are null, every other prompt token's are a dense forward's; the harness's
+    sum and greedy test read them. Without logprobs the text is still echoed; with stream, a 400."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    body = _tiny_body(max_tokens=1, prompt=prompt, logprobs=1, echo=True)
+    r = httpx.post(tiny.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    names = [f"token_id:{t}" for t in prompt]
+    assert lp["tokens"][:-1] == names and len(lp["tokens"]) == len(prompt) + 1
+    plain = httpx.post(tiny.url + "/v1/completions", json={**body, "echo": False}, timeout=60).json()["choices"][0]
+    assert choice["text"] == "".join(names) + plain["text"]  # (a model without a tokenizer has no output text)
+    assert lp["tokens"][-1] == plain["logprobs"]["tokens"][0]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:j]) for j in range(len(prompt) + 1)]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    target = tiny.engine.target
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        ref = torch.log_softmax(target.compute_logits(target(ids, torch.arange(len(prompt))[None]))[0].float(), -1)
+    want = ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert lp["token_logprobs"][1:-1] == pytest.approx(want.tolist(), abs=1e-5)
+    for j in range(1, len(prompt)):
+        vals, idx = ref[j - 1].topk(1)
+        assert lp["top_logprobs"][j] == pytest.approx(
+            {f"token_id:{idx.item()}": vals.item(), names[j]: want[j - 1].item()}, abs=1e-5)
+    # the harness's reading: the continuation's log-likelihood, and whether it is the greedy one
+    ctx = 3
+    assert sum(lp["token_logprobs"][ctx:-1]) == pytest.approx(want[ctx - 1:].sum().item(), abs=1e-4)
+    greedy = all(max(top.values()) == x for top, x in zip(lp["top_logprobs"][ctx:-1], lp["token_logprobs"][ctx:-1]))
+    assert greedy == all(ref[j - 1].argmax().item() == prompt[j] for j in range(ctx, len(prompt)))
+    r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=2, prompt=prompt, echo=True), timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
+    assert r.json()["choices"][0]["text"].startswith("".join(names))
+    r = httpx.post(tiny.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+    tiny.wait_idle()
+
+
 def test_penalties_reach_the_engine(tiny):
     """presence / frequency / repetition penalties (tests/test_penalties.py holds the engine to its oracles): the
     server's output is the offline engine's with the same penalties; out-of-range values are 400s naming them."""

@@ -79,6 +79,7 @@ class Handoff:
     first_token_time: float | None = None
     prefix_hit: int = 0  # KV entries the prefill engine found in its prefix cache
     logprobs: list | None = None  # the output tokens' `TokenLogprobs`, when the request asked for them
+    prompt_logprobs: list | None = None  # the prompt tokens' (from the second on), when it asked for them
 
     def to(self, device) -> "Handoff":
         import dataclasses
@@ -97,16 +98,19 @@ class RequestOutput:
     `num_output_tokens` and `text_since(i)` are the cheap reads for streaming."""
 
     __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "num_prompt_tokens", "stats", "_ids",
-                 "_end", "_text", "num_cached_tokens", "_logprobs", "_lp_end")
+                 "_end", "_text", "num_cached_tokens", "_logprobs", "_lp_end", "prompt_logprobs")
 
     def __init__(self, request_id: str, new_token_ids: list[int], finished: bool, finish_reason: str | None,
                  num_prompt_tokens: int, stats: SpecStats | None = None, ids: list[int] | None = None,
-                 text: OutputText = NO_TEXT, num_cached_tokens: int = 0, logprobs: list | None = None):
+                 text: OutputText = NO_TEXT, num_cached_tokens: int = 0, logprobs: list | None = None,
+                 prompt_logprobs: list | None = None):
         """`ids`: the sequence's token ids, prompt first (shared, not copied; their first `num_prompt_tokens` are
         the prompt's); the output is ids[num_prompt_tokens:len(ids)] as they are now. `num_cached_tokens`: prompt
         tokens the prefix cache held when the request was admitted (OpenAI's usage `cached_tokens`). `logprobs`: the
-        sequence's `TokenLogprobs` (shared, like `ids`), when its request asked for them."""
+        sequence's `TokenLogprobs` (shared, like `ids`), when its request asked for them; `prompt_logprobs`: those of
+        its prompt tokens from the second on (`SamplingParams.prompt_logprobs`; complete once a token is out)."""
         self.num_cached_tokens = num_cached_tokens
+        self.prompt_logprobs = prompt_logprobs
         self._logprobs = logprobs
         self._lp_end = len(logprobs) if logprobs is not None else 0
         self.request_id, self.new_token_ids = request_id, new_token_ids
@@ -376,7 +380,8 @@ class LLMEngine:
         target_kv, draft_kv, pending = self.runner.read_sequence(seq)
         self.handoffs.append(Handoff(seq.request_id, list(seq.prompt_ids), list(seq.token_ids), seq.params, seq.seed,
                                      seq.num_cached, seq.num_draft_cached, target_kv, draft_kv, pending,
-                                     seq.arrival, seq.first_token_time, seq.prefix_hit, list(seq.logprobs)))
+                                     seq.arrival, seq.first_token_time, seq.prefix_hit, list(seq.logprobs),
+                                     list(seq.prompt_logprobs)))
         self.scheduler.finish(seq, "handoff")
         self.seqs.pop(seq.request_id, None)
 
@@ -396,7 +401,8 @@ class LLMEngine:
         params = h.params
         seq = Sequence(list(h.prompt_ids), params, h.seed, request_id=h.request_id, token_ids=list(h.token_ids),
                        stop_ids=self._stop_ids(params), grammar=self.grammar_state(params), arrival=h.arrival,
-                       first_token_time=h.first_token_time, prefix_hit=h.prefix_hit, logprobs=list(h.logprobs or []))
+                       first_token_time=h.first_token_time, prefix_hit=h.prefix_hit, logprobs=list(h.logprobs or []),
+                       prompt_logprobs=list(h.prompt_logprobs or []))
         if seq.grammar is not None:
             seq.grammar.accept(seq.output_ids)
         if self.tokenizer is not None:
@@ -448,14 +454,16 @@ class LLMEngine:
         if reason:
             return self._finish(seq, reason, added)
         return RequestOutput(seq.request_id, added, False, None, seq.num_prompt, seq.stats, seq.token_ids,
-                             seq.output_text, min(seq.prefix_hit, seq.num_prompt), _logprobs_of(seq))
+                             seq.output_text, min(seq.prefix_hit, seq.num_prompt), _logprobs_of(seq),
+                             _prompt_logprobs_of(seq))
 
     def _finish(self, seq: Sequence, reason: str, added: list[int] | None = None) -> RequestOutput:
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq, reason)
         self.seqs.pop(seq.request_id, None)
         return RequestOutput(seq.request_id, added or [], True, reason, seq.num_prompt, seq.stats, seq.token_ids,
-                             seq.output_text, min(seq.prefix_hit, seq.num_prompt), _logprobs_of(seq))
+                             seq.output_text, min(seq.prefix_hit, seq.num_prompt), _logprobs_of(seq),
+                             _prompt_logprobs_of(seq))
 
     @staticmethod
     def _decode_added(seq: Sequence, added: list[int]) -> int:
@@ -491,6 +499,10 @@ class LLMEngine:
 
 def _logprobs_of(seq: Sequence) -> list | None:
     return seq.logprobs if seq.params.logprobs is not None else None
+
+
+def _prompt_logprobs_of(seq: Sequence) -> list | None:
+    return seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None
 
 
 def _find_stop(tail: str, stops: list[str], start: int) -> int:

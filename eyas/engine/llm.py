@@ -41,6 +41,8 @@ class CompletionOutput:
     latency: float | None = None  # seconds from submission to the last token
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (eyas.cache.prefix_cache)
     logprobs: list | None = None  # `SamplingParams.logprobs`: each token's `eyas.layers.logprobs.TokenLogprobs`
+    # `SamplingParams.prompt_logprobs`: those of the prompt's tokens, None first (the first token has none)
+    prompt_logprobs: list | None = None
 
 
 class LLM:
@@ -117,7 +119,9 @@ class LLM:
                                  (s.first_token_time - s.arrival) if s.first_token_time else None,
                                  (s.finish_time - s.arrival) if s.finish_time else None,
                                  min(s.prefix_hit, s.num_prompt),
-                                 list(s.logprobs) if s.params.logprobs is not None else None) for s in seqs]
+                                 list(s.logprobs) if s.params.logprobs is not None else None,
+                                 [None] + list(s.prompt_logprobs) if s.params.prompt_logprobs is not None else None)
+                for s in seqs]
 
     def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool = False):
         """One conversation (a list of {"role", "content"}) or a list of conversations."""

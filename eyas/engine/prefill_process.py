@@ -89,12 +89,14 @@ class RemotePrefillEngine:
             if kind == "error":
                 raise RuntimeError(f"the prefill process failed:\n{info[0]}")
             committed, handoffs = info
-            for rid, tokens, logprobs in committed:
+            for rid, tokens, logprobs, prompt_logprobs in committed:
                 seq = self.seqs.get(rid)
                 if seq is None:  # aborted meanwhile
                     continue
                 seq.first_token_time = seq.first_token_time or time.perf_counter()
                 seq.new_logprobs = logprobs
+                if prompt_logprobs is not None:
+                    seq.prompt_logprobs = list(prompt_logprobs)
                 out = self.decode._commit(seq, tokens)
                 if out.finished:
                     self.seqs.pop(rid, None)
@@ -169,7 +171,7 @@ def _child_main(spec: dict, commands, results) -> None:
             if not engine.has_unfinished():
                 continue
             outputs = engine.step()
-            committed = [(o.request_id, list(o.new_token_ids), o.new_logprobs) for o in outputs]
+            committed = [(o.request_id, list(o.new_token_ids), o.new_logprobs, o.prompt_logprobs) for o in outputs]
             handoffs = [h.to("cpu") for h in engine.take_handoffs()]
             if committed or handoffs:
                 results.put(("step", committed, handoffs))

@@ -282,6 +282,8 @@ class ModelRunner:
             hidden, feats = self.target(ids, torch.where(valid, start[:, None] + ar, 0), m, self.cache,
                                         feature_layers=fl)
 
+        if any(s.params.prompt_logprobs is not None for s in seqs):
+            self._prompt_logprobs(seqs, chunk_lens, hidden)
         rows = torch.arange(B, device=dev)
         logits = self.target.compute_logits(hidden[rows, lens - 1])
         states = [s.grammar for s in seqs]
@@ -314,6 +316,26 @@ class ModelRunner:
             if out[-1] is not None and s.params.logprobs is not None:
                 s.new_logprobs = _entries(lps, i, s.params.logprobs, 1)
         return out
+
+    def _prompt_logprobs(self, seqs, chunk_lens, hidden, rows_at_once: int = 512) -> None:
+        """`params.prompt_logprobs`: the log-probabilities of the prompt tokens this chunk's positions predict
+        (position p predicts token p + 1; the prompt's last position predicts the first output token, whose entry is
+        the output's), from the target's raw logits, appended to `seq.prompt_logprobs`. Positions whose entries a
+        sequence has (a prompt prefilled again after a preemption) are skipped. At most `rows_at_once` positions'
+        logits at a time."""
+        from eyas.layers.logprobs import entries, token_logprobs
+        for i, (s, c) in enumerate(zip(seqs, chunk_lens)):
+            k = s.params.prompt_logprobs
+            if k is None:
+                continue
+            lo = max(len(s.prompt_logprobs), s.num_cached)  # positions lo..hi-1
+            hi = min(s.num_cached + c, s.num_prompt - 1)
+            for a in range(lo, hi, rows_at_once):
+                b = min(a + rows_at_once, hi)
+                logits = self.target.compute_logits(hidden[i, a - s.num_cached: b - s.num_cached])
+                nxt = torch.tensor(s.token_ids[a + 1: b + 1], device=logits.device)
+                lp = [t.cpu() for t in token_logprobs(logits, nxt, k)]
+                s.prompt_logprobs += entries(*lp, b - a)
 
     def _draft_prefill(self, seqs, chunk_lens, hidden, meta) -> None:
         """The draft reads the pairs (x_{t+1}, h_t) whose both halves this chunk made known: all but the chunk's last

@@ -166,7 +166,7 @@ class Scheduler:
         least SHARE_MIN_TOKENS (whole blocks) past the `hit` that `seq` finds cached now, and will cache them (its
         prefill reaches past them, the draft's too). The wait ends when they are cached, or when no sequence in
         prefill shares them any more."""
-        if self.blocks.prefix is None:
+        if self.blocks.prefix is None or seq.params.prompt_logprobs is not None:  # it takes no cached blocks
             return False
         B, ids = self.blocks.block_size, seq.token_ids
         need = len(hit) + -(-SHARE_MIN_TOKENS // B)  # blocks
@@ -181,7 +181,7 @@ class Scheduler:
         At least one token is left to prefill, as its logits give the first token (or, after a preemption, its
         hidden state is the draft's pending feature for the next step)."""
         cache = self.blocks.prefix
-        if cache is None:
+        if cache is None or seq.params.prompt_logprobs is not None:  # those need every prompt position computed
             return [], []
         if seq.prefix_memo is not None and seq.prefix_memo[0] == cache.version:  # a request that waits is looked
             return seq.prefix_memo[1]  # up at every step: again only once the cache has changed

@@ -78,6 +78,9 @@ class Sequence:
     # runner's last step returned, which the engine's commit takes (as many as it keeps)
     logprobs: list = field(default_factory=list)
     new_logprobs: list | None = None
+    # `params.prompt_logprobs` asked: the `TokenLogprobs` of prompt tokens 1, 2, ... (token 0 has none), as far as
+    # prefill has computed them
+    prompt_logprobs: list = field(default_factory=list)
 
     def __post_init__(self):
         if not self.token_ids:

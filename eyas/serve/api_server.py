@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -377,8 +378,8 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         arrival = time.perf_counter()
         req = await _parse(request, CompletionRequest)
         server.common_checks(req)
-        if req.echo:
-            raise APIError("echo is not supported", param="echo")
+        if req.echo and req.stream:
+            raise APIError("echo is not supported with stream", param="echo")
         if req.suffix:
             raise APIError("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -391,6 +392,8 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         else:
             raise APIError("the prompt is empty", param="prompt")
         base = _sampling_params(req, req.max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None:  # the prompt's tokens get theirs too (lm-eval's loglikelihood)
+            base = dataclasses.replace(base, prompt_logprobs=req.logprobs)
         await server.compile_guided(base.guided)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
         ids = [server.prompt_ids(x, "prompt") for x in prompts]
@@ -403,8 +406,14 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
             return _stream(server, queue, rids, cid, req.model, "text_completion", num_prompt, include_usage,
                            base.stop, req.n)
         finals = await server.collect(request, queue, rids)
-        choices = [{"index": i, "text": finals[i].text, "finish_reason": finals[i].finish_reason,
-                    "logprobs": _logprobs(server, finals[i], False)} for i in range(len(rids))]
+        choices = []
+        for i in range(len(rids)):
+            out, echo = finals[i], None
+            if req.echo:  # the prompt, as given (a list of ids: decoded), then the completion
+                x = prompts[i // req.n]
+                echo = (x if isinstance(x, str) else _decode(server, x), ids[i // req.n])
+            choices.append({"index": i, "text": (echo[0] if echo else "") + out.text,
+                            "finish_reason": out.finish_reason, "logprobs": _logprobs(server, out, False, echo=echo)})
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": req.model,
                 "choices": choices,
                 "usage": make_usage(num_prompt, sum(len(o.token_ids) for o in finals.values()),
@@ -455,15 +464,28 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
     return app
 
 
-def _logprobs(server: Server, out, chat: bool, new: bool = False, offset: int = 0) -> dict | None:
-    """A choice's `logprobs` field: every output token's (`new`: those of the step's new tokens), or None."""
+def _logprobs(server: Server, out, chat: bool, new: bool = False, offset: int = 0,
+              echo: tuple[str, list[int]] | None = None) -> dict | None:
+    """A choice's `logprobs` field: every output token's (`new`: those of the step's new tokens), or None. `echo`
+    (completions): (the prompt's text, its ids), whose tokens come first, the first with no log-probability."""
     entries = out.new_logprobs if new else out.logprobs
     if entries is None:
         return None
     ids = out.new_token_ids if new else out.token_ids
     if chat:
         return chat_logprobs(entries, ids, server.token_text)
-    return completion_logprobs(entries, ids, server.token_text, offset)
+    if echo is None:
+        return completion_logprobs(entries, ids, server.token_text, offset)
+    head = completion_logprobs([None] + list(out.prompt_logprobs), echo[1], server.token_text)
+    tail = completion_logprobs(entries, ids, server.token_text, len(echo[0]))
+    return {k: head[k] + tail[k] for k in head}
+
+
+def _decode(server: Server, ids: list[int]) -> str:
+    """A prompt given as token ids, as text (echo): the tokenizer's decoding, or the ids' names without one."""
+    if server.tokenizer is None:
+        return "".join(server.token_text(t) for t in ids)
+    return server.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def _cached(outs: dict, n: int) -> int:

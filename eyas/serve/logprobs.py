@@ -2,7 +2,8 @@
 
 * /v1/completions (`logprobs: k`): {"tokens", "token_logprobs", "top_logprobs", "text_offset"}; each position's
   `top_logprobs` maps the k likeliest tokens' texts, and the chosen token's, to their log-probabilities (vLLM's
-  shape); `text_offset` counts characters of the tokens' texts from the start of the completion.
+  shape); `text_offset` counts characters of the tokens' texts from the start of the completion. With `echo`, the
+  prompt's tokens come first (`SamplingParams.prompt_logprobs`), the first with null log-probabilities.
 * /v1/chat/completions (`logprobs: true`, `top_logprobs: k`): {"content": [{"token", "logprob", "bytes",
   "top_logprobs": [{"token", "logprob", "bytes"}, ...]}]}.
 A token's text is its own decoding (a token that holds part of a UTF-8 character decodes to U+FFFD, and its `bytes`
@@ -17,10 +18,14 @@ def completion_logprobs(entries: list, token_ids: list[int], text_of: Callable[[
     for t, e in zip(token_ids, entries):
         s = text_of(t)
         tokens.append(s)
-        chosen.append(e.logprob)
-        top = {text_of(i): lp for i, lp in e.top}
-        top.setdefault(s, e.logprob)
-        tops.append(top)
+        if e is None:  # an echoed prompt's first token: nothing before it to condition on (null, as in vLLM)
+            chosen.append(None)
+            tops.append(None)
+        else:
+            chosen.append(e.logprob)
+            top = {text_of(i): lp for i, lp in e.top}
+            top.setdefault(s, e.logprob)
+            tops.append(top)
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
