@@ -142,7 +142,11 @@ def assert_same_logprobs(out, ref):
         assert [e.logprob for e in o.logprobs] == pytest.approx([e.logprob for e in r.logprobs], abs=1e-5)
     prompted = [(o, r) for o, r in zip(out, ref) if r.prompt_logprobs is not None]
     assert len(prompted) == 2 and len(prompted[0][1].prompt_logprobs) > 1  # (the other's prompt is one token)
-    for o, r in prompted:
+    assert_same_prompt_logprobs(*zip(*prompted))
+
+
+def assert_same_prompt_logprobs(out, ref):
+    for o, r in zip(out, ref, strict=True):
         assert len(o.prompt_logprobs) == len(r.prompt_logprobs) == len(o.prompt_token_ids)
         assert [[i for i, _ in e.top] for e in o.prompt_logprobs[1:]] == [[i for i, _ in e.top]
                                                                          for e in r.prompt_logprobs[1:]]
@@ -172,7 +176,8 @@ def test_prefill_in_a_process_of_its_own(pair):
     request, a child's failure raised in the parent, and the child gone after close()."""
     from eyas.engine.prefill_process import RemotePrefillEngine
     plist = params()
-    ref = LLM(pair[0], device="cpu", dtype="float32", draft=pair[1], speculation="chain:3").generate(PROMPTS, plist)
+    ref_llm = LLM(pair[0], device="cpu", dtype="float32", draft=pair[1], speculation="chain:3")
+    ref = ref_llm.generate(PROMPTS, plist)
     llm = LLM(pair[0], dtype="float32", draft=pair[1], speculation="chain:3", disaggregate="cpu,cpu",
               prefill_process=True)
     eng = llm.engine
@@ -188,6 +193,9 @@ def test_prefill_in_a_process_of_its_own(pair):
         got = run(eng, PROMPTS, plist, abort_at={1: 0, 4: 3})
         assert got[1][0] == ref[1].token_ids and got[6][0] == ref[6].token_ids
         assert not remote.seqs and eng.decode.blocks.num_used == 0
+        # a request that ends in the child (max_tokens 1) sends its prompt's log-probabilities with its output
+        one = SamplingParams(max_tokens=1, prompt_logprobs=1)
+        assert_same_prompt_logprobs(llm.generate([PROMPTS[3]], one), ref_llm.generate([PROMPTS[3]], one))
         # an unseeded sampled request keeps the seed the parent drew for it (the child sampled its first token so)
         h = eng.add_request(PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True))
         local, seed, arrival = h.seq, h.seq.seed, h.seq.arrival
