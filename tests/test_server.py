@@ -137,6 +137,9 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+ECHO_PROMPT = "The capital of France is Paris"
+
+
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory, smollm2):
     from eyas.loader.eagle import save_draft
@@ -167,6 +170,7 @@ def spec(tmp_path_factory, smollm2):
               for c in cases]
     refs["concurrent"] = llm.generate(ids, params)
     refs["logprobs"] = llm.chat(CONVERSATIONS[0], SamplingParams(max_tokens=16, logprobs=3))[0]
+    refs["echo"] = llm.generate([ECHO_PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
     refs["n"] = llm.generate([PROMPTS[0]] * N_CHOICES, [SamplingParams(max_tokens=10, temperature=0.9, seed=N_SEED + j)
                                                         for j in range(N_CHOICES)])
     assert llm.engine.blocks.num_used == 0
@@ -467,6 +471,27 @@ def test_metrics_parse_and_move(spec):
     assert after["eyas:spec_tokens_per_call{}"] >= 1.0
     assert after["eyas:spec_tree_depth{}"] == depth
     assert after["eyas:kv_cache_total_blocks{}"] == spec.engine.blocks.num_usable
+
+
+def test_echo_through_the_openai_client_on_smollm2(spec):
+    """`completions.create(echo=True, logprobs=1, max_tokens=1)` on the real model: the text starts with the prompt
+    as sent, the tokens are the prompt's (as its tokenizer splits it) and then the completion's, and the prompt
+    tokens' log-probabilities are the engine's offline `prompt_logprobs`."""
+    tok = spec.engine.tokenizer
+    prompt = ECHO_PROMPT
+    out = spec.client().completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=1,
+                                           temperature=0)
+    choice = out.choices[0]
+    ids = tok.encode(prompt)
+    assert choice.text.startswith(prompt) and len(choice.logprobs.tokens) == len(ids) + 1
+    assert choice.logprobs.tokens[:-1] == [tok.decode([i], skip_special_tokens=False) for i in ids]
+    assert choice.logprobs.token_logprobs[0] is None
+    ref = spec.refs["echo"].prompt_logprobs  # offline, before the server took the engine
+    assert choice.logprobs.token_logprobs[1:-1] == pytest.approx([e.logprob for e in ref[1:]], abs=1e-4)
+    assert [list(t) for t in choice.logprobs.top_logprobs[1:-1]] == \
+        [[tok.decode([i], skip_special_tokens=False) for i, _ in e.top] + ([] if e.top[0][0] == t else
+                                                                          [tok.decode([t], skip_special_tokens=False)])
+         for e, t in zip(ref[1:], ids[1:])]
 
 
 def test_chat_logprobs_match_offline(spec):
