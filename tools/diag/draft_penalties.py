@@ -9,8 +9,11 @@ One row per (speculation, penalties): TPC off -> on. A record, not a test.
 from __future__ import annotations
 
 import argparse
-import json
-import time
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from diag_rows import chat_prompts, emit, save  # noqa: E402
 
 SETTINGS = {"repetition 1.2": dict(repetition_penalty=1.2), "frequency 0.5": dict(frequency_penalty=0.5),
             "presence 0.5 + frequency 0.3": dict(presence_penalty=0.5, frequency_penalty=0.3)}
@@ -37,7 +40,7 @@ def main() -> None:
     for spec in args.speculation.split(","):
         llm = LLM(args.model, device=args.device, draft=args.draft, speculation=spec, prefix_caching=False)
         tok = llm.tokenizer
-        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": r["text"]}])) for r in records]
+        prompts = chat_prompts(tok, records)
         for name, pen in [("none", {})] + list(SETTINGS.items()):
             params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, **pen)
             got = {}
@@ -51,12 +54,8 @@ def main() -> None:
                 step.PENALISE_DRAFT = True
             row = dict(speculation=spec, penalties=name, tpc_off=round(got[False][1], 3),
                        tpc_on=round(got[True][1], 3), same_outputs=got[False][0] == got[True][0])
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(args=vars(args), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=rows), f,
-                      indent=1)
+            emit(rows, row)
+    save(args.out, args, rows)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,12 @@ captures the graphs the row needs).
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from diag_rows import chat_prompts, emit, save  # noqa: E402
 
 KINDS = {"free": (), "logprobs": ("lp",), "penalties": ("pen",), "both": ("lp", "pen"), "all": ("lp", "pen")}
 
@@ -60,7 +64,7 @@ def main() -> None:
         llm = LLM(args.model, device=args.device, draft=args.draft, speculation=args.speculation,
                   cuda_graphs=mode == "graphed", prefix_caching=False, max_num_seqs=max(sizes))
         tok = llm.tokenizer
-        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": r["text"]}])) for r in records]
+        prompts = chat_prompts(tok, records)
         for B in sizes:
             batch = (prompts * B)[:B]
             for kind in args.kinds.split(","):
@@ -76,14 +80,9 @@ def main() -> None:
                 tpc = sum(len(o.token_ids) for o in outs) / max(1, sum(o.stats.target_calls for o in outs))
                 row = dict(mode=mode, batch=B, kind=kind, ms_per_token=round(1e3 * best / args.max_tokens, 4),
                            tpc=round(tpc, 3))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                emit(rows, row)
         del llm
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(args=vars(args), device=torch.cuda.get_device_name() if torch.cuda.is_available()
-                           else "cpu", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=rows), f,
-                      indent=1)
+    save(args.out, args, rows, device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
 
 
 if __name__ == "__main__":

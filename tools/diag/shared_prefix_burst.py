@@ -11,8 +11,12 @@ Two workloads, greedy, `--max-tokens` each: "burst", `--requests` MT-Bench first
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from diag_rows import chat_prompts, emit, save  # noqa: E402
 
 
 def main() -> None:
@@ -62,12 +66,8 @@ def main() -> None:
             row = dict(workload=name, wait=wait, requests=len(ps), prompt_tokens=sum(len(p) for p in ps),
                        cached_tokens=sum(o.num_cached_tokens for o in outs),
                        mean_ttft_ms=round(1e3 * sum(ttft) / len(ttft), 1), wall_s=round(wall, 3))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(args=vars(args), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=rows), f,
-                      indent=1)
+            emit(rows, row)
+    save(args.out, args, rows)
 
 
 if __name__ == "__main__":
