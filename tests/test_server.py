@@ -614,7 +614,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(tiny):
     """lm-evaluation-harness's loglikelihood request (`echo: true, logprobs: 1, max_tokens: 1`, the prompt as token
     ids): the text and the tokens are the prompt's and then the completion's; the first prompt token's
     log-probability and alternatives are null, every other prompt token's are a dense forward's; the harness's
-    sum and greedy test read them. Without logprobs the text is still echoed; with stream, a 400."""
+    sum and greedy test read them. `max_tokens: 0` (OpenAI's legacy scoring): the prompt's part alone, no completion
+    tokens; without echo, a 400. Without logprobs the text is still echoed; with stream, a 400."""
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     body = _tiny_body(max_tokens=1, prompt=prompt, logprobs=1, echo=True)
     r = httpx.post(tiny.url + "/v1/completions", json=body, timeout=60)
@@ -643,6 +644,13 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(tiny):
     assert sum(lp["token_logprobs"][ctx:-1]) == pytest.approx(want[ctx - 1:].sum().item(), abs=1e-4)
     greedy = all(max(top.values()) == x for top, x in zip(lp["top_logprobs"][ctx:-1], lp["token_logprobs"][ctx:-1]))
     assert greedy == all(ref[j - 1].argmax().item() == prompt[j] for j in range(ctx, len(prompt)))
+    r = httpx.post(tiny.url + "/v1/completions", json={**body, "max_tokens": 0}, timeout=60)  # score only (legacy)
+    assert r.status_code == 200, r.text
+    only = r.json()
+    assert only["choices"][0]["text"] == "".join(names) and only["usage"]["completion_tokens"] == 0
+    assert {k: v[:-1] for k, v in lp.items()} == only["choices"][0]["logprobs"]
+    r = httpx.post(tiny.url + "/v1/completions", json={**body, "max_tokens": 0, "echo": False}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=2, prompt=prompt, echo=True), timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
     assert r.json()["choices"][0]["text"].startswith("".join(names))

@@ -391,11 +391,13 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
             prompts = list(p)
         else:
             raise APIError("the prompt is empty", param="prompt")
-        base = _sampling_params(req, req.max_tokens, req.logprobs)
+        # `echo` with `max_tokens: 0` (OpenAI's legacy way to score a text): one token is generated and dropped
+        score_only = req.echo and req.max_tokens == 0
+        base = _sampling_params(req, 1 if score_only else req.max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None:  # the prompt's tokens get theirs too (lm-eval's loglikelihood)
             base = dataclasses.replace(base, prompt_logprobs=req.logprobs)
         await server.compile_guided(base.guided)
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
+        max_tokens = 16 if req.max_tokens is None else 1 if score_only else req.max_tokens  # OpenAI's default: 16
         ids = [server.prompt_ids(x, "prompt") for x in prompts]
         budgets = [server.fit(x, max_tokens, "prompt", "max_tokens") for x in ids]
         cid = completion_id("cmpl")
@@ -412,12 +414,15 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
             if req.echo:  # the prompt, as given (a list of ids: decoded), then the completion
                 x = prompts[i // req.n]
                 echo = (x if isinstance(x, str) else _decode(server, x), ids[i // req.n])
+            if score_only:
+                choices.append({"index": i, "text": echo[0], "finish_reason": "length",
+                                "logprobs": _logprobs(server, out, False, echo=echo, prompt_only=True)})
+                continue
             choices.append({"index": i, "text": (echo[0] if echo else "") + out.text,
                             "finish_reason": out.finish_reason, "logprobs": _logprobs(server, out, False, echo=echo)})
+        completion_tokens = 0 if score_only else sum(len(o.token_ids) for o in finals.values())
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": req.model,
-                "choices": choices,
-                "usage": make_usage(num_prompt, sum(len(o.token_ids) for o in finals.values()),
-                                    _cached(finals, req.n))}
+                "choices": choices, "usage": make_usage(num_prompt, completion_tokens, _cached(finals, req.n))}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -465,9 +470,10 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
 
 
 def _logprobs(server: Server, out, chat: bool, new: bool = False, offset: int = 0,
-              echo: tuple[str, list[int]] | None = None) -> dict | None:
+              echo: tuple[str, list[int]] | None = None, prompt_only: bool = False) -> dict | None:
     """A choice's `logprobs` field: every output token's (`new`: those of the step's new tokens), or None. `echo`
-    (completions): (the prompt's text, its ids), whose tokens come first, the first with no log-probability."""
+    (completions): (the prompt's text, its ids), whose tokens come first, the first with no log-probability; with
+    `prompt_only` (`max_tokens: 0`), theirs alone."""
     entries = out.new_logprobs if new else out.logprobs
     if entries is None:
         return None
@@ -477,6 +483,8 @@ def _logprobs(server: Server, out, chat: bool, new: bool = False, offset: int = 
     if echo is None:
         return completion_logprobs(entries, ids, server.token_text, offset)
     head = completion_logprobs([None] + list(out.prompt_logprobs), echo[1], server.token_text)
+    if prompt_only:
+        return head
     tail = completion_logprobs(entries, ids, server.token_text, len(echo[0]))
     return {k: head[k] + tail[k] for k in head}
 
