@@ -1105,6 +1105,16 @@ def test_bench_serve_reports_failures_and_bad_arguments(chat_tiny, tmp_path, cap
     assert main(common + ["--model", "tiny", "--turns", "2", "--endpoint", "completions"]) == 2
     assert main(common + ["--model", "tiny", "--compare", str(prompts)]) == 2
     assert "not a serve.json" in capsys.readouterr().err
+    assert main(common + ["--model", "tiny", "--extra-body", "[1]"]) == 2
+    assert main(common + ["--model", "tiny", "--extra-body", "{bad"]) == 2
+    assert "--extra-body must be a JSON object" in capsys.readouterr().err
+    # the fields reach every request: max_tokens 1 overrides --max-tokens 2; a bad value is the server's 400
+    assert main(common + ["--model", "tiny", "--ignore-eos", "--extra-body", '{"max_tokens": 1}']) == 0
+    res = json.loads((tmp_path / "o" / "serve.json").read_text())
+    assert [r["output_tokens"] for r in res["requests"]] == [1, 1, 1] and res["meta"]["extra_body"] == {"max_tokens": 1}
+    assert main(common + ["--model", "tiny", "--extra-body", '{"frequency_penalty": 9}']) == 1
+    res = json.loads((tmp_path / "o" / "serve.json").read_text())
+    assert all("frequency_penalty" in r["error"] for r in res["requests"])
 
 
 def test_request_starts_are_a_poisson_process():

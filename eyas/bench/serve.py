@@ -114,6 +114,7 @@ async def _request(client, args, messages: list[dict] | str, t0: float, guided=N
         body.update(guided_fields(guided, args.endpoint == "chat"))
     if args.ignore_eos:
         body["ignore_eos"] = True
+    body.update(args.extra_body_fields)  # --extra-body: e.g. log-probabilities or penalties on every request
     if args.endpoint == "chat":
         body["messages"], path = messages, "/chat/completions"
     else:
@@ -307,6 +308,12 @@ def run(args) -> int:
         raise ValueError("--turns above 1 needs --endpoint chat (a later turn is sent with the conversation so far)")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
+    try:
+        args.extra_body_fields = json.loads(args.extra_body)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--extra-body must be a JSON object: {e}") from None
+    if not isinstance(args.extra_body_fields, dict):
+        raise ValueError(f"--extra-body must be a JSON object, got {args.extra_body!r}")
     earlier = read_runs(args.compare)  # a bad file fails before the load
     records = read_prompts(args.prompts)
     chosen = [records[i % len(records)] for i in range(args.num_prompts)]  # cycled past the file's end
@@ -316,7 +323,7 @@ def run(args) -> int:
             "endpoint": args.endpoint, "prompts": str(args.prompts), "num_prompts": args.num_prompts,
             "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
             "concurrency": args.concurrency, "request_rate": args.request_rate, "seed": args.seed,
-            "turns": args.turns,
+            "turns": args.turns, "extra_body": args.extra_body_fields,
             "guided": sum(g is not None for g in guides),
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     result = {"meta": meta, "summary": summarize(rows, duration, cpu), "requests": rows}
@@ -366,6 +373,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--compare", nargs="*", default=[], help="earlier serve.json files to show beside this run")
     p.add_argument("--no-guided", dest="guided", action="store_false",
                    help="send prompts with a guide (json_schema, regex, ...) free: the same prompts unconstrained")
+    p.add_argument("--extra-body", default="{}",
+                   help='JSON fields added to every request, e.g. \'{"logprobs": true, "top_logprobs": 5}\' or '
+                        '\'{"frequency_penalty": 0.3}\' (they override the ones above)')
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default="bench-out/serve")
     p.set_defaults(func=run)
