@@ -70,6 +70,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to the target's logits (applied with the penalties)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -105,6 +107,17 @@ class SamplingParams:
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 0:
             raise ValueError(f"repetition_penalty must be a number > 0, got {r!r}")
         self.repetition_penalty = float(r)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {type(self.logit_bias).__name__}")
+            bias = {}
+            for t, b in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+                if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
+                bias[t] = float(b)
+            self.logit_bias = bias or None
         if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
             raise ValueError(f"guided must be a GuidedDecoding, got {type(self.guided).__name__}")
         self.temperature = float(self.temperature)
@@ -112,7 +125,8 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or self.logit_bias is not None)
 
     @property
     def greedy(self) -> bool:

@@ -31,6 +31,10 @@ def test_penalize_by_hand():
     penalize(logits, counts, seen, torch.tensor([0.5]), torch.tensor([0.25]), torch.tensor([2.0]))
     # token 0: 2 / 2 - 0.5 * 2 - 0.25; token 1: -1 * 2 - 0.5 - 0.25; token 2: 0.5 / 2; token 3 untouched
     torch.testing.assert_close(logits, torch.tensor([[-0.25, -2.75, 0.25, 3.0]]))
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])  # a logit bias goes first: token 2 turns negative, then doubles
+    penalize(logits, counts, seen, torch.tensor([0.5]), torch.tensor([0.25]), torch.tensor([2.0]),
+             torch.tensor([[0.0, 0.0, -1.5, 1.0]]))
+    torch.testing.assert_close(logits, torch.tensor([[-0.25, -2.75, -2.0, 4.0]]))
 
 
 def test_static_buffers_filled_from_fewer_rows_penalise_those_rows_only():
@@ -203,7 +207,17 @@ def test_repetition_penalty_equals_hf_generate(pairs):
 
 
 PARAMS = [dict(frequency_penalty=0.7), dict(presence_penalty=1.1), dict(repetition_penalty=1.6),
-          dict(frequency_penalty=0.4, presence_penalty=-0.3, repetition_penalty=1.3)]
+          dict(frequency_penalty=0.4, presence_penalty=-0.3, repetition_penalty=1.3),
+          dict(logit_bias={3: 2.5, 7: -100.0, 11: 1.0}), dict(logit_bias={5: 3.0}, repetition_penalty=1.4)]
+
+
+def _bias(pen: dict, vocab: int, dtype=torch.float32) -> torch.Tensor | None:
+    if not pen.get("logit_bias"):
+        return None
+    b = torch.zeros(1, vocab, dtype=dtype)
+    for t, x in pen["logit_bias"].items():
+        b[0, t] = x
+    return b
 
 
 def _dense_greedy(target, prompt, n, **pen):
@@ -219,7 +233,8 @@ def _dense_greedy(target, prompt, n, **pen):
         seen = torch.zeros(1, logits.shape[-1], dtype=torch.bool)
         seen[0, ids] = True
         penalize(logits, counts, seen, torch.tensor([pen.get("frequency_penalty", 0.0)]),
-                 torch.tensor([pen.get("presence_penalty", 0.0)]), torch.tensor([pen.get("repetition_penalty", 1.0)]))
+                 torch.tensor([pen.get("presence_penalty", 0.0)]), torch.tensor([pen.get("repetition_penalty", 1.0)]),
+                 _bias(pen, logits.shape[-1]))
         ids.append(int(logits.argmax()))
     return ids[len(prompt):]
 
@@ -233,10 +248,12 @@ def test_greedy_with_penalties_equals_a_dense_loop(pairs, pair, spec):
         kw.update(draft=str(draft), speculation=spec)
     llm = LLM(str(target), **kw)
     params = [SamplingParams(max_tokens=24, ignore_eos=True, **pen) for pen in PARAMS]
-    outs = llm.generate(_prompts(), params)
-    for p, o, pen in zip(_prompts(), outs, PARAMS):
+    prompts = (_prompts() * 2)[:len(PARAMS)]
+    outs = llm.generate(prompts, params)
+    for p, o, pen in zip(prompts, outs, PARAMS, strict=True):
         assert o.token_ids == _dense_greedy(llm.target, p, 24, **pen), pen
-    plain = llm.generate(_prompts(), SamplingParams(max_tokens=24, ignore_eos=True))
+        assert 7 not in o.token_ids or -100.0 not in (pen.get("logit_bias") or {}).values()  # banned
+    plain = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     assert all(a.token_ids != b.token_ids for a, b in zip(outs, plain))  # the penalties changed every output
     if spec is not None and pair == "mirror":  # paths were accepted, so the tree's own penalties were used
         assert sum(o.stats.committed for o in outs) > 1.3 * sum(o.stats.target_calls for o in outs)
@@ -247,6 +264,9 @@ def test_bad_penalties_are_refused():
                 dict(repetition_penalty=-1.0), dict(presence_penalty="1")):
         with pytest.raises(ValueError, match="penalty"):
             SamplingParams(**bad)
+    for bad in ({-1: 1.0}, {"3": 1.0}, {3: 101.0}, {3: "x"}, [3]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
 
 
 # ---- the law at temperature 1, enumerated -------------------------------------------------------------------------
@@ -254,7 +274,7 @@ def test_bad_penalties_are_refused():
 V = 6
 PROMPT = [1, 4, 2]
 RUNS = 12_000
-PEN = dict(frequency_penalty=0.6, presence_penalty=0.3, repetition_penalty=1.5)
+PEN = dict(frequency_penalty=0.6, presence_penalty=0.3, repetition_penalty=1.5, logit_bias={1: 1.5, 2: -2.0})
 
 
 @pytest.fixture(scope="module")
@@ -274,7 +294,8 @@ def _law(hf, prefix, pen):
     seen = torch.zeros(1, V, dtype=torch.bool)
     seen[0, PROMPT + list(prefix)] = True
     penalize(logits, counts, seen, torch.tensor([pen.get("frequency_penalty", 0.0)]),
-             torch.tensor([pen.get("presence_penalty", 0.0)]), torch.tensor([pen.get("repetition_penalty", 1.0)]))
+             torch.tensor([pen.get("presence_penalty", 0.0)]), torch.tensor([pen.get("repetition_penalty", 1.0)]),
+             _bias(pen, V, torch.float64))
     return torch.softmax(logits[0], -1).numpy()
 
 

@@ -676,9 +676,21 @@ def test_penalties_reach_the_engine(tiny):
         [prompt], SamplingParams(max_tokens=12, ignore_eos=True, **pen))[0].token_ids
     assert got == ref
     for name, bad in [("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
-                      ("min_p", 1.5)]:
+                      ("min_p", 1.5), ("logit_bias", {"x": 1.0}), ("logit_bias", {"3": 101.0}),
+                      ("logit_bias", {str(TINY_VOCAB): 1.0}), ("logit_bias", {"-2": 1.0})]:
         r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=2, **{name: bad}), timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+    # OpenAI's logit_bias (token ids as strings): the offline engine's output with the same bias
+    bias = {"3": 4.0, str(got[0]): -100.0}
+    r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=12, prompt=prompt, logprobs=0,
+                                                                  logit_bias=bias), timeout=60)
+    assert r.status_code == 200, r.text
+    biased = [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+    assert got[0] not in biased
+    tiny.wait_idle()
+    assert biased == LLM(str(tiny.tiny_dir), device="cpu", dtype="float32").generate(
+        [prompt], SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={int(k): v for k, v in bias.items()})
+    )[0].token_ids
 
 
 def test_usage_and_metrics_count_prefix_cache_hits(tiny):

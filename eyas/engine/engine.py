@@ -238,6 +238,9 @@ class LLMEngine:
         on the prefill engine's)."""
         params = params or SamplingParams()
         ids = self.check_request(prompt, request_id)
+        V = self.target.config.vocab_size
+        if params.logit_bias is not None and any(t >= V for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {V}), got {max(params.logit_bias)}")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         grammar = self.grammar_state(params)  # a bad schema fails here, before the request is queued
         seq = Sequence(ids, params, seed, request_id=request_id or "", stop_ids=self._stop_ids(params),

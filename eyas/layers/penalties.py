@@ -9,7 +9,10 @@
 They change the target's law at each position by the tokens before it, so under speculation each tree node's
 logits are penalised by the committed tokens *and the tokens on its own path* (`apply_to_tree`): a node's law is
 then exactly the law plain decoding would use after that path, and acceptance stays lossless. The draft proposes
-without them (only its proposals change)."""
+from logits penalised so too (`apply_to_nodes`), which changes only its proposals.
+
+OpenAI's `logit_bias` (`SamplingParams.logit_bias`) travels with them: a per-row [V] bias added to the logits first
+(vLLM v1's order: logit processors, then penalties), the same at every node."""
 from __future__ import annotations
 
 import itertools
@@ -20,9 +23,12 @@ import torch
 
 
 def penalize(logits: torch.Tensor, out_counts: torch.Tensor, seen: torch.Tensor, frequency: torch.Tensor,
-             presence: torch.Tensor, repetition: torch.Tensor) -> None:
+             presence: torch.Tensor, repetition: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     """In place: logits [..., V]; out_counts [..., V] (output occurrences), seen [..., V] (bool: in the prompt or
-    the output); frequency, presence, repetition [...]: each row's coefficients."""
+    the output); frequency, presence, repetition [...]: each row's coefficients; bias [..., V] (logit_bias), added
+    first."""
+    if bias is not None:
+        logits.add_(bias.to(logits.dtype))
     rep = repetition[..., None].to(logits.dtype)
     scaled = torch.where(logits > 0, logits / rep, logits * rep)
     logits.copy_(torch.where(seen, scaled, logits))
@@ -39,6 +45,7 @@ class Penalties:
     frequency: torch.Tensor  # [B]
     presence: torch.Tensor  # [B]
     repetition: torch.Tensor  # [B]
+    bias: torch.Tensor  # [B, V] float: logit_bias (0 where none)
 
     @classmethod
     def of(cls, seqs, vocab: int, device) -> "Penalties | None":
@@ -64,26 +71,32 @@ class Penalties:
         out_counts.index_put_((idx[0, :n], idx[1, :n]), torch.ones(n, device=device), accumulate=True)
         seen = torch.zeros(B, vocab, dtype=torch.bool, device=device)
         seen[idx[0, n:], idx[1, n:]] = True
-        return cls(out_counts, seen, coef[:, 0], coef[:, 1], coef[:, 2])
+        bias = torch.zeros(B, vocab, device=device)
+        biased = [(i, t, b) for i in rows for t, b in (seqs[i].params.logit_bias or {}).items()]
+        if biased:
+            r, t, b = zip(*biased)
+            bias[torch.tensor(r, device=device), torch.tensor(t, device=device)] = torch.tensor(b, device=device)
+        return cls(out_counts, seen, coef[:, 0], coef[:, 1], coef[:, 2], bias)
 
     @classmethod
     def neutral(cls, rows: int, vocab: int, device) -> "Penalties":
         """Buffers for `rows` rows that change nothing (a graphed step's static inputs, `fill`ed before replay)."""
         z = torch.zeros(rows, device=device)
         return cls(torch.zeros(rows, vocab, device=device), torch.zeros(rows, vocab, dtype=torch.bool, device=device),
-                   z, z.clone(), torch.ones(rows, device=device))
+                   z, z.clone(), torch.ones(rows, device=device), torch.zeros(rows, vocab, device=device))
 
     def fill(self, p: "Penalties") -> None:
         """In place: this buffer's first rows become `p`'s, the rest (a graph's padding rows) neutral."""
         n = p.out_counts.shape[0]
-        for name, pad in (("out_counts", 0), ("seen", 0), ("frequency", 0), ("presence", 0), ("repetition", 1)):
+        for name, pad in (("out_counts", 0), ("seen", 0), ("frequency", 0), ("presence", 0), ("repetition", 1),
+                          ("bias", 0)):
             dst = getattr(self, name)
             dst[:n].copy_(getattr(p, name), non_blocking=True)
             dst[n:].fill_(pad)
 
     def apply(self, logits: torch.Tensor) -> None:
         """In place, logits [B, V] of each row's next token after its committed tokens (a prefill's last row)."""
-        penalize(logits, self.out_counts, self.seen, self.frequency, self.presence, self.repetition)
+        penalize(logits, self.out_counts, self.seen, self.frequency, self.presence, self.repetition, self.bias)
 
     def apply_to_tree(self, logits: torch.Tensor, node_tokens: torch.Tensor, ancestor_mask: torch.Tensor) -> None:
         """In place, logits [B, N+1, V] at the root (node 0) and every tree node: each penalised by the committed
@@ -114,7 +127,8 @@ class Penalties:
             tokens = path_tokens if path_tokens.dim() == 3 else path_tokens[:, None].expand(B, L, M)
             counts.scatter_add_(2, tokens, mask)
         seen = self.seen[:, None] | (counts > 0)
+        bias = self.bias[:, None].expand(B, L, V)
         if columns is not None:
-            counts, seen = counts[..., columns], seen[..., columns]
+            counts, seen, bias = counts[..., columns], seen[..., columns], bias[..., columns]
         penalize(logits, counts, seen, self.frequency[:, None].expand(B, L), self.presence[:, None].expand(B, L),
-                 self.repetition[:, None].expand(B, L))
+                 self.repetition[:, None].expand(B, L), bias)

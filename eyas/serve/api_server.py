@@ -47,7 +47,7 @@ RETRY_AFTER_S = 1
 def _param_of(message: str) -> str | None:
     word = message.split(" ", 1)[0]
     return word if word in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
-                            "presence_penalty", "frequency_penalty", "repetition_penalty") else None
+                            "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias") else None
 
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -87,6 +87,17 @@ def _guided(req) -> GuidedDecoding | None:
         raise APIError(str(e), param=params[0]) from None
 
 
+def _logit_bias(req) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` (keys: token ids as strings) as SamplingParams takes it."""
+    if not req.logit_bias:
+        return None
+    try:
+        return {int(k): v for k, v in req.logit_bias.items()}
+    except ValueError:
+        raise APIError(f"logit_bias keys must be token ids, got {sorted(req.logit_bias)!r}",
+                       param="logit_bias") from None
+
+
 def _sampling_params(req, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
     if req.seed is not None and not 0 <= req.seed < SEED_LIMIT:
         raise APIError(f"seed must be an integer in [0, 2**63), got {req.seed}", param="seed")
@@ -99,7 +110,8 @@ def _sampling_params(req, max_tokens: int | None, logprobs: int | None = None) -
             max_tokens=1 if max_tokens is None else max_tokens,  # the real value is set per prompt
             seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos, guided=_guided(req), logprobs=logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req))
     except ValueError as e:
         raise APIError(str(e), param=_param_of(str(e))) from None
 

@@ -73,6 +73,7 @@ class _SamplingFields(_Request):
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
     repetition_penalty: StrictFloat | None = None  # vLLM's extension
+    logit_bias: dict[str, StrictFloat] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
     # guided decoding, vLLM's extensions (chat also takes OpenAI's response_format): at most one of them
     guided_json: dict | str | None = None
     guided_regex: str | None = None
