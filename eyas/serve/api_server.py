@@ -108,7 +108,8 @@ def _sampling_params(req, max_tokens: int | None, logprobs: int | None = None) -
             top_k=-1 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
             max_tokens=1 if max_tokens is None else max_tokens,  # the real value is set per prompt
-            seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos, guided=_guided(req), logprobs=logprobs,
+            seed=req.seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+            guided=_guided(req), logprobs=logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=_logit_bias(req))
@@ -256,6 +257,8 @@ class Server:
         self.check_model(req.model)
         if not 1 <= req.n <= MAX_N:
             raise APIError(f"n must be an integer in [1, {MAX_N}], got {req.n}", param="n")
+        if req.min_tokens:  # vLLM's; a client that relies on it must not get shorter outputs without a word
+            raise APIError("min_tokens is not supported", param="min_tokens")
 
     # ---- submission -----------------------------------------------------------------------------------------
     async def submit(self, prefix: str, prompts: list[list[int]], budgets: list[int], base: SamplingParams,
