@@ -57,6 +57,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string that ended it
     guided: GuidedDecoding | None = None  # the output must match a schema, regex, choice or grammar
     # log-probabilities of each output token and of the `logprobs` likeliest tokens in its place (0: the output
     # token's only), under the target's logits before temperature, top-k and top-p (eyas.layers.logprobs)

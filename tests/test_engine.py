@@ -150,6 +150,10 @@ def test_smollm2_text_and_stops(smollm2):
     cut = smollm2.generate(["The capital of France is"], SamplingParams(max_tokens=16, stop=[stop_at]))[0]
     assert cut.finish_reason == "stop" and stop_at not in cut.text and out.text.startswith(cut.text)
     assert len(cut.token_ids) < 16
+    # include_stop_str_in_output (vLLM's): the same end, the stop string kept (the first of the list that is there)
+    kept = smollm2.generate(["The capital of France is"], SamplingParams(
+        max_tokens=16, stop=["no such stop", stop_at], include_stop_str_in_output=True))[0]
+    assert kept.finish_reason == "stop" and kept.token_ids == cut.token_ids and kept.text == cut.text + stop_at
     # EOS ends a chat answer unless ignore_eos
     chat = smollm2.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=32))[0]
     assert chat.finish_reason == "stop" and chat.token_ids[-1] == smollm2.tokenizer.eos_token_id

@@ -473,6 +473,19 @@ def test_metrics_parse_and_move(spec):
     assert after["eyas:kv_cache_total_blocks{}"] == spec.engine.blocks.num_usable
 
 
+def test_include_stop_str_in_output(spec):
+    """vLLM's `include_stop_str_in_output` (through the openai client's extra_body): the completion ends where the
+    stop string does, the string kept; without it, before the string (the offline greedy reference's text)."""
+    ref = spec.refs["completion"][0].text
+    word = ref.strip().split(" ")[1]
+    end = ref.index(word)
+    client = spec.client()
+    for include, want in ((True, ref[: end + len(word)]), (False, ref[:end])):
+        out = client.completions.create(model=MODEL, prompt=COMPLETION_PROMPTS[0], max_tokens=16, temperature=0,
+                                        stop=[word], extra_body={"include_stop_str_in_output": include})
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (want, "stop")
+
+
 def test_echo_through_the_openai_client_on_smollm2(spec):
     """`completions.create(echo=True, logprobs=1, max_tokens=1)` on the real model: the text starts with the prompt
     as sent, the tokens are the prompt's (as its tokenizer splits it) and then the completion's, and the prompt

@@ -450,6 +450,9 @@ class LLMEngine:
             cut = self._decode_added(seq, added)
             if cut >= 0:
                 reason = "stop"
+                if seq.params.include_stop_str_in_output:  # the text ends after the stop string, not before it
+                    tail = seq.detok.tail(cut)
+                    cut += len(next(s for s in seq.params.stop if tail.startswith(s)))
             seq.output_text = seq.detok.snapshot(cut)
         if seq.new_logprobs is not None:  # the kept tokens' log-probabilities
             seq.logprobs += seq.new_logprobs[:len(added)]
