@@ -185,7 +185,7 @@ class GraphedStep:
             pen = Penalties.neutral(B, self.runner.target.config.vocab_size, static.root_tokens.device) \
                 if penalties is not None else None
             graph, out = self._capture_step(static, greedy, tree, MAX_LOGPROBS if logprobs is not None else None, pen)
-            self.extras[key] = ExtrasGraph(graph, static, pen, out)
+            self.extras[key] = ExtrasGraph(graph, pen, out)
         g = self.extras[key]
         self.runner.decode_inputs(seqs, key[0])
         if penalties is not None:
@@ -321,7 +321,6 @@ class GuidedGraphs:
 @dataclasses.dataclass(eq=False)
 class ExtrasGraph:
     """A step graph that reports log-probabilities or applies penalties (`GraphedStep.launch_extras`)."""
-    graph: torch.cuda.CUDAGraph
-    static: DecodeInputs
+    graph: torch.cuda.CUDAGraph  # reads the B-row packer's device views (`_static_inputs`), as every graph of B does
     penalties: Penalties | None  # static inputs (`Penalties.fill`), when the key has them
     out: DecodeOutputs  # `logprobs` holds the top MAX_LOGPROBS of each committed token when the key has them

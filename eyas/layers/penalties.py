@@ -64,7 +64,7 @@ class Penalties:
         n = sum(len(x) for x in outs)
         idx = np.stack([  # [2, n + m]: (row, token) of every output token, then of every token seen
             np.concatenate([np.repeat(rows, [len(x) for x in outs]), np.repeat(rows, [len(x) for x in seens])]),
-            np.fromiter(itertools.chain(*outs, *seens), dtype=np.int64)]).astype(np.int64)
+            np.fromiter(itertools.chain(*outs, *seens), dtype=np.int64)])
         idx = torch.from_numpy(idx).to(device)
         coef = torch.tensor(coef).to(device)
         out_counts = torch.zeros(B, vocab, device=device)

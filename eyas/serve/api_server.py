@@ -409,11 +409,12 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
             raise APIError("the prompt is empty", param="prompt")
         # `echo` with `max_tokens: 0` (OpenAI's legacy way to score a text): one token is generated and dropped
         score_only = req.echo and req.max_tokens == 0
-        base = _sampling_params(req, 1 if score_only else req.max_tokens, req.logprobs)
+        asked = 1 if score_only else req.max_tokens
+        base = _sampling_params(req, asked, req.logprobs)
         if req.echo and req.logprobs is not None:  # the prompt's tokens get theirs too (lm-eval's loglikelihood)
             base = dataclasses.replace(base, prompt_logprobs=req.logprobs)
         await server.compile_guided(base.guided)
-        max_tokens = 16 if req.max_tokens is None else 1 if score_only else req.max_tokens  # OpenAI's default: 16
+        max_tokens = 16 if asked is None else asked  # OpenAI's default for completions
         ids = [server.prompt_ids(x, "prompt") for x in prompts]
         budgets = [server.fit(x, max_tokens, "prompt", "max_tokens") for x in ids]
         cid = completion_id("cmpl")

@@ -102,14 +102,14 @@ def draft_topk_logp(draft, target, h: torch.Tensor, k: int, allowed: torch.Tenso
     [..., k]), over the draft vocabulary when one is attached (`draft_logits`); over the tokens `allowed` ([B, words]
     bitmasks, guided decoding) allows, when given (the log-probabilities renormalised over them). `adjust`: as
     `draft_topk`'s."""
+    ids = getattr(draft, "vocab_ids", None)
     logits = draft_logits(draft, target, h)
     if allowed is not None:
         logits = restrict_logits(draft, logits, allowed)
     if adjust is not None:
-        adjust(logits, getattr(draft, "vocab_ids", None))
+        adjust(logits, ids)
     # on CUDA two Triton launches, where torch.topk and a float32 logsumexp over a 49k row take ~35 kernels
     logp, idx = topk_logp(logits, k)
-    ids = getattr(draft, "vocab_ids", None)
     return logp, (idx if ids is None else ids[idx])
 
 
