@@ -62,21 +62,21 @@ def test_static_buffers_filled_from_fewer_rows_penalise_those_rows_only():
 
 
 def test_node_penalties_equal_a_loop_over_each_nodes_path():
-    """`apply_to_nodes` (a draft level's logits: shared node tokens or each node's own path, a draft vocabulary's
-    columns) equals penalising each node's logits from counts made by hand: the committed output plus its path."""
+    """`apply_to_nodes` (a draft level's logits: shared node tokens or each node's own path, paths per row, a draft
+    vocabulary's columns without some path tokens, a logit bias) equals penalising each node's logits from counts made by hand: the committed output plus its path."""
     from types import SimpleNamespace
     from eyas.layers.penalties import Penalties
     g = torch.Generator().manual_seed(3)
     V, B, L, M = 11, 3, 4, 5
     seqs = [SimpleNamespace(token_ids=[1, 2, 2, 7], output_ids=[2, 7], params=SamplingParams(
-                frequency_penalty=0.5, presence_penalty=0.2, repetition_penalty=1.7)),
+                frequency_penalty=0.5, presence_penalty=0.2, repetition_penalty=1.7, logit_bias={2: 1.5, 4: -2.0})),
             SimpleNamespace(token_ids=[3], output_ids=[], params=SamplingParams()),
             SimpleNamespace(token_ids=[4, 9, 9, 9], output_ids=[9, 9], params=SamplingParams(frequency_penalty=1.0))]
     pen = Penalties.of(seqs, V, "cpu")
     columns = torch.tensor([0, 2, 3, 7, 9, 10])
-    for shared in (True, False):
+    for shared, per_row in ((True, False), (False, False), (False, True)):
         tokens = torch.randint(0, V, (B, M) if shared else (B, L, M), generator=g)
-        on_path = torch.rand(L, M, generator=g) < 0.5
+        on_path = torch.rand((B, L, M) if per_row else (L, M), generator=g) < 0.5
         for cols in (None, columns):
             K = V if cols is None else len(cols)
             logits = torch.randn(B, L, K, generator=g)
@@ -89,15 +89,18 @@ def test_node_penalties_equal_a_loop_over_each_nodes_path():
                     for t in s.output_ids:
                         counts[t] += 1
                     for a in range(M):
-                        if on_path[j, a]:
+                        if (on_path[b, j, a] if per_row else on_path[j, a]):
                             counts[tokens[b, a] if shared else tokens[b, j, a]] += 1
                     seen = counts > 0
                     seen[s.token_ids] = True
                     p = s.params
                     idx = torch.arange(V) if cols is None else cols
                     row = want[b, j][None]
+                    bias = torch.zeros(V)
+                    for t, v in (p.logit_bias or {}).items():
+                        bias[t] = v
                     penalize(row, counts[idx][None], seen[idx][None], torch.tensor([p.frequency_penalty]),
-                             torch.tensor([p.presence_penalty]), torch.tensor([p.repetition_penalty]))
+                             torch.tensor([p.presence_penalty]), torch.tensor([p.repetition_penalty]), bias[idx][None])
                     want[b, j] = row[0]
             torch.testing.assert_close(got, want)
 
