@@ -262,6 +262,28 @@ def test_greedy_with_penalties_equals_a_dense_loop(pairs, pair, spec):
         assert sum(o.stats.committed for o in outs) > 1.3 * sum(o.stats.target_calls for o in outs)
 
 
+@pytest.mark.parametrize("setting", [dict(max_num_seqs=2), dict(num_blocks=30)], ids=["slots_reused", "preempt"])
+def test_penalty_rows_follow_slots_through_reuse_and_preemption(pairs, setting):
+    """The penalties' per-slot device rows (`PenaltyState`): requests with and without penalties take turns in two
+    slots, or are preempted and prefilled again, and each output still equals the dense loop's (penalised from
+    scratch every step) or, without penalties, plain greedy decoding's: a slot's row is made again for each new
+    request, a request without penalties gets neutral coefficients in a slot a penalised one left, and no step
+    counts a token twice."""
+    target, draft = pairs["mirror"]
+    llm = LLM(str(target), device="cpu", dtype="float32", block_size=4, draft=str(draft), speculation="chain:4",
+              **setting)
+    pens = [PARAMS[0], {}, PARAMS[3], PARAMS[5], {}, PARAMS[2], PARAMS[4], {}]
+    prompts = (_prompts() * 2)[:len(pens)]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=24, ignore_eos=True, **pen) for pen in pens])
+    for p, o, pen in zip(prompts, outs, pens, strict=True):
+        assert o.token_ids == _dense_greedy(llm.target, p, 24, **pen), pen
+    state = llm.engine.runner.penalty_state
+    if "num_blocks" in setting:
+        assert llm.engine.scheduler.num_preemptions > 0
+    else:  # each request's row made once (the steps after count on the device), the rows of those without
+        assert state.rows_made == len(pens)  # penalties included (neutral coefficients)
+
+
 def test_bad_penalties_are_refused():
     for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3.0), dict(repetition_penalty=0.0),
                 dict(repetition_penalty=-1.0), dict(presence_penalty="1")):

@@ -23,7 +23,7 @@ import torch
 from eyas.cache.kv_cache import KVCache
 from eyas.engine.sequence import Sequence
 from eyas.layers.attention import MetaBuilder
-from eyas.layers.penalties import Penalties
+from eyas.layers.penalties import Penalties, PenaltyState
 from eyas.layers.sampler import logits_to_probs, sample_from, uniform
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
@@ -237,6 +237,7 @@ class ModelRunner:
         # slot was claimed: that resets its count): part of the key of every packer's cached per-slot rows, so that a
         # change seen through one packer invalidates the others' rows too
         self.slot_epoch = 0
+        self.penalty_state: PenaltyState | None = None  # the penalties' per-slot counts, made at the first such step
 
     def _claim_slot(self, s: Sequence) -> None:
         """A sequence starts (or restarts, after preemption) its prefill in slot `s.slot`: reset the slot's rows."""
@@ -518,7 +519,7 @@ class ModelRunner:
         self.tree_steps[tree.name] = self.tree_steps.get(tree.name, 0) + 1
         guide = self._guide(seqs)
         logprobs = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
-        penalties = Penalties.of(seqs, self.target.config.vocab_size, self.device)
+        penalties = self._step_penalties(seqs)
         graphed = self.graphs is not None and self.graphs.can_run(seqs)
         if after is not None:
             if after.seqs != seqs or after.graphed != graphed or after.tree is not tree:
@@ -552,8 +553,21 @@ class ModelRunner:
             out = spec_step(self.target, self.draft, tree, self.cache, self.draft_cache, inp, self.block_size,
                             self.use_triton, self.simulated_accept, all_greedy(seqs), self.draft_hidden, guide,
                             logprobs, penalties)
+        if penalties is not None:  # the counts gain this step's tokens on the device (`PenaltyState`)
+            n = len(seqs)
+            self.penalty_state.commit(self._pen_slots, out.path_tokens[:n], out.num_accepted[:n], out.bonus[:n])
         host, done = self.packer(B).readback(out.packed)
-        return StepHandle(list(seqs), B, tree, graphed, out, host, done, graph_key)
+        return StepHandle(list(seqs), B, tree, graphed, out, host, done, graph_key, penalties is not None)
+
+    def _step_penalties(self, seqs: list[Sequence]) -> Penalties | None:
+        """A decode step's penalties (None when no sequence asks for any), gathered from the slots' device rows
+        (`PenaltyState`, allocated at the first such step; rows made from the host's tokens only where stale)."""
+        if not any(s.params.has_penalties for s in seqs):
+            return None
+        if self.penalty_state is None:
+            self.penalty_state = PenaltyState(self.num_slots, self.target.config.vocab_size, self.device)
+        self._pen_slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        return self.penalty_state.penalties(seqs, self._pen_slots)
 
     @staticmethod
     def _guide(seqs: list[Sequence]):
@@ -614,6 +628,8 @@ class ModelRunner:
                 s.new_logprobs = _entries(lps, len(new_tokens) - 1, s.params.logprobs, m + 1)
             s.num_draft_cached = s.num_cached if with_draft else 0
             s.num_cached += m + 1
+        if h.penalised:
+            self.penalty_state.collect(h.seqs, new_tokens)
         return new_tokens, m_host
 
 
@@ -628,3 +644,4 @@ class StepHandle:
     host: torch.Tensor  # out.packed as copied to the host (pinned on CUDA; complete once `done` has passed)
     done: torch.cuda.Event | None
     graph_key: tuple | None = None  # the replayed graph's (`GraphedStep.launch`)
+    penalised: bool = False  # it applied penalties and counted its tokens on the device (`PenaltyState.commit`)

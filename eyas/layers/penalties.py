@@ -151,3 +151,92 @@ class Penalties:
             penalize(fixed, self.out_counts.gather(1, flat).view(B, L, M) + extra, extra > 0, self.frequency[rows],
                      self.presence[rows], self.repetition[rows], self.bias.gather(1, flat).view(B, L, M))
             logits.scatter_(2, col, torch.where(extra > 0, fixed, logits.gather(2, col)))
+
+
+class PenaltyState:
+    """The penalties' counts kept on the device per sequence slot (the runner's `slot` rows; row `num_slots` is the
+    padding rows' scratch), so that a decode step's `Penalties` cost no host work over the context.
+
+    A slot's row is made from the host's tokens once (`penalties`: when the row does not hold the tokens of the
+    sequence now in the slot, which `rows` records as (request id, tokens counted)); each step then adds the tokens
+    it committed on the device (`commit`, from the step's outputs), and `collect` moves the record on with the
+    host's commit. Rows of sequences without penalties hold neutral coefficients and no bias, whatever their
+    counts. Allocated by the runner when a step first needs penalties: [S + 1, V] counts (float32), prompt tokens
+    (bool), bias (float32) and [S + 1, 3] coefficients."""
+
+    def __init__(self, num_slots: int, vocab: int, device):
+        self.vocab = vocab
+        self.counts = torch.zeros(num_slots + 1, vocab, device=device)  # occurrences in the output
+        self.prompt = torch.zeros(num_slots + 1, vocab, dtype=torch.bool, device=device)  # in the prompt
+        self.bias = torch.zeros(num_slots + 1, vocab, device=device)
+        self.coef = torch.tensor([[0.0, 0.0, 1.0]] * (num_slots + 1), device=device)  # frequency, presence, repetition
+        self.rows: dict[int, tuple[str, int | None]] = {}  # slot -> (request id, tokens counted; None: neutral)
+        self.rows_made = 0  # rows written from the host's tokens (once per request and slot, unless preempted)
+
+    def _make_rows(self, seqs) -> None:
+        """Write the rows of `seqs` whose record is stale: counts, prompt tokens, bias and coefficients from the
+        host's state (one small copy of token ids)."""
+        stale = [s for s in seqs if self.rows.get(s.slot) != self._record(s)]
+        if not stale:
+            return
+        dev = self.counts.device
+        slots = torch.tensor([s.slot for s in stale], device=dev)
+        self.counts[slots] = 0
+        self.prompt[slots] = False
+        self.bias[slots] = 0
+        self.coef[slots] = torch.tensor([[s.params.frequency_penalty, s.params.presence_penalty,
+                                          s.params.repetition_penalty] if s.params.has_penalties else [0.0, 0.0, 1.0]
+                                         for s in stale], device=dev)
+        pen = [s for s in stale if s.params.has_penalties]
+        if pen:
+            outs = [s.output_ids for s in pen]
+            prompts = [s.token_ids[:len(s.token_ids) - len(s.output_ids)] for s in pen]
+            n = sum(len(x) for x in outs)
+            idx = np.stack([
+                np.concatenate([np.repeat([s.slot for s in pen], [len(x) for x in outs]),
+                                np.repeat([s.slot for s in pen], [len(x) for x in prompts])]),
+                np.fromiter(itertools.chain(*outs, *prompts), dtype=np.int64)])
+            idx = torch.from_numpy(idx).to(dev)
+            self.counts.index_put_((idx[0, :n], idx[1, :n]), torch.ones(n, device=dev), accumulate=True)
+            self.prompt[idx[0, n:], idx[1, n:]] = True
+            biased = [(s.slot, t, b) for s in pen for t, b in (s.params.logit_bias or {}).items()]
+            if biased:
+                r, t, b = zip(*biased)
+                self.bias[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = torch.tensor(b, device=dev)
+        for s in stale:
+            self.rows[s.slot] = self._record(s)
+        self.rows_made += len(stale)
+
+    @staticmethod
+    def _record(s) -> tuple[str, int | None]:
+        return (s.request_id, len(s.token_ids) if s.params.has_penalties else None)
+
+    def penalties(self, seqs, slots: torch.Tensor) -> Penalties:
+        """The step's `Penalties` for `seqs` (rows made where stale), gathered on the device from the rows `slots`
+        ([B] device tensor: the sequences' slots, then any padding rows' scratch slot)."""
+        self._make_rows(seqs)
+        counts = self.counts[slots]
+        coef = self.coef[slots]
+        return Penalties(counts, self.prompt[slots] | (counts > 0), coef[:, 0], coef[:, 1], coef[:, 2],
+                         self.bias[slots])
+
+    def commit(self, slots: torch.Tensor, path_tokens: torch.Tensor, num_accepted: torch.Tensor,
+               bonus: torch.Tensor) -> None:
+        """On the device, after a step (`DecodeOutputs`): each row's counts gain the tokens it committed, its
+        accepted path past the root (path_tokens [B, D+1], the first num_accepted [B] after the root) and the
+        bonus [B]. The padding rows' scratch row gains theirs, which nothing reads."""
+        D = path_tokens.shape[1] - 1
+        tokens = torch.cat([path_tokens[:, 1:], bonus[:, None]], 1).long()  # [B, D+1]
+        take = torch.arange(D + 1, device=tokens.device)[None] < num_accepted[:, None]
+        take[:, D] = True  # the bonus
+        tokens = torch.where(take, tokens, 0)  # past the accepted path: whatever the step left there, counted 0 times
+        rows = slots.long()[:, None].expand_as(tokens)
+        self.counts.index_put_((rows, tokens), take.to(self.counts.dtype), accumulate=True)
+
+    def collect(self, seqs, new_tokens) -> None:
+        """The host committed `new_tokens` (per sequence) of a step that `commit` counted: records move on. A
+        sequence that ended (its tokens may have been cut) keeps a stale record, which its slot's next sequence
+        replaces."""
+        for s, toks in zip(seqs, new_tokens):
+            if self.rows.get(s.slot) == self._record(s) and s.params.has_penalties and toks:
+                self.rows[s.slot] = (s.request_id, len(s.token_ids) + len(toks))
