@@ -5,6 +5,7 @@ admissions, finishes at different steps, stop tokens, sampling, preemption and a
 (eager steps; the CUDA graphs' carry is tests/test_cuda_graph.py's)."""
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -190,6 +191,34 @@ def test_overlapped_decoding_equals_sequential(request, pair, spec):
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert small.engine.scheduler.num_preemptions > 0 and any(launches)
     assert small.engine.blocks.num_used == 0
+
+
+@pytest.mark.parametrize("spec", ["chain:3", "tree:8", None])
+def test_overlapped_steps_with_logprobs_and_penalties_equal_sequential(mirror_pair, spec):
+    """Steps in which requests ask for log-probabilities or apply penalties are overlapped too: the penalties'
+    counts gain each step's tokens on the device before the successor reads them (`PenaltyState`), and the
+    log-probabilities go to the host behind their own step. Tokens, log-probabilities and statistics equal
+    sequential decoding's (greedy and sampled, with a request that asks for neither in the same batches), and many
+    steps were overlapped."""
+    ps = prompts(6, vocab=24)
+    kinds = [dict(logprobs=2), dict(frequency_penalty=0.6, repetition_penalty=1.3), dict(),
+             dict(logprobs=0, presence_penalty=0.5, logit_bias={3: 2.0}), dict(repetition_penalty=1.5), dict(logprobs=4)]
+    params = [SamplingParams(temperature=[0.0, 0.8][i % 2], max_tokens=10 + 4 * i, seed=i, ignore_eos=True, **kw)
+              for i, kw in enumerate(kinds)]
+    ref, seq_launches = _run(_llm(mirror_pair, spec, max_num_seqs=3, overlap=False), params, ps)
+    assert not any(seq_launches)
+    over = _llm(mirror_pair, spec, max_num_seqs=3, overlap=True)
+    got, launches = _run(over, params, ps)
+    _same(got, ref, spec)
+    for a, b in zip(got, ref):
+        assert (a.logprobs is None) == (b.logprobs is None)
+        if b.logprobs is not None:
+            assert [[t for t, _ in x.top] for x in a.logprobs] == [[t for t, _ in x.top] for x in b.logprobs]
+            # the batches' rows may differ (a successor keeps a finished row one step longer): float rounding only
+            assert np.allclose([[x.logprob] + [v for _, v in x.top] for x in a.logprobs],
+                               [[x.logprob] + [v for _, v in x.top] for x in b.logprobs], atol=1e-5, rtol=0)
+    assert sum(launches) > len(launches) / 3, launches
+    assert over.engine.blocks.num_used == 0 and over.engine._inflight is None
 
 
 PARAMS30 = SamplingParams(max_tokens=30, ignore_eos=True)

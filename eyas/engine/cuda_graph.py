@@ -59,6 +59,7 @@ class GraphedStep:
         self.guided: dict[tuple[int, bool, str, int, bool, bool], GuidedGraphs] = {}
         # steps that report log-probabilities or apply penalties (`launch_extras`), keyed so too
         self.extras: dict[tuple[int, bool, str, int, bool, bool], ExtrasGraph] = {}
+        self._extras_penalties: dict[int, Penalties] = {}  # their penalties' static buffers, per batch bucket
         self.pool = None
 
     def bucket(self, n: int) -> int | None:
@@ -171,27 +172,47 @@ class GraphedStep:
         return key, out
 
     @torch.inference_mode()
-    def launch_extras(self, seqs, tree, logprobs: int | None, penalties: Penalties | None
-                      ) -> tuple[tuple, DecodeOutputs]:
+    def launch_extras(self, seqs, tree, logprobs: int | None, penalties: Penalties | None,
+                      carried_from: tuple | None = None) -> tuple[tuple, DecodeOutputs]:
         """Replay a step that reports log-probabilities (`logprobs`, any k: the graph writes the top MAX_LOGPROBS of
         each committed token, and each request keeps its own k) or applies `penalties` (copied into the graph's
-        static buffers, its padding rows neutral). Such steps are never overlapped (penalties need the counts of the
-        step before's commits), so each graph is captured the first time its key is met. Returns (the key: the
+        static buffers, its padding rows neutral). `carried_from` (the key replayed last for the same sequences):
+        overlapped decoding, the inputs carried on the device as `launch` carries them (the penalties' counts,
+        `eyas.layers.penalties.PenaltyState`, already hold that step's tokens). The graphs of every context bucket
+        of a key are captured together the first time it is met, each with its carry. Returns (the key: the
         graphs' plus (log-probabilities, penalties), the static outputs)."""
         key = self._key(seqs, tree) + (logprobs is not None, penalties is not None)
-        if key not in self.extras:
-            B, greedy, _, context = key[:4]
-            static = self._static_inputs(B, context)
-            pen = Penalties.neutral(B, self.runner.target.config.vocab_size, static.root_tokens.device) \
-                if penalties is not None else None
-            graph, out = self._capture_step(static, greedy, tree, MAX_LOGPROBS if logprobs is not None else None, pen)
-            self.extras[key] = ExtrasGraph(graph, pen, out)
+        if carried_from is not None:
+            if carried_from[:3] != key[:3] or carried_from[4:] != key[4:]:
+                raise ValueError(f"a carried step must replay the graph of the same batch, tree and extras: "
+                                 f"{carried_from} then {key}")
+            self.extras[carried_from].carry.replay()
+        else:
+            self._capture_extras(key, tree)
+            self.runner.decode_inputs(seqs, key[0])
         g = self.extras[key]
-        self.runner.decode_inputs(seqs, key[0])
         if penalties is not None:
             g.penalties.fill(penalties)
         g.graph.replay()
         return key, g.out
+
+    def _capture_extras(self, key: tuple, tree) -> None:
+        """The extras graphs of `key` in every context bucket (captured together, as `_capture_buckets` does), each
+        with its carry; the penalties' static buffers are shared by the graphs of one batch bucket."""
+        B, greedy, name, _, with_logprobs, with_penalties = key
+        for c in self.context_buckets:
+            k = (B, greedy, name, c, with_logprobs, with_penalties)
+            if k in self.extras:
+                continue
+            static = self._static_inputs(B, c)
+            pen = None
+            if with_penalties:
+                pen = self._extras_penalties.get(B)
+                if pen is None:
+                    pen = self._extras_penalties[B] = Penalties.neutral(B, self.runner.target.config.vocab_size,
+                                                                        static.root_tokens.device)
+            graph, out = self._capture_step(static, greedy, tree, MAX_LOGPROBS if with_logprobs else None, pen)
+            self.extras[k] = ExtrasGraph(graph, pen, out, self._capture_carry(static, out))
 
     @torch.inference_mode()
     def launch_guided(self, seqs, tree, guide, logprobs: int | None = None, penalties: Penalties | None = None
@@ -324,3 +345,4 @@ class ExtrasGraph:
     graph: torch.cuda.CUDAGraph  # reads the B-row packer's device views (`_static_inputs`), as every graph of B does
     penalties: Penalties | None  # static inputs (`Penalties.fill`), when the key has them
     out: DecodeOutputs  # `logprobs` holds the top MAX_LOGPROBS of each committed token when the key has them
+    carry: torch.cuda.CUDAGraph  # overlapped decoding: this graph's outputs -> the static inputs (`launch_extras`)

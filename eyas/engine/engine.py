@@ -362,10 +362,6 @@ class LLMEngine:
             return None
         if any(s.grammar is not None for s in h.seqs):  # its masks need the grammar states after `h`'s commits
             return None
-        # log-probabilities are read after the step (a successor's replay would overwrite them); penalties need the
-        # counts after `h`'s commits
-        if any(s.params.logprobs is not None or s.params.has_penalties for s in h.seqs):
-            return None
         ahead = h.tree.max_depth + 1  # tokens `h` may commit
         if any(s.finished or len(s.token_ids) + ahead >= self.max_model_len for s in h.seqs):
             return None

@@ -526,15 +526,14 @@ class ModelRunner:
                 raise ValueError("an overlapped step must follow a step of the same sequences")
             if guide is not None:
                 raise ValueError("a guided step cannot be overlapped: its masks need the step before's commits")
-            if logprobs is not None or penalties is not None:
-                raise ValueError("a step that reports log-probabilities or applies penalties is not overlapped")
             self._refresh_tables(seqs, after.B)
         graph_key = None
         if graphed and guide is not None:  # three graphs, the grammar masks made on the host in the middle
             graph_key, out = self.graphs.launch_guided(seqs, tree, guide, logprobs, penalties)
             B = graph_key[0]
-        elif graphed and (logprobs is not None or penalties is not None):  # a graph of their own, never overlapped
-            graph_key, out = self.graphs.launch_extras(seqs, tree, logprobs, penalties)
+        elif graphed and (logprobs is not None or penalties is not None):  # a graph of their own
+            graph_key, out = self.graphs.launch_extras(seqs, tree, logprobs, penalties,
+                                                       carried_from=None if after is None else after.graph_key)
             B = graph_key[0]
         elif graphed:
             graph_key, out = self.graphs.launch(seqs, tree, carried_from=None if after is None else after.graph_key)
@@ -556,8 +555,13 @@ class ModelRunner:
         if penalties is not None:  # the counts gain this step's tokens on the device (`PenaltyState`)
             n = len(seqs)
             self.penalty_state.commit(self._pen_slots, out.path_tokens[:n], out.num_accepted[:n], out.bonus[:n])
-        host, done = self.packer(B).readback(out.packed)
-        return StepHandle(list(seqs), B, tree, graphed, out, host, done, graph_key, penalties is not None)
+        host_logprobs = None
+        if out.logprobs is not None:  # to the host behind the step (a successor's replay overwrites a graph's outputs)
+            host_logprobs = out.logprobs if self.device.type != "cuda" else tuple(
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in out.logprobs)
+        host, done = self.packer(B).readback(out.packed)  # `done` follows the log-probabilities' copies too
+        return StepHandle(list(seqs), B, tree, graphed, out, host, done, graph_key, penalties is not None,
+                          host_logprobs)
 
     def _step_penalties(self, seqs: list[Sequence]) -> Penalties | None:
         """A decode step's penalties (None when no sequence asks for any), gathered from the slots' device rows
@@ -612,7 +616,7 @@ class ModelRunner:
         if h.done is not None:
             h.done.synchronize()
         host = h.host[:len(h.seqs)].tolist()
-        lps = None if h.out.logprobs is None else [t.cpu() for t in h.out.logprobs]
+        lps = h.host_logprobs
         m_host = []
         new_tokens = []
         with_draft = self.draft is not None
@@ -645,3 +649,4 @@ class StepHandle:
     done: torch.cuda.Event | None
     graph_key: tuple | None = None  # the replayed graph's (`GraphedStep.launch`)
     penalised: bool = False  # it applied penalties and counted its tokens on the device (`PenaltyState.commit`)
+    host_logprobs: tuple | None = None  # out.logprobs as copied to the host (complete once `done` has passed)
