@@ -181,7 +181,8 @@ def same_logprobs(got, ref):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_logprobs_and_penalties_on_graphs_equal_eager(pair, spec, temperature):
     """Requests that ask for log-probabilities (k of 0, 2 and 5) or penalties, batched with free ones and alone,
-    replay graphs of their own kind (`launch_extras`) in an engine with graphs and overlap on: tokens and
+    replay graphs of their own kind (`launch_extras`) in an engine with graphs and overlap on, most of their steps
+    overlapped (carried inputs; the counts and log-probabilities of the step before read on the device): tokens and
     log-probabilities equal the eager step's (greedy: the reference path; sampled, seeded: the eager Triton path,
     whose kernels the graphs replay, acceptance counts included)."""
     target, draft = pair
@@ -202,8 +203,17 @@ def test_logprobs_and_penalties_on_graphs_equal_eager(pair, spec, temperature):
     alone = [(p, sp) for p, sp in zip(PROMPTS, params)][:2]
     ref += [eager.generate([p], sp)[0] for p, sp in alone]
     graphed = LLM(str(target), cuda_graphs=True, overlap=True, **kw)
+    runner, carried = graphed.engine.runner, []
+    launch = runner.launch
+
+    def counted(seqs, after=None):  # overlapped steps (their successor replays while they are read back)
+        carried.append(after is not None)
+        return launch(seqs, after)
+    runner.launch = counted
     got = graphed.generate(PROMPTS, params) + graphed.generate(PROMPTS, mixed)
     got += [graphed.generate([p], sp)[0] for p, sp in alone]
+    del runner.launch
+    assert sum(carried) > len(carried) / 3, "extras steps were not overlapped"
     for o, r in zip(got, ref, strict=True):
         assert same(o) == same(r)
         assert (o.logprobs is None) == (r.logprobs is None)
