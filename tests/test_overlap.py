@@ -193,7 +193,7 @@ def test_overlapped_decoding_equals_sequential(request, pair, spec):
     assert small.engine.blocks.num_used == 0
 
 
-@pytest.mark.parametrize("spec", ["chain:3", "tree:8", None])
+@pytest.mark.parametrize("spec", ["chain:3", "tree:8", "dyn:k3d4n8", None])
 def test_overlapped_steps_with_logprobs_and_penalties_equal_sequential(mirror_pair, spec):
     """Steps in which requests ask for log-probabilities or apply penalties are overlapped too: the penalties'
     counts gain each step's tokens on the device before the successor reads them (`PenaltyState`), and the
