@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--draft", default="default")
-    ap.add_argument("--speculation", default="tree:smollm2_48d5")
+    ap.add_argument("--speculation", default="tree:smollm2_48d5", help="a preset, or auto (the draft's dispatcher)")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -61,7 +61,8 @@ def main() -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     rows = []
     for mode in args.modes.split(","):
-        llm = LLM(args.model, device=args.device, draft=args.draft, speculation=args.speculation,
+        llm = LLM(args.model, device=args.device, draft=args.draft,
+                  speculation=None if args.speculation == "auto" else args.speculation,
                   cuda_graphs=mode == "graphed", prefix_caching=False, max_num_seqs=max(sizes))
         tok = llm.tokenizer
         prompts = chat_prompts(tok, records)
