@@ -102,19 +102,20 @@ def test_incremental_text_equals_whole_decode(name, data):
     prompt = data.draw(st.lists(st.sampled_from(pool), max_size=3))
     # chunks of 1..4 tokens, as speculative steps commit them
     chunks = data.draw(st.lists(st.lists(st.sampled_from(pool), min_size=1, max_size=4), max_size=40))
+    skip = data.draw(st.booleans())  # SamplingParams.skip_special_tokens
     ids = list(prompt)
-    detok = IncrementalDetokenizer(tok, len(ids), decoding)
+    detok = IncrementalDetokenizer(tok, len(ids), decoding, skip)
     deltas = []
     for chunk in chunks + [[plain]]:
         ids += chunk
         deltas.append(detok.update(ids))
-        assert detok.text == tok.decode(ids[len(prompt):])
+        assert detok.text == tok.decode(ids[len(prompt):], skip_special_tokens=skip)
         assert "".join(deltas) == detok.stable and str(detok.snapshot()) == detok.text
         assert all(detok.tail(i) == detok.text[i:] for i in range(len(detok.text) + 1))
         if incremental:  # the text held back is text that may still change
             assert detok.pending == "" or detok.pending.endswith(REPLACEMENT) or ids[-1] in hold
     if incremental:  # after a plain token all the text is final
-        assert detok.pending == "" and detok.stable == tok.decode(ids[len(prompt):])
+        assert detok.pending == "" and detok.stable == tok.decode(ids[len(prompt):], skip_special_tokens=skip)
 
 
 @settings(max_examples=200, deadline=None)
@@ -213,6 +214,26 @@ def test_engine_stop_strings_as_before(pair_with_tokenizer, spec):
             got = finals[seq.request_id]
             assert (got.token_ids, got.text, got.finish_reason) == (want_ids, want_text, want_reason), s
             assert seq.text == want_text
+
+
+@pytest.mark.parametrize("spec", [None, "chain:4"])
+def test_skip_special_tokens(pair_with_tokenizer, spec):
+    """`SamplingParams.skip_special_tokens` (vLLM's; True by default): False keeps the special tokens' text in the
+    output. A logit bias makes special tokens likely; each text equals the whole decode with the same setting."""
+    target, draft = pair_with_tokenizer
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft) if spec else None, speculation=spec)
+    tok = llm.tokenizer
+    special = len(TINY_PIECES)  # "<|end|>"
+    outs = {skip: llm.generate([[3, 4, 5], [1, 2]], SamplingParams(
+        max_tokens=20, ignore_eos=True, logit_bias={special: 3.0}, skip_special_tokens=skip)) for skip in (True, False)}
+    for skip, got in outs.items():
+        for o in got:
+            assert o.text == tok.decode(o.token_ids, skip_special_tokens=skip)
+    assert any(special in o.token_ids for o in outs[False])
+    assert all("<|end|>" in o.text for o in outs[False] if special in o.token_ids)
+    assert not any("<|end|>" in o.text for o in outs[True])
+    with pytest.raises(ValueError, match="skip_special_tokens"):
+        SamplingParams(skip_special_tokens="no")
 
 
 def test_stop_string_in_streamed_deltas(pair_with_tokenizer):

@@ -486,6 +486,22 @@ def test_include_stop_str_in_output(spec):
         assert (out.choices[0].text, out.choices[0].finish_reason) == (want, "stop")
 
 
+def test_skip_special_tokens(spec):
+    """vLLM's `skip_special_tokens` (through the openai client's extra_body): False keeps "<|im_end|>" in the text
+    of a completion that a logit bias fills with it (end-of-sequence ignored); the default drops it."""
+    tok = spec.engine.tokenizer
+    end = tok.encode("<|im_end|>")
+    assert len(end) == 1
+    client = spec.client()
+    texts = {}
+    for skip in (True, False, None):
+        extra = {"ignore_eos": True} | ({} if skip is None else {"skip_special_tokens": skip})
+        out = client.completions.create(model=MODEL, prompt=COMPLETION_PROMPTS[0], max_tokens=3, temperature=0,
+                                        logit_bias={str(end[0]): 100}, extra_body=extra)
+        texts[skip] = out.choices[0].text
+    assert texts == {True: "", False: "<|im_end|>" * 3, None: ""}
+
+
 def test_echo_through_the_openai_client_on_smollm2(spec):
     """`completions.create(echo=True, logprobs=1, max_tokens=1)` on the real model: the text starts with the prompt
     as sent, the tokens are the prompt's (as its tokenizer splits it) and then the completion's, and the prompt

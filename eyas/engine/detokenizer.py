@@ -112,7 +112,7 @@ NO_TEXT = OutputText([], 0, 0, "", 0)
 
 class IncrementalDetokenizer:
     """The text of ids[start:] for one growing list of token ids (a sequence's `token_ids`; `start`: where its
-    output begins), as `tokenizer.decode` gives it (special tokens skipped).
+    output begins), as `tokenizer.decode` gives it (special tokens skipped unless `skip_special` is False).
 
     `text` (== tokenizer.decode(ids[start:]) after every `update`) is `stable`, the text of ids[start:read],
     which no later token can change, followed by `pending`, what the tokens since `read` decode to now. `stable`
@@ -120,10 +120,11 @@ class IncrementalDetokenizer:
     `snapshot` and `tail` read what they need."""
 
     __slots__ = ("tokenizer", "decoding", "start", "prefix", "read", "prefix_text", "pieces", "stable_len",
-                 "pending")
+                 "pending", "skip_special")
 
-    def __init__(self, tokenizer, start: int, decoding: Decoding):
+    def __init__(self, tokenizer, start: int, decoding: Decoding, skip_special: bool = True):
         self.tokenizer, self.decoding = tokenizer, decoding
+        self.skip_special = skip_special  # False: special tokens' text kept (`SamplingParams.skip_special_tokens`)
         self.start = self.prefix = self.read = start
         self.prefix_text = ""  # decode(ids[prefix:read])
         self.pieces: list[str] = []  # the final text in pieces; only appended to (and cut back by `restore`)
@@ -157,14 +158,19 @@ class IncrementalDetokenizer:
         self.prefix, self.read, self.prefix_text, count, self.stable_len, self.pending = state
         del self.pieces[count:]  # pieces added since `save`: no snapshot taken before it reaches them
 
+    def _decode(self, ids: list[int]) -> str:
+        if self.skip_special:
+            return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     def update(self, ids: list[int]) -> str:
         """Take the ids so far (those of the last call plus any new ones); returns the text that became final
         (the streaming delta: the deltas concatenate to `stable`)."""
         if not self.decoding.incremental:
-            self.pending = self.tokenizer.decode(ids[self.start:])
+            self.pending = self._decode(ids[self.start:])
             return ""
         n = len(ids)
-        window = self.tokenizer.decode(ids[self.prefix:n])
+        window = self._decode(ids[self.prefix:n])
         self.pending = window[len(self.prefix_text):]
         if not self.pending or self.pending[-1] == REPLACEMENT or ids[n - 1] in self.decoding.hold:
             return ""  # nothing new, or not final yet: keep the window (an empty one would lose its context)
@@ -174,7 +180,7 @@ class IncrementalDetokenizer:
         self.pending = ""
         if self.decoding.context:
             self.prefix, self.read = self.read, n
-            self.prefix_text = self.tokenizer.decode(ids[self.prefix:n])
+            self.prefix_text = self._decode(ids[self.prefix:n])
         else:
             self.prefix = self.read = n
         return delta

@@ -246,7 +246,8 @@ class LLMEngine:
         seq = Sequence(ids, params, seed, request_id=request_id or "", stop_ids=self._stop_ids(params),
                        grammar=grammar)
         if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, len(ids), self.decoding)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, len(ids), self.decoding,
+                                              params.skip_special_tokens)
         return seq
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
@@ -405,7 +406,8 @@ class LLMEngine:
         if seq.grammar is not None:
             seq.grammar.accept(seq.output_ids)
         if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.num_prompt, self.decoding)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.num_prompt, self.decoding,
+                                              params.skip_special_tokens)
             seq.detok.update(seq.token_ids)
             seq.output_text = seq.detok.snapshot()
         self.seqs[seq.request_id] = seq

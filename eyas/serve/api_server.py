@@ -109,7 +109,7 @@ def _sampling_params(req, max_tokens: int | None, logprobs: int | None = None) -
             min_p=0.0 if req.min_p is None else req.min_p,
             max_tokens=1 if max_tokens is None else max_tokens,  # the real value is set per prompt
             seed=req.seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-            include_stop_str_in_output=req.include_stop_str_in_output,
+            include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
             guided=_guided(req), logprobs=logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
