@@ -570,7 +570,10 @@ class ModelRunner:
             return None
         if self.penalty_state is None:
             self.penalty_state = PenaltyState(self.num_slots, self.target.config.vocab_size, self.device)
-        self._pen_slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        slots = torch.tensor([s.slot for s in seqs])
+        if self.device.type == "cuda":  # through pinned memory: no synchronisation (an overlapped step's launch)
+            slots = slots.pin_memory()
+        self._pen_slots = slots.to(self.device, non_blocking=True)
         return self.penalty_state.penalties(seqs, self._pen_slots)
 
     @staticmethod
