@@ -59,6 +59,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string that ended it
     skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text (e.g. "<|im_end|>") in the output
+    truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens are read (left truncation)
     guided: GuidedDecoding | None = None  # the output must match a schema, regex, choice or grammar
     # log-probabilities of each output token and of the `logprobs` likeliest tokens in its place (0: the output
     # token's only), under the target's logits before temperature, top-k and top-p (eyas.layers.logprobs)
@@ -89,6 +90,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or None, got {k!r}")
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}")
         if isinstance(self.stop, str):

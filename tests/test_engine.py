@@ -183,3 +183,18 @@ def test_context_buckets_steer_the_triton_steps_bound(tiny_dir, monkeypatch):
     la = r.lookahead
     assert [r.context_bound(seqs[:k]) for k in (1, 2, 3)] == [cg.context_bucket(n + la, full) for n in (3, 14, 40)]
     assert r.context_bound(seqs[:1]) == 16 and r.context_bound(seqs) == full
+
+
+def test_truncate_prompt_tokens(tiny_dir):
+    """`SamplingParams.truncate_prompt_tokens` (vLLM's): the engine reads the prompt's last k tokens only, so a prompt
+    longer than the context is taken, and the output is that of the truncated prompt."""
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32", max_model_len=64)
+    long = [(7 * i + 1) % VOCAB for i in range(100)]
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([long], SamplingParams(max_tokens=4))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    got = llm.generate([long], SamplingParams(max_tokens=8, ignore_eos=True, truncate_prompt_tokens=20))[0]
+    assert got.prompt_token_ids == long[-20:]
+    assert got.token_ids == llm.generate([long[-20:]], params)[0].token_ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)

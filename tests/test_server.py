@@ -730,6 +730,26 @@ def test_penalties_reach_the_engine(tiny):
     )[0].token_ids
 
 
+def test_truncate_prompt_tokens(tiny):
+    """vLLM's `truncate_prompt_tokens`: only the prompt's last k tokens are read, so the output and the usage are
+    those of the truncated prompt; a prompt that only fits the context once truncated is taken; k < 1 is a 400."""
+    long = [(5 * i + 3) % TINY_VOCAB for i in range(40)]
+    r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=6, prompt=long, logprobs=0,
+                                                                  truncate_prompt_tokens=7), timeout=60)
+    assert r.status_code == 200, r.text
+    j = r.json()
+    got = [int(t.split(":")[1]) for t in j["choices"][0]["logprobs"]["tokens"]]
+    assert j["usage"]["prompt_tokens"] == 7
+    short = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=6, prompt=long[-7:], logprobs=0),
+                       timeout=60).json()["choices"][0]["logprobs"]["tokens"]
+    assert got == [int(t.split(":")[1]) for t in short]
+    for bad in (0, -3):
+        r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=2, truncate_prompt_tokens=bad),
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+    tiny.wait_idle()
+
+
 def test_usage_and_metrics_count_prefix_cache_hits(tiny):
     """A prompt sent again finds its full blocks cached (block size 16: 32 of its 40 tokens; the last one is always
     prefilled), in the usage of plain and streamed responses and in the prefix-cache counters."""

@@ -212,9 +212,13 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         return ids
 
-    def check_request(self, prompt: str | list[int], request_id: str | None = None) -> list[int]:
-        """The prompt's token ids, if this engine can take the request; ValueError (what is wrong) otherwise."""
+    def check_request(self, prompt: str | list[int], request_id: str | None = None,
+                      truncate: int | None = None) -> list[int]:
+        """The prompt's token ids (its last `truncate` only, where given: `SamplingParams.truncate_prompt_tokens`), if
+        this engine can take the request; ValueError (what is wrong) otherwise."""
         ids = self.encode(prompt)
+        if truncate is not None:
+            ids = ids[-truncate:]
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, but the model's context is {self.max_model_len} "
                              "(prompt and output must fit)")
@@ -237,7 +241,7 @@ class LLMEngine:
         which reads only the engine's settings (`eyas.engine.disagg` makes sequences on one thread and queues them
         on the prefill engine's)."""
         params = params or SamplingParams()
-        ids = self.check_request(prompt, request_id)
+        ids = self.check_request(prompt, request_id, params.truncate_prompt_tokens)
         V = self.target.config.vocab_size
         if params.logit_bias is not None and any(t >= V for t in params.logit_bias):
             raise ValueError(f"logit_bias keys must be token ids in [0, {V}), got {max(params.logit_bias)}")

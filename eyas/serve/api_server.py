@@ -47,7 +47,8 @@ RETRY_AFTER_S = 1
 def _param_of(message: str) -> str | None:
     word = message.split(" ", 1)[0]
     return word if word in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
-                            "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias") else None
+                            "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                            "truncate_prompt_tokens", "skip_special_tokens") else None
 
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -110,6 +111,7 @@ def _sampling_params(req, max_tokens: int | None, logprobs: int | None = None) -
             max_tokens=1 if max_tokens is None else max_tokens,  # the real value is set per prompt
             seed=req.seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
             guided=_guided(req), logprobs=logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -230,11 +232,13 @@ class Server:
                            f"{', '.join(repr(n) for n in sorted(self.names))}.", status=404, param="model",
                            code="model_not_found")
 
-    def prompt_ids(self, prompt, param: str) -> list[int]:
+    def prompt_ids(self, prompt, param: str, truncate: int | None = None) -> list[int]:
+        """The prompt's token ids; its last `truncate` only, where given (`truncate_prompt_tokens`)."""
         try:
-            return self.engine.encode(prompt)
+            ids = self.engine.encode(prompt)
         except ValueError as e:
             raise APIError(str(e), param=param) from None
+        return ids if truncate is None else ids[-truncate:]
 
     def fit(self, ids: list[int], max_tokens: int | None, param: str, max_param: str) -> int:
         """The output budget of one prompt: max_tokens, or the rest of the context when None."""
@@ -415,7 +419,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
             base = dataclasses.replace(base, prompt_logprobs=req.logprobs)
         await server.compile_guided(base.guided)
         max_tokens = 16 if asked is None else asked  # OpenAI's default for completions
-        ids = [server.prompt_ids(x, "prompt") for x in prompts]
+        ids = [server.prompt_ids(x, "prompt", base.truncate_prompt_tokens) for x in prompts]
         budgets = [server.fit(x, max_tokens, "prompt", "max_tokens") for x in ids]
         cid = completion_id("cmpl")
         queue, rids = await server.submit(cid, ids, budgets, base, req.n, arrival)
@@ -466,7 +470,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
         base = _sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         await server.compile_guided(base.guided)
-        ids = server.prompt_ids(server.tokenizer.encode(text), "messages")
+        ids = server.prompt_ids(server.tokenizer.encode(text), "messages", base.truncate_prompt_tokens)
         budget = server.fit(ids, max_tokens, "messages", max_param)
         cid = completion_id("chatcmpl")
         queue, rids = await server.submit(cid, [ids], [budget], base, req.n, arrival)

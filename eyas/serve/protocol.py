@@ -77,6 +77,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[StrictInt] | None = None  # vLLM's extension
     include_stop_str_in_output: StrictBool = False  # vLLM's extension
     skip_special_tokens: StrictBool = True  # vLLM's extension
+    truncate_prompt_tokens: StrictInt | None = None  # vLLM's extension: the prompt's last k tokens only
     min_tokens: StrictInt | None = None  # vLLM's extension, refused when > 0 (not supported): never ignored
     # guided decoding, vLLM's extensions (chat also takes OpenAI's response_format): at most one of them
     guided_json: dict | str | None = None
