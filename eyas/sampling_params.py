@@ -60,6 +60,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string that ended it
     skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text (e.g. "<|im_end|>") in the output
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens are read (left truncation)
+    # vLLM's: no stop token (end of sequence, stop_token_ids) before this many output tokens, and no stop string
+    # ending before it (applied with the penalties: eyas.layers.penalties)
+    min_tokens: int = 0
     guided: GuidedDecoding | None = None  # the output must match a schema, regex, choice or grammar
     # log-probabilities of each output token and of the `logprobs` likeliest tokens in its place (0: the output
     # token's only), under the target's logits before temperature, top-k and top-p (eyas.layers.logprobs)
@@ -90,6 +93,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        m = self.min_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {m!r}")
+        if m and self.guided is not None:  # a grammar may have to end where the stop tokens are refused
+            raise ValueError("min_tokens with guided decoding is not supported")
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or None, got {k!r}")
@@ -134,7 +142,7 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or self.logit_bias is not None)
+                or self.logit_bias is not None or self.min_tokens > 0)
 
     @property
     def greedy(self) -> bool:

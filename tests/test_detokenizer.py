@@ -236,6 +236,38 @@ def test_skip_special_tokens(pair_with_tokenizer, spec):
         SamplingParams(skip_special_tokens="no")
 
 
+@pytest.mark.parametrize("spec", [None, "chain:4"])
+def test_min_tokens_holds_off_stop_strings(pair_with_tokenizer, spec):
+    """vLLM's `min_tokens` and stop strings: no stop string that ends before the min_tokens-th output token ends the
+    output (the search starts at that token, steps that cross it searched token by token); one that ends after does,
+    as without min_tokens. The tokens are those of the same request without stop strings (stops do not change them)."""
+    target, draft = pair_with_tokenizer
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft) if spec else None, speculation=spec)
+    tok = llm.tokenizer
+    prompts = [[i, (5 * i + 3) % 22, (7 * i + 1) % 22] for i in range(8)]
+    ref = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    m, held = 12, 0
+
+    def char_of(ids):
+        return next((c for c in tok.decode(ids) if c.isascii() and c.isalnum()), None)
+    for p, r in zip(prompts, ref):
+        # a stop string in the first tokens, and one in the (m-1)-th token (a step that crosses m meets it)
+        for stop, before in ((char_of(r.token_ids[:3]), 3), (char_of(r.token_ids[m - 2: m - 1]), m - 1)):
+            if stop is None:
+                continue
+            free = llm.generate([p], SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop]))[0]
+            got = llm.generate([p], SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop], min_tokens=m))[0]
+            assert free.finish_reason == "stop" and len(free.token_ids) <= before
+            assert got.token_ids == r.token_ids[:len(got.token_ids)] and len(got.token_ids) >= m
+            whole = tok.decode(got.token_ids)
+            assert whole.startswith(got.text)
+            if got.finish_reason == "stop":  # cut at a stop string that ends in a token at or past the m-th
+                assert whole[len(got.text):].startswith(stop)
+                assert len(got.text) + len(stop) > len(tok.decode(r.token_ids[:m - 1]))
+            held += 1
+    assert held >= 6
+
+
 def test_stop_string_in_streamed_deltas(pair_with_tokenizer):
     """The server's streamed deltas concatenate to the final (stop-trimmed) text."""
     from eyas.engine.detokenizer import TextStream

@@ -223,8 +223,9 @@ def _bias(pen: dict, vocab: int, dtype=torch.float32) -> torch.Tensor | None:
     return b
 
 
-def _dense_greedy(target, prompt, n, **pen):
-    """Greedy decoding by dense forwards, each step's logits penalised from scratch."""
+def _dense_greedy(target, prompt, n, ban=None, **pen):
+    """Greedy decoding by dense forwards, each step's logits penalised from scratch; `ban` (tokens, k): those tokens
+    refused at the first k output positions (min_tokens)."""
     ids = list(prompt)
     for _ in range(n):
         with torch.no_grad():
@@ -238,6 +239,8 @@ def _dense_greedy(target, prompt, n, **pen):
         penalize(logits, counts, seen, torch.tensor([pen.get("frequency_penalty", 0.0)]),
                  torch.tensor([pen.get("presence_penalty", 0.0)]), torch.tensor([pen.get("repetition_penalty", 1.0)]),
                  _bias(pen, logits.shape[-1]))
+        if ban is not None and len(out) < ban[1]:
+            logits[0, ban[0]] = float("-inf")
         ids.append(int(logits.argmax()))
     return ids[len(prompt):]
 
@@ -284,6 +287,39 @@ def test_penalty_rows_follow_slots_through_reuse_and_preemption(pairs, setting):
         assert state.rows_made == len(pens)  # penalties included (neutral coefficients)
 
 
+@pytest.mark.parametrize("spec", [None] + SPECS)
+def test_min_tokens_equals_a_dense_loop_that_bans_stop_tokens(pairs, spec):
+    """vLLM's `min_tokens`: a stop token (here `stop_token_ids`, the tokens plain decoding would stop at early) is
+    refused at every position before min_tokens, each tree node by its own position (its path's length), and may end
+    the output after: greedy output and finish reason equal a dense loop that bans them so. With penalties beside it
+    and without; a request without min_tokens in the same batch stops early as before."""
+    target, draft = pairs["mirror"]
+    kw = dict(device="cpu", dtype="float32", block_size=4)
+    if spec is not None:
+        kw.update(draft=str(draft), speculation=spec)
+    llm = LLM(str(target), **kw)
+    prompts = _prompts()
+    free = llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+    cases = []
+    for p, o in zip(prompts, free):
+        stops = sorted(set(o.token_ids[:3]))  # tokens it meets early (the first: prefill's), where it would stop
+        for pen in ({}, PARAMS[3]):
+            cases.append((p, stops, pen))
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, min_tokens=12, stop_token_ids=st, **pen)
+              for _, st, pen in cases]
+    outs = llm.generate([c[0] for c in cases] + [prompts[0]],
+                        params + [SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=cases[0][1])])
+    for (p, stops, pen), o in zip(cases, outs, strict=False):
+        want = _dense_greedy(llm.target, p, 30, ban=(stops, 12), **pen)
+        end = next((i for i, t in enumerate(want) if t in stops), None)
+        assert end is None or end >= 12
+        want = want if end is None else want[: end + 1]
+        assert o.token_ids == want, (stops, pen)
+        assert o.finish_reason == ("length" if end is None else "stop")
+    assert len(outs[-1].token_ids) <= 4 and outs[-1].finish_reason == "stop"
+    assert any(o.finish_reason == "stop" for o in outs[:-1])  # some stopped after min_tokens
+
+
 def test_bad_penalties_are_refused():
     for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3.0), dict(repetition_penalty=0.0),
                 dict(repetition_penalty=-1.0), dict(presence_penalty="1")):
@@ -292,6 +328,11 @@ def test_bad_penalties_are_refused():
     for bad in ({-1: 1.0}, {"3": 1.0}, {3: 101.0}, {3: "x"}, [3]):
         with pytest.raises(ValueError, match="logit_bias"):
             SamplingParams(logit_bias=bad)
+    from eyas.sampling_params import GuidedDecoding
+    for bad in (dict(min_tokens=-1), dict(min_tokens=17), dict(min_tokens=True),
+                dict(min_tokens=2, guided=GuidedDecoding(regex="a+"))):
+        with pytest.raises(ValueError, match="min_tokens"):
+            SamplingParams(max_tokens=16, **bad)
 
 
 # ---- the law at temperature 1, enumerated -------------------------------------------------------------------------
@@ -321,6 +362,8 @@ def _law(hf, prefix, pen):
     penalize(logits, counts, seen, torch.tensor([pen.get("frequency_penalty", 0.0)]),
              torch.tensor([pen.get("presence_penalty", 0.0)]), torch.tensor([pen.get("repetition_penalty", 1.0)]),
              _bias(pen, V, torch.float64))
+    if len(prefix) < pen.get("min_tokens", 0):  # min_tokens: the stop tokens refused before it
+        logits[0, pen["stop_token_ids"]] = float("-inf")
     return torch.softmax(logits[0], -1).numpy()
 
 
@@ -338,16 +381,19 @@ def _pvalue(observed: dict, joint: dict) -> float:
     return chisquare(np.append(obs[big], obs[~big].sum()), np.append(expected[big], expected[~big].sum())).pvalue
 
 
+@pytest.mark.parametrize("pen", [PEN, dict(PEN, min_tokens=1, stop_token_ids=[1])], ids=["penalties", "min_tokens"])
 @pytest.mark.parametrize("spec", ["chain:2", "tree:8"])
-def test_joint_law_with_penalties(small, spec):
+def test_joint_law_with_penalties(small, spec, pen):
     from transformers import LlamaForCausalLM
     target, draft = small
     hf = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec, max_num_seqs=256)
     outs = llm.generate([PROMPT] * RUNS, [SamplingParams(temperature=1.0, max_tokens=2, seed=s, ignore_eos=True,
-                                                         **PEN) for s in range(RUNS)])
+                                                         **pen) for s in range(RUNS)])
     observed = {}
     for o in outs:
         observed[tuple(o.token_ids)] = observed.get(tuple(o.token_ids), 0) + 1
-    assert _pvalue(observed, _joint(hf, PEN)) > 1e-3
+    if "min_tokens" in pen:  # token 1 (likely: biased up) refused first, allowed second
+        assert not any(k[0] == 1 for k in observed) and any(k[1] == 1 for k in observed)
+    assert _pvalue(observed, _joint(hf, pen)) > 1e-3
     assert _pvalue(observed, _joint(hf, {})) < 1e-6  # the unpenalised law is far from it: the test has power

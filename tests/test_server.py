@@ -709,14 +709,23 @@ def test_penalties_reach_the_engine(tiny):
                       ("logit_bias", {str(TINY_VOCAB): 1.0}), ("logit_bias", {"-2": 1.0})]:
         r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=2, **{name: bad}), timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
-    # vLLM's stop_token_ids end the output at the first of them; its min_tokens is refused, not ignored
+    # vLLM's stop_token_ids end the output at the first of them; its min_tokens holds them off until then
     r = httpx.post(tiny.url + "/v1/completions", json={**_tiny_body(max_tokens=12, prompt=prompt, logprobs=0, **pen),
                                                        "ignore_eos": False, "stop_token_ids": [got[3]]}, timeout=60)
     assert r.status_code == 200, r.text
     stopped = [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
     assert stopped == got[: got.index(got[3]) + 1] and r.json()["choices"][0]["finish_reason"] == "stop"
-    r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=2, min_tokens=2), timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    r = httpx.post(tiny.url + "/v1/completions", json={**_tiny_body(max_tokens=12, prompt=prompt, logprobs=0, **pen),
+                                                       "stop_token_ids": [got[3]], "min_tokens": 8}, timeout=60)
+    assert r.status_code == 200, r.text
+    held = [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+    tiny.wait_idle()
+    assert got[3] not in held[:8] and held == LLM(str(tiny.tiny_dir), device="cpu", dtype="float32").generate(
+        [prompt], SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[got[3]], min_tokens=8, **pen)
+    )[0].token_ids
+    for body in (_tiny_body(max_tokens=2, min_tokens=3), _tiny_body(max_tokens=2, min_tokens=-1)):
+        r = httpx.post(tiny.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
     # OpenAI's logit_bias (token ids as strings): the offline engine's output with the same bias
     bias = {"3": 4.0, str(got[0]): -100.0}
     r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=12, prompt=prompt, logprobs=0,

@@ -483,25 +483,29 @@ class LLMEngine:
         searched. Where one was found, the added tokens are decoded again one by one from the saved state, as
         the output ends at the first token whose text shows a stop string."""
         detok, stops = seq.detok, seq.params.stop
-        if not stops:
+        first = len(seq.token_ids) - len(added)
+        free = seq.params.min_tokens - (first - seq.num_prompt)  # 1-based index in `added` of the first token
+        if not stops or free > len(added):  # whose text may end a stop string (vLLM's min_tokens): none here
             detok.update(seq.token_ids)
             return -1
         tail = max(map(len, stops)) - 1
         saved = detok.save()
-        start = max(0, detok.stable_len - tail)
-        detok.update(seq.token_ids)
-        cut = _find_stop(detok.tail(start), stops, start)
-        if cut < 0 or len(added) == 1:
-            return cut
-        detok.restore(saved)
-        first = len(seq.token_ids) - len(added)
+        if free <= 1:  # every added token's text may end one: search them all at once first
+            start = max(0, detok.stable_len - tail)
+            detok.update(seq.token_ids)
+            cut = _find_stop(detok.tail(start), stops, start)
+            if cut < 0 or len(added) == 1:
+                return cut
+            detok.restore(saved)
         for k in range(1, len(added) + 1):
             start = max(0, detok.stable_len - tail)
             detok.update(seq.token_ids[:first + k])
-            cut = _find_stop(detok.tail(start), stops, start)
+            cut = _find_stop(detok.tail(start), stops, start) if k >= free else -1
             if cut >= 0:
                 del seq.token_ids[first + k:], added[k:]
                 return cut
+        if free > 1:  # the step crossed min_tokens without a stop string
+            return -1
         raise AssertionError("unreachable: the last token's text is the one searched first")
 
 

@@ -46,6 +46,10 @@ class Penalties:
     presence: torch.Tensor  # [B]
     repetition: torch.Tensor  # [B]
     bias: torch.Tensor  # [B, V] float: logit_bias (0 where none)
+    # vLLM's min_tokens: the stop tokens (end of sequence, stop_token_ids) are refused at the next `ban_until`
+    # positions of each row (0: none); the position of a tree node's token is its path's length
+    ban: torch.Tensor  # [B, V] bool: the row's stop tokens
+    ban_until: torch.Tensor  # [B] float: min_tokens - output tokens so far
 
     @classmethod
     def of(cls, seqs, vocab: int, device) -> "Penalties | None":
@@ -76,20 +80,28 @@ class Penalties:
         if biased:
             r, t, b = zip(*biased)
             bias[torch.tensor(r, device=device), torch.tensor(t, device=device)] = torch.tensor(b, device=device)
-        return cls(out_counts, seen, coef[:, 0], coef[:, 1], coef[:, 2], bias)
+        ban = torch.zeros(B, vocab, dtype=torch.bool, device=device)
+        until = [0.0] * B
+        for i in rows:
+            s = seqs[i]
+            if s.params.min_tokens > len(s.output_ids) and s.stop_ids:
+                ban[i, torch.tensor(sorted(s.stop_ids), device=device)] = True
+                until[i] = float(s.params.min_tokens - len(s.output_ids))
+        return cls(out_counts, seen, coef[:, 0], coef[:, 1], coef[:, 2], bias, ban, torch.tensor(until).to(device))
 
     @classmethod
     def neutral(cls, rows: int, vocab: int, device) -> "Penalties":
         """Buffers for `rows` rows that change nothing (a graphed step's static inputs, `fill`ed before replay)."""
         z = torch.zeros(rows, device=device)
         return cls(torch.zeros(rows, vocab, device=device), torch.zeros(rows, vocab, dtype=torch.bool, device=device),
-                   z, z.clone(), torch.ones(rows, device=device), torch.zeros(rows, vocab, device=device))
+                   z, z.clone(), torch.ones(rows, device=device), torch.zeros(rows, vocab, device=device),
+                   torch.zeros(rows, vocab, dtype=torch.bool, device=device), z.clone())
 
     def fill(self, p: "Penalties") -> None:
         """In place: this buffer's first rows become `p`'s, the rest (a graph's padding rows) neutral."""
         n = p.out_counts.shape[0]
         for name, pad in (("out_counts", 0), ("seen", 0), ("frequency", 0), ("presence", 0), ("repetition", 1),
-                          ("bias", 0)):
+                          ("bias", 0), ("ban", 0), ("ban_until", 0)):
             dst = getattr(self, name)
             dst[:n].copy_(getattr(p, name), non_blocking=True)
             dst[n:].fill_(pad)
@@ -97,6 +109,7 @@ class Penalties:
     def apply(self, logits: torch.Tensor) -> None:
         """In place, logits [B, V] of each row's next token after its committed tokens (a prefill's last row)."""
         penalize(logits, self.out_counts, self.seen, self.frequency, self.presence, self.repetition, self.bias)
+        logits.masked_fill_(self.ban & (self.ban_until > 0)[:, None], float("-inf"))
 
     def apply_to_tree(self, logits: torch.Tensor, node_tokens: torch.Tensor, ancestor_mask: torch.Tensor) -> None:
         """In place, logits [B, N+1, V] at the root (node 0) and every tree node: each penalised by the committed
@@ -151,6 +164,10 @@ class Penalties:
             penalize(fixed, self.out_counts.gather(1, flat).view(B, L, M) + extra, extra > 0, self.frequency[rows],
                      self.presence[rows], self.repetition[rows], self.bias.gather(1, flat).view(B, L, M))
             logits.scatter_(2, col, torch.where(extra > 0, fixed, logits.gather(2, col)))
+        # min_tokens: a node's token sits `depth` positions after the committed ones (its path's length)
+        depth = on.sum(-1) if M else torch.zeros(B, L, device=logits.device)
+        ban = self.ban if columns is None else self.ban[:, columns]
+        logits.masked_fill_(ban[:, None, :] & (depth < self.ban_until[:, None])[..., None], float("-inf"))
 
 
 class PenaltyState:
@@ -170,6 +187,8 @@ class PenaltyState:
         self.prompt = torch.zeros(num_slots + 1, vocab, dtype=torch.bool, device=device)  # in the prompt
         self.bias = torch.zeros(num_slots + 1, vocab, device=device)
         self.coef = torch.tensor([[0.0, 0.0, 1.0]] * (num_slots + 1), device=device)  # frequency, presence, repetition
+        self.ban = torch.zeros(num_slots + 1, vocab, dtype=torch.bool, device=device)  # stop tokens (min_tokens)
+        self.min_tokens = torch.zeros(num_slots + 1, device=device)
         self.rows: dict[int, tuple[str, int | None]] = {}  # slot -> (request id, tokens counted; None: neutral)
         self.rows_made = 0  # rows written from the host's tokens (once per request and slot, unless preempted)
 
@@ -184,6 +203,8 @@ class PenaltyState:
         self.counts[slots] = 0
         self.prompt[slots] = False
         self.bias[slots] = 0
+        self.ban[slots] = False
+        self.min_tokens[slots] = torch.tensor([float(s.params.min_tokens) for s in stale], device=dev)
         self.coef[slots] = torch.tensor([[s.params.frequency_penalty, s.params.presence_penalty,
                                           s.params.repetition_penalty] if s.params.has_penalties else [0.0, 0.0, 1.0]
                                          for s in stale], device=dev)
@@ -199,6 +220,10 @@ class PenaltyState:
             idx = torch.from_numpy(idx).to(dev)
             self.counts.index_put_((idx[0, :n], idx[1, :n]), torch.ones(n, device=dev), accumulate=True)
             self.prompt[idx[0, n:], idx[1, n:]] = True
+            banned = [(s.slot, t) for s in pen if s.params.min_tokens for t in s.stop_ids]
+            if banned:
+                r, t = zip(*banned)
+                self.ban[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = True
             biased = [(s.slot, t, b) for s in pen for t, b in (s.params.logit_bias or {}).items()]
             if biased:
                 r, t, b = zip(*biased)
@@ -218,7 +243,7 @@ class PenaltyState:
         counts = self.counts[slots]
         coef = self.coef[slots]
         return Penalties(counts, self.prompt[slots] | (counts > 0), coef[:, 0], coef[:, 1], coef[:, 2],
-                         self.bias[slots])
+                         self.bias[slots], self.ban[slots], self.min_tokens[slots] - counts.sum(-1))
 
     def commit(self, slots: torch.Tensor, path_tokens: torch.Tensor, num_accepted: torch.Tensor,
                bonus: torch.Tensor) -> None:

@@ -48,7 +48,7 @@ def _param_of(message: str) -> str | None:
     word = message.split(" ", 1)[0]
     return word if word in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
                             "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                            "truncate_prompt_tokens", "skip_special_tokens") else None
+                            "truncate_prompt_tokens", "skip_special_tokens", "min_tokens") else None
 
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -108,10 +108,10 @@ def _sampling_params(req, max_tokens: int | None, logprobs: int | None = None) -
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
-            max_tokens=1 if max_tokens is None else max_tokens,  # the real value is set per prompt
+            max_tokens=max(1, req.min_tokens or 0) if max_tokens is None else max_tokens,  # the real value: per prompt
             seed=req.seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-            truncate_prompt_tokens=req.truncate_prompt_tokens,
+            truncate_prompt_tokens=req.truncate_prompt_tokens, min_tokens=req.min_tokens or 0,
             guided=_guided(req), logprobs=logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -262,8 +262,6 @@ class Server:
         self.check_model(req.model)
         if not 1 <= req.n <= MAX_N:
             raise APIError(f"n must be an integer in [1, {MAX_N}], got {req.n}", param="n")
-        if req.min_tokens:  # vLLM's; a client that relies on it must not get shorter outputs without a word
-            raise APIError("min_tokens is not supported", param="min_tokens")
 
     # ---- submission -----------------------------------------------------------------------------------------
     async def submit(self, prefix: str, prompts: list[list[int]], budgets: list[int], base: SamplingParams,

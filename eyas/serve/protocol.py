@@ -78,7 +78,7 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: StrictBool = False  # vLLM's extension
     skip_special_tokens: StrictBool = True  # vLLM's extension
     truncate_prompt_tokens: StrictInt | None = None  # vLLM's extension: the prompt's last k tokens only
-    min_tokens: StrictInt | None = None  # vLLM's extension, refused when > 0 (not supported): never ignored
+    min_tokens: StrictInt | None = None  # vLLM's extension
     # guided decoding, vLLM's extensions (chat also takes OpenAI's response_format): at most one of them
     guided_json: dict | str | None = None
     guided_regex: str | None = None
