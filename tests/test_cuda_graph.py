@@ -191,9 +191,9 @@ def test_logprobs_and_penalties_on_graphs_equal_eager(pair, spec, temperature):
     params = [SamplingParams(logprobs=2, seed=1, **base), SamplingParams(repetition_penalty=1.5, frequency_penalty=0.4,
                                                                          logit_bias={5: 3.0}, seed=2, **base),
               SamplingParams(seed=3, **base),
-              SamplingParams(logprobs=5, presence_penalty=0.7, seed=4, **base)]
+              SamplingParams(logprobs=5, presence_penalty=0.7, min_tokens=12, stop_token_ids=[5, 9], seed=4, **base)]
     mixed = [SamplingParams(logprobs=0, seed=5, **base)] + [SamplingParams(seed=6 + i, **base) for i in range(2)]
-    mixed.append(SamplingParams(logit_bias={3: 4.0, 11: -5.0, 17: 2.5}, seed=8, **base))  # a bias alone: penalties' graph
+    mixed.append(SamplingParams(logit_bias={3: 4.0, 11: -5.0, 17: 2.5}, seed=8, **base))  # a bias alone
     eager = LLM(str(target), **kw)
     if temperature == 0:
         eager.engine.runner.use_triton = False
