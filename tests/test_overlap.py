@@ -202,7 +202,8 @@ def test_overlapped_steps_with_logprobs_and_penalties_equal_sequential(mirror_pa
     steps were overlapped."""
     ps = prompts(6, vocab=24)
     kinds = [dict(logprobs=2), dict(frequency_penalty=0.6, repetition_penalty=1.3), dict(),
-             dict(logprobs=0, presence_penalty=0.5, logit_bias={3: 2.0}), dict(repetition_penalty=1.5), dict(logprobs=4)]
+             dict(logprobs=0, presence_penalty=0.5, logit_bias={3: 2.0}), dict(repetition_penalty=1.5),
+             dict(logprobs=4)]
     params = [SamplingParams(temperature=[0.0, 0.8][i % 2], max_tokens=10 + 4 * i, seed=i, ignore_eos=True, **kw)
               for i, kw in enumerate(kinds)]
     ref, seq_launches = _run(_llm(mirror_pair, spec, max_num_seqs=3, overlap=False), params, ps)

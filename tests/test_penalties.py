@@ -63,7 +63,8 @@ def test_static_buffers_filled_from_fewer_rows_penalise_those_rows_only():
 
 def test_node_penalties_equal_a_loop_over_each_nodes_path():
     """`apply_to_nodes` (a draft level's logits: shared node tokens or each node's own path, paths per row, a draft
-    vocabulary's columns without some path tokens, a logit bias) equals penalising each node's logits from counts made by hand: the committed output plus its path."""
+    vocabulary's columns without some path tokens, a logit bias) equals penalising each node's logits from counts
+    made by hand: the committed output plus its path."""
     from types import SimpleNamespace
     from eyas.layers.penalties import Penalties
     g = torch.Generator().manual_seed(3)
