@@ -179,7 +179,8 @@ class PenaltyState:
     it committed on the device (`commit`, from the step's outputs), and `collect` moves the record on with the
     host's commit. Rows of sequences without penalties hold neutral coefficients and no bias, whatever their
     counts. Allocated by the runner when a step first needs penalties: [S + 1, V] counts (float32), prompt tokens
-    (bool), bias (float32) and [S + 1, 3] coefficients."""
+    (bool), bias (float32) and stop tokens (bool, min_tokens'), [S + 1, 3] coefficients and [S + 1] min_tokens (the
+    output's length, which min_tokens is held against, is the row's count total)."""
 
     def __init__(self, num_slots: int, vocab: int, device):
         self.vocab = vocab
