@@ -569,7 +569,7 @@ class ModelRunner:
         if not any(s.params.has_penalties for s in seqs):
             return None
         if self.penalty_state is None:
-            self.penalty_state = PenaltyState(self.num_slots, self.target.config.vocab_size, self.device)
+            self.penalty_state = PenaltyState(self.num_slots + 1, self.target.config.vocab_size, self.device)
         slots = torch.tensor([s.slot for s in seqs])
         if self.device.type == "cuda":  # through pinned memory: no synchronisation (an overlapped step's launch)
             slots = slots.pin_memory()

@@ -53,41 +53,14 @@ class Penalties:
 
     @classmethod
     def of(cls, seqs, vocab: int, device) -> "Penalties | None":
-        """The penalties of `seqs`, or None when no sequence asks for any. The counts are made on `device` from the
-        token ids (one small copy), not as [B, V] host tensors (on the H100 those took ~3.6 ms a step at batch 8)."""
+        """The penalties of `seqs` (row i: seqs[i]), or None when no sequence asks for any: their rows made from the
+        host's tokens as `PenaltyState` makes a slot's (a prefill's first token; a decode step gathers the slots'
+        rows instead)."""
         if not any(s.params.has_penalties for s in seqs):
             return None
-        B = len(seqs)
-        coef = [[0.0, 0.0, 1.0]] * B
-        rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
-        for i in rows:
-            p = seqs[i].params
-            coef[i] = [p.frequency_penalty, p.presence_penalty, p.repetition_penalty]
-        outs = [seqs[i].output_ids for i in rows]
-        seens = [seqs[i].token_ids for i in rows]  # the prompt and the output
-        n = sum(len(x) for x in outs)
-        idx = np.stack([  # [2, n + m]: (row, token) of every output token, then of every token seen
-            np.concatenate([np.repeat(rows, [len(x) for x in outs]), np.repeat(rows, [len(x) for x in seens])]),
-            np.fromiter(itertools.chain(*outs, *seens), dtype=np.int64)])
-        idx = torch.from_numpy(idx).to(device)
-        coef = torch.tensor(coef).to(device)
-        out_counts = torch.zeros(B, vocab, device=device)
-        out_counts.index_put_((idx[0, :n], idx[1, :n]), torch.ones(n, device=device), accumulate=True)
-        seen = torch.zeros(B, vocab, dtype=torch.bool, device=device)
-        seen[idx[0, n:], idx[1, n:]] = True
-        bias = torch.zeros(B, vocab, device=device)
-        biased = [(i, t, b) for i in rows for t, b in (seqs[i].params.logit_bias or {}).items()]
-        if biased:
-            r, t, b = zip(*biased)
-            bias[torch.tensor(r, device=device), torch.tensor(t, device=device)] = torch.tensor(b, device=device)
-        ban = torch.zeros(B, vocab, dtype=torch.bool, device=device)
-        until = [0.0] * B
-        for i in rows:
-            s = seqs[i]
-            if s.params.min_tokens > len(s.output_ids) and s.stop_ids:
-                ban[i, torch.tensor(sorted(s.stop_ids), device=device)] = True
-                until[i] = float(s.params.min_tokens - len(s.output_ids))
-        return cls(out_counts, seen, coef[:, 0], coef[:, 1], coef[:, 2], bias, ban, torch.tensor(until).to(device))
+        state = PenaltyState(len(seqs), vocab, device)
+        state.write_rows(seqs, list(range(len(seqs))))
+        return state.gather(torch.arange(len(seqs), device=device))
 
     @classmethod
     def neutral(cls, rows: int, vocab: int, device) -> "Penalties":
@@ -182,25 +155,33 @@ class PenaltyState:
     (bool), bias (float32) and stop tokens (bool, min_tokens'), [S + 1, 3] coefficients and [S + 1] min_tokens (the
     output's length, which min_tokens is held against, is the row's count total)."""
 
-    def __init__(self, num_slots: int, vocab: int, device):
+    def __init__(self, rows: int, vocab: int, device):
+        """`rows`: the runner's slots and its scratch slot (num_slots + 1)."""
         self.vocab = vocab
-        self.counts = torch.zeros(num_slots + 1, vocab, device=device)  # occurrences in the output
-        self.prompt = torch.zeros(num_slots + 1, vocab, dtype=torch.bool, device=device)  # in the prompt
-        self.bias = torch.zeros(num_slots + 1, vocab, device=device)
-        self.coef = torch.tensor([[0.0, 0.0, 1.0]] * (num_slots + 1), device=device)  # frequency, presence, repetition
-        self.ban = torch.zeros(num_slots + 1, vocab, dtype=torch.bool, device=device)  # stop tokens (min_tokens)
-        self.min_tokens = torch.zeros(num_slots + 1, device=device)
+        self.counts = torch.zeros(rows, vocab, device=device)  # occurrences in the output
+        self.prompt = torch.zeros(rows, vocab, dtype=torch.bool, device=device)  # in the prompt
+        self.bias = torch.zeros(rows, vocab, device=device)
+        self.coef = torch.tensor([[0.0, 0.0, 1.0]] * rows, device=device)  # frequency, presence, repetition
+        self.ban = torch.zeros(rows, vocab, dtype=torch.bool, device=device)  # stop tokens (min_tokens)
+        self.min_tokens = torch.zeros(rows, device=device)
         self.rows: dict[int, tuple[str, int | None]] = {}  # slot -> (request id, tokens counted; None: neutral)
         self.rows_made = 0  # rows written from the host's tokens (once per request and slot, unless preempted)
 
     def _make_rows(self, seqs) -> None:
-        """Write the rows of `seqs` whose record is stale: counts, prompt tokens, bias and coefficients from the
-        host's state (one small copy of token ids)."""
+        """Write the rows of `seqs` whose record is stale (`write_rows`, each in its slot)."""
         stale = [s for s in seqs if self.rows.get(s.slot) != self._record(s)]
         if not stale:
             return
+        self.write_rows(stale, [s.slot for s in stale])
+        for s in stale:
+            self.rows[s.slot] = self._record(s)
+        self.rows_made += len(stale)
+
+    def write_rows(self, stale, at: list[int]) -> None:
+        """Rows `at` become those of the sequences `stale`: counts, prompt tokens, bias, stop tokens, min_tokens and
+        coefficients from the host's state (one small copy of token ids)."""
         dev = self.counts.device
-        slots = torch.tensor([s.slot for s in stale], device=dev)
+        slots = torch.tensor(at, device=dev)
         self.counts[slots] = 0
         self.prompt[slots] = False
         self.bias[slots] = 0
@@ -209,29 +190,26 @@ class PenaltyState:
         self.coef[slots] = torch.tensor([[s.params.frequency_penalty, s.params.presence_penalty,
                                           s.params.repetition_penalty] if s.params.has_penalties else [0.0, 0.0, 1.0]
                                          for s in stale], device=dev)
-        pen = [s for s in stale if s.params.has_penalties]
+        pen = [(s, r) for s, r in zip(stale, at) if s.params.has_penalties]
         if pen:
-            outs = [s.output_ids for s in pen]
-            prompts = [s.token_ids[:len(s.token_ids) - len(s.output_ids)] for s in pen]
+            outs = [s.output_ids for s, _ in pen]
+            prompts = [s.token_ids[:len(s.token_ids) - len(s.output_ids)] for s, _ in pen]
             n = sum(len(x) for x in outs)
-            idx = np.stack([
-                np.concatenate([np.repeat([s.slot for s in pen], [len(x) for x in outs]),
-                                np.repeat([s.slot for s in pen], [len(x) for x in prompts])]),
+            idx = np.stack([  # [2, n + m]: (row, token) of every output token, then of every prompt token
+                np.concatenate([np.repeat([r for _, r in pen], [len(x) for x in outs]),
+                                np.repeat([r for _, r in pen], [len(x) for x in prompts])]),
                 np.fromiter(itertools.chain(*outs, *prompts), dtype=np.int64)])
             idx = torch.from_numpy(idx).to(dev)
             self.counts.index_put_((idx[0, :n], idx[1, :n]), torch.ones(n, device=dev), accumulate=True)
             self.prompt[idx[0, n:], idx[1, n:]] = True
-            banned = [(s.slot, t) for s in pen if s.params.min_tokens for t in s.stop_ids]
+            banned = [(r, t) for s, r in pen if s.params.min_tokens for t in s.stop_ids]
             if banned:
                 r, t = zip(*banned)
                 self.ban[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = True
-            biased = [(s.slot, t, b) for s in pen for t, b in (s.params.logit_bias or {}).items()]
+            biased = [(r, t, b) for s, r in pen for t, b in (s.params.logit_bias or {}).items()]
             if biased:
                 r, t, b = zip(*biased)
                 self.bias[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = torch.tensor(b, device=dev)
-        for s in stale:
-            self.rows[s.slot] = self._record(s)
-        self.rows_made += len(stale)
 
     @staticmethod
     def _record(s) -> tuple[str, int | None]:
@@ -241,6 +219,10 @@ class PenaltyState:
         """The step's `Penalties` for `seqs` (rows made where stale), gathered on the device from the rows `slots`
         ([B] device tensor: the sequences' slots, then any padding rows' scratch slot)."""
         self._make_rows(seqs)
+        return self.gather(slots)
+
+    def gather(self, slots: torch.Tensor) -> Penalties:
+        """The `Penalties` of the rows `slots` ([B] device tensor), as they are."""
         counts = self.counts[slots]
         coef = self.coef[slots]
         return Penalties(counts, self.prompt[slots] | (counts > 0), coef[:, 0], coef[:, 1], coef[:, 2],

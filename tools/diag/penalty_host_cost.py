@@ -1,7 +1,8 @@
-"""What a decode step's penalties cost to make, per step, before its kernels run: session 52's `Penalties.of` (the
-counts made from every token of every row: host index arrays, one copy, a scatter) against the per-slot device rows
-of `PenaltyState` in their steady state (rows made once; a step gathers them by slot, and `commit` adds its tokens
-on the device). B sequences of `--prompt` + `--output` random tokens, repetition 1.2 and frequency 0.3, SmolLM2's
+"""What a decode step's penalties cost to make, per step, before its kernels run: `Penalties.of` (the rows made from
+every token of every row: host index arrays, one copy, scatters; what each decode step did until session 53) against
+the per-slot device rows of `PenaltyState` in their steady state (rows made once; a step gathers them by slot, and
+`commit` adds its tokens on the device). docs/benchmarks.md's "Session 53" figures ran 15b189c, whose `Penalties.of`
+made fewer rows (no stop tokens). B sequences of `--prompt` + `--output` random tokens, repetition 1.2 and frequency 0.3, SmolLM2's
 vocabulary; each figure is the median over `--repeat` calls (synchronised on CUDA). A record of costs, not a fast path.
 
     PYTHONPATH=. python3 tools/diag/penalty_host_cost.py [--device cuda] [--batch-sizes 1,8,32] [--out cost.json]
