@@ -502,6 +502,34 @@ def test_skip_special_tokens(spec):
     assert texts == {True: "", False: "<|im_end|>" * 3, None: ""}
 
 
+def test_tokenize_and_detokenize(spec):
+    """vLLM's /tokenize and /detokenize: a prompt's ids are the engine's own encoding (its usage counts them), chat
+    messages go through the chat template as /v1/chat/completions applies it, and /detokenize reads the ids back.
+    Bad bodies are 400s naming the field; a model without a tokenizer answers 400 too."""
+    tok = spec.engine.tokenizer
+    prompt = COMPLETION_PROMPTS[0]
+    r = httpx.post(spec.url + "/tokenize", json={"model": MODEL, "prompt": prompt, "return_token_strs": True},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    j = r.json()
+    assert j["tokens"] == tok.encode(prompt) and j["count"] == len(j["tokens"])
+    assert j["max_model_len"] == spec.engine.max_model_len
+    assert "".join(j["token_strs"]) == tok.decode(j["tokens"], skip_special_tokens=False)
+    out = spec.client().completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    assert out.usage.prompt_tokens == j["count"]
+    messages = [{"role": "user", "content": "Hi there"}]
+    r = httpx.post(spec.url + "/tokenize", json={"messages": messages}, timeout=60)
+    assert r.json()["tokens"] == tok.encode(tok.apply_chat_template(messages))
+    r = httpx.post(spec.url + "/detokenize", json={"tokens": j["tokens"]}, timeout=60)
+    assert r.status_code == 200 and r.json()["prompt"] == prompt
+    for path, body, param in (("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                              ("/tokenize", {}, "prompt"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+                              ("/detokenize", {"tokens": "x"}, "tokens"),
+                              ("/tokenize", {"model": "nope", "prompt": "a"}, "model")):
+        r = httpx.post(spec.url + path, json=body, timeout=60)
+        assert r.status_code in (400, 404, 422) and r.json()["error"]["param"] == param, (path, body, r.text)
+
+
 def test_echo_through_the_openai_client_on_smollm2(spec):
     """`completions.create(echo=True, logprobs=1, max_tokens=1)` on the real model: the text starts with the prompt
     as sent, the tokens are the prompt's (as its tokenizer splits it) and then the completion's, and the prompt
@@ -600,6 +628,9 @@ def test_token_id_prompts_and_usage(tiny):
     assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
     r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(prompt=[TINY_VOCAB]), timeout=60)
     assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
+    for path, body in (("/tokenize", {"prompt": "hello"}), ("/detokenize", {"tokens": [1, 2]})):
+        r = httpx.post(tiny.url + path, json=body, timeout=60)
+        assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
     tiny.wait_idle()
 
 

@@ -32,8 +32,9 @@ from eyas.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 from eyas.serve.async_engine import AsyncEngine, EngineDead, EngineError, QueueFull
 from eyas.serve.logprobs import chat_logprobs, completion_logprobs
 from eyas.serve.metrics import CONTENT_TYPE, Metrics
-from eyas.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
-                                 api_error_response, completion_id, error_response, make_usage)
+from eyas.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
+                                 ModelList, TokenizeRequest, api_error_response, completion_id, error_response,
+                                 make_usage)
 
 log = logging.getLogger("eyas.serve")
 
@@ -390,6 +391,45 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
                            "--disaggregate)")
         n = await server.async_engine.call(lambda eng: eng.scheduler.reset_prefix_cache())
         return {"reset": True, "blocks": n}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: the token ids the engine would read for a prompt, or for chat messages through the chat template
+        (`add_generation_prompt`, default true, as /v1/chat/completions applies it)."""
+        req = await _parse(request, TokenizeRequest)
+        if req.model is not None:
+            server.check_model(req.model)
+        tok = server.tokenizer
+        if tok is None:
+            raise APIError("this model has no tokenizer: its prompts are token ids already", param="prompt")
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            try:
+                text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
+                                               add_generation_prompt=req.add_generation_prompt)
+            except (ValueError, jinja2.TemplateError) as e:
+                raise APIError(f"could not apply the chat template: {e}", param="messages") from None
+        else:
+            text = req.prompt
+        ids = tok.encode(text)
+        out = {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [server.token_text(i) for i in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's: token ids back to text (special tokens kept)."""
+        req = await _parse(request, DetokenizeRequest)
+        if req.model is not None:
+            server.check_model(req.model)
+        if server.tokenizer is None:
+            raise APIError("this model has no tokenizer", param="tokens")
+        V = server.tokenizer.vocab_size
+        if not all(0 <= t < V for t in req.tokens):
+            raise APIError(f"tokens must be token ids in [0, {V})", param="tokens")
+        return {"prompt": server.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

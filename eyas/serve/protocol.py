@@ -123,6 +123,21 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict | None = None
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt, or chat messages (through the chat template), as the engine would read it."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: StrictBool = True  # messages only
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Request):
+    """vLLM's /detokenize: token ids back to text."""
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 # ---- responses ----------------------------------------------------------------------------------------------------
 
 
