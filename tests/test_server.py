@@ -101,6 +101,7 @@ CONVERSATIONS = [
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour of the sky."}],
 ]
 COMPLETION_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
+BEGUN = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour I name is"}]
 PROMPTS = [
     "Hello, my name is",
     "Once upon a time, in a land far away, there lived a",
@@ -171,6 +172,7 @@ def spec(tmp_path_factory, smollm2):
     refs["concurrent"] = llm.generate(ids, params)
     refs["logprobs"] = llm.chat(CONVERSATIONS[0], SamplingParams(max_tokens=16, logprobs=3))[0]
     refs["echo"] = llm.generate([ECHO_PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    refs["continue"] = llm.chat(BEGUN, SamplingParams(max_tokens=8, temperature=0), continue_final_message=True)[0]
     refs["n"] = llm.generate([PROMPTS[0]] * N_CHOICES, [SamplingParams(max_tokens=10, temperature=0.9, seed=N_SEED + j)
                                                         for j in range(N_CHOICES)])
     assert llm.engine.blocks.num_used == 0
@@ -528,6 +530,27 @@ def test_tokenize_and_detokenize(spec):
                               ("/tokenize", {"model": "nope", "prompt": "a"}, "model")):
         r = httpx.post(spec.url + path, json=body, timeout=60)
         assert r.status_code in (400, 404, 422) and r.json()["error"]["param"] == param, (path, body, r.text)
+
+
+def test_continue_final_message(spec):
+    """vLLM's `continue_final_message` (with `add_generation_prompt: false`): the model goes on writing the last
+    message, whose text the prompt ends with, open; the reply equals offline `LLM.chat(continue_final_message=True)`
+    (greedy). Both flags true is a 400."""
+    tok = spec.engine.tokenizer
+    begun = BEGUN
+    text = tok.apply_chat_template(begun, add_generation_prompt=False, continue_final_message=True)
+    closed = tok.apply_chat_template(begun, add_generation_prompt=False)
+    assert text.endswith("The colour I name is") and closed.startswith(text) and len(closed) > len(text)
+    r = httpx.post(spec.url + "/tokenize", json={"messages": begun, "add_generation_prompt": False,
+                                                 "continue_final_message": True}, timeout=60)
+    assert r.json()["tokens"] == tok.encode(text)
+    out = spec.client().chat.completions.create(
+        model=MODEL, messages=begun, max_tokens=8, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert out.choices[0].message.content == spec.refs["continue"].text
+    r = httpx.post(spec.url + "/v1/chat/completions", json={"model": MODEL, "messages": begun,
+                                                            "continue_final_message": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
 
 
 def test_echo_through_the_openai_client_on_smollm2(spec):

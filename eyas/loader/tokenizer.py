@@ -79,15 +79,29 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> str:
+        """The conversation as the model reads it. `continue_final_message` (HF's and vLLM's): the text ends with
+        the last message's content, left open (what the template would close it with is cut), so that the model
+        goes on writing it: an assistant reply begun by the caller. It excludes `add_generation_prompt`."""
         if not self.chat_template:
             raise ValueError("this model has no chat template: use generate() with a plain prompt")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"each chat message needs 'role' and 'content', got {m!r}")
-        return _compile(self.chat_template).render(
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+        text = _compile(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        if continue_final_message:
+            final = (messages[-1]["content"] if messages else "") or ""
+            at = text.rfind(final.strip()) if final.strip() else -1
+            if at < 0:
+                raise ValueError("continue_final_message: the last message's content is empty or not in the "
+                                 "rendered conversation")
+            text = text[:at + len(final.strip())]
+        return text
 
     # ---- builders -------------------------------------------------------------------------------------------
     @classmethod

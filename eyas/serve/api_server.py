@@ -407,7 +407,8 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         if req.messages is not None:
             try:
                 text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
-                                               add_generation_prompt=req.add_generation_prompt)
+                                               add_generation_prompt=req.add_generation_prompt,
+                                               continue_final_message=req.continue_final_message)
             except (ValueError, jinja2.TemplateError) as e:
                 raise APIError(f"could not apply the chat template: {e}", param="messages") from None
         else:
@@ -499,8 +500,11 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
             raise APIError("this model has no tokenizer, so no chat template: use /v1/completions with token ids",
                            param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError("continue_final_message needs add_generation_prompt: false", param="continue_final_message")
         try:
-            text = server.tokenizer.apply_chat_template(messages)
+            text = server.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                        continue_final_message=req.continue_final_message)
         except (ValueError, jinja2.TemplateError) as e:
             raise APIError(f"could not apply the chat template: {e}", param="messages") from None
         max_tokens, max_param = req.max_tokens, "max_tokens"

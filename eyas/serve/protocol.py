@@ -121,6 +121,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     # {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", ...}}
     response_format: dict | None = None
+    add_generation_prompt: StrictBool = True  # vLLM's extensions: the template's opening of the reply, or
+    continue_final_message: StrictBool = False  # the last message left open for the model to go on with
 
 
 class TokenizeRequest(_Request):
@@ -129,6 +131,7 @@ class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool = True  # messages only
+    continue_final_message: StrictBool = False  # messages only (as /v1/chat/completions)
     return_token_strs: StrictBool = False
 
 
