@@ -21,7 +21,7 @@ def params():
     return ([SamplingParams(max_tokens=24, ignore_eos=True, prompt_logprobs=2)]
             + [SamplingParams(temperature=1.0, seed=s, max_tokens=20, logprobs=2 * s - 2) for s in (1, 2)]
             + [SamplingParams(max_tokens=30, guided=GuidedDecoding(regex=r"(yes|no), [0-9]{1,3}!"))]
-            + [SamplingParams(max_tokens=16, stop=["e"], logprobs=1)]
+            + [SamplingParams(max_tokens=16, stop=["e"], logprobs=1, frequency_penalty=0.5, min_tokens=3)]
             + [SamplingParams(max_tokens=1, prompt_logprobs=0)]
             + [SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=40,
                               guided=GuidedDecoding(json_object=True))])
