@@ -519,7 +519,7 @@ class ModelRunner:
         self.tree_steps[tree.name] = self.tree_steps.get(tree.name, 0) + 1
         guide = self._guide(seqs)
         logprobs = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
-        penalties = self._step_penalties(seqs)
+        penalties, pen_slots = self._step_penalties(seqs)
         graphed = self.graphs is not None and self.graphs.can_run(seqs)
         if after is not None:
             if after.seqs != seqs or after.graphed != graphed or after.tree is not tree:
@@ -554,7 +554,7 @@ class ModelRunner:
                             logprobs, penalties)
         if penalties is not None:  # the counts gain this step's tokens on the device (`PenaltyState`)
             n = len(seqs)
-            self.penalty_state.commit(self._pen_slots, out.path_tokens[:n], out.num_accepted[:n], out.bonus[:n])
+            self.penalty_state.commit(pen_slots, out.path_tokens[:n], out.num_accepted[:n], out.bonus[:n])
         host_logprobs = None
         if out.logprobs is not None:  # to the host behind the step (a successor's replay overwrites a graph's outputs)
             host_logprobs = out.logprobs if self.device.type != "cuda" else tuple(
@@ -563,18 +563,19 @@ class ModelRunner:
         return StepHandle(list(seqs), B, tree, graphed, out, host, done, graph_key, penalties is not None,
                           host_logprobs)
 
-    def _step_penalties(self, seqs: list[Sequence]) -> Penalties | None:
+    def _step_penalties(self, seqs: list[Sequence]) -> tuple[Penalties | None, torch.Tensor | None]:
         """A decode step's penalties (None when no sequence asks for any), gathered from the slots' device rows
-        (`PenaltyState`, allocated at the first such step; rows made from the host's tokens only where stale)."""
+        (`PenaltyState`, allocated at the first such step; rows made from the host's tokens only where stale), and
+        the sequences' slots on the device (where the step's `commit` counts its tokens)."""
         if not any(s.params.has_penalties for s in seqs):
-            return None
+            return None, None
         if self.penalty_state is None:
             self.penalty_state = PenaltyState(self.num_slots + 1, self.target.config.vocab_size, self.device)
         slots = torch.tensor([s.slot for s in seqs])
         if self.device.type == "cuda":  # through pinned memory: no synchronisation (an overlapped step's launch)
             slots = slots.pin_memory()
-        self._pen_slots = slots.to(self.device, non_blocking=True)
-        return self.penalty_state.penalties(seqs, self._pen_slots)
+        slots = slots.to(self.device, non_blocking=True)
+        return self.penalty_state.penalties(seqs, slots), slots
 
     @staticmethod
     def _guide(seqs: list[Sequence]):

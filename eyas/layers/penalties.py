@@ -133,10 +133,9 @@ class Penalties:
                  bias[rows])
         if M:
             flat = eff.reshape(B, L * M)
-            fixed = before.clone()
-            penalize(fixed, self.out_counts.gather(1, flat).view(B, L, M) + extra, extra > 0, self.frequency[rows],
+            penalize(before, self.out_counts.gather(1, flat).view(B, L, M) + extra, extra > 0, self.frequency[rows],
                      self.presence[rows], self.repetition[rows], self.bias.gather(1, flat).view(B, L, M))
-            logits.scatter_(2, col, torch.where(extra > 0, fixed, logits.gather(2, col)))
+            logits.scatter_(2, col, torch.where(extra > 0, before, logits.gather(2, col)))
         # min_tokens: a node's token sits `depth` positions after the committed ones (its path's length)
         depth = on.sum(-1) if M else torch.zeros(B, L, device=logits.device)
         ban = self.ban if columns is None else self.ban[:, columns]
@@ -157,7 +156,6 @@ class PenaltyState:
 
     def __init__(self, rows: int, vocab: int, device):
         """`rows`: the runner's slots and its scratch slot (num_slots + 1)."""
-        self.vocab = vocab
         self.counts = torch.zeros(rows, vocab, device=device)  # occurrences in the output
         self.prompt = torch.zeros(rows, vocab, dtype=torch.bool, device=device)  # in the prompt
         self.bias = torch.zeros(rows, vocab, device=device)
@@ -177,8 +175,8 @@ class PenaltyState:
             self.rows[s.slot] = self._record(s)
         self.rows_made += len(stale)
 
-    def write_rows(self, stale, at: list[int]) -> None:
-        """Rows `at` become those of the sequences `stale`: counts, prompt tokens, bias, stop tokens, min_tokens and
+    def write_rows(self, seqs, at: list[int]) -> None:
+        """Rows `at` become those of `seqs`: counts, prompt tokens, bias, stop tokens, min_tokens and
         coefficients from the host's state (one small copy of token ids)."""
         dev = self.counts.device
         slots = torch.tensor(at, device=dev)
@@ -186,11 +184,11 @@ class PenaltyState:
         self.prompt[slots] = False
         self.bias[slots] = 0
         self.ban[slots] = False
-        self.min_tokens[slots] = torch.tensor([float(s.params.min_tokens) for s in stale], device=dev)
+        self.min_tokens[slots] = torch.tensor([float(s.params.min_tokens) for s in seqs], device=dev)
         self.coef[slots] = torch.tensor([[s.params.frequency_penalty, s.params.presence_penalty,
                                           s.params.repetition_penalty] if s.params.has_penalties else [0.0, 0.0, 1.0]
-                                         for s in stale], device=dev)
-        pen = [(s, r) for s, r in zip(stale, at) if s.params.has_penalties]
+                                         for s in seqs], device=dev)
+        pen = [(s, r) for s, r in zip(seqs, at) if s.params.has_penalties]
         if pen:
             outs = [s.output_ids for s, _ in pen]
             prompts = [s.token_ids[:len(s.token_ids) - len(s.output_ids)] for s, _ in pen]
