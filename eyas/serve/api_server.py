@@ -241,6 +241,21 @@ class Server:
             raise APIError(str(e), param=param) from None
         return ids if truncate is None else ids[-truncate:]
 
+    def chat_text(self, req) -> str:
+        """A request's `messages` through the chat template (/v1/chat/completions and /tokenize), with its
+        `add_generation_prompt` and `continue_final_message`."""
+        if self.tokenizer is None:
+            raise APIError("this model has no tokenizer, so no chat template: use /v1/completions with token ids",
+                           param="messages")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError("continue_final_message needs add_generation_prompt: false", param="continue_final_message")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                      continue_final_message=req.continue_final_message)
+        except (ValueError, jinja2.TemplateError) as e:
+            raise APIError(f"could not apply the chat template: {e}", param="messages") from None
+
     def fit(self, ids: list[int], max_tokens: int | None, param: str, max_param: str) -> int:
         """The output budget of one prompt: max_tokens, or the rest of the context when None."""
         L, P = self.max_model_len, len(ids)
@@ -404,16 +419,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
             raise APIError("this model has no tokenizer: its prompts are token ids already", param="prompt")
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
-        if req.messages is not None:
-            try:
-                text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
-                                               add_generation_prompt=req.add_generation_prompt,
-                                               continue_final_message=req.continue_final_message)
-            except (ValueError, jinja2.TemplateError) as e:
-                raise APIError(f"could not apply the chat template: {e}", param="messages") from None
-        else:
-            text = req.prompt
-        ids = tok.encode(text)
+        ids = tok.encode(req.prompt if req.messages is None else server.chat_text(req))
         out = {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = [server.token_text(i) for i in ids]
@@ -430,7 +436,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         V = server.tokenizer.vocab_size
         if not all(0 <= t < V for t in req.tokens):
             raise APIError(f"tokens must be token ids in [0, {V})", param="tokens")
-        return {"prompt": server.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        return {"prompt": _decode(server, req.tokens)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -496,17 +502,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
                            param="top_logprobs")
         if req.tools:
             raise APIError("tools are not supported", param="tools")
-        if server.tokenizer is None:
-            raise APIError("this model has no tokenizer, so no chat template: use /v1/completions with token ids",
-                           param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        if req.continue_final_message and req.add_generation_prompt:
-            raise APIError("continue_final_message needs add_generation_prompt: false", param="continue_final_message")
-        try:
-            text = server.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                        continue_final_message=req.continue_final_message)
-        except (ValueError, jinja2.TemplateError) as e:
-            raise APIError(f"could not apply the chat template: {e}", param="messages") from None
+        text = server.chat_text(req)
         max_tokens, max_param = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
