@@ -106,9 +106,10 @@ class Penalties:
 
         Sparse: every node is first penalised by the committed counts alone (rows broadcast over the L nodes), then
         only the columns of path tokens are recomputed, from their logits before penalties and the committed count
-        plus the times the token is on the node's path. The dense form (a [B, L, V] count per node) took 1.3 s a
-        call on the CPU at B = 32, L = 49 and SmolLM2's vocabulary. `tests/test_penalties.py` holds it to a loop
-        over every node's path."""
+        plus the times the token is on the node's path. The dense form (a [B, L, V] count per node) took 1.40 s a
+        call against 0.82 on the CPU at B = 32, L = 49 and SmolLM2's vocabulary (`tools/diag/node_penalty_cost.py`,
+        docs/bench/session53_node_penalties_cpu.json). `tests/test_penalties.py` holds it to a loop over every
+        node's path."""
         B, L = logits.shape[:2]
         M = path_tokens.shape[-1]
         rows = (slice(None), None)  # each row's [V] or [K] broadcast over the nodes
