@@ -80,10 +80,12 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> str:
+                            continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
         """The conversation as the model reads it. `continue_final_message` (HF's and vLLM's): the text ends with
         the last message's content, left open (what the template would close it with is cut), so that the model
-        goes on writing it: an assistant reply begun by the caller. It excludes `add_generation_prompt`."""
+        goes on writing it: an assistant reply begun by the caller. It excludes `add_generation_prompt`. `tools`:
+        OpenAI's tool definitions (`{"type": "function", "function": {...}}`), the template's `tools` variable as
+        HF passes it (a template that does not read it ignores them)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template: use generate() with a plain prompt")
         for m in messages:
@@ -92,7 +94,7 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt exclude each other")
         text = _compile(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         if continue_final_message:
             final = (messages[-1]["content"] if messages else "") or ""

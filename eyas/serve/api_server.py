@@ -35,6 +35,7 @@ from eyas.serve.metrics import CONTENT_TYPE, Metrics
 from eyas.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                  ModelList, TokenizeRequest, api_error_response, completion_id, error_response,
                                  make_usage)
+from eyas.serve.tools import PARSERS, ToolStream, check_tools, make_parser, tool_guide
 
 log = logging.getLogger("eyas.serve")
 
@@ -121,6 +122,45 @@ def _sampling_params(req, max_tokens: int | None, logprobs: int | None = None) -
         raise APIError(str(e), param=_param_of(str(e))) from None
 
 
+def _tool_choice(req, parser) -> str:
+    """The request's tool choice, checked: "none", "auto" (with tools, and a parser to read the calls back),
+    "required", or the named function's name (`eyas.serve.tools`)."""
+    choice = req.tool_choice
+    if choice is None:
+        choice = "auto" if req.tools else "none"
+    name = choice if isinstance(choice, str) else choice.function.name
+    if not req.tools:
+        if name != "none":
+            raise APIError(f"tool_choice {name!r} needs tools", param="tool_choice")
+        return "none"
+    try:
+        check_tools([t.model_dump() for t in req.tools])
+    except ValueError as e:
+        raise APIError(str(e), param="tools") from None
+    if not isinstance(choice, str):
+        if name not in {t.function.name for t in req.tools}:
+            raise APIError(f"tool_choice names the function {name!r}, which is not among the tools",
+                           param="tool_choice")
+    elif name == "auto" and parser is None:
+        raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+                       '(or give tool_choice "none", "required" or a named function)', param="tool_choice")
+    return name
+
+
+def _with_tool_guide(req, base: SamplingParams, choice: str) -> SamplingParams:
+    """`base` under the guide a named or "required" tool choice puts on the output; no other guide may be given."""
+    guided = tool_guide([t.model_dump() for t in req.tools], choice, req.parallel_tool_calls) if req.tools else None
+    if guided is None:
+        return base
+    if base.guided is not None:
+        raise APIError(f"tool_choice {choice!r} guides the output itself: it does not combine with response_format "
+                       "or the guided_* fields", param="tool_choice")
+    try:
+        return replace(base, guided=guided)
+    except ValueError as e:
+        raise APIError(str(e), param="tool_choice") from None
+
+
 def _choice_seed(seed: int | None, j: int) -> int | None:
     """Choice j of a request with seed s samples as an offline request with seed s + j (mod 2**63)."""
     return None if seed is None else (seed + j) % SEED_LIMIT
@@ -183,8 +223,10 @@ def _sse(obj) -> str:
 class Server:
     """Holds the engine loop and the metrics; the handlers of `create_app` call it."""
 
-    def __init__(self, llm, served_model_name: str, max_queue: int, aliases: tuple[str, ...] = ()):
+    def __init__(self, llm, served_model_name: str, max_queue: int, aliases: tuple[str, ...] = (),
+                 tool_parser: str | None = None):
         self.engine = engine = getattr(llm, "engine", llm)  # an LLM or an LLMEngine
+        self.tool_parser = None if tool_parser is None else make_parser(tool_parser)  # reads "auto" tool calls
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
         self.names = {served_model_name, *aliases}
@@ -249,10 +291,11 @@ class Server:
                            param="messages")
         if req.continue_final_message and req.add_generation_prompt:
             raise APIError("continue_final_message needs add_generation_prompt: false", param="continue_final_message")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.template_dict() for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                      continue_final_message=req.continue_final_message)
+                                                      continue_final_message=req.continue_final_message, tools=tools)
         except (ValueError, jinja2.TemplateError) as e:
             raise APIError(f"could not apply the chat template: {e}", param="messages") from None
 
@@ -332,9 +375,10 @@ class Server:
 
 
 def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
-               aliases: tuple[str, ...] = ()) -> FastAPI:
-    """`llm`: an `eyas.LLM` (or an `LLMEngine`). The engine thread starts and stops with the app's lifespan."""
-    server = Server(llm, served_model_name or "smollm2", max_queue, aliases)
+               aliases: tuple[str, ...] = (), tool_parser: str | None = None) -> FastAPI:
+    """`llm`: an `eyas.LLM` (or an `LLMEngine`). The engine thread starts and stops with the app's lifespan.
+    `tool_parser`: how "auto" tool calls are read from the text (`eyas.serve.tools.PARSERS`); None refuses them."""
+    server = Server(llm, served_model_name or "smollm2", max_queue, aliases, tool_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -500,26 +544,32 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise APIError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                            param="top_logprobs")
-        if req.tools:
-            raise APIError("tools are not supported", param="tools")
+        tool_choice = _tool_choice(req, server.tool_parser)
         text = server.chat_text(req)
         max_tokens, max_param = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
         base = _sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        base = _with_tool_guide(req, base, tool_choice)
         await server.compile_guided(base.guided)
         ids = server.prompt_ids(server.tokenizer.encode(text), "messages", base.truncate_prompt_tokens)
         budget = server.fit(ids, max_tokens, "messages", max_param)
         cid = completion_id("chatcmpl")
         queue, rids = await server.submit(cid, [ids], [budget], base, req.n, arrival)
+        calls = None if tool_choice == "none" else lambda: ToolStream(tool_choice, server.tool_parser)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _stream(server, queue, rids, cid, req.model, "chat.completion.chunk", len(ids), include_usage,
-                           base.stop, req.n)
+                           base.stop, req.n, calls)
         finals = await server.collect(request, queue, rids)
-        choices = [{"index": i, "message": {"role": "assistant", "content": finals[i].text},
-                    "logprobs": _logprobs(server, finals[i], True), "finish_reason": finals[i].finish_reason}
-                   for i in range(len(rids))]
+        choices = []
+        for i in range(len(rids)):
+            out = finals[i]
+            message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
+            if calls is not None:
+                message, finish = calls().message(out.text, finish)
+            choices.append({"index": i, "message": message, "logprobs": _logprobs(server, out, True),
+                            "finish_reason": finish})
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
                 "choices": choices,
                 "usage": make_usage(len(ids), sum(len(o.token_ids) for o in finals.values()),
@@ -562,10 +612,11 @@ def _cached(outs: dict, n: int) -> int:
 
 
 def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: str, num_prompt: int,
-            include_usage: bool, stops: list[str], per_prompt: int) -> StreamingResponse:
+            include_usage: bool, stops: list[str], per_prompt: int, calls=None) -> StreamingResponse:
     """SSE: one chunk per new text of a choice, a finish chunk per choice, the usage chunk when asked for, then
     `data: [DONE]`. A client that goes away cancels this generator: its requests are aborted (KV blocks freed).
-    `per_prompt`: the choices of each prompt (the request's n)."""
+    `per_prompt`: the choices of each prompt (the request's n). `calls` (chat with a tool choice): makes each
+    choice's `ToolStream`, which turns its text into content and tool-call deltas."""
     created = int(time.time())
     chat = obj == "chat.completion.chunk"
     n = len(rids)
@@ -576,9 +627,9 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
             c["usage"] = usage
         return _sse(c)
 
-    def choice(i, text=None, finish=None, role=False, logprobs=None):
+    def choice(i, text=None, finish=None, role=False, logprobs=None, delta=None):
         if chat:
-            delta = {}
+            delta = dict(delta or {})
             if role:
                 delta["role"] = "assistant"
             if text is not None:
@@ -590,6 +641,7 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
 
     async def events():
         texts = [TextStream(stops) for _ in range(n)]
+        tools = [calls() for _ in range(n)] if calls is not None else None
         completion_tokens = [0] * n
         cached: dict[int, object] = {}
         offsets = [0] * n  # /v1/completions' logprobs: text_offset of each choice's next token
@@ -601,6 +653,18 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
                 completion_tokens[i] = out.num_output_tokens
                 cached[i] = out
                 delta = texts[i].delta(out)
+                if tools is not None:  # text -> content and tool-call deltas; the step's log-probabilities ride
+                    parts = tools[i].feed(delta)  # with the first
+                    lp = _logprobs(server, out, chat, new=True) if out.logprobs is not None and (
+                        out.new_token_ids or delta) else None
+                    for k, d in enumerate(parts or ([{}] if lp is not None else [])):
+                        yield chunk([choice(i, delta=d, logprobs=lp if k == 0 else None)])
+                    if out.finished:
+                        parts, finish = tools[i].finish(out.finish_reason)
+                        for d in parts:
+                            yield chunk([choice(i, delta=d)])
+                        yield chunk([choice(i, finish=finish)])
+                    continue
                 if out.logprobs is not None:  # the step's tokens' log-probabilities ride with its text
                     if out.new_token_ids or delta:
                         lp = _logprobs(server, out, chat, new=True, offset=offsets[i])
@@ -667,6 +731,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefill-process", action="store_true",
                    help="with --disaggregate: the prefill engine in a process of its own, not on a thread of the "
                         "server's (eyas.engine.prefill_process)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto" (the default with tools): the model\'s text is read back for tool calls '
+                        "by --tool-call-parser (eyas.serve.tools); without it only 'none', 'required' and named "
+                        "tool choices are served")
+    p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                   help="how tool calls are written in the model's text: hermes (<tool_call>{...}</tool_call>: "
+                        "Hermes, Qwen, SmolLM3) or llama3_json (Llama 3.1-3.3's JSON)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
@@ -732,14 +803,23 @@ def _tp_serve(rank: int, world_size: int, device, args) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        _serve_app(create_app(engine, args.served_model_name or args.model, max_queue=args.max_queue), engine, args)
+        _serve_app(create_app(engine, args.served_model_name or args.model, max_queue=args.max_queue,
+                              tool_parser=_tool_parser(args)), engine, args)
     finally:
         engine.close()  # the server has stopped (its engine loop too): release the other ranks
+
+
+def _tool_parser(args) -> str | None:
+    """The parser of "auto" tool calls: --tool-call-parser with --enable-auto-tool-choice (vLLM's pair)."""
+    return args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False) else None
 
 
 def run_serve(args) -> int:
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
+                         f"({' or '.join(sorted(PARSERS))})")
     if args.tensor_parallel < 1:
         raise ValueError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -759,7 +839,8 @@ def run_serve(args) -> int:
         return 0
     llm = build_llm(args)
     _capture_graphs(llm.engine, args.max_num_seqs)
-    _serve_app(create_app(llm, args.served_model_name or args.model, max_queue=args.max_queue), llm.engine, args)
+    _serve_app(create_app(llm, args.served_model_name or args.model, max_queue=args.max_queue,
+                          tool_parser=_tool_parser(args)), llm.engine, args)
     return 0
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
@@ -104,6 +104,20 @@ class ChatMessage(_Request):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls (OpenAI's {"id", "type", "function"})
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
+
+    def template_dict(self) -> dict:
+        """The message as chat templates read it (eyas.serve.tools.template_tool_calls for the calls)."""
+        from eyas.serve.tools import template_tool_calls
+        m = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            m["name"] = self.name
+        if self.tool_calls is not None:
+            m["tool_calls"] = template_tool_calls(self.tool_calls)
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
 
     def text(self) -> str:
         if self.content is None:
@@ -113,12 +127,35 @@ class ChatMessage(_Request):
         return "".join(p.text for p in self.content)
 
 
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: StrictBool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None  # the newer name of max_tokens
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
+    parallel_tool_calls: StrictBool = True
     # {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", ...}}
     response_format: dict | None = None
     add_generation_prompt: StrictBool = True  # vLLM's extensions: the template's opening of the reply, or
@@ -130,6 +167,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # messages only: the chat template's tools
     add_generation_prompt: StrictBool = True  # messages only
     continue_final_message: StrictBool = False  # messages only (as /v1/chat/completions)
     return_token_strs: StrictBool = False
