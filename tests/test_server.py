@@ -698,7 +698,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(tiny):
     ids): the text and the tokens are the prompt's and then the completion's; the first prompt token's
     log-probability and alternatives are null, every other prompt token's are a dense forward's; the harness's
     sum and greedy test read them. `max_tokens: 0` (OpenAI's legacy scoring): the prompt's part alone, no completion
-    tokens; without echo, a 400. Without logprobs the text is still echoed; with stream, a 400."""
+    tokens; without echo, a 400. Without logprobs the text is still echoed. Streamed, the prompt's chunk comes first
+    and the chunks add up to the same text and log-probabilities."""
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     body = _tiny_body(max_tokens=1, prompt=prompt, logprobs=1, echo=True)
     r = httpx.post(tiny.url + "/v1/completions", json=body, timeout=60)
@@ -737,8 +738,21 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(tiny):
     r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=2, prompt=prompt, echo=True), timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
     assert r.json()["choices"][0]["text"].startswith("".join(names))
-    r = httpx.post(tiny.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+    for extra, whole in (({}, choice), ({"max_tokens": 0}, only["choices"][0])):  # streamed: the same, the
+        with httpx.stream("POST", tiny.url + "/v1/completions", json={**body, **extra, "stream": True,  # prompt first
+                                                                     "stream_options": {"include_usage": True}},
+                          timeout=60) as s:
+            events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+        parts = [e["choices"][0] for e in events if e["choices"]]
+        assert parts[0]["text"] == "".join(names) and parts[0]["logprobs"]["tokens"] == names
+        assert "".join(p["text"] for p in parts) == whole["text"] and parts[-1]["finish_reason"] == "length"
+        lps = [p["logprobs"] for p in parts if p["logprobs"]]
+        got, want = {k: [x for p in lps for x in p[k]] for k in lp}, whole["logprobs"]
+        assert (got["tokens"], got["text_offset"]) == (want["tokens"], want["text_offset"])
+        assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
+        assert got["token_logprobs"][1:] == pytest.approx(want["token_logprobs"][1:], abs=1e-5)
+        assert all(a == pytest.approx(b, abs=1e-5) for a, b in zip(got["top_logprobs"][1:], want["top_logprobs"][1:]))
+        assert events[-1]["usage"]["completion_tokens"] == (0 if extra else 1)
     tiny.wait_idle()
 
 

@@ -487,8 +487,6 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         arrival = time.perf_counter()
         req = await _parse(request, CompletionRequest)
         server.common_checks(req)
-        if req.echo and req.stream:
-            raise APIError("echo is not supported with stream", param="echo")
         if req.suffix:
             raise APIError("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -513,17 +511,17 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         cid = completion_id("cmpl")
         queue, rids = await server.submit(cid, ids, budgets, base, req.n, arrival)
         num_prompt = sum(len(x) for x in ids)
+        # echo: each choice's prompt, as given (a list of ids: decoded), and its ids
+        echoes = [(x if isinstance(x, str) else _decode(server, x), y) for x, y in zip(prompts, ids)
+                  for _ in range(req.n)] if req.echo else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _stream(server, queue, rids, cid, req.model, "text_completion", num_prompt, include_usage,
-                           base.stop, req.n)
+                           base.stop, req.n, echoes=echoes, score_only=score_only)
         finals = await server.collect(request, queue, rids)
         choices = []
         for i in range(len(rids)):
-            out, echo = finals[i], None
-            if req.echo:  # the prompt, as given (a list of ids: decoded), then the completion
-                x = prompts[i // req.n]
-                echo = (x if isinstance(x, str) else _decode(server, x), ids[i // req.n])
+            out, echo = finals[i], echoes[i] if echoes else None
             if score_only:
                 choices.append({"index": i, "text": echo[0], "finish_reason": "length",
                                 "logprobs": _logprobs(server, out, False, echo=echo, prompt_only=True)})
@@ -612,11 +610,14 @@ def _cached(outs: dict, n: int) -> int:
 
 
 def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: str, num_prompt: int,
-            include_usage: bool, stops: list[str], per_prompt: int, calls=None) -> StreamingResponse:
+            include_usage: bool, stops: list[str], per_prompt: int, calls=None, echoes=None,
+            score_only: bool = False) -> StreamingResponse:
     """SSE: one chunk per new text of a choice, a finish chunk per choice, the usage chunk when asked for, then
     `data: [DONE]`. A client that goes away cancels this generator: its requests are aborted (KV blocks freed).
     `per_prompt`: the choices of each prompt (the request's n). `calls` (chat with a tool choice): makes each
-    choice's `ToolStream`, which turns its text into content and tool-call deltas."""
+    choice's `ToolStream`, which turns its text into content and tool-call deltas. `echoes` (completions' echo):
+    each choice's (prompt text, prompt ids), sent first, with the prompt's log-probabilities where asked;
+    `score_only` (echo with `max_tokens: 0`): that alone, then the finish."""
     created = int(time.time())
     chat = obj == "chat.completion.chunk"
     n = len(rids)
@@ -645,13 +646,25 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
         completion_tokens = [0] * n
         cached: dict[int, object] = {}
         offsets = [0] * n  # /v1/completions' logprobs: text_offset of each choice's next token
+        echoed: set[int] = set()
         try:
             if chat:
                 for i in range(n):
                     yield chunk([choice(i, "", role=True)])
             async for i, out in AsyncEngine.results(queue, n):
-                completion_tokens[i] = out.num_output_tokens
+                completion_tokens[i] = 0 if score_only else out.num_output_tokens
                 cached[i] = out
+                if echoes is not None and i not in echoed:  # the prompt first, scored as the whole reply scores it
+                    echoed.add(i)
+                    lp = None
+                    if out.logprobs is not None:
+                        lp = _logprobs(server, out, False, echo=echoes[i], prompt_only=True)
+                        offsets[i] = len(echoes[i][0])
+                    yield chunk([choice(i, echoes[i][0], logprobs=lp)])
+                if score_only:
+                    if out.finished:
+                        yield chunk([choice(i, "", finish="length")])
+                    continue
                 delta = texts[i].delta(out)
                 if tools is not None:  # text -> content and tool-call deltas; the step's log-probabilities ride
                     parts = tools[i].feed(delta)  # with the first
