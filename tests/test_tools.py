@@ -7,6 +7,7 @@ replies."""
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import pytest
@@ -373,3 +374,28 @@ def test_auto_without_a_parser_is_a_400(tmp_path):
         run_serve(args)
     args = parser.parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
     assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "llama3_json")
+
+
+def test_ruled_out_tokens_get_vllms_floor_not_infinity(tool_server):
+    """Log-probabilities with a guided call: tokens the grammar rules out (logit -inf) among the top 5 are reported
+    at -9999.0 (vLLM's floor), so the body is strict JSON, whole and streamed (JSON has no infinity: Starlette
+    refused to write it, a 500)."""
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+    body = {"model": "mirror", "messages": MSGS, "tools": TOOLS, "max_tokens": 150, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "logprobs": True,
+            "top_logprobs": 5}
+    r = httpx.post(tool_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    content = strict(r.text)["choices"][0]["logprobs"]["content"]
+    first = [t["logprob"] for t in content[0]["top_logprobs"]]
+    # the grammar allows the first token two ways ("{" and '{"'), which hold all of its probability
+    assert [t["token"] for t in content[0]["top_logprobs"][:2]] == ["{", '{"'] and first[2:] == [-9999.0] * 3
+    assert math.exp(first[0]) + math.exp(first[1]) == pytest.approx(1.0, abs=1e-4)
+    assert all(x["logprob"] <= 0 for c in content for x in [c] + c["top_logprobs"])
+    with httpx.stream("POST", tool_server.url + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=60) as s:
+        events = [strict(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    streamed = [c for e in events for c in ((e["choices"][0]["logprobs"] or {}).get("content") or [])]
+    assert streamed == content

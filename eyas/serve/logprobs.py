@@ -7,10 +7,19 @@
 * /v1/chat/completions (`logprobs: true`, `top_logprobs: k`): {"content": [{"token", "logprob", "bytes",
   "top_logprobs": [{"token", "logprob", "bytes"}, ...]}]}.
 A token's text is its own decoding (a token that holds part of a UTF-8 character decodes to U+FFFD, and its `bytes`
-are those of that text); a model without a tokenizer names tokens "token_id:<id>" (vLLM's spelling)."""
+are those of that text); a model without a tokenizer names tokens "token_id:<id>" (vLLM's spelling).
+
+A token the step had ruled out (guided decoding's mask, min_tokens' ban: its logit -inf) is reported at -9999.0, as
+vLLM does: JSON has no infinity (Python would write `-Infinity`, which strict parsers refuse)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+
+FLOOR = -9999.0  # what a log-probability of -inf is reported as (vLLM's value)
+
+
+def _finite(lp: float) -> float:
+    return lp if lp >= FLOOR else FLOOR  # -inf (and anything below the floor) -> the floor
 
 
 def completion_logprobs(entries: list, token_ids: list[int], text_of: Callable[[int], str], offset: int = 0) -> dict:
@@ -22,9 +31,9 @@ def completion_logprobs(entries: list, token_ids: list[int], text_of: Callable[[
             chosen.append(None)
             tops.append(None)
         else:
-            chosen.append(e.logprob)
-            top = {text_of(i): lp for i, lp in e.top}
-            top.setdefault(s, e.logprob)
+            chosen.append(_finite(e.logprob))
+            top = {text_of(i): _finite(lp) for i, lp in e.top}
+            top.setdefault(s, _finite(e.logprob))
             tops.append(top)
         offsets.append(offset)
         offset += len(s)
@@ -34,7 +43,7 @@ def completion_logprobs(entries: list, token_ids: list[int], text_of: Callable[[
 def chat_logprobs(entries: list, token_ids: list[int], text_of: Callable[[int], str]) -> dict:
     def item(i: int, lp: float) -> dict:
         s = text_of(i)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8"))}
 
     return {"content": [{**item(t, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
                         for t, e in zip(token_ids, entries)]}
