@@ -78,6 +78,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to the target's logits (applied with the penalties)
     logit_bias: dict[int, float] | None = None
+    # vLLM's: the output's tokens are drawn from these alone (every other token's logit -inf, with the penalties)
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -134,6 +136,14 @@ class SamplingParams:
                     raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
                 bias[t] = float(b)
             self.logit_bias = bias or None
+        a = self.allowed_token_ids
+        if a is not None:
+            if (not isinstance(a, (list, tuple)) or not a
+                    or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in a)):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), got {a!r}")
+            self.allowed_token_ids = sorted(set(a))
+            if self.guided is not None:  # the grammar may allow none of them
+                raise ValueError("allowed_token_ids with guided decoding is not supported")
         if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
             raise ValueError(f"guided must be a GuidedDecoding, got {type(self.guided).__name__}")
         self.temperature = float(self.temperature)
@@ -142,7 +152,7 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or self.logit_bias is not None or self.min_tokens > 0)
+                or self.logit_bias is not None or self.min_tokens > 0 or self.allowed_token_ids is not None)
 
     @property
     def greedy(self) -> bool:

@@ -212,7 +212,8 @@ def test_repetition_penalty_equals_hf_generate(pairs):
 
 PARAMS = [dict(frequency_penalty=0.7), dict(presence_penalty=1.1), dict(repetition_penalty=1.6),
           dict(frequency_penalty=0.4, presence_penalty=-0.3, repetition_penalty=1.3),
-          dict(logit_bias={3: 2.5, 7: -100.0, 11: 1.0}), dict(logit_bias={5: 3.0}, repetition_penalty=1.4)]
+          dict(logit_bias={3: 2.5, 7: -100.0, 11: 1.0}), dict(logit_bias={5: 3.0}, repetition_penalty=1.4),
+          dict(allowed_token_ids=[2, 5, 9, 13, 17], logit_bias={5: -1.0, 20: 5.0}, repetition_penalty=1.3)]
 
 
 def _bias(pen: dict, vocab: int, dtype=torch.float32) -> torch.Tensor | None:
@@ -224,9 +225,17 @@ def _bias(pen: dict, vocab: int, dtype=torch.float32) -> torch.Tensor | None:
     return b
 
 
+def _allow(logits: torch.Tensor, pen: dict) -> None:
+    """allowed_token_ids: every other token's logit -inf."""
+    if pen.get("allowed_token_ids") is not None:
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        keep[pen["allowed_token_ids"]] = True
+        logits[..., ~keep] = float("-inf")
+
+
 def _dense_greedy(target, prompt, n, ban=None, **pen):
-    """Greedy decoding by dense forwards, each step's logits penalised from scratch; `ban` (tokens, k): those tokens
-    refused at the first k output positions (min_tokens)."""
+    """Greedy decoding by dense forwards, each step's logits penalised from scratch (and held to allowed_token_ids);
+    `ban` (tokens, k): those tokens refused at the first k output positions (min_tokens)."""
     ids = list(prompt)
     for _ in range(n):
         with torch.no_grad():
@@ -240,6 +249,7 @@ def _dense_greedy(target, prompt, n, ban=None, **pen):
         penalize(logits, counts, seen, torch.tensor([pen.get("frequency_penalty", 0.0)]),
                  torch.tensor([pen.get("presence_penalty", 0.0)]), torch.tensor([pen.get("repetition_penalty", 1.0)]),
                  _bias(pen, logits.shape[-1]))
+        _allow(logits, pen)
         if ban is not None and len(out) < ban[1]:
             logits[0, ban[0]] = float("-inf")
         ids.append(int(logits.argmax()))
@@ -260,6 +270,7 @@ def test_greedy_with_penalties_equals_a_dense_loop(pairs, pair, spec):
     for p, o, pen in zip(prompts, outs, PARAMS, strict=True):
         assert o.token_ids == _dense_greedy(llm.target, p, 24, **pen), pen
         assert 7 not in o.token_ids or -100.0 not in (pen.get("logit_bias") or {}).values()  # banned
+        assert set(o.token_ids) <= set(pen.get("allowed_token_ids") or range(24))
     plain = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     assert all(a.token_ids != b.token_ids for a, b in zip(outs, plain))  # the penalties changed every output
     if spec is not None and pair == "mirror":  # paths were accepted, so the tree's own penalties were used
@@ -321,6 +332,44 @@ def test_min_tokens_equals_a_dense_loop_that_bans_stop_tokens(pairs, spec):
     assert any(o.finish_reason == "stop" for o in outs[:-1])  # some stopped after min_tokens
 
 
+@pytest.mark.parametrize("spec", ["chain:4", "dyn:k3d4n8"])
+def test_allowed_tokens_outside_the_drafts_vocabulary(pairs, spec, tmp_path, monkeypatch):
+    """allowed_token_ids that a reduced draft vocabulary does not hold: every draft proposal is ruled out (its
+    logits all -inf, kept finite so that a dynamic tree's scores are not NaN), and the output still equals the dense
+    loop's under allowed_token_ids, greedy; sampled, seeded, it equals plain decoding's law's support. The engine
+    refuses ids beyond the vocabulary, and min_tokens when every allowed token stops the output."""
+    import shutil
+
+    from eyas.spec.draft_vocab import save_draft_vocab
+    target, draft = pairs["mirror"]
+    small = tmp_path / "draft"
+    shutil.copytree(draft, small)
+    save_draft_vocab(small, torch.arange(12))
+    allowed = [14, 17, 19, 22]
+    import eyas.spec.dynamic_tree as dt
+    scores, topk_logp = [], dt.draft_topk_logp
+
+    def spy(*a, **k):
+        logp, ids = topk_logp(*a, **k)
+        scores.append(logp)
+        return logp, ids
+
+    monkeypatch.setattr(dt, "draft_topk_logp", spy)
+    llm = LLM(str(target), device="cpu", dtype="float32", block_size=4, draft=str(small), speculation=spec)
+    pen = dict(allowed_token_ids=allowed, frequency_penalty=0.5)
+    outs = llm.generate(_prompts(), SamplingParams(max_tokens=16, ignore_eos=True, **pen))
+    for p, o in zip(_prompts(), outs):
+        assert o.token_ids == _dense_greedy(llm.target, p, 16, **pen)
+    assert (len(scores) > 0) == spec.startswith("dyn") and not any(x.isnan().any() for x in scores)
+    sampled = llm.generate(_prompts(), SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=3,
+                                                      **pen))
+    assert all(set(o.token_ids) <= set(allowed) and len(o.token_ids) == 16 for o in sampled)
+    with pytest.raises(ValueError, match="allowed_token_ids must be token ids in"):
+        llm.generate(_prompts()[:1], SamplingParams(allowed_token_ids=[3, 24]))
+    with pytest.raises(ValueError, match="min_tokens: every one of allowed_token_ids"):
+        llm.generate(_prompts()[:1], SamplingParams(allowed_token_ids=[3], stop_token_ids=[3], min_tokens=2))
+
+
 def test_bad_penalties_are_refused():
     for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3.0), dict(repetition_penalty=0.0),
                 dict(repetition_penalty=-1.0), dict(presence_penalty="1")):
@@ -330,6 +379,11 @@ def test_bad_penalties_are_refused():
         with pytest.raises(ValueError, match="logit_bias"):
             SamplingParams(logit_bias=bad)
     from eyas.sampling_params import GuidedDecoding
+    for bad in ([], [-1], ["3"], [True], 3, dict(guided=GuidedDecoding(regex="a+"))):
+        kw = dict(allowed_token_ids=[3], **bad) if isinstance(bad, dict) else dict(allowed_token_ids=bad)
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(**kw)
+    assert SamplingParams(allowed_token_ids=(5, 3, 5)).allowed_token_ids == [3, 5]
     for bad in (dict(min_tokens=-1), dict(min_tokens=17), dict(min_tokens=True),
                 dict(min_tokens=2, guided=GuidedDecoding(regex="a+"))):
         with pytest.raises(ValueError, match="min_tokens"):
@@ -363,6 +417,7 @@ def _law(hf, prefix, pen):
     penalize(logits, counts, seen, torch.tensor([pen.get("frequency_penalty", 0.0)]),
              torch.tensor([pen.get("presence_penalty", 0.0)]), torch.tensor([pen.get("repetition_penalty", 1.0)]),
              _bias(pen, V, torch.float64))
+    _allow(logits, pen)
     if len(prefix) < pen.get("min_tokens", 0):  # min_tokens: the stop tokens refused before it
         logits[0, pen["stop_token_ids"]] = float("-inf")
     return torch.softmax(logits[0], -1).numpy()
@@ -382,7 +437,8 @@ def _pvalue(observed: dict, joint: dict) -> float:
     return chisquare(np.append(obs[big], obs[~big].sum()), np.append(expected[big], expected[~big].sum())).pvalue
 
 
-@pytest.mark.parametrize("pen", [PEN, dict(PEN, min_tokens=1, stop_token_ids=[1])], ids=["penalties", "min_tokens"])
+@pytest.mark.parametrize("pen", [PEN, dict(PEN, min_tokens=1, stop_token_ids=[1]),
+                                 dict(PEN, allowed_token_ids=[0, 1, 3, 4])], ids=["penalties", "min_tokens", "allowed"])
 @pytest.mark.parametrize("spec", ["chain:2", "tree:8"])
 def test_joint_law_with_penalties(small, spec, pen):
     from transformers import LlamaForCausalLM
@@ -396,5 +452,7 @@ def test_joint_law_with_penalties(small, spec, pen):
         observed[tuple(o.token_ids)] = observed.get(tuple(o.token_ids), 0) + 1
     if "min_tokens" in pen:  # token 1 (likely: biased up) refused first, allowed second
         assert not any(k[0] == 1 for k in observed) and any(k[1] == 1 for k in observed)
+    if "allowed_token_ids" in pen:
+        assert {t for k in observed for t in k} == set(pen["allowed_token_ids"])
     assert _pvalue(observed, _joint(hf, pen)) > 1e-3
     assert _pvalue(observed, _joint(hf, {})) < 1e-6  # the unpenalised law is far from it: the test has power

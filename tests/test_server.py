@@ -805,6 +805,20 @@ def test_penalties_reach_the_engine(tiny):
     assert biased == LLM(str(tiny.tiny_dir), device="cpu", dtype="float32").generate(
         [prompt], SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={int(k): v for k, v in bias.items()})
     )[0].token_ids
+    # vLLM's allowed_token_ids: the tokens are drawn from them alone; the others' log-probabilities are ruled out
+    allowed = [5, 9, 40, got[1]]
+    r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=12, prompt=prompt, logprobs=3,
+                                                                  allowed_token_ids=allowed), timeout=60)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    only = [int(t.split(":")[1]) for t in lp["tokens"]]
+    assert set(only) <= set(allowed) and all(len(top) == 3 for top in lp["top_logprobs"])
+    tiny.wait_idle()
+    assert only == LLM(str(tiny.tiny_dir), device="cpu", dtype="float32").generate(
+        [prompt], SamplingParams(max_tokens=12, ignore_eos=True, allowed_token_ids=allowed))[0].token_ids
+    for bad in ([], [-1], [TINY_VOCAB]):
+        r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=2, allowed_token_ids=bad), timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
 
 
 def test_truncate_prompt_tokens(tiny):

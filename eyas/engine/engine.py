@@ -245,10 +245,15 @@ class LLMEngine:
         V = self.target.config.vocab_size
         if params.logit_bias is not None and any(t >= V for t in params.logit_bias):
             raise ValueError(f"logit_bias keys must be token ids in [0, {V}), got {max(params.logit_bias)}")
+        if params.allowed_token_ids is not None and params.allowed_token_ids[-1] >= V:
+            raise ValueError(f"allowed_token_ids must be token ids in [0, {V}), got {params.allowed_token_ids[-1]}")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         grammar = self.grammar_state(params)  # a bad schema fails here, before the request is queued
-        seq = Sequence(ids, params, seed, request_id=request_id or "", stop_ids=self._stop_ids(params),
-                       grammar=grammar)
+        stop_ids = self._stop_ids(params)
+        if params.min_tokens and params.allowed_token_ids is not None and set(params.allowed_token_ids) <= stop_ids:
+            raise ValueError("min_tokens: every one of allowed_token_ids stops the output, so none could be drawn "
+                             "before min_tokens")
+        seq = Sequence(ids, params, seed, request_id=request_id or "", stop_ids=stop_ids, grammar=grammar)
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, len(ids), self.decoding,
                                               params.skip_special_tokens)

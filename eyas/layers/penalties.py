@@ -12,7 +12,8 @@ then exactly the law plain decoding would use after that path, and acceptance st
 from logits penalised so too (`apply_to_nodes`), which changes only its proposals.
 
 OpenAI's `logit_bias` (`SamplingParams.logit_bias`) travels with them: a per-row [V] bias added to the logits first
-(vLLM v1's order: logit processors, then penalties), the same at every node."""
+(vLLM v1's order: logit processors, then penalties), the same at every node. So does vLLM's `allowed_token_ids`: the
+bias of every other token is -inf."""
 from __future__ import annotations
 
 import itertools
@@ -95,6 +96,9 @@ class Penalties:
         penalised as `apply_to_nodes` does."""
         def adjust(logits: torch.Tensor, columns: torch.Tensor | None) -> None:
             self.apply_to_nodes(logits if logits.dim() == 3 else logits[:, None], path_tokens, on_path, columns)
+            # a row whose every column is ruled out (allowed_token_ids outside a draft vocabulary, say) stays finite:
+            # its proposals are then arbitrary, but a dynamic tree's log-softmax of it is not NaN
+            logits.clamp_(min=torch.finfo(logits.dtype).min)
         return adjust
 
     def apply_to_nodes(self, logits: torch.Tensor, path_tokens: torch.Tensor, on_path: torch.Tensor,
@@ -205,7 +209,14 @@ class PenaltyState:
             if banned:
                 r, t = zip(*banned)
                 self.ban[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = True
-            biased = [(r, t, b) for s, r in pen for t, b in (s.params.logit_bias or {}).items()]
+            allowed = [(r, s.params.allowed_token_ids) for s, r in pen if s.params.allowed_token_ids is not None]
+            if allowed:  # every other token's bias -inf (allowed_token_ids)
+                r, ts = zip(*allowed)
+                self.bias[torch.tensor(r, device=dev)] = float("-inf")
+                rows = torch.tensor([x for x, t in allowed for _ in t], device=dev)
+                self.bias[rows, torch.tensor([x for t in ts for x in t], device=dev)] = 0.0
+            biased = [(r, t, b) for s, r in pen for t, b in (s.params.logit_bias or {}).items()
+                      if s.params.allowed_token_ids is None or t in s.params.allowed_token_ids]
             if biased:
                 r, t, b = zip(*biased)
                 self.bias[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = torch.tensor(b, device=dev)

@@ -79,6 +79,7 @@ class _SamplingFields(_Request):
     skip_special_tokens: StrictBool = True  # vLLM's extension
     truncate_prompt_tokens: StrictInt | None = None  # vLLM's extension: the prompt's last k tokens only
     min_tokens: StrictInt | None = None  # vLLM's extension
+    allowed_token_ids: list[StrictInt] | None = None  # vLLM's extension: the output's tokens are drawn from these
     # guided decoding, vLLM's extensions (chat also takes OpenAI's response_format): at most one of them
     guided_json: dict | str | None = None
     guided_regex: str | None = None
