@@ -180,7 +180,8 @@ def same_logprobs(got, ref):
 @pytest.mark.parametrize("spec", [None, "chain:4", "tree:mc_sim_7b_63", "dyn:k3d4n8"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_logprobs_and_penalties_on_graphs_equal_eager(pair, spec, temperature):
-    """Requests that ask for log-probabilities (k of 0, 2 and 5) or penalties, batched with free ones and alone,
+    """Requests that ask for log-probabilities (k of 0, 2, 3 and 5) or penalties (allowed_token_ids among them: rows
+    of -inf), batched with free ones and alone,
     replay graphs of their own kind (`launch_extras`) in an engine with graphs and overlap on, most of their steps
     overlapped (carried inputs; the counts and log-probabilities of the step before read on the device): tokens and
     log-probabilities equal the eager step's (greedy: the reference path; sampled, seeded: the eager Triton path,
@@ -192,8 +193,9 @@ def test_logprobs_and_penalties_on_graphs_equal_eager(pair, spec, temperature):
                                                                          logit_bias={5: 3.0}, seed=2, **base),
               SamplingParams(seed=3, **base),
               SamplingParams(logprobs=5, presence_penalty=0.7, min_tokens=12, stop_token_ids=[5, 9], seed=4, **base)]
-    mixed = [SamplingParams(logprobs=0, seed=5, **base)] + [SamplingParams(seed=6 + i, **base) for i in range(2)]
+    mixed = [SamplingParams(logprobs=0, seed=5, **base), SamplingParams(seed=6, **base)]
     mixed.append(SamplingParams(logit_bias={3: 4.0, 11: -5.0, 17: 2.5}, seed=8, **base))  # a bias alone
+    mixed.append(SamplingParams(allowed_token_ids=[2, 3, 7, 11, 19], logprobs=3, seed=9, **base))  # -inf rows
     eager = LLM(str(target), **kw)
     if temperature == 0:
         eager.engine.runner.use_triton = False
