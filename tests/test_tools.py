@@ -122,7 +122,9 @@ def replies(draw):
         calls = draw(st.lists(st.sampled_from(LLAMA_CALLS), max_size=3))
         return choice, draw(st.sampled_from(["", " ", content])) + "; ".join(calls)
     if choice == "required":
-        return choice, draw(st.sampled_from(['[{"name": "add", "parameters": {"a": 1}}]', '[{"name": "add", "par']))
+        return choice, draw(st.sampled_from(['[{"name": "add", "parameters": {"a": 1}}]', '[{"name": "add", "par',
+                                             '[{"name": "add", "parameters": {"a": "}]\\""}}, {"name": "ping", "p',
+                                             '[{"name": "ping", "parameters": {}}, {"name": "add", "parameters": {}}]']))
     return choice, draw(st.sampled_from(['{"a": 1, "b": "x"}', '{"a": 1', ""]))
 
 
@@ -162,6 +164,11 @@ def test_named_and_required_replies():
         ("add", '{"a": 2, "b": "yz"}'), ("ping", "{}")]
     msg, reason = ToolStream("required").message('[{"name": "add", "param', "length")
     assert (msg, reason) == ({"role": "assistant", "content": '[{"name": "add", "param'}, "length")
+    cut = '[{"name": "add", "parameters": {"a": "]}\\"{"}}, {"name": "ping", "param'  # an item closed, then cut
+    msg, reason = ToolStream("required").message(cut, "length")
+    assert reason == "length" and msg["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == [
+        ("add", {"a": ']}"{'})]
     assert parse_required("[]") is None and parse_required('[{"name": "add"}]') is None
 
 
@@ -213,17 +220,23 @@ def tool_server(tmp_path_factory):
     llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation="tree:8")
     greedy = SamplingParams(max_tokens=150, temperature=0.0)
 
-    def offline(max_tokens=150, **guide):
+    def offline(max_tokens=150, logit_bias=None, **guide):
         import dataclasses
-        params = dataclasses.replace(greedy, guided=GuidedDecoding(**guide), max_tokens=max_tokens)
+        params = dataclasses.replace(greedy, guided=GuidedDecoding(**guide), max_tokens=max_tokens,
+                                     logit_bias=logit_bias)
         return llm.chat(MSGS, params, tools=TOOLS)[0]
+
+    close = llm.tokenizer.encode("]")
+    assert len(close) == 1
 
     refs = {"add": offline(json=ADD["function"]["parameters"]),
             "required": offline(json=required_schema(TOOLS, parallel=False)),
+            # "]" ruled out, so the array goes on until max_tokens cuts it
+            "required_many": offline(json=required_schema(TOOLS), logit_bias={close[0]: -100.0}),
             "hermes": offline(regex=HERMES_REGEX, max_tokens=250),
             "none": llm.chat(MSGS, SamplingParams(max_tokens=12, temperature=0.0), tools=TOOLS)[0]}
     server = LiveServer(create_app(llm, "mirror", tool_parser="hermes"))
-    server.refs = refs
+    server.refs, server.close_id = refs, close[0]
     yield server
     server.close()
 
@@ -277,6 +290,22 @@ def test_required_tool_choice_is_offline_guided_decoding(tool_server):
     c = client.chat.completions.create(**{**kw, "max_tokens": 5}).choices[0]
     assert c.finish_reason == "length" and c.message.tool_calls is None and c.message.content == ref.text[:len(
         c.message.content)] and c.message.content
+    # parallel calls, "]" ruled out by a logit bias: the array goes on until max_tokens cuts it; the items closed
+    # by then are the calls, each streamed as its item closes
+    many = tool_server.refs["required_many"]
+    assert many.finish_reason == "length"
+    want = [(x["function"]["name"], json.loads(x["function"]["arguments"]))
+            for x in ToolStream("required").message(many.text, "length")[0]["tool_calls"]]
+    assert len(want) >= 2 and many.text.startswith(json.dumps([{"name": n, "parameters": a} for n, a in want])[:-1])
+    kw = {**kw, "parallel_tool_calls": True, "logit_bias": {str(tool_server.close_id): -100}}
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "length" and c.message.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == want
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    with_calls = [ch.choices[0].delta.tool_calls for ch in chunks if ch.choices[0].delta.tool_calls]
+    assert [len(x) for x in with_calls] == [1] * len(want) and [x[0].index for x in with_calls] == list(range(len(want)))
+    assert [(x[0].function.name, json.loads(x[0].function.arguments)) for x in with_calls] == want
+    assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_auto_tool_calls_are_read_back_by_the_parser(tool_server):

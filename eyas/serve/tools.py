@@ -6,7 +6,7 @@ What the model writes, by `tool_choice`:
   "stop", as OpenAI gives for a forced function.
 * "required": a JSON array of one or more `{"name": <a tool's name>, "parameters": <its arguments>}` (vLLM's
   schema; one item at most with `parallel_tool_calls: false`), guided; each item becomes a call, and
-  `finish_reason` is "tool_calls".
+  `finish_reason` is "tool_calls" (or "length" where max_tokens cut the array: its finished items are the calls).
 * "auto" (the default when tools are given): free text, which the server's tool-call parser (`eyas serve
   --enable-auto-tool-choice --tool-call-parser NAME`) reads back: text before the calls is the reply's `content`.
   Without a parser, "auto" with tools is a 400, as in vLLM.
@@ -14,9 +14,9 @@ What the model writes, by `tool_choice`:
 The tools always reach the chat template (its `tools` variable), so a template that knows them shows them to the
 model. Guided calls are exact like any guided output: under speculation too, greedy equals plain decoding.
 
-Streaming: a named call streams its arguments as they are written; "required" and "auto" calls are sent whole
-once the output ends (the text before an "auto" call streams as content while it cannot be the start of one).
-Both make the same message as the non-streaming reply (`ToolStream`, used by both).
+Streaming: a named call streams its arguments as they are written; a "required" call is sent whole as soon as its
+array item closes, an "auto" call once the output ends (the text before it streams as content while it cannot be
+the start of one). Both make the same message as the non-streaming reply (`ToolStream`, used by both).
 """
 from __future__ import annotations
 
@@ -79,16 +79,50 @@ def tool_guide(tools: list[dict], choice, parallel: bool = True) -> GuidedDecodi
     return GuidedDecoding(json=tool["function"].get("parameters") or {"type": "object", "properties": {}})
 
 
+class ArrayItems:
+    """The items of a JSON array as its text grows: `feed(text)` returns the items that closed in it (parsed), so
+    a "required" output's calls go out one by one. It follows strings (and their escapes) and nesting only: the
+    array is the guide's, so well formed as far as it goes."""
+
+    def __init__(self):
+        self.buf, self.depth, self.in_str, self.esc, self.start = "", 0, False, False, None
+
+    def feed(self, text: str) -> list:
+        items = []
+        for ch in text:
+            self.buf += ch
+            if self.in_str:
+                self.esc, self.in_str = (False, True) if self.esc else (ch == "\\", ch != '"')
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "[{":
+                self.depth += 1
+                if self.depth == 2:
+                    self.start = len(self.buf) - 1
+            elif ch in "]}":
+                self.depth -= 1
+                if self.depth == 1 and self.start is not None:
+                    items.append(json.loads(self.buf[self.start:]))
+                    self.start = None
+        return items
+
+
+def required_call(item) -> dict:
+    """The call of one item of a "required" output's array."""
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str) or "parameters" not in item:
+        raise ValueError(f"not a call: {item!r}")
+    return call(item["name"], _dump(item["parameters"]))
+
+
 def parse_required(text: str) -> list[dict] | None:
     """The calls of a finished "required" output (the guided array), or None if it is not one (cut short)."""
     try:
         items = json.loads(text)
+        if not isinstance(items, list) or not items:
+            return None
+        return [required_call(c) for c in items]
     except ValueError:
         return None
-    if not isinstance(items, list) or not items or not all(
-            isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c for c in items):
-        return None
-    return [call(c["name"], _dump(c["parameters"])) for c in items]
 
 
 def template_tool_calls(calls: list[dict]) -> list[dict]:
@@ -208,11 +242,24 @@ class ToolStream:
         self.choice, self.parser = choice, parser  # choice: "required", "auto" or a function's name
         self.text, self.sent = "", 0  # the output so far; how much of it went out as content (auto)
         self.head: dict | None = None  # a named call, once its first part went out
+        self.items = ArrayItems() if choice == "required" else None
+        self.calls_sent = 0  # "required": the calls that went out
 
     def feed(self, delta: str) -> list[dict]:
         self.text += delta
-        if self.choice == "required" or not delta:
+        if not delta:
             return []
+        if self.choice == "required":
+            if self.items is None:
+                return []
+            try:
+                calls = [required_call(x) for x in self.items.feed(delta)]
+            except ValueError:  # not the guide's array (a cut-short guide cannot write one): read no further
+                self.items = None
+                return []
+            out = [{"tool_calls": [{"index": self.calls_sent + k, **c}]} for k, c in enumerate(calls)]
+            self.calls_sent += len(calls)
+            return out
         if self.choice == "auto":
             end = self.parser.content_end(self.text)
             if end > self.sent and self.text[:end].strip():
@@ -228,10 +275,10 @@ class ToolStream:
         if self.choice not in ("required", "auto"):  # named: its call, even if the output was empty
             return ([] if self.head is not None else
                     [{"tool_calls": [{"index": 0, **call(self.choice, "")}]}]), reason
-        if self.choice == "required":
-            content, calls = (None, parse_required(self.text)) if reason == "stop" else (self.text, None)
-            if not calls:
-                content = self.text
+        if self.choice == "required":  # its calls went out as their items closed
+            if self.calls_sent:
+                return [], ("tool_calls" if reason == "stop" else reason)
+            return ([{"content": self.text}] if self.text else []), reason
         else:
             content, calls = self.parser.parse(self.text)
         out = []
