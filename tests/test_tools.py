@@ -428,3 +428,43 @@ def test_ruled_out_tokens_get_vllms_floor_not_infinity(tool_server):
         events = [strict(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
     streamed = [c for e in events for c in ((e["choices"][0]["logprobs"] or {}).get("content") or [])]
     assert streamed == content
+
+
+# ---- chat templates of the request's or the server's own ---------------------------------------------------------
+
+def test_chat_template_override_and_kwargs(tool_server, tmp_path):
+    """vLLM's `chat_template` (a request's own, or `eyas serve --chat-template FILE|TEMPLATE`) and
+    `chat_template_kwargs` (more variables): /tokenize and chat read the prompt they render; a broken template
+    or a variable the call sets itself is a 400 naming the field."""
+    import argparse
+
+    from eyas.serve.api_server import _chat_template, add_serve_parser
+    tok = tool_server.engine.tokenizer
+    own = "{% for m in messages %}<{{ m['role'] }}|{{ style }}>{{ m['content'] }}{% endfor %}>"
+    want = "<user|terse>weather?>"
+    assert tok.apply_chat_template(MSGS, chat_template=own, style="terse") == want
+    with pytest.raises(ValueError, match="set by the call itself"):
+        tok.apply_chat_template(MSGS, chat_template=own, bos_token="x")
+    body = {"messages": MSGS, "chat_template": own, "chat_template_kwargs": {"style": "terse"}}
+    r = httpx.post(tool_server.url + "/tokenize", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["tokens"] == tok.encode(want), r.text
+    out = tool_server.client().chat.completions.create(
+        model="mirror", messages=MSGS, max_tokens=2, temperature=0,
+        extra_body={"chat_template": own, "chat_template_kwargs": {"style": "terse"}})
+    assert out.usage.prompt_tokens == len(tok.encode(want))
+    for extra, param in (({"chat_template": "{% for m in messages %}"}, "chat_template"),
+                         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": "x"}, "chat_template_kwargs")):
+        r = httpx.post(tool_server.url + "/v1/chat/completions", json={"model": "mirror", "messages": MSGS, **extra},
+                       timeout=60)
+        assert r.status_code in (400, 422) and r.json()["error"]["param"] == param, (extra, r.text)
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    file = tmp_path / "t.jinja"
+    file.write_text(own)
+    assert _chat_template(parser.parse_args(["serve", "--chat-template", str(file)])) == own
+    assert _chat_template(parser.parse_args(["serve", "--chat-template", own])) == own
+    assert _chat_template(parser.parse_args(["serve"])) is None
+    for bad, words in ((str(tmp_path / "missing.jinja"), "no such file"), ("{% if %}", "not a valid Jinja")):
+        with pytest.raises(ValueError, match=words):
+            _chat_template(parser.parse_args(["serve", "--chat-template", bad]))

@@ -124,16 +124,18 @@ class LLM:
                 for s in seqs]
 
     def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool = False,
-             continue_final_message: bool = False, tools: list[dict] | None = None):
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None):
         """One conversation (a list of {"role", "content"}) or a list of conversations. `continue_final_message`:
         the model goes on writing the last message (an assistant reply begun by the caller) instead of answering
-        it; `tools`: OpenAI's tool definitions, for the chat template (`Tokenizer.apply_chat_template`)."""
+        it; `tools`: OpenAI's tool definitions, for the chat template; `chat_template`: a Jinja template in place of
+        the model's; `chat_template_kwargs`: more variables for it (`Tokenizer.apply_chat_template`)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else messages
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(
             c, add_generation_prompt=not continue_final_message, continue_final_message=continue_final_message,
-            tools=tools))
+            tools=tools, chat_template=chat_template, **(chat_template_kwargs or {})))
             for c in convs]
         return self.generate(prompts, params, use_tqdm=use_tqdm)

@@ -79,22 +79,31 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "bos_token", "eos_token")
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
+                            continue_final_message: bool = False, tools: list[dict] | None = None,
+                            chat_template: str | None = None, **kwargs) -> str:
         """The conversation as the model reads it. `continue_final_message` (HF's and vLLM's): the text ends with
         the last message's content, left open (what the template would close it with is cut), so that the model
         goes on writing it: an assistant reply begun by the caller. It excludes `add_generation_prompt`. `tools`:
         OpenAI's tool definitions (`{"type": "function", "function": {...}}`), the template's `tools` variable as
-        HF passes it (a template that does not read it ignores them)."""
-        if not self.chat_template:
-            raise ValueError("this model has no chat template: use generate() with a plain prompt")
+        HF passes it (a template that does not read it ignores them). `chat_template`: a Jinja template to use in
+        place of the model's; `kwargs`: more variables for the template (vLLM's `chat_template_kwargs`, e.g.
+        `enable_thinking`), other than the ones this call sets."""
+        template = chat_template or self.chat_template
+        if not template:
+            raise ValueError("this model has no chat template: use generate() with a plain prompt, or give one")
+        taken = sorted(set(kwargs) & set(self.TEMPLATE_VARIABLES))
+        if taken:
+            raise ValueError(f"chat template variables {taken} are set by the call itself")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"each chat message needs 'role' and 'content', got {m!r}")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt exclude each other")
-        text = _compile(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+        text = compile_template(template).render(
+            **kwargs, messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         if continue_final_message:
             final = (messages[-1]["content"] if messages else "") or ""
@@ -161,7 +170,7 @@ class Tokenizer:
 _templates: dict[str, jinja2.Template] = {}
 
 
-def _compile(source: str) -> jinja2.Template:
+def compile_template(source: str) -> jinja2.Template:
     if source not in _templates:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])

@@ -225,8 +225,9 @@ class Server:
     """Holds the engine loop and the metrics; the handlers of `create_app` call it."""
 
     def __init__(self, llm, served_model_name: str, max_queue: int, aliases: tuple[str, ...] = (),
-                 tool_parser: str | None = None):
+                 tool_parser: str | None = None, chat_template: str | None = None):
         self.engine = engine = getattr(llm, "engine", llm)  # an LLM or an LLMEngine
+        self.chat_template = chat_template  # in place of the model's (`eyas serve --chat-template`)
         self.tool_parser = None if tool_parser is None else make_parser(tool_parser)  # reads "auto" tool calls
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
@@ -290,15 +291,22 @@ class Server:
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer, so no chat template: use /v1/completions with token ids",
                            param="messages")
+        template = req.chat_template or self.chat_template
+        if template is None and not self.tokenizer.chat_template:
+            raise APIError("this model has no chat template: start the server with --chat-template, give "
+                           "chat_template, or use /v1/completions", param="messages")
         if req.continue_final_message and req.add_generation_prompt:
             raise APIError("continue_final_message needs add_generation_prompt: false", param="continue_final_message")
         messages = [m.template_dict() for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                      continue_final_message=req.continue_final_message, tools=tools)
-        except (ValueError, jinja2.TemplateError) as e:
-            raise APIError(f"could not apply the chat template: {e}", param="messages") from None
+                                                      continue_final_message=req.continue_final_message, tools=tools,
+                                                      chat_template=template, **(req.chat_template_kwargs or {}))
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            param = "chat_template" if req.chat_template else (
+                "chat_template_kwargs" if req.chat_template_kwargs else "messages")
+            raise APIError(f"could not apply the chat template: {e}", param=param) from None
 
     def fit(self, ids: list[int], max_tokens: int | None, param: str, max_param: str) -> int:
         """The output budget of one prompt: max_tokens, or the rest of the context when None."""
@@ -376,10 +384,12 @@ class Server:
 
 
 def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
-               aliases: tuple[str, ...] = (), tool_parser: str | None = None) -> FastAPI:
+               aliases: tuple[str, ...] = (), tool_parser: str | None = None,
+               chat_template: str | None = None) -> FastAPI:
     """`llm`: an `eyas.LLM` (or an `LLMEngine`). The engine thread starts and stops with the app's lifespan.
-    `tool_parser`: how "auto" tool calls are read from the text (`eyas.serve.tools.PARSERS`); None refuses them."""
-    server = Server(llm, served_model_name or "smollm2", max_queue, aliases, tool_parser)
+    `tool_parser`: how "auto" tool calls are read from the text (`eyas.serve.tools.PARSERS`); None refuses them.
+    `chat_template`: a Jinja template in place of the model's (a request's own `chat_template` goes first)."""
+    server = Server(llm, served_model_name or "smollm2", max_queue, aliases, tool_parser, chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -745,6 +755,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefill-process", action="store_true",
                    help="with --disaggregate: the prefill engine in a process of its own, not on a thread of the "
                         "server's (eyas.engine.prefill_process)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template in place of the model's: a file, or the template itself (vLLM's)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto" (the default with tools): the model\'s text is read back for tool calls '
                         "by --tool-call-parser (eyas.serve.tools); without it only 'none', 'required' and named "
@@ -818,9 +830,30 @@ def _tp_serve(rank: int, world_size: int, device, args) -> None:
         signal.signal(sig, lambda *_: None)
     try:
         _serve_app(create_app(engine, args.served_model_name or args.model, max_queue=args.max_queue,
-                              tool_parser=_tool_parser(args)), engine, args)
+                              tool_parser=_tool_parser(args), chat_template=_chat_template(args)), engine, args)
     finally:
         engine.close()  # the server has stopped (its engine loop too): release the other ranks
+
+
+def _chat_template(args) -> str | None:
+    """--chat-template: a file's text, or the value itself where no such file exists (vLLM reads it so); its Jinja
+    is checked now, so a broken one stops the server before it loads anything."""
+    value = getattr(args, "chat_template", None)
+    if value is None:
+        return None
+    from pathlib import Path
+    try:
+        text = Path(value).read_text() if len(value) < 4096 and Path(value).is_file() else value
+    except OSError as e:
+        raise ValueError(f"--chat-template {value}: {e}") from None
+    if text is value and "{" not in value:
+        raise ValueError(f"--chat-template {value}: no such file, and no Jinja in it to read as a template")
+    from eyas.loader.tokenizer import compile_template
+    try:
+        compile_template(text)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"--chat-template: not a valid Jinja template: {e}") from None
+    return text
 
 
 def _tool_parser(args) -> str | None:
@@ -831,6 +864,7 @@ def _tool_parser(args) -> str | None:
 def run_serve(args) -> int:
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    _chat_template(args)  # a missing file or broken template fails now, before the model loads
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
                          f"({' or '.join(sorted(PARSERS))})")
@@ -854,7 +888,7 @@ def run_serve(args) -> int:
     llm = build_llm(args)
     _capture_graphs(llm.engine, args.max_num_seqs)
     _serve_app(create_app(llm, args.served_model_name or args.model, max_queue=args.max_queue,
-                          tool_parser=_tool_parser(args)), llm.engine, args)
+                          tool_parser=_tool_parser(args), chat_template=_chat_template(args)), llm.engine, args)
     return 0
 
 

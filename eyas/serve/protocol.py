@@ -161,6 +161,8 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict | None = None
     add_generation_prompt: StrictBool = True  # vLLM's extensions: the template's opening of the reply, or
     continue_final_message: StrictBool = False  # the last message left open for the model to go on with
+    chat_template: str | None = None  # vLLM's: a Jinja template in place of the server's
+    chat_template_kwargs: dict | None = None  # vLLM's: more variables for the template
 
 
 class TokenizeRequest(_Request):
@@ -171,6 +173,8 @@ class TokenizeRequest(_Request):
     tools: list[Tool] | None = None  # messages only: the chat template's tools
     add_generation_prompt: StrictBool = True  # messages only
     continue_final_message: StrictBool = False  # messages only (as /v1/chat/completions)
+    chat_template: str | None = None  # messages only (as /v1/chat/completions)
+    chat_template_kwargs: dict | None = None
     return_token_strs: StrictBool = False
 
 
