@@ -89,6 +89,15 @@ def run_cases(rank: int, world: int, dirs: dict, device="cpu") -> dict:
     for spec in (None, "chain:3"):
         res[f"{spec}/sampled"], _ = _generate(target, tok, draft if spec else None, spec, rank, world, sampled,
                                               prompts(V))
+    # penalties, logit_bias, allowed_token_ids, min_tokens and log-probabilities: every rank keeps its own penalty
+    # rows over the whole (gathered) vocabulary, made and counted alike
+    extras = [SamplingParams(max_tokens=20, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=0.4,
+                             logprobs=3),
+              SamplingParams(max_tokens=20, ignore_eos=True, logit_bias={3: 4.0, 5: -100.0}, min_tokens=6,
+                             stop_token_ids=[7]),
+              SamplingParams(max_tokens=20, ignore_eos=True, allowed_token_ids=[2, 9, 11, 17], presence_penalty=1.0),
+              SamplingParams(temperature=1.0, seed=9, max_tokens=20, ignore_eos=True, repetition_penalty=1.3)]
+    res["tree:8/extras_greedy"], _ = _generate(target, tok, draft, "tree:8", rank, world, extras, prompts(V))
     # guided decoding: every rank keeps its own grammar states, fed the same committed tokens, so its masks agree
     gt, gtok, gd = load_sharded(dirs["guided_target"], rank, world, device, "float32", dirs["guided_draft"])
     guides = [GuidedDecoding(regex=r"(yes|no), [0-9]{1,3}!"), GuidedDecoding(json_object=True),
@@ -181,6 +190,14 @@ def test_guided_decoding_equals_tp1(ranks, oracle):
     """Greedy and seeded guided outputs (regex, JSON object, choice) at TP = 2 equal TP = 1's."""
     assert all(r["tree:8/guided"] == oracle["tree:8/guided"] for r in ranks)
     assert any(len(t) > 3 for t in oracle["tree:8/guided"])
+
+
+def test_penalties_and_logprobs_equal_tp1(ranks, oracle):
+    """Requests with penalties, logit_bias, allowed_token_ids, min_tokens or log-probabilities (greedy and seeded)
+    at TP = 2 commit TP = 1's tokens, on every rank; the oracle's are not the free outputs (the extras acted)."""
+    toks = oracle["tree:8/extras_greedy"]
+    assert all(r["tree:8/extras_greedy"] == toks for r in ranks)
+    assert set(toks[2]) <= {2, 9, 11, 17} and 5 not in toks[1] and toks[0] != oracle["tree:8/greedy"][0]
 
 
 def test_sharded_draft_equals_tp1(ranks, oracle):
