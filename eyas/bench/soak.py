@@ -4,8 +4,9 @@ leaks a KV block; under tensor parallelism (`--tensor-parallel N`) also that the
 Rank 0 (the only rank that takes requests, `eyas.dist.TPEngine`) admits requests at random: bursts (`--burst-rate`
 requests/s for 2-10 s) and quiet spells (`--quiet-rate` for 5-20 s), with at most 2 x `--max-batch` requests queued
 or running, so the running batch moves through every size up to `--max-batch` and back to 1, and a tree dispatcher
-picks a different speculation per batch size. Requests mix greedy and sampled decoding (temperature, top-k, top-p), prompt
-lengths and output lengths; a few are aborted while running, and a few are refused (too long). Acceptance is real
+picks a different speculation per batch size. Requests mix greedy and sampled decoding (temperature, top-k, top-p),
+prompt lengths and output lengths, and one in four asks for extras (log-probabilities, penalties, a logit bias,
+allowed tokens, min_tokens); a few are aborted while running, and a few are refused (too long). Acceptance is real
 for a checkpoint and its draft, and simulated for random-weight shapes (`--accept-ranks`/`--accept-rates`), so the
 number of tokens accepted per step varies as it would with a real draft (the case where ranks that disagreed would
 deadlock, SGLang issue 31071). With `TPEngine(check=True)` every step all-gathers each rank's outputs and raises if
@@ -41,12 +42,34 @@ def _request(rng: random.Random, vocab: int, max_len: int, max_prompt: int, max_
     else:
         n = int(min(max_prompt, max(1, rng.lognormvariate(4.5, 1.2))))
     prompt = [rng.randrange(10, vocab) for _ in range(n)]
+    m = rng.randint(1, max_tokens)
     if rng.random() < 0.5:
-        params = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, max_tokens), ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, **_extras(rng, vocab, m))
     else:
         params = SamplingParams(temperature=rng.choice([0.6, 1.0]), top_p=rng.choice([1.0, 0.9]),
-                                top_k=rng.choice([0, 50]), max_tokens=rng.randint(1, max_tokens), ignore_eos=True)
+                                top_k=rng.choice([0, 50]), max_tokens=m, ignore_eos=True, **_extras(rng, vocab, m))
     return prompt, params
+
+
+def _extras(rng: random.Random, vocab: int, max_tokens: int) -> dict:
+    """One request in four asks for extras (log-probabilities, penalties, a logit bias, allowed tokens,
+    min_tokens), so the batch keeps changing between the steps' kinds (`GraphedStep.launch_extras`) and the penalty
+    rows move between slots."""
+    if rng.random() >= 0.25:
+        return {}
+    kinds = rng.sample(["logprobs", "penalties", "bias", "allowed", "min_tokens"], rng.randint(1, 3))
+    extras = {}
+    if "logprobs" in kinds:
+        extras["logprobs"] = rng.choice([0, 2, 5])
+    if "penalties" in kinds:
+        extras.update(repetition_penalty=rng.choice([1.1, 1.5]), frequency_penalty=rng.choice([0.0, 0.5]))
+    if "bias" in kinds:
+        extras["logit_bias"] = {rng.randrange(vocab): rng.choice([-100.0, 5.0]) for _ in range(3)}
+    if "allowed" in kinds:
+        extras["allowed_token_ids"] = rng.sample(range(vocab), 8)
+    if "min_tokens" in kinds:
+        extras.update(min_tokens=rng.randint(0, max_tokens), stop_token_ids=[rng.randrange(vocab)])
+    return extras
 
 
 def soak_rank(rank: int, world_size: int, device, args, accept) -> None:
