@@ -1037,6 +1037,42 @@ def test_text_chunk_events_equal_the_whole_encoding(text, model, chat, usage):
     assert made(text) == build(text) and (made.head is None) == ("\ue000" in model)
 
 
+def test_api_key(tiny_dir, monkeypatch):
+    """`eyas serve --api-key KEY` (or $EYAS_API_KEY): every endpoint but /health, /metrics and /version wants
+    `Authorization: Bearer KEY`; a missing or wrong key is OpenAI's 401 (the openai client raises its
+    AuthenticationError), the right one is served."""
+    import argparse
+
+    from eyas.serve.api_server import _api_key
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32", num_blocks=32)
+    server = LiveServer(create_app(llm, "tiny", api_key="s3cret"))
+    try:
+        body = _tiny_body(max_tokens=2)
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            for path in ("/v1/completions", "/v1/models", "/tokenize", "/reset_prefix_cache"):
+                r = httpx.post(server.url + path, json=body, headers=headers, timeout=60) if path != "/v1/models" \
+                    else httpx.get(server.url + path, headers=headers, timeout=60)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
+        for path in ("/health", "/metrics", "/version"):
+            assert httpx.get(server.url + path, timeout=60).status_code == 200, path
+        r = httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"},
+                       timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+        with pytest.raises(openai.AuthenticationError):
+            server.client().completions.create(model="tiny", prompt=[1, 2], max_tokens=1)
+        ok = openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret", max_retries=0, timeout=60)
+        assert ok.completions.create(model="tiny", prompt=[1, 2], max_tokens=1).usage.completion_tokens == 1
+    finally:
+        server.close()
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    monkeypatch.delenv("EYAS_API_KEY", raising=False)
+    assert _api_key(parser.parse_args(["serve"])) is None
+    assert _api_key(parser.parse_args(["serve", "--api-key", "k"])) == "k"
+    monkeypatch.setenv("EYAS_API_KEY", "e")
+    assert _api_key(parser.parse_args(["serve"])) == "e"
+
+
 def test_serve_command_line(tiny_dir):
     import argparse
     parser = argparse.ArgumentParser()

@@ -383,12 +383,16 @@ class Server:
             self.async_engine.abort(ids)  # no-op for the finished ones
 
 
+OPEN_PATHS = ("/health", "/metrics", "/version")  # answered without the API key (probes and scrapers)
+
+
 def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
                aliases: tuple[str, ...] = (), tool_parser: str | None = None,
-               chat_template: str | None = None) -> FastAPI:
+               chat_template: str | None = None, api_key: str | None = None) -> FastAPI:
     """`llm`: an `eyas.LLM` (or an `LLMEngine`). The engine thread starts and stops with the app's lifespan.
     `tool_parser`: how "auto" tool calls are read from the text (`eyas.serve.tools.PARSERS`); None refuses them.
-    `chat_template`: a Jinja template in place of the model's (a request's own `chat_template` goes first)."""
+    `chat_template`: a Jinja template in place of the model's (a request's own `chat_template` goes first).
+    `api_key`: when set, every endpoint but `OPEN_PATHS` wants `Authorization: Bearer <api_key>` (401 otherwise)."""
     server = Server(llm, served_model_name or "smollm2", max_queue, aliases, tool_parser, chat_template)
 
     @contextlib.asynccontextmanager
@@ -401,6 +405,18 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
 
     app = FastAPI(title="eyas", description="OpenAI-compatible server of eyas", lifespan=lifespan)
     app.state.server = server
+
+    if api_key:
+        import secrets
+        want = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def _authorize(request: Request, call_next):
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path in OPEN_PATHS or secrets.compare_digest(given, want):
+                return await call_next(request)
+            return error_response("Incorrect or missing API key: send 'Authorization: Bearer <key>' with the key the "
+                                  "server was started with (--api-key)", 401, code="invalid_api_key")
 
     # ---- errors ---------------------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -755,6 +771,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefill-process", action="store_true",
                    help="with --disaggregate: the prefill engine in a process of its own, not on a thread of the "
                         "server's (eyas.engine.prefill_process)")
+    p.add_argument("--api-key", default=None,
+                   help="every endpoint but /health, /metrics and /version wants 'Authorization: Bearer KEY' "
+                        "(default: $EYAS_API_KEY; none: no key asked for)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template in place of the model's: a file, or the template itself (vLLM's)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -830,7 +849,8 @@ def _tp_serve(rank: int, world_size: int, device, args) -> None:
         signal.signal(sig, lambda *_: None)
     try:
         _serve_app(create_app(engine, args.served_model_name or args.model, max_queue=args.max_queue,
-                              tool_parser=_tool_parser(args), chat_template=_chat_template(args)), engine, args)
+                              tool_parser=_tool_parser(args), chat_template=_chat_template(args),
+                              api_key=_api_key(args)), engine, args)
     finally:
         engine.close()  # the server has stopped (its engine loop too): release the other ranks
 
@@ -854,6 +874,12 @@ def _chat_template(args) -> str | None:
     except jinja2.TemplateError as e:
         raise ValueError(f"--chat-template: not a valid Jinja template: {e}") from None
     return text
+
+
+def _api_key(args) -> str | None:
+    """--api-key, else $EYAS_API_KEY (vLLM reads VLLM_API_KEY so); None or empty: no key is asked for."""
+    import os
+    return getattr(args, "api_key", None) or os.environ.get("EYAS_API_KEY") or None
 
 
 def _tool_parser(args) -> str | None:
@@ -888,7 +914,8 @@ def run_serve(args) -> int:
     llm = build_llm(args)
     _capture_graphs(llm.engine, args.max_num_seqs)
     _serve_app(create_app(llm, args.served_model_name or args.model, max_queue=args.max_queue,
-                          tool_parser=_tool_parser(args), chat_template=_chat_template(args)), llm.engine, args)
+                          tool_parser=_tool_parser(args), chat_template=_chat_template(args), api_key=_api_key(args)),
+               llm.engine, args)
     return 0
 
 
