@@ -738,6 +738,28 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(tiny):
     r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=2, prompt=prompt, echo=True), timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
     assert r.json()["choices"][0]["text"].startswith("".join(names))
+    # vLLM's prompt_logprobs (here 3, beside echo's 1): per prompt token {id: {logprob, rank, decoded_token}}, the
+    # token and the 3 likeliest, a dense forward's; echo then lists as many alternatives (vLLM's precedence)
+    r = httpx.post(tiny.url + "/v1/completions", json={**body, "prompt_logprobs": 3}, timeout=60)
+    assert r.status_code == 200, r.text
+    pl = r.json()["choices"][0]["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(prompt)
+    for j in range(1, len(prompt)):
+        row = ref[j - 1]
+        vals, idx = row.topk(3)
+        want = {str(i): (v, k + 1) for k, (i, v) in enumerate(zip(idx.tolist(), vals.tolist()))}
+        want[str(prompt[j])] = (row[prompt[j]].item(), int((row > row[prompt[j]]).sum()) + 1)
+        assert set(pl[j]) == set(want)
+        for t, (v, rank) in want.items():
+            assert pl[j][t]["logprob"] == pytest.approx(v, abs=1e-5) and pl[j][t]["rank"] == rank
+            assert pl[j][t]["decoded_token"] == f"token_id:{t}"
+    assert all(len(top) in (3, 4) for top in r.json()["choices"][0]["logprobs"]["top_logprobs"][1:-1])
+    r = httpx.post(tiny.url + "/v1/completions", json={**body, "echo": False, "prompt_logprobs": 1}, timeout=60)
+    assert r.json()["choices"][0]["prompt_logprobs"][1:] == [{k: v for k, v in d.items() if v["rank"] == 1 or k in (
+        str(prompt[j]),)} for j, d in enumerate(pl[1:], 1)]  # the same entries, fewer alternatives, without echo
+    for extra in ({"prompt_logprobs": 21}, {"prompt_logprobs": 1, "stream": True}):
+        r = httpx.post(tiny.url + "/v1/completions", json={**body, **extra}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
     for extra, whole in (({}, choice), ({"max_tokens": 0}, only["choices"][0])):  # streamed: the same, the
         with httpx.stream("POST", tiny.url + "/v1/completions", json={**body, **extra, "stream": True,  # prompt first
                                                                      "stream_options": {"include_usage": True}},

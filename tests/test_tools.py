@@ -468,3 +468,25 @@ def test_chat_template_override_and_kwargs(tool_server, tmp_path):
     for bad, words in ((str(tmp_path / "missing.jinja"), "no such file"), ("{% if %}", "not a valid Jinja")):
         with pytest.raises(ValueError, match=words):
             _chat_template(parser.parse_args(["serve", "--chat-template", bad]))
+
+
+def test_chat_prompt_logprobs(tool_server):
+    """vLLM's `prompt_logprobs` on chat: the reply's top-level field holds, per token of the templated prompt, the
+    token's and the k likeliest log-probabilities and ranks, a dense forward's."""
+    import torch
+    tok, target = tool_server.engine.tokenizer, tool_server.engine.target
+    ids = tok.encode(tok.apply_chat_template(MSGS))
+    r = httpx.post(tool_server.url + "/v1/chat/completions", timeout=60,
+                   json={"model": "mirror", "messages": MSGS, "max_tokens": 2, "prompt_logprobs": 2, "n": 2})
+    assert r.status_code == 200, r.text
+    pl = r.json()["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(ids) and "prompt_logprobs" not in r.json()["choices"][0]
+    with torch.no_grad():
+        ref = torch.log_softmax(target.compute_logits(target(torch.tensor([ids]), torch.arange(len(ids))[None]))[0]
+                                .float(), -1)
+    for j in range(1, len(ids)):
+        row, t = ref[j - 1], ids[j]
+        got = pl[j][str(t)]
+        assert got["logprob"] == pytest.approx(row[t].item(), abs=1e-4) and got["rank"] == int((row > row[t]).sum()) + 1
+        assert got["decoded_token"] == tok.decode([t], skip_special_tokens=False)
+        assert {int(k) for k, v in pl[j].items() if v["rank"] <= 2} >= set(row.topk(2).indices.tolist())

@@ -324,7 +324,7 @@ class ModelRunner:
         the output's), from the target's raw logits, appended to `seq.prompt_logprobs`. Positions whose entries a
         sequence has (a prompt prefilled again after a preemption) are skipped. At most `rows_at_once` positions'
         logits at a time."""
-        from eyas.layers.logprobs import entries, token_logprobs
+        from eyas.layers.logprobs import entries, token_logprobs, token_ranks
         for i, (s, c) in enumerate(zip(seqs, chunk_lens)):
             k = s.params.prompt_logprobs
             if k is None:
@@ -336,7 +336,7 @@ class ModelRunner:
                 logits = self.target.compute_logits(hidden[i, a - s.num_cached: b - s.num_cached])
                 nxt = torch.tensor(s.token_ids[a + 1: b + 1], device=logits.device)
                 lp = [t.cpu() for t in token_logprobs(logits, nxt, k)]
-                s.prompt_logprobs += entries(*lp, b - a)
+                s.prompt_logprobs += entries(*lp, b - a, token_ranks(logits, nxt).cpu())
 
     def _draft_prefill(self, seqs, chunk_lens, hidden, meta) -> None:
         """The draft reads the pairs (x_{t+1}, h_t) whose both halves this chunk made known: all but the chunk's last

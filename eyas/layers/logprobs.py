@@ -15,9 +15,11 @@ import torch
 
 @dataclass
 class TokenLogprobs:
-    """One output token's entry: its log-probability and the k likeliest (token id, log-probability), best first."""
+    """One output token's entry: its log-probability and the k likeliest (token id, log-probability), best first;
+    a prompt token's also its rank (1: the likeliest; vLLM's `prompt_logprobs` report it)."""
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -30,7 +32,16 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[
     return chosen, top_lp, top_ids
 
 
-def entries(chosen: torch.Tensor, top_lp: torch.Tensor, top_ids: torch.Tensor, n: int) -> list[TokenLogprobs]:
-    """The first n entries of one sequence's rows (host tensors [P], [P, k], [P, k])."""
+def token_ranks(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """logits [..., V], tokens [...] -> each token's rank [...] among its row's logits (1: the likeliest; ties
+    count for the token, as vLLM counts them)."""
+    chosen = logits.gather(-1, tokens.long().unsqueeze(-1))
+    return (logits > chosen).sum(-1) + 1
+
+
+def entries(chosen: torch.Tensor, top_lp: torch.Tensor, top_ids: torch.Tensor, n: int,
+            ranks: torch.Tensor | None = None) -> list[TokenLogprobs]:
+    """The first n entries of one sequence's rows (host tensors [P], [P, k], [P, k], and ranks [P])."""
     c, tl, ti = chosen[:n].tolist(), top_lp[:n].tolist(), top_ids[:n].tolist()
-    return [TokenLogprobs(c[j], list(zip(ti[j], tl[j]))) for j in range(n)]
+    r = ranks[:n].tolist() if ranks is not None else [None] * n
+    return [TokenLogprobs(c[j], list(zip(ti[j], tl[j])), r[j]) for j in range(n)]

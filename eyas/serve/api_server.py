@@ -30,7 +30,7 @@ from eyas.engine.detokenizer import TextStream
 from eyas.loader.resolve import resolve_draft_arg
 from eyas.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 from eyas.serve.async_engine import AsyncEngine, EngineDead, EngineError, QueueFull
-from eyas.serve.logprobs import chat_logprobs, completion_logprobs
+from eyas.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from eyas.serve.metrics import CONTENT_TYPE, Metrics
 from eyas.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                  ModelList, TokenizeRequest, api_error_response, completion_id, error_response,
@@ -51,7 +51,7 @@ def _param_of(message: str) -> str | None:
     return word if word in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
                             "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                             "truncate_prompt_tokens", "skip_special_tokens", "min_tokens",
-                            "allowed_token_ids") else None
+                            "allowed_token_ids", "prompt_logprobs") else None
 
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -118,7 +118,8 @@ def _sampling_params(req, max_tokens: int | None, logprobs: int | None = None) -
             guided=_guided(req), logprobs=logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=_logit_bias(req), allowed_token_ids=req.allowed_token_ids)
+            logit_bias=_logit_bias(req), allowed_token_ids=req.allowed_token_ids,
+            prompt_logprobs=req.prompt_logprobs)
     except ValueError as e:
         raise APIError(str(e), param=_param_of(str(e))) from None
 
@@ -330,6 +331,9 @@ class Server:
         self.check_model(req.model)
         if not 1 <= req.n <= MAX_N:
             raise APIError(f"n must be an integer in [1, {MAX_N}], got {req.n}", param="n")
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError("prompt_logprobs is not supported with stream (completions' echo with logprobs streams "
+                           "the prompt's)", param="prompt_logprobs")
 
     # ---- submission -----------------------------------------------------------------------------------------
     async def submit(self, prefix: str, prompts: list[list[int]], budgets: list[int], base: SamplingParams,
@@ -529,8 +533,8 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         score_only = req.echo and req.max_tokens == 0
         asked = 1 if score_only else req.max_tokens
         base = _sampling_params(req, asked, req.logprobs)
-        if req.echo and req.logprobs is not None:  # the prompt's tokens get theirs too (lm-eval's loglikelihood)
-            base = dataclasses.replace(base, prompt_logprobs=req.logprobs)
+        if req.echo and req.logprobs is not None and base.prompt_logprobs is None:  # the prompt's tokens get theirs
+            base = dataclasses.replace(base, prompt_logprobs=req.logprobs)  # too (lm-eval's loglikelihood)
         await server.compile_guided(base.guided)
         max_tokens = 16 if asked is None else asked  # OpenAI's default for completions
         ids = [server.prompt_ids(x, "prompt", base.truncate_prompt_tokens) for x in prompts]
@@ -552,9 +556,13 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
             if score_only:
                 choices.append({"index": i, "text": echo[0], "finish_reason": "length",
                                 "logprobs": _logprobs(server, out, False, echo=echo, prompt_only=True)})
-                continue
-            choices.append({"index": i, "text": (echo[0] if echo else "") + out.text,
-                            "finish_reason": out.finish_reason, "logprobs": _logprobs(server, out, False, echo=echo)})
+            else:
+                choices.append({"index": i, "text": (echo[0] if echo else "") + out.text,
+                                "finish_reason": out.finish_reason,
+                                "logprobs": _logprobs(server, out, False, echo=echo)})
+            if req.prompt_logprobs is not None:  # vLLM's field, beside OpenAI's logprobs
+                choices[-1]["prompt_logprobs"] = prompt_logprobs(out.prompt_logprobs, ids[i // req.n],
+                                                                 server.token_text)
         completion_tokens = 0 if score_only else sum(len(o.token_ids) for o in finals.values())
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": req.model,
                 "choices": choices, "usage": make_usage(num_prompt, completion_tokens, _cached(finals, req.n))}
@@ -595,10 +603,13 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
                 message, finish = calls().message(out.text, finish)
             choices.append({"index": i, "message": message, "logprobs": _logprobs(server, out, True),
                             "finish_reason": finish})
-        return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
-                "choices": choices,
-                "usage": make_usage(len(ids), sum(len(o.token_ids) for o in finals.values()),
-                                    _cached(finals, req.n))}
+        reply = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
+                 "choices": choices,
+                 "usage": make_usage(len(ids), sum(len(o.token_ids) for o in finals.values()),
+                                     _cached(finals, req.n))}
+        if req.prompt_logprobs is not None:  # vLLM's: the prompt's, once (every choice reads the same prompt)
+            reply["prompt_logprobs"] = prompt_logprobs(finals[0].prompt_logprobs, ids, server.token_text)
+        return reply
 
     return app
 

@@ -40,6 +40,18 @@ def completion_logprobs(entries: list, token_ids: list[int], text_of: Callable[[
     return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
 
 
+def prompt_logprobs(entries: list, token_ids: list[int], text_of: Callable[[int], str]) -> list:
+    """vLLM's `prompt_logprobs` field: per prompt token, None for the first, then {token id (a string, as JSON keys
+    are): {"logprob", "rank", "decoded_token"}} for the token itself and the k likeliest in its place."""
+    out = [None]
+    for t, e in zip(token_ids[1:], entries):
+        d = {str(i): {"logprob": _finite(lp), "rank": j + 1, "decoded_token": text_of(i)} for j, (i, lp) in
+             enumerate(e.top)}
+        d[str(t)] = {"logprob": _finite(e.logprob), "rank": e.rank, "decoded_token": text_of(t)}
+        out.append(d)
+    return out
+
+
 def chat_logprobs(entries: list, token_ids: list[int], text_of: Callable[[int], str]) -> dict:
     def item(i: int, lp: float) -> dict:
         s = text_of(i)

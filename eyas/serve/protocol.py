@@ -80,6 +80,7 @@ class _SamplingFields(_Request):
     truncate_prompt_tokens: StrictInt | None = None  # vLLM's extension: the prompt's last k tokens only
     min_tokens: StrictInt | None = None  # vLLM's extension
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's extension: the output's tokens are drawn from these
+    prompt_logprobs: StrictInt | None = None  # vLLM's extension: each prompt token's, and the k likeliest in its place
     # guided decoding, vLLM's extensions (chat also takes OpenAI's response_format): at most one of them
     guided_json: dict | str | None = None
     guided_regex: str | None = None
