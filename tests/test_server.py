@@ -654,6 +654,19 @@ def test_token_id_prompts_and_usage(tiny):
     for path, body in (("/tokenize", {"prompt": "hello"}), ("/detokenize", {"tokens": [1, 2]})):
         r = httpx.post(tiny.url + path, json=body, timeout=60)
         assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
+    # vLLM's continuous_usage_stats (with include_usage): every chunk carries the usage so far, the last the whole
+    # (logprobs: a chunk per step, since a model without a tokenizer writes no text)
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    with httpx.stream("POST", tiny.url + "/v1/completions", timeout=60, json=_tiny_body(
+            max_tokens=6, prompt=[[1, 2, 3], [4, 5]], logprobs=0, stream=True, stream_options=opts)) as s:
+        events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    done = [e["usage"]["completion_tokens"] for e in events]
+    assert all(e["usage"]["prompt_tokens"] == 5 for e in events) and done == sorted(done) and done[-1] == 12
+    assert len(set(done)) > 2 and events[-1]["choices"] == []
+    with httpx.stream("POST", tiny.url + "/v1/completions", timeout=60, json=_tiny_body(
+            max_tokens=2, stream=True, stream_options={"continuous_usage_stats": True})) as s:
+        events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    assert events and not any("usage" in e for e in events)  # without include_usage: none (vLLM's rule)
     tiny.wait_idle()
 
 

@@ -490,3 +490,16 @@ def test_chat_prompt_logprobs(tool_server):
         assert got["logprob"] == pytest.approx(row[t].item(), abs=1e-4) and got["rank"] == int((row > row[t]).sum()) + 1
         assert got["decoded_token"] == tok.decode([t], skip_special_tokens=False)
         assert {int(k) for k, v in pl[j].items() if v["rank"] <= 2} >= set(row.topk(2).indices.tolist())
+
+
+def test_continuous_usage_on_text_chunks(tool_server):
+    """vLLM's `continuous_usage_stats` on a chat stream of text: each text chunk carries the usage so far (the text
+    chunks' fast path, `_TextChunk`, is bypassed for it), growing to the last chunk's whole."""
+    with httpx.stream("POST", tool_server.url + "/v1/chat/completions", timeout=60, json={
+            "model": "mirror", "messages": MSGS, "max_tokens": 12, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as s:
+        events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    text = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]
+    done = [e["usage"]["completion_tokens"] for e in events]
+    assert len(text) > 2 and all(e["usage"] is not None for e in events)
+    assert done == sorted(done) and done[-1] == 12 and len(set(done)) > 2

@@ -546,7 +546,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         echoes = [(x if isinstance(x, str) else _decode(server, x), y) for x, y in zip(prompts, ids)
                   for _ in range(req.n)] if req.echo else None
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            include_usage = _usage_mode(req)
             return _stream(server, queue, rids, cid, req.model, "text_completion", num_prompt, include_usage,
                            base.stop, req.n, echoes=echoes, score_only=score_only)
         finals = await server.collect(request, queue, rids)
@@ -591,7 +591,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         queue, rids = await server.submit(cid, [ids], [budget], base, req.n, arrival)
         calls = None if tool_choice == "none" else lambda: ToolStream(tool_choice, server.tool_parser)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            include_usage = _usage_mode(req)
             return _stream(server, queue, rids, cid, req.model, "chat.completion.chunk", len(ids), include_usage,
                            base.stop, req.n, calls)
         finals = await server.collect(request, queue, rids)
@@ -647,11 +647,20 @@ def _cached(outs: dict, n: int) -> int:
     return sum(o.num_cached_tokens for i, o in outs.items() if i % n == 0)
 
 
+def _usage_mode(req) -> bool | str:
+    """A stream's usage: False; True (`stream_options.include_usage`: a last chunk with it, the others `null`);
+    "continuous" (vLLM's `continuous_usage_stats` beside it: every chunk with the usage so far)."""
+    opts = req.stream_options
+    if not (opts and opts.include_usage):
+        return False
+    return "continuous" if opts.continuous_usage_stats else True
+
+
 def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: str, num_prompt: int,
-            include_usage: bool, stops: list[str], per_prompt: int, calls=None, echoes=None,
+            include_usage: bool | str, stops: list[str], per_prompt: int, calls=None, echoes=None,
             score_only: bool = False) -> StreamingResponse:
-    """SSE: one chunk per new text of a choice, a finish chunk per choice, the usage chunk when asked for, then
-    `data: [DONE]`. A client that goes away cancels this generator: its requests are aborted (KV blocks freed).
+    """SSE: one chunk per new text of a choice, a finish chunk per choice, the usage chunk when asked for (every
+    chunk with the usage so far where `include_usage` is "continuous": `_usage_mode`), then `data: [DONE]`. A client that goes away cancels this generator: its requests are aborted (KV blocks freed).
     `per_prompt`: the choices of each prompt (the request's n). `calls` (chat with a tool choice): makes each
     choice's `ToolStream`, which turns its text into content and tool-call deltas. `echoes` (completions' echo):
     each choice's (prompt text, prompt ids), sent first, with the prompt's log-probabilities where asked;
@@ -659,11 +668,14 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
     created = int(time.time())
     chat = obj == "chat.completion.chunk"
     n = len(rids)
+    continuous = include_usage == "continuous"
+    completion_tokens = [0] * n  # each choice's so far
 
     def chunk(choices, usage=None):
         c = {"id": cid, "object": obj, "created": created, "model": model, "choices": choices}
         if include_usage:
-            c["usage"] = usage
+            c["usage"] = usage if usage is not None or not continuous else make_usage(num_prompt,
+                                                                                    sum(completion_tokens))
         return _sse(c)
 
     def choice(i, text=None, finish=None, role=False, logprobs=None, delta=None):
@@ -681,7 +693,6 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
     async def events():
         texts = [TextStream(stops) for _ in range(n)]
         tools = [calls() for _ in range(n)] if calls is not None else None
-        completion_tokens = [0] * n
         cached: dict[int, object] = {}
         offsets = [0] * n  # /v1/completions' logprobs: text_offset of each choice's next token
         echoed: set[int] = set()
@@ -723,7 +734,7 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
                             offsets[i] += sum(len(t) for t in lp["tokens"])
                         yield chunk([choice(i, delta, logprobs=lp)])
                 elif delta:
-                    yield text_chunks[i](delta)
+                    yield chunk([choice(i, delta)]) if continuous else text_chunks[i](delta)
                 if out.finished:
                     yield chunk([choice(i, None if chat else "", finish=out.finish_reason)])
             if include_usage:

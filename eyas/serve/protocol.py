@@ -53,6 +53,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class _SamplingFields(_Request):
