@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from diag_rows import emit, save  # noqa: E402
+from diag_rows import emit, median_ms, random_seqs, save  # noqa: E402
 
 
 def main() -> None:
@@ -42,26 +39,12 @@ def main() -> None:
     L, M = args.nodes, args.nodes - 1
     rows = []
     for B in [int(b) for b in args.batch_sizes.split(",")]:
-        seqs = []
-        for i in range(B):
-            out = [rng.randrange(args.vocab) for _ in range(300)]
-            seqs.append(SimpleNamespace(slot=i, request_id=str(i), params=params, output_ids=out, stop_ids=frozenset(),
-                                        token_ids=[rng.randrange(args.vocab) for _ in range(1300)] + out))
-        pen = Penalties.of(seqs, args.vocab, dev)
+        pen = Penalties.of(random_seqs(rng, B, 1300, 300, args.vocab, params), args.vocab, dev)
         logits = torch.randn(B, L, args.vocab, generator=g).to(dev)
         tokens = torch.randint(0, args.vocab, (B, M), generator=g).to(dev)
         on_path = (torch.rand(L, M, generator=g) < 0.2).to(dev)
-        times = []
-        for _ in range(args.repeat):
-            x = logits.clone()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            pen.apply_to_nodes(x, tokens, on_path)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        emit(rows, dict(batch=B, nodes=L, ms=round(1e3 * statistics.median(times), 2)))
+        ms = median_ms(lambda x: pen.apply_to_nodes(x, tokens, on_path), args.repeat, dev, setup=logits.clone)
+        emit(rows, dict(batch=B, nodes=L, ms=round(ms, 2)))
     save(args.out, args, rows, device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu")
 
 

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from diag_rows import emit, save  # noqa: E402
+from diag_rows import emit, median_ms, random_seqs, save  # noqa: E402
 
 
 def main() -> None:
@@ -41,30 +38,14 @@ def main() -> None:
     rng = random.Random(0)
     params = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.3)
 
-    def timed(fn) -> float:
-        times = []
-        for _ in range(args.repeat):
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(times)
-
     rows = []
     for B in [int(b) for b in args.batch_sizes.split(",")]:
-        seqs = []
-        for i in range(B):
-            out = [rng.randrange(args.vocab) for _ in range(args.output)]
-            seqs.append(SimpleNamespace(slot=i, request_id=str(i), params=params, output_ids=out,
-                                        token_ids=[rng.randrange(args.vocab) for _ in range(args.prompt)] + out))
+        seqs = random_seqs(rng, B, args.prompt, args.output, args.vocab, params)
         state = PenaltyState(B, args.vocab, dev)
         slots = torch.arange(B, device=dev)
         state.penalties(seqs, slots)  # the rows made once
-        of_ms = timed(lambda: Penalties.of(seqs, args.vocab, dev))
-        rows_ms = timed(lambda: state.penalties(seqs, slots))
+        of_ms = median_ms(lambda: Penalties.of(seqs, args.vocab, dev), args.repeat, dev)
+        rows_ms = median_ms(lambda: state.penalties(seqs, slots), args.repeat, dev)
         emit(rows, dict(batch=B, context=args.prompt + args.output, penalties_of_ms=round(of_ms, 3),
                         state_rows_ms=round(rows_ms, 3)))
     save(args.out, args, rows, device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu")
