@@ -15,8 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eyas import LLM, GuidedDecoding, SamplingParams
-from eyas.serve.tools import (HermesParser, Llama3JsonParser, ToolStream, parse_required, required_schema,
-                              tool_guide)
+from eyas.serve.tools import HermesParser, Llama3JsonParser, ToolStream, required_schema, tool_guide
 from helpers import write_guided_mirror
 
 WEATHER = {"type": "function", "function": {
@@ -122,9 +121,10 @@ def replies(draw):
         calls = draw(st.lists(st.sampled_from(LLAMA_CALLS), max_size=3))
         return choice, draw(st.sampled_from(["", " ", content])) + "; ".join(calls)
     if choice == "required":
-        return choice, draw(st.sampled_from(['[{"name": "add", "parameters": {"a": 1}}]', '[{"name": "add", "par',
-                                             '[{"name": "add", "parameters": {"a": "}]\\""}}, {"name": "ping", "p',
-                                             '[{"name": "ping", "parameters": {}}, {"name": "add", "parameters": {}}]']))
+        return choice, draw(st.sampled_from([
+            '[{"name": "add", "parameters": {"a": 1}}]', '[{"name": "add", "par',
+            '[{"name": "add", "parameters": {"a": "}]\\""}}, {"name": "ping", "p',
+            '[{"name": "ping", "parameters": {}}, {"name": "add", "parameters": {}}]']))
     return choice, draw(st.sampled_from(['{"a": 1, "b": "x"}', '{"a": 1', ""]))
 
 
@@ -169,7 +169,8 @@ def test_named_and_required_replies():
     assert reason == "length" and msg["content"] is None
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == [
         ("add", {"a": ']}"{'})]
-    assert parse_required("[]") is None and parse_required('[{"name": "add"}]') is None
+    for bad in ("[]", '[{"name": "add"}]'):  # no call in them: content
+        assert ToolStream("required").message(bad, "stop") == ({"role": "assistant", "content": bad}, "stop")
 
 
 def test_tool_guides_compile_and_hold_the_calls(tmp_path):

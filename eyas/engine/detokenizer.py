@@ -159,9 +159,7 @@ class IncrementalDetokenizer:
         del self.pieces[count:]  # pieces added since `save`: no snapshot taken before it reaches them
 
     def _decode(self, ids: list[int]) -> str:
-        if self.skip_special:
-            return self.tokenizer.decode(ids)
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def update(self, ids: list[int]) -> str:
         """Take the ids so far (those of the last call plus any new ones); returns the text that became final

@@ -136,7 +136,7 @@ def _tool_choice(req, parser) -> str:
             raise APIError(f"tool_choice {name!r} needs tools", param="tool_choice")
         return "none"
     try:
-        check_tools([t.model_dump() for t in req.tools])
+        check_tools([t.function.name for t in req.tools])
     except ValueError as e:
         raise APIError(str(e), param="tools") from None
     if not isinstance(choice, str):
@@ -660,7 +660,8 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
             include_usage: bool | str, stops: list[str], per_prompt: int, calls=None, echoes=None,
             score_only: bool = False) -> StreamingResponse:
     """SSE: one chunk per new text of a choice, a finish chunk per choice, the usage chunk when asked for (every
-    chunk with the usage so far where `include_usage` is "continuous": `_usage_mode`), then `data: [DONE]`. A client that goes away cancels this generator: its requests are aborted (KV blocks freed).
+    chunk with the usage so far where `include_usage` is "continuous": `_usage_mode`), then `data: [DONE]`. A
+    client that goes away cancels this generator: its requests are aborted (KV blocks freed).
     `per_prompt`: the choices of each prompt (the request's n). `calls` (chat with a tool choice): makes each
     choice's `ToolStream`, which turns its text into content and tool-call deltas. `echoes` (completions' echo):
     each choice's (prompt text, prompt ids), sent first, with the prompt's log-probabilities where asked;
@@ -847,7 +848,7 @@ def _serve_app(app, engine, args) -> None:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
-def _tp_serve(rank: int, world_size: int, device, args) -> None:
+def _tp_serve(rank: int, world_size: int, device, args, options: dict) -> None:
     """One rank of `eyas serve --tensor-parallel N` (started by `eyas.dist.spawn`): every rank loads its shard and
     captures its graphs in the same order; rank 0 runs the HTTP server, whose engine loop drives the lockstep steps
     (`eyas.dist.tp.TPServingEngine`), and the others step until rank 0 stops them."""
@@ -870,9 +871,8 @@ def _tp_serve(rank: int, world_size: int, device, args) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        _serve_app(create_app(engine, args.served_model_name or args.model, max_queue=args.max_queue,
-                              tool_parser=_tool_parser(args), chat_template=_chat_template(args),
-                              api_key=_api_key(args)), engine, args)
+        _serve_app(create_app(engine, args.served_model_name or args.model, max_queue=args.max_queue, **options),
+                   engine, args)
     finally:
         engine.close()  # the server has stopped (its engine loop too): release the other ranks
 
@@ -909,13 +909,19 @@ def _tool_parser(args) -> str | None:
     return args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False) else None
 
 
-def run_serve(args) -> int:
-    if args.max_queue < 0:
-        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-    _chat_template(args)  # a missing file or broken template fails now, before the model loads
+def _app_options(args) -> dict:
+    """`create_app`'s options from the command line, read and checked once, before the model loads: a missing
+    template file or a broken template, or --enable-auto-tool-choice without a parser, stops the command there."""
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
                          f"({' or '.join(sorted(PARSERS))})")
+    return dict(tool_parser=_tool_parser(args), chat_template=_chat_template(args), api_key=_api_key(args))
+
+
+def run_serve(args) -> int:
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    options = _app_options(args)
     if args.tensor_parallel < 1:
         raise ValueError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -929,14 +935,13 @@ def run_serve(args) -> int:
             raise ValueError("--draft-quant does not combine with --tensor-parallel yet")
         on_gpu = args.device != "cpu" and torch.cuda.is_available()
         try:
-            run_ranks(_tp_serve, args.tensor_parallel, args, on_gpu=on_gpu, timeout=float("inf"))
+            run_ranks(_tp_serve, args.tensor_parallel, args, options, on_gpu=on_gpu, timeout=float("inf"))
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: rank 0 shut the server down and stopped the others
             log.info("stopped")
         return 0
     llm = build_llm(args)
     _capture_graphs(llm.engine, args.max_num_seqs)
-    _serve_app(create_app(llm, args.served_model_name or args.model, max_queue=args.max_queue,
-                          tool_parser=_tool_parser(args), chat_template=_chat_template(args), api_key=_api_key(args)),
+    _serve_app(create_app(llm, args.served_model_name or args.model, max_queue=args.max_queue, **options),
                llm.engine, args)
     return 0
 

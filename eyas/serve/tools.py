@@ -44,11 +44,10 @@ def _dump(arguments) -> str:
 
 # ---- what a request asks for ---------------------------------------------------------------------------------------
 
-def check_tools(tools: list[dict]) -> None:
-    """ValueError for a function name OpenAI refuses or one given twice."""
+def check_tools(names: list[str]) -> None:
+    """ValueError for a function name OpenAI refuses or one given twice (`names`: the tools' function names)."""
     seen = set()
-    for t in tools:
-        name = t["function"]["name"]
+    for name in names:
         if not NAME.fullmatch(name):
             raise ValueError(f"tool names must match [A-Za-z0-9_-]{{1,64}}, got {name!r}")
         if name in seen:
@@ -112,17 +111,6 @@ def required_call(item) -> dict:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str) or "parameters" not in item:
         raise ValueError(f"not a call: {item!r}")
     return call(item["name"], _dump(item["parameters"]))
-
-
-def parse_required(text: str) -> list[dict] | None:
-    """The calls of a finished "required" output (the guided array), or None if it is not one (cut short)."""
-    try:
-        items = json.loads(text)
-        if not isinstance(items, list) or not items:
-            return None
-        return [required_call(c) for c in items]
-    except ValueError:
-        return None
 
 
 def template_tool_calls(calls: list[dict]) -> list[dict]:
@@ -279,8 +267,7 @@ class ToolStream:
             if self.calls_sent:
                 return [], ("tool_calls" if reason == "stop" else reason)
             return ([{"content": self.text}] if self.text else []), reason
-        else:
-            content, calls = self.parser.parse(self.text)
+        content, calls = self.parser.parse(self.text)
         out = []
         rest = (content or "")[self.sent:]  # content not sent yet: all of it, or what followed the last delta
         if rest:
