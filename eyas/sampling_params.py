@@ -80,6 +80,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's: the output's tokens are drawn from these alone (every other token's logit -inf, with the penalties)
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words and phrases the output never contains (eyas.layers.bad_words: tokenized with and without a leading
+    # space; a sequence's last token is refused where the output's tokens before it are its others)
+    bad_words: list[str] | None = None
+    # the same as token sequences, banned as they are (HF's bad_words_ids; for models without a tokenizer too)
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -144,6 +149,23 @@ class SamplingParams:
             self.allowed_token_ids = sorted(set(a))
             if self.guided is not None:  # the grammar may allow none of them
                 raise ValueError("allowed_token_ids with guided decoding is not supported")
+        from eyas.layers.bad_words import MAX_WORDS
+        w = self.bad_words
+        if w is not None:
+            if not isinstance(w, (list, tuple)) or any(not isinstance(x, str) or not x.strip() for x in w):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {w!r}")
+            self.bad_words = list(w) or None
+        w = self.bad_words_token_ids
+        if w is not None:
+            if (not isinstance(w, (list, tuple)) or any(
+                    not isinstance(x, (list, tuple)) or not x
+                    or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in x) for x in w)):
+                raise ValueError(f"bad_words_token_ids must be a list of non-empty lists of token ids, got {w!r}")
+            self.bad_words_token_ids = [list(x) for x in w] or None
+        if len(self.bad_words or ()) + len(self.bad_words_token_ids or ()) > MAX_WORDS:
+            raise ValueError(f"bad_words: at most {MAX_WORDS} words")
+        if self.has_bad_words and self.guided is not None:  # the grammar may need a banned token
+            raise ValueError("bad_words with guided decoding is not supported")
         if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
             raise ValueError(f"guided must be a GuidedDecoding, got {type(self.guided).__name__}")
         self.temperature = float(self.temperature)
@@ -152,7 +174,12 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or self.logit_bias is not None or self.min_tokens > 0 or self.allowed_token_ids is not None)
+                or self.logit_bias is not None or self.min_tokens > 0 or self.allowed_token_ids is not None
+                or self.has_bad_words)
+
+    @property
+    def has_bad_words(self) -> bool:
+        return self.bad_words is not None or self.bad_words_token_ids is not None
 
     @property
     def greedy(self) -> bool:

@@ -181,7 +181,7 @@ def same_logprobs(got, ref):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_logprobs_and_penalties_on_graphs_equal_eager(pair, spec, temperature):
     """Requests that ask for log-probabilities (k of 0, 2, 3 and 5) or penalties (allowed_token_ids among them: rows
-    of -inf), batched with free ones and alone,
+    of -inf; bad words of one and several tokens, taken from the free outputs), batched with free ones and alone,
     replay graphs of their own kind (`launch_extras`) in an engine with graphs and overlap on, most of their steps
     overlapped (carried inputs; the counts and log-probabilities of the step before read on the device): tokens and
     log-probabilities equal the eager step's (greedy: the reference path; sampled, seeded: the eager Triton path,
@@ -201,7 +201,11 @@ def test_logprobs_and_penalties_on_graphs_equal_eager(pair, spec, temperature):
         eager.engine.runner.use_triton = False
         reference_ops(eager)
     same = (lambda o: o.token_ids) if temperature == 0 else (lambda o: (o.token_ids, o.stats.accepted_by_depth))
-    ref = eager.generate(PROMPTS, params) + eager.generate(PROMPTS, mixed)
+    free = eager.generate(PROMPTS, SamplingParams(seed=11, **base))
+    worded = [SamplingParams(bad_words_token_ids=[o.token_ids[3:5], o.token_ids[7:10], o.token_ids[12:13]],
+                             seed=11, **base) for o in free[:3]]
+    worded.append(SamplingParams(logprobs=2, seed=12, **base))  # no words, in their steps
+    ref = eager.generate(PROMPTS, params) + eager.generate(PROMPTS, mixed) + eager.generate(PROMPTS, worded)
     alone = [(p, sp) for p, sp in zip(PROMPTS, params)][:2]
     ref += [eager.generate([p], sp)[0] for p, sp in alone]
     graphed = LLM(str(target), cuda_graphs=True, overlap=True, **kw)
@@ -212,7 +216,7 @@ def test_logprobs_and_penalties_on_graphs_equal_eager(pair, spec, temperature):
         carried.append(after is not None)
         return launch(seqs, after)
     runner.launch = counted
-    got = graphed.generate(PROMPTS, params) + graphed.generate(PROMPTS, mixed)
+    got = graphed.generate(PROMPTS, params) + graphed.generate(PROMPTS, mixed) + graphed.generate(PROMPTS, worded)
     got += [graphed.generate([p], sp)[0] for p, sp in alone]
     del runner.launch
     assert sum(carried) > len(carried) / 3, "extras steps were not overlapped"
@@ -221,8 +225,11 @@ def test_logprobs_and_penalties_on_graphs_equal_eager(pair, spec, temperature):
         assert (o.logprobs is None) == (r.logprobs is None)
         if r.logprobs is not None:
             same_logprobs(o.logprobs, r.logprobs)
+    for o, sp in zip(got[8:11], worded):
+        words = [tuple(w) for w in sp.bad_words_token_ids]
+        assert not any(tuple(o.token_ids[i: i + len(w)]) == w for w in words for i in range(len(o.token_ids)))
     extras = graphed.engine.runner.graphs.extras
-    assert {k[4:] for k in extras} >= {(True, True), (True, False), (False, True)}, "not every kind ran on graphs"
+    assert {k[4:] for k in extras} >= {(True, 1), (True, 0), (False, 1), (True, 2)}, "not every kind ran on graphs"
     assert {k[0] for k in extras} >= {1, 4}
     assert graphed.engine.blocks.num_used == 0
 

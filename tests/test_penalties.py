@@ -233,9 +233,18 @@ def _allow(logits: torch.Tensor, pen: dict) -> None:
         logits[..., ~keep] = float("-inf")
 
 
+def _ban_words(logits: torch.Tensor, out: list, pen: dict) -> None:
+    """bad_words_token_ids, read as vLLM defines them: a word's last token is refused where the output's last tokens
+    are its others."""
+    for w in pen.get("bad_words_token_ids") or []:
+        k = len(w) - 1
+        if k <= len(out) and list(out[len(out) - k:]) == list(w[:-1]):
+            logits[..., w[-1]] = float("-inf")
+
+
 def _dense_greedy(target, prompt, n, ban=None, **pen):
-    """Greedy decoding by dense forwards, each step's logits penalised from scratch (and held to allowed_token_ids);
-    `ban` (tokens, k): those tokens refused at the first k output positions (min_tokens)."""
+    """Greedy decoding by dense forwards, each step's logits penalised from scratch (and held to allowed_token_ids
+    and bad words); `ban` (tokens, k): those tokens refused at the first k output positions (min_tokens)."""
     ids = list(prompt)
     for _ in range(n):
         with torch.no_grad():
@@ -250,6 +259,7 @@ def _dense_greedy(target, prompt, n, ban=None, **pen):
                  torch.tensor([pen.get("presence_penalty", 0.0)]), torch.tensor([pen.get("repetition_penalty", 1.0)]),
                  _bias(pen, logits.shape[-1]))
         _allow(logits, pen)
+        _ban_words(logits, out, pen)
         if ban is not None and len(out) < ban[1]:
             logits[0, ban[0]] = float("-inf")
         ids.append(int(logits.argmax()))
@@ -418,6 +428,7 @@ def _law(hf, prefix, pen):
              torch.tensor([pen.get("presence_penalty", 0.0)]), torch.tensor([pen.get("repetition_penalty", 1.0)]),
              _bias(pen, V, torch.float64))
     _allow(logits, pen)
+    _ban_words(logits, list(prefix), pen)
     if len(prefix) < pen.get("min_tokens", 0):  # min_tokens: the stop tokens refused before it
         logits[0, pen["stop_token_ids"]] = float("-inf")
     return torch.softmax(logits[0], -1).numpy()
@@ -438,7 +449,9 @@ def _pvalue(observed: dict, joint: dict) -> float:
 
 
 @pytest.mark.parametrize("pen", [PEN, dict(PEN, min_tokens=1, stop_token_ids=[1]),
-                                 dict(PEN, allowed_token_ids=[0, 1, 3, 4])], ids=["penalties", "min_tokens", "allowed"])
+                                 dict(PEN, allowed_token_ids=[0, 1, 3, 4]),
+                                 dict(PEN, bad_words_token_ids=[[3], [1, 1], [0, 4]])],
+                         ids=["penalties", "min_tokens", "allowed", "bad_words"])
 @pytest.mark.parametrize("spec", ["chain:2", "tree:8"])
 def test_joint_law_with_penalties(small, spec, pen):
     from transformers import LlamaForCausalLM
@@ -454,5 +467,8 @@ def test_joint_law_with_penalties(small, spec, pen):
         assert not any(k[0] == 1 for k in observed) and any(k[1] == 1 for k in observed)
     if "allowed_token_ids" in pen:
         assert {t for k in observed for t in k} == set(pen["allowed_token_ids"])
+    if "bad_words_token_ids" in pen:  # 3 never; 1 and 4 first, but not after 1 and 0 respectively
+        assert not any(3 in k or k in ((1, 1), (0, 4)) for k in observed)
+        assert any(k[0] == 1 for k in observed) and any(k[1] == 4 for k in observed)
     assert _pvalue(observed, _joint(hf, pen)) > 1e-3
     assert _pvalue(observed, _joint(hf, {})) < 1e-6  # the unpenalised law is far from it: the test has power

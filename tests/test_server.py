@@ -101,6 +101,7 @@ CONVERSATIONS = [
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour of the sky."}],
 ]
 COMPLETION_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
+BAD_WORDS = ["Paris", "the capital"]  # the first is the greedy completion's first word
 BEGUN = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour I name is"}]
 PROMPTS = [
     "Hello, my name is",
@@ -172,6 +173,7 @@ def spec(tmp_path_factory, smollm2):
     refs["concurrent"] = llm.generate(ids, params)
     refs["logprobs"] = llm.chat(CONVERSATIONS[0], SamplingParams(max_tokens=16, logprobs=3))[0]
     refs["echo"] = llm.generate([ECHO_PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    refs["bad_words"] = llm.generate(COMPLETION_PROMPTS[:1], SamplingParams(max_tokens=16, bad_words=BAD_WORDS))[0]
     refs["continue"] = llm.chat(BEGUN, SamplingParams(max_tokens=8, temperature=0), continue_final_message=True)[0]
     refs["n"] = llm.generate([PROMPTS[0]] * N_CHOICES, [SamplingParams(max_tokens=10, temperature=0.9, seed=N_SEED + j)
                                                         for j in range(N_CHOICES)])
@@ -486,6 +488,27 @@ def test_include_stop_str_in_output(spec):
         out = client.completions.create(model=MODEL, prompt=COMPLETION_PROMPTS[0], max_tokens=16, temperature=0,
                                         stop=[word], extra_body={"include_stop_str_in_output": include})
         assert (out.choices[0].text, out.choices[0].finish_reason) == (want, "stop")
+
+
+def test_bad_words_through_the_openai_client(spec):
+    """vLLM's `bad_words` (extra_body): the completion equals offline `LLM.generate` with the same words (greedy,
+    speculative), differs from the free one, and holds none of the words' token sequences; a word of more tokens
+    than a bad word may have, or a blank one, is a 400; a value that is not a list of strings a 422."""
+    from eyas.layers.bad_words import MAX_WORD_TOKENS, word_token_ids
+    tok = spec.engine.tokenizer
+    ref = spec.refs["bad_words"]
+    client = spec.client()
+    out = client.completions.create(model=MODEL, prompt=COMPLETION_PROMPTS[0], max_tokens=16, temperature=0,
+                                    extra_body={"bad_words": BAD_WORDS})
+    assert out.choices[0].text == ref.text != spec.refs["completion"][0].text
+    seqs = word_token_ids(BAD_WORDS, lambda t: tok.encode(t, add_bos=False))
+    assert len(seqs) == 4 and any(len(w) > 1 for w in seqs)
+    ids = ref.token_ids
+    assert not any(ids[i: i + len(w)] == w for w in seqs for i in range(len(ids)))
+    for bad, status in ((["x " * MAX_WORD_TOKENS], 400), (["Paris", "  "], 400), ("Paris", 422), ([3], 422)):
+        r = httpx.post(spec.url + "/v1/completions", json=dict(model=MODEL, prompt="Hi", max_tokens=2,
+                                                                bad_words=bad), timeout=60)
+        assert r.status_code == status and r.json()["error"]["param"] == "bad_words", r.text
 
 
 def test_skip_special_tokens(spec):
@@ -854,6 +877,10 @@ def test_penalties_reach_the_engine(tiny):
     for bad in ([], [-1], [TINY_VOCAB]):
         r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=2, allowed_token_ids=bad), timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+    # bad_words are text: a model without a tokenizer refuses them
+    r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=2, bad_words=["a"]), timeout=60)
+    assert r.status_code == 400 and "needs the model's tokenizer" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "bad_words"
 
 
 def test_truncate_prompt_tokens(tiny):

@@ -89,12 +89,12 @@ def run_cases(rank: int, world: int, dirs: dict, device="cpu") -> dict:
     for spec in (None, "chain:3"):
         res[f"{spec}/sampled"], _ = _generate(target, tok, draft if spec else None, spec, rank, world, sampled,
                                               prompts(V))
-    # penalties, logit_bias, allowed_token_ids, min_tokens and log-probabilities: every rank keeps its own penalty
-    # rows over the whole (gathered) vocabulary, made and counted alike
+    # penalties, logit_bias, allowed_token_ids, min_tokens, bad words and log-probabilities: every rank keeps its own
+    # penalty rows over the whole (gathered) vocabulary, made and counted alike
     extras = [SamplingParams(max_tokens=20, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=0.4,
                              logprobs=3),
               SamplingParams(max_tokens=20, ignore_eos=True, logit_bias={3: 4.0, 5: -100.0}, min_tokens=6,
-                             stop_token_ids=[7]),
+                             stop_token_ids=[7], bad_words_token_ids=[[3, 3], [9]]),  # 3 favoured, never twice
               SamplingParams(max_tokens=20, ignore_eos=True, allowed_token_ids=[2, 9, 11, 17], presence_penalty=1.0),
               SamplingParams(temperature=1.0, seed=9, max_tokens=20, ignore_eos=True, repetition_penalty=1.3)]
     res["tree:8/extras_greedy"], _ = _generate(target, tok, draft, "tree:8", rank, world, extras, prompts(V))
@@ -193,11 +193,13 @@ def test_guided_decoding_equals_tp1(ranks, oracle):
 
 
 def test_penalties_and_logprobs_equal_tp1(ranks, oracle):
-    """Requests with penalties, logit_bias, allowed_token_ids, min_tokens or log-probabilities (greedy and seeded)
-    at TP = 2 commit TP = 1's tokens, on every rank; the oracle's are not the free outputs (the extras acted)."""
+    """Requests with penalties, logit_bias, allowed_token_ids, min_tokens, bad words or log-probabilities (greedy and
+    seeded) at TP = 2 commit TP = 1's tokens, on every rank; the oracle's are not the free outputs (the extras
+    acted)."""
     toks = oracle["tree:8/extras_greedy"]
     assert all(r["tree:8/extras_greedy"] == toks for r in ranks)
     assert set(toks[2]) <= {2, 9, 11, 17} and 5 not in toks[1] and toks[0] != oracle["tree:8/greedy"][0]
+    assert 3 in toks[1] and 9 not in toks[1] and not any(a == b == 3 for a, b in zip(toks[1], toks[1][1:]))
 
 
 def test_sharded_draft_equals_tp1(ranks, oracle):

@@ -6,11 +6,11 @@ requests/s for 2-10 s) and quiet spells (`--quiet-rate` for 5-20 s), with at mos
 or running, so the running batch moves through every size up to `--max-batch` and back to 1, and a tree dispatcher
 picks a different speculation per batch size. Requests mix greedy and sampled decoding (temperature, top-k, top-p),
 prompt lengths and output lengths, and one in four asks for extras (log-probabilities, penalties, a logit bias,
-allowed tokens, min_tokens); a few are aborted while running, and a few are refused (too long). Acceptance is real
-for a checkpoint and its draft, and simulated for random-weight shapes (`--accept-ranks`/`--accept-rates`), so the
-number of tokens accepted per step varies as it would with a real draft (the case where ranks that disagreed would
-deadlock, SGLang issue 31071). With `TPEngine(check=True)` every step all-gathers each rank's outputs and raises if
-they differ.
+allowed tokens, min_tokens, bad words); a few are aborted while running, and a few are refused (too long).
+Acceptance is real for a checkpoint and its draft, and simulated for random-weight shapes (`--accept-ranks`/
+`--accept-rates`), so the number of tokens accepted per step varies as it would with a real draft (the case where
+ranks that disagreed would deadlock, SGLang issue 31071). With `TPEngine(check=True)` every step all-gathers each
+rank's outputs and raises if they differ.
 
 Every `--report-every` seconds and at the end, rank 0 writes `soak.json` (steps, requests admitted / finished /
 aborted / refused, tokens, the batch sizes seen, step-time percentiles, the longest step, KV blocks in use at the
@@ -53,11 +53,11 @@ def _request(rng: random.Random, vocab: int, max_len: int, max_prompt: int, max_
 
 def _extras(rng: random.Random, vocab: int, max_tokens: int) -> dict:
     """One request in four asks for extras (log-probabilities, penalties, a logit bias, allowed tokens,
-    min_tokens), so the batch keeps changing between the steps' kinds (`GraphedStep.launch_extras`) and the penalty
-    rows move between slots."""
+    min_tokens, bad words), so the batch keeps changing between the steps' kinds (`GraphedStep.launch_extras`) and
+    the penalty rows move between slots."""
     if rng.random() >= 0.25:
         return {}
-    kinds = rng.sample(["logprobs", "penalties", "bias", "allowed", "min_tokens"], rng.randint(1, 3))
+    kinds = rng.sample(["logprobs", "penalties", "bias", "allowed", "min_tokens", "bad_words"], rng.randint(1, 3))
     extras = {}
     if "logprobs" in kinds:
         extras["logprobs"] = rng.choice([0, 2, 5])
@@ -69,6 +69,8 @@ def _extras(rng: random.Random, vocab: int, max_tokens: int) -> dict:
         extras["allowed_token_ids"] = rng.sample(range(vocab), 8)
     if "min_tokens" in kinds:
         extras.update(min_tokens=rng.randint(0, max_tokens), stop_token_ids=[rng.randrange(vocab)])
+    if "bad_words" in kinds:  # a token and two short phrases (their own graphs: `Penalties.kind`)
+        extras["bad_words_token_ids"] = [[rng.randrange(vocab) for _ in range(n)] for n in (1, 2, 3)]
     return extras
 
 

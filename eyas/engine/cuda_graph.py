@@ -59,7 +59,8 @@ class GraphedStep:
         self.guided: dict[tuple[int, bool, str, int, bool, bool], GuidedGraphs] = {}
         # steps that report log-probabilities or apply penalties (`launch_extras`), keyed so too
         self.extras: dict[tuple[int, bool, str, int, bool, bool], ExtrasGraph] = {}
-        self._extras_penalties: dict[int, Penalties] = {}  # their penalties' static buffers, per batch bucket
+        # their penalties' static buffers, per batch bucket and kind (`Penalties.kind`)
+        self._extras_penalties: dict[tuple[int, int], Penalties] = {}
         self.pool = None
 
     def bucket(self, n: int) -> int | None:
@@ -181,7 +182,7 @@ class GraphedStep:
         `eyas.layers.penalties.PenaltyState`, already hold that step's tokens). The graphs of every context bucket
         of a key are captured together the first time it is met, each with its carry. Returns (the key: the
         graphs' plus (log-probabilities, penalties), the static outputs)."""
-        key = self._key(seqs, tree) + (logprobs is not None, penalties is not None)
+        key = self._key(seqs, tree) + (logprobs is not None, 0 if penalties is None else penalties.kind)
         if carried_from is not None:
             if carried_from[:3] != key[:3] or carried_from[4:] != key[4:]:
                 raise ValueError(f"a carried step must replay the graph of the same batch, tree and extras: "
@@ -206,11 +207,11 @@ class GraphedStep:
                 continue
             static = self._static_inputs(B, c)
             pen = None
-            if with_penalties:
-                pen = self._extras_penalties.get(B)
+            if with_penalties:  # 2: with bad words of several tokens (`Penalties.kind`)
+                pen = self._extras_penalties.get((B, with_penalties))
                 if pen is None:
-                    pen = self._extras_penalties[B] = Penalties.neutral(B, self.runner.target.config.vocab_size,
-                                                                        static.root_tokens.device)
+                    pen = self._extras_penalties[B, with_penalties] = Penalties.neutral(
+                        B, self.runner.target.config.vocab_size, static.root_tokens.device, words=with_penalties == 2)
             graph, out = self._capture_step(static, greedy, tree, MAX_LOGPROBS if with_logprobs else None, pen)
             self.extras[k] = ExtrasGraph(graph, pen, out, self._capture_carry(static, out))
 
@@ -227,7 +228,7 @@ class GraphedStep:
         need not be captured together). With `logprobs` or `penalties`, the accept graph also does what
         `launch_extras`'s does, the penalties after the masks as in `spec_step`; they are part of the key."""
         r = self.runner
-        key = self._key(seqs, tree) + (logprobs is not None, penalties is not None)
+        key = self._key(seqs, tree) + (logprobs is not None, 0 if penalties is None else penalties.kind)
         if key not in self.guided:
             self._capture_guided(key, tree, guide.words)
         g = self.guided[key]
@@ -253,7 +254,8 @@ class GraphedStep:
         r = self.runner
         static = self._static_inputs(B, context)
         device = static.root_tokens.device
-        pen = Penalties.neutral(B, r.target.config.vocab_size, device) if with_penalties else None
+        pen = Penalties.neutral(B, r.target.config.vocab_size, device, words=with_penalties == 2) \
+            if with_penalties else None
         root_masks = None if r.draft is None else torch.full((B, words), -1, dtype=torch.int32, device=device)
         # every node's mask ([B, N1, words]: root and the N tree tokens, a dynamic tree's too); all allowed to warm up
         masks = torch.full((B, tree.num_nodes + 1, words), -1, dtype=torch.int32, device=device)

@@ -253,11 +253,35 @@ class LLMEngine:
         if params.min_tokens and params.allowed_token_ids is not None and set(params.allowed_token_ids) <= stop_ids:
             raise ValueError("min_tokens: every one of allowed_token_ids stops the output, so none could be drawn "
                              "before min_tokens")
-        seq = Sequence(ids, params, seed, request_id=request_id or "", stop_ids=stop_ids, grammar=grammar)
+        bad_words = self._bad_words(params, stop_ids)
+        seq = Sequence(ids, params, seed, request_id=request_id or "", stop_ids=stop_ids, grammar=grammar,
+                       bad_words=bad_words)
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, len(ids), self.decoding,
                                               params.skip_special_tokens)
         return seq
+
+    def _bad_words(self, params: SamplingParams, stop_ids: frozenset[int]) -> tuple[tuple[int, ...], ...]:
+        """A request's bad words as token sequences (`eyas.layers.bad_words`), checked: ValueError for words without
+        a tokenizer, over the limits, or that could leave no token to draw."""
+        if not params.has_bad_words:
+            return ()
+        from eyas.layers.bad_words import check_word_ids, word_token_ids
+        seqs = list(params.bad_words_token_ids or [])
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs the model's tokenizer (bad_words_token_ids takes token ids)")
+            seqs += word_token_ids(params.bad_words, lambda t: self.tokenizer.encode(t, add_bos=False))
+        V = self.target.config.vocab_size
+        words = check_word_ids(seqs, V)
+        # a token no word ends with is never refused by them: if there is none (among allowed_token_ids, or not
+        # refused already before min_tokens), some context could leave nothing to draw
+        ends = {w[-1] for w in words} | (stop_ids if params.min_tokens else frozenset())
+        pool = set(params.allowed_token_ids) if params.allowed_token_ids is not None else None
+        if (pool <= ends) if pool is not None else len({t for t in ends if t < V}) >= V:
+            raise ValueError("bad_words could refuse every token " + (
+                "of allowed_token_ids" if pool is not None else "of the vocabulary"))
+        return words
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         """The token ids that end a request's output: its stop_token_ids, and EOS unless ignore_eos."""

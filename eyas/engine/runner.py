@@ -554,7 +554,8 @@ class ModelRunner:
                             logprobs, penalties)
         if penalties is not None:  # the counts gain this step's tokens on the device (`PenaltyState`)
             n = len(seqs)
-            self.penalty_state.commit(pen_slots, out.path_tokens[:n], out.num_accepted[:n], out.bonus[:n])
+            self.penalty_state.commit(pen_slots, out.path_tokens[:n], out.num_accepted[:n], out.bonus[:n],
+                                      words=penalties.words is not None)
         host_logprobs = None
         if out.logprobs is not None:  # to the host behind the step (a successor's replay overwrites a graph's outputs)
             host_logprobs = out.logprobs if self.device.type != "cuda" else tuple(

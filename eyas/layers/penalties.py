@@ -13,7 +13,8 @@ from logits penalised so too (`apply_to_nodes`), which changes only its proposal
 
 OpenAI's `logit_bias` (`SamplingParams.logit_bias`) travels with them: a per-row [V] bias added to the logits first
 (vLLM v1's order: logit processors, then penalties), the same at every node. So does vLLM's `allowed_token_ids`: the
-bias of every other token is -inf."""
+bias of every other token is -inf. vLLM's `bad_words` too (`eyas.layers.bad_words`): a one-token word is a bias of
+-inf, a longer one is matched against each node's own context (`WordBans`)."""
 from __future__ import annotations
 
 import itertools
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from eyas.layers.bad_words import WordBans, commit_tail
 
 
 def penalize(logits: torch.Tensor, out_counts: torch.Tensor, seen: torch.Tensor, frequency: torch.Tensor,
@@ -51,6 +54,8 @@ class Penalties:
     # positions of each row (0: none); the position of a tree node's token is its path's length
     ban: torch.Tensor  # [B, V] bool: the row's stop tokens
     ban_until: torch.Tensor  # [B] float: min_tokens - output tokens so far
+    # vLLM's bad_words of several tokens (None when no row has any: a step, or a graph, without their work)
+    words: WordBans | None = None
 
     @classmethod
     def of(cls, seqs, vocab: int, device) -> "Penalties | None":
@@ -61,15 +66,23 @@ class Penalties:
             return None
         state = PenaltyState(len(seqs), vocab, device)
         state.write_rows(seqs, list(range(len(seqs))))
-        return state.gather(torch.arange(len(seqs), device=device))
+        return state.gather(torch.arange(len(seqs), device=device), has_long_words(seqs))
 
     @classmethod
-    def neutral(cls, rows: int, vocab: int, device) -> "Penalties":
-        """Buffers for `rows` rows that change nothing (a graphed step's static inputs, `fill`ed before replay)."""
+    def neutral(cls, rows: int, vocab: int, device, words: bool = False) -> "Penalties":
+        """Buffers for `rows` rows that change nothing (a graphed step's static inputs, `fill`ed before replay);
+        `words`: with bad words' rows."""
         z = torch.zeros(rows, device=device)
         return cls(torch.zeros(rows, vocab, device=device), torch.zeros(rows, vocab, dtype=torch.bool, device=device),
                    z, z.clone(), torch.ones(rows, device=device), torch.zeros(rows, vocab, device=device),
-                   torch.zeros(rows, vocab, dtype=torch.bool, device=device), z.clone())
+                   torch.zeros(rows, vocab, dtype=torch.bool, device=device), z.clone(),
+                   WordBans.empty(rows, device) if words else None)
+
+    @property
+    def kind(self) -> int:
+        """What a graph of these penalties computes: 1 counts, biases and min_tokens, 2 bad words of several tokens
+        too."""
+        return 1 + (self.words is not None)
 
     def fill(self, p: "Penalties") -> None:
         """In place: this buffer's first rows become `p`'s, the rest (a graph's padding rows) neutral."""
@@ -79,11 +92,18 @@ class Penalties:
             dst = getattr(self, name)
             dst[:n].copy_(getattr(p, name), non_blocking=True)
             dst[n:].fill_(pad)
+        if self.words is not None:
+            self.words.fill(p.words)
+        elif p.words is not None:
+            raise ValueError("these penalties' buffers hold no bad words")
 
     def apply(self, logits: torch.Tensor) -> None:
         """In place, logits [B, V] of each row's next token after its committed tokens (a prefill's last row)."""
         penalize(logits, self.out_counts, self.seen, self.frequency, self.presence, self.repetition, self.bias)
         logits.masked_fill_(self.ban & (self.ban_until > 0)[:, None], float("-inf"))
+        if self.words is not None:
+            none = torch.empty(logits.shape[0], 1, 0, dtype=torch.long, device=logits.device)
+            self.words.apply(logits[:, None], none, none.bool())
 
     def apply_to_tree(self, logits: torch.Tensor, node_tokens: torch.Tensor, ancestor_mask: torch.Tensor) -> None:
         """In place, logits [B, N+1, V] at the root (node 0) and every tree node: each penalised by the committed
@@ -118,8 +138,11 @@ class Penalties:
         M = path_tokens.shape[-1]
         rows = (slice(None), None)  # each row's [V] or [K] broadcast over the nodes
         counts, seen, bias = self.out_counts, self.seen, self.bias
+        inv = None
         if columns is not None:
             counts, seen, bias = counts[:, columns], seen[:, columns], bias[:, columns]
+            inv = torch.full((self.out_counts.shape[-1],), -1, dtype=torch.long, device=logits.device)
+            inv[columns] = torch.arange(columns.shape[0], device=logits.device)  # token id -> column (-1: none)
         if M:
             tokens = path_tokens if path_tokens.dim() == 3 else path_tokens[:, None].expand(B, L, M)
             on = on_path.to(logits.device)
@@ -127,8 +150,6 @@ class Penalties:
             if columns is None:
                 col, eff = tokens, tokens
             else:  # a token outside the draft vocabulary stands in for its first column (written, not changed)
-                inv = torch.full((self.out_counts.shape[-1],), -1, dtype=torch.long, device=logits.device)
-                inv[columns] = torch.arange(columns.shape[0], device=logits.device)
                 col = inv[tokens]
                 eff = torch.where(col >= 0, tokens, columns[0])
                 col = col.clamp_min(0)
@@ -145,6 +166,11 @@ class Penalties:
         depth = on.sum(-1) if M else torch.zeros(B, L, device=logits.device)
         ban = self.ban if columns is None else self.ban[:, columns]
         logits.masked_fill_(ban[:, None, :] & (depth < self.ban_until[:, None])[..., None], float("-inf"))
+        if self.words is not None:  # each node's context: the committed output's end, then its path
+            if not M:
+                tokens = torch.empty(B, L, 0, dtype=torch.long, device=logits.device)
+                on = tokens.bool()
+            self.words.apply(logits, tokens, on, inv)
 
 
 class PenaltyState:
@@ -167,6 +193,7 @@ class PenaltyState:
         self.coef = torch.tensor([[0.0, 0.0, 1.0]] * rows, device=device)  # frequency, presence, repetition
         self.ban = torch.zeros(rows, vocab, dtype=torch.bool, device=device)  # stop tokens (min_tokens)
         self.min_tokens = torch.zeros(rows, device=device)
+        self.words = WordBans.empty(rows, device)  # bad words of several tokens, and the output's last tokens
         self.rows: dict[int, tuple[str, int | None]] = {}  # slot -> (request id, tokens counted; None: neutral)
         self.rows_made = 0  # rows written from the host's tokens (once per request and slot, unless preempted)
 
@@ -220,6 +247,14 @@ class PenaltyState:
             if biased:
                 r, t, b = zip(*biased)
                 self.bias[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = torch.tensor(b, device=dev)
+            single = [(r, w[0]) for s, r in pen for w in _bad_words(s) if len(w) == 1]
+            if single:  # bad words of one token: refused everywhere
+                r, t = zip(*single)
+                self.bias[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = float("-inf")
+        self.words.length[slots] = 0  # no bad words of several tokens, unless written below
+        for s, r in zip(seqs, at):
+            if has_long_words([s]):
+                self.words.write(r, s.output_ids, _bad_words(s))
 
     @staticmethod
     def _record(s) -> tuple[str, int | None]:
@@ -229,20 +264,26 @@ class PenaltyState:
         """The step's `Penalties` for `seqs` (rows made where stale), gathered on the device from the rows `slots`
         ([B] device tensor: the sequences' slots, then any padding rows' scratch slot)."""
         self._make_rows(seqs)
-        return self.gather(slots)
+        return self.gather(slots, has_long_words(seqs))
 
-    def gather(self, slots: torch.Tensor) -> Penalties:
-        """The `Penalties` of the rows `slots` ([B] device tensor), as they are."""
+    def gather(self, slots: torch.Tensor, words: bool = False) -> Penalties:
+        """The `Penalties` of the rows `slots` ([B] device tensor), as they are; `words`: with the bad words of
+        several tokens (some row has them)."""
         counts = self.counts[slots]
         coef = self.coef[slots]
         return Penalties(counts, self.prompt[slots] | (counts > 0), coef[:, 0], coef[:, 1], coef[:, 2],
-                         self.bias[slots], self.ban[slots], self.min_tokens[slots] - counts.sum(-1))
+                         self.bias[slots], self.ban[slots], self.min_tokens[slots] - counts.sum(-1),
+                         self.words.rows(slots) if words else None)
 
     def commit(self, slots: torch.Tensor, path_tokens: torch.Tensor, num_accepted: torch.Tensor,
-               bonus: torch.Tensor) -> None:
+               bonus: torch.Tensor, words: bool = False) -> None:
         """On the device, after a step (`DecodeOutputs`): each row's counts gain the tokens it committed, its
         accepted path past the root (path_tokens [B, D+1], the first num_accepted [B] after the root) and the
-        bonus [B]. The padding rows' scratch row gains theirs, which nothing reads."""
+        bonus [B]; with `words` (the step's penalties had bad words) their output tails move on too (a row with bad
+        words is in no step without them). The padding rows' scratch row gains theirs, which nothing reads."""
+        if words:
+            at = slots.long()
+            self.words.tail[at] = commit_tail(self.words.tail[at], path_tokens, num_accepted, bonus)
         D = path_tokens.shape[1] - 1
         tokens = torch.cat([path_tokens[:, 1:], bonus[:, None]], 1).long()  # [B, D+1]
         take = torch.arange(D + 1, device=tokens.device)[None] < num_accepted[:, None]
@@ -258,3 +299,13 @@ class PenaltyState:
         for s, toks in zip(seqs, new_tokens):
             if self.rows.get(s.slot) == self._record(s) and s.params.has_penalties and toks:
                 self.rows[s.slot] = (s.request_id, len(s.token_ids) + len(toks))
+
+
+def _bad_words(s) -> tuple[tuple[int, ...], ...]:
+    """A sequence's bad words as token sequences (`Sequence.bad_words`, set by the engine from the request)."""
+    return getattr(s, "bad_words", ())
+
+
+def has_long_words(seqs) -> bool:
+    """Whether some sequence has a bad word of several tokens (its steps then match contexts, `WordBans`)."""
+    return any(len(w) > 1 for s in seqs for w in _bad_words(s))

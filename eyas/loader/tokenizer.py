@@ -70,9 +70,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """`text`'s ids, with the model's BOS first where it wants one (and `add_bos`)."""
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_token_id is not None:
+        if add_bos and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids
 

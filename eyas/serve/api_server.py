@@ -47,11 +47,11 @@ RETRY_AFTER_S = 1
 # ---- request -> engine inputs ------------------------------------------------------------------------------------
 
 def _param_of(message: str) -> str | None:
-    word = message.split(" ", 1)[0]
+    word = message.split(" ", 1)[0].rstrip(":")
     return word if word in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
                             "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                             "truncate_prompt_tokens", "skip_special_tokens", "min_tokens",
-                            "allowed_token_ids", "prompt_logprobs") else None
+                            "allowed_token_ids", "prompt_logprobs", "bad_words") else None
 
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -119,7 +119,7 @@ def _sampling_params(req, max_tokens: int | None, logprobs: int | None = None) -
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=_logit_bias(req), allowed_token_ids=req.allowed_token_ids,
-            prompt_logprobs=req.prompt_logprobs)
+            prompt_logprobs=req.prompt_logprobs, bad_words=req.bad_words)
     except ValueError as e:
         raise APIError(str(e), param=_param_of(str(e))) from None
 

@@ -13,7 +13,7 @@ import uuid
 from typing import Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 # ---- errors -------------------------------------------------------------------------------------------------------
 
@@ -82,6 +82,7 @@ class _SamplingFields(_Request):
     min_tokens: StrictInt | None = None  # vLLM's extension
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's extension: the output's tokens are drawn from these
     prompt_logprobs: StrictInt | None = None  # vLLM's extension: each prompt token's, and the k likeliest in its place
+    bad_words: list[StrictStr] | None = None  # vLLM's extension: words and phrases the output never contains
     # guided decoding, vLLM's extensions (chat also takes OpenAI's response_format): at most one of them
     guided_json: dict | str | None = None
     guided_regex: str | None = None
