@@ -85,6 +85,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # the same as token sequences, banned as they are (HF's bad_words_ids; for models without a tokenizer too)
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's request priority (lower is served first) under the priority scheduling policy
+    # (`EngineConfig.scheduling_policy`, eyas.engine.scheduler); a request setting that travels with the sampling ones
+    priority: int = 0
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -149,6 +152,8 @@ class SamplingParams:
             self.allowed_token_ids = sorted(set(a))
             if self.guided is not None:  # the grammar may allow none of them
                 raise ValueError("allowed_token_ids with guided decoding is not supported")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
         from eyas.layers.bad_words import MAX_WORDS
         w = self.bad_words
         if w is not None:

@@ -883,6 +883,43 @@ def test_penalties_reach_the_engine(tiny):
     assert r.json()["error"]["param"] == "bad_words"
 
 
+def test_priority_scheduling_through_the_server(tiny_dir, tiny):
+    """vLLM's `priority` with `--scheduling-policy priority` (one place in the batch, slow steps): a low-priority
+    request is running when three more arrive together; they finish by priority (the first preempting the running
+    one), which finishes last, with its tokens unchanged. The default policy refuses a priority with a 400."""
+    import asyncio
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32", max_num_seqs=1, num_blocks=64,
+              scheduling_policy="priority")
+    step = llm.engine.step
+    llm.engine.step = lambda: (time.sleep(0.02), step())[1]
+    server = LiveServer(create_app(llm, "tiny", max_queue=8))
+    try:
+        async def main():
+            done = []
+            async with httpx.AsyncClient(timeout=120) as c:
+                async def one(name, prio, delay):
+                    await asyncio.sleep(delay)
+                    r = await c.post(server.url + "/v1/completions", json=_tiny_body(
+                        max_tokens=20 if name != "low" else 40, priority=prio, prompt=[3, 1, 4, 1, 5], logprobs=0))
+                    assert r.status_code == 200, r.text
+                    done.append(name)
+                    return [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+                got = await asyncio.gather(one("low", 9, 0), one("p5", 5, 0.3), one("p1", 1, 0.3), one("p3", 3, 0.3))
+            return done, got
+        done, got = asyncio.run(main())
+        assert done == ["p1", "p3", "p5", "low"]
+        assert llm.engine.scheduler.num_preemptions >= 1
+        alone = LLM(str(tiny_dir), device="cpu", dtype="float32").generate(
+            [[3, 1, 4, 1, 5]], SamplingParams(max_tokens=40, ignore_eos=True))[0].token_ids
+        assert got[0] == alone and got[1] == got[2] == got[3] == alone[:20]
+    finally:
+        server.close()
+    r = httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=2, priority=1), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+    assert httpx.post(tiny.url + "/v1/completions", json=_tiny_body(max_tokens=2, priority=0),
+                      timeout=60).status_code == 200
+
+
 def test_truncate_prompt_tokens(tiny):
     """vLLM's `truncate_prompt_tokens`: only the prompt's last k tokens are read, so the output and the usage are
     those of the truncated prompt; a prompt that only fits the context once truncated is taken; k < 1 is a 400."""
@@ -1141,6 +1178,10 @@ def test_serve_command_line(tiny_dir):
     add_serve_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve"])
     assert args.func is run_serve and args.model == "smollm2" and args.draft == "auto"
+    from eyas.serve.api_server import _engine_kwargs
+    assert _engine_kwargs(args)["scheduling_policy"] == "fcfs"
+    assert _engine_kwargs(parser.parse_args(["serve", "--scheduling-policy", "priority"]))["scheduling_policy"] == \
+        "priority"
     assert (args.host, args.port, args.max_queue) == ("127.0.0.1", 8000, 256)
     assert _resolve_draft("smollm2", "none") is None
     assert _resolve_draft(str(tiny_dir), "auto") is None  # no shipped draft for other models

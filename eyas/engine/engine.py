@@ -58,6 +58,9 @@ class EngineConfig:
     # prefix caching (eyas.cache.prefix_cache): full KV blocks (target and draft) outlive their request, and a prompt
     # that begins with the same tokens takes them instead of prefilling them again
     prefix_caching: bool = True
+    # "fcfs" (by arrival) or "priority" (by SamplingParams.priority, then arrival; lower-priority running requests
+    # are preempted for higher ones): vLLM's --scheduling-policy (eyas.engine.scheduler)
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass(eq=False)
@@ -168,7 +171,8 @@ class LLMEngine:
         self.tree = self.runner.tree
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   self.runner.lookahead, cfg.min_admit, with_draft=draft is not None)
+                                   self.runner.lookahead, cfg.min_admit, with_draft=draft is not None,
+                                   policy=cfg.scheduling_policy)
         self.seqs: dict[str, Sequence] = {}
         self.eos_ids = set(mcfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -241,6 +245,9 @@ class LLMEngine:
         which reads only the engine's settings (`eyas.engine.disagg` makes sequences on one thread and queues them
         on the prefill engine's)."""
         params = params or SamplingParams()
+        if params.priority != 0 and self.scheduler.policy != "priority":
+            raise ValueError(f"priority {params.priority} needs the priority scheduling policy "
+                             "(--scheduling-policy priority; EngineConfig(scheduling_policy='priority'))")
         ids = self.check_request(prompt, request_id, params.truncate_prompt_tokens)
         V = self.target.config.vocab_size
         if params.logit_bias is not None and any(t >= V for t in params.logit_bias):

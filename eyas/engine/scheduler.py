@@ -5,6 +5,12 @@ running sequence whose prefill is done advances by one speculative step). Prefil
 nano-vllm. When the KV pool cannot hold the next decode step, the most recently arrived sequence is preempted: its
 blocks are freed and it goes back to the front of the waiting queue, keeping its committed tokens (recompute).
 
+Scheduling policy (`policy`, vLLM's `--scheduling-policy`): "fcfs" serves requests by arrival. "priority" serves
+them by (`SamplingParams.priority`, arrival), lower first: the waiting queue is kept in that order, the decode
+step's preemption takes the last in it, and a waiting request that cannot be admitted (the batch is full, or the
+pool short of blocks) preempts running requests of lower priority (a larger value), last first, when that frees
+enough for it (`_priority_victims`; vLLM v0's priority preemption).
+
 Prefix caching (`BlockManager(prefix_caching=True)`, `eyas.cache.prefix_cache`): a sequence admitted to prefill
 first takes the cached blocks its tokens begin with (`_prefix_hit`) and prefills only the rest. Its full blocks are
 cached after each of its prefill steps and when it lets them go (finished, handed off or preempted: `cache_blocks`).
@@ -16,6 +22,7 @@ step, where it finds those blocks cached.
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,6 +34,8 @@ from eyas.engine.sequence import Sequence, Status
 # blocks) to wait a step for it. A step's wait is worth a prefill of that many tokens or more.
 SHARE_MIN_TOKENS = 64
 
+POLICIES = ("fcfs", "priority")
+
 
 @dataclass
 class ScheduledBatch:
@@ -37,13 +46,17 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, lookahead: int,
-                 min_admit: int = 1, with_draft: bool = False):
+                 min_admit: int = 1, with_draft: bool = False, policy: str = "fcfs"):
         """`lookahead`: KV slots a decode step may fill beyond the committed ones (tree depth + 1). `min_admit`:
         while some sequence is decoding, waiting requests are admitted only once that many places in the batch are
         free (or all that wait fit): fewer, larger prefill steps for offline jobs (`EngineConfig.min_admit`).
-        `with_draft`: the engine has a draft, whose KV a cached block must hold too."""
+        `with_draft`: the engine has a draft, whose KV a cached block must hold too. `policy`: "fcfs" or
+        "priority" (the module's docstring)."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
         self.blocks = blocks
         self.min_admit = min_admit
         self.max_num_seqs = max_num_seqs
@@ -59,7 +72,19 @@ class Scheduler:
         self.prefix_hits = 0  # ... and found cached
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.policy == "priority":
+            self._queue(seq)
+        else:
+            self.waiting.append(seq)
+
+    def order(self, seq: Sequence) -> tuple:
+        """A sequence's place in the queues: by arrival, or by (priority, arrival) under the priority policy."""
+        return (seq.params.priority, seq.arrival) if self.policy == "priority" else (seq.arrival,)
+
+    def _queue(self, seq: Sequence) -> None:
+        """Priority policy: `seq` waits in its place by (priority, arrival), after those of equal order."""
+        keys = [self.order(s) for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, self.order(seq)), seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -99,12 +124,21 @@ class Scheduler:
             budget -= chunk
         if not self._admission_open():
             return ScheduledBatch("prefill", seqs, chunks) if seqs else None
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             # admit only if the whole prompt and one decode step fit; the prompt's blocks are reserved at once
             hit = self._prefix_hit(seq)
-            if not self._fits(seq, hit[0]) or self._waits_for_shared_prefix(seq, hit[0]):
+            if self._waits_for_shared_prefix(seq, hit[0]):
                 break
+            if len(self.running) >= self.max_num_seqs or not self._fits(seq, hit[0]):
+                victims = self._priority_victims(seq, hit[0], keep=seqs)
+                if not victims:
+                    break
+                for v in victims:
+                    self.preempt(v)
+                hit = self._prefix_hit(seq)  # the victims' blocks may be cached now
+                if len(self.running) >= self.max_num_seqs or not self._fits(seq, hit[0]):
+                    break
             self.waiting.popleft()
             self._admit(seq, seq.prefill_target, hit)
             chunk = min(seq.prefill_target - seq.num_cached, budget)
@@ -114,7 +148,7 @@ class Scheduler:
         return ScheduledBatch("prefill", seqs, chunks) if seqs else None
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        ready = deque(sorted((s for s in self.running if not s.in_prefill), key=lambda s: s.arrival))
+        ready = deque(sorted((s for s in self.running if not s.in_prefill), key=self.order))
         scheduled: list[Sequence] = []
         bs = self.blocks.block_size
         while ready:
@@ -128,7 +162,7 @@ class Scheduler:
                 continue
             while not self.blocks.can_reserve(seq.block_table, need):
                 victims = ready or [seq]
-                victim = victims.pop()  # the latest arrival gives way
+                victim = victims.pop()  # the latest arrival (of the lowest priority) gives way
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -146,14 +180,38 @@ class Scheduler:
 
     def can_admit(self) -> bool:
         """Whether the next `schedule()` would admit a waiting request (a free place in the batch, admission open
-        (`min_admit`) and the blocks for its prompt and one decode step: `_schedule_prefill`'s test)."""
-        if not self.waiting or len(self.running) >= self.max_num_seqs or self.max_num_batched_tokens <= 0:
+        (`min_admit`) and the blocks for its prompt and one decode step, or lower-priority requests to preempt for
+        them: `_schedule_prefill`'s test)."""
+        if not self.waiting or self.max_num_batched_tokens <= 0:
             return False
         if not self._admission_open():
             return False
         seq = self.waiting[0]
         hit = self._prefix_hit(seq)[0]
-        return self._fits(seq, hit) and not self._waits_for_shared_prefix(seq, hit)
+        if self._waits_for_shared_prefix(seq, hit):
+            return False
+        if len(self.running) >= self.max_num_seqs or not self._fits(seq, hit):
+            return bool(self._priority_victims(seq, hit))
+        return True
+
+    def _priority_victims(self, seq: Sequence, hit: list[int], keep=()) -> list[Sequence]:
+        """Priority policy: the running sequences of lower priority than `seq` (not in `keep`: this step's
+        batch) to preempt, last in order first, so that `seq` is admitted: a place in the batch and enough free
+        blocks (counting a victim's blocks as freed, whether or not another sequence shares them). [] when none
+        would do, or under "fcfs"."""
+        if self.policy != "priority":
+            return []
+        lower = sorted((s for s in self.running if s.params.priority > seq.params.priority and s not in keep),
+                       key=self.order, reverse=True)
+        need = self.blocks.blocks_needed(hit, seq.prefill_target + self.lookahead) + self.blocks.num_parked(hit)
+        free, places, victims = self.blocks.num_free, self.max_num_seqs - len(self.running), []
+        for v in lower:
+            if places >= 1 and free >= need:
+                break
+            victims.append(v)
+            free += len(v.block_table)
+            places += 1
+        return victims if places >= 1 and free >= need else []
 
     def _fits(self, seq: Sequence, hit: list[int]) -> bool:
         """Whether the pool holds `seq`'s prompt and one decode step, its first blocks being the cached `hit`."""
@@ -266,4 +324,7 @@ class Scheduler:
         self._release_slot(seq)
         seq.reset_for_recompute()
         self.running.remove(seq)
-        self.waiting.appendleft(seq)
+        if self.policy == "priority":
+            self._queue(seq)
+        else:
+            self.waiting.appendleft(seq)

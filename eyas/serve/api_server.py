@@ -51,7 +51,7 @@ def _param_of(message: str) -> str | None:
     return word if word in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
                             "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                             "truncate_prompt_tokens", "skip_special_tokens", "min_tokens",
-                            "allowed_token_ids", "prompt_logprobs", "bad_words") else None
+                            "allowed_token_ids", "prompt_logprobs", "bad_words", "priority") else None
 
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -119,7 +119,7 @@ def _sampling_params(req, max_tokens: int | None, logprobs: int | None = None) -
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=_logit_bias(req), allowed_token_ids=req.allowed_token_ids,
-            prompt_logprobs=req.prompt_logprobs, bad_words=req.bad_words)
+            prompt_logprobs=req.prompt_logprobs, bad_words=req.bad_words, priority=req.priority)
     except ValueError as e:
         raise APIError(str(e), param=_param_of(str(e))) from None
 
@@ -773,6 +773,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="fcfs: by arrival; priority: by each request's `priority` (lower first), then arrival, "
+                        "lower-priority running requests preempted for higher ones (vLLM's)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting beyond the running batch at most; more get 503 with Retry-After")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -815,7 +818,8 @@ def _engine_kwargs(args) -> dict:
     """The engine settings (`EngineConfig` keywords) of `eyas serve`'s options."""
     kwargs = dict(max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                   cuda_graphs="auto" if args.cuda_graphs else False,
-                  prefix_caching=getattr(args, "prefix_caching", True))
+                  prefix_caching=getattr(args, "prefix_caching", True),
+                  scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     if args.num_blocks is not None:
