@@ -15,8 +15,12 @@ The tools always reach the chat template (its `tools` variable), so a template t
 model. Guided calls are exact like any guided output: under speculation too, greedy equals plain decoding.
 
 Streaming: a named call streams its arguments as they are written; a "required" call is sent whole as soon as its
-array item closes, an "auto" call once the output ends (the text before it streams as content while it cannot be
-the start of one). Both make the same message as the non-streaming reply (`ToolStream`, used by both).
+array item closes; an "auto" call goes out once its name is written, then its arguments as they are written (as
+vLLM streams them; the text before the calls streams as content while it cannot be the start of one). Both make
+the same message as the non-streaming reply (`ToolStream`, used by both): an "auto" call's arguments are the text
+the model wrote (a string's value, where it wrote them as a string), and a call cut short by `max_tokens` keeps what
+was written, with finish_reason "length" (OpenAI's way). An output in which no call's name could be read is
+content, all of it.
 """
 from __future__ import annotations
 
@@ -131,41 +135,191 @@ def template_tool_calls(calls: list[dict]) -> list[dict]:
 
 # ---- parsers of free text ("auto") ---------------------------------------------------------------------------------
 
+class CallScanner:
+    """One tool call's JSON object as its text grows, a character at a time: its function's `name` once that string
+    closes, and `arguments()`, the text of its arguments (its "arguments" or "parameters" value) as far as it is
+    written: an object, array or number as the model wrote it (so a stream can send it while it grows), a string's
+    value once it closes (a model that writes the arguments as JSON text), "{}" for an object that closed without
+    them. A text that is not such an object turns it `bad` (what it read stays)."""
+    ARGS = ("arguments", "parameters")
+
+    def __init__(self):
+        self.state = "start"  # start key keystr colon value namestr val after done bad
+        self.buf, self.key, self.name = "", None, None
+        self.esc = self.in_str = False
+        self.depth = 0
+        self.raw: str | None = None  # the arguments' text so far (None: no arguments key yet)
+        self.target = False  # the value being read is the arguments'
+        self.args_closed = False
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("done", "bad")
+
+    def arguments(self) -> str:
+        if self.raw is None:
+            return "{}" if self.state == "done" else ""
+        if self.raw.startswith('"'):  # a string: its value, once whole
+            if not self.args_closed:
+                return ""
+            try:
+                return json.loads(self.raw)
+            except ValueError:
+                return ""
+        return self.raw
+
+    def _string(self, c: str) -> bool:
+        """Reads one character of a key or the name; True once the string closed (`buf` holds its raw text)."""
+        if self.esc:
+            self.esc = False
+        elif c == "\\":
+            self.esc = True
+        elif c == '"':
+            return True
+        self.buf += c
+        return False
+
+    def _decode(self) -> str | None:
+        try:
+            return json.loads('"' + self.buf + '"')
+        except ValueError:
+            return None
+
+    def feed(self, text: str) -> None:
+        for c in text:
+            self._char(c)
+
+    def _char(self, c: str) -> None:
+        st = self.state
+        if st in ("done", "bad"):
+            return
+        if st in ("keystr", "namestr"):
+            if self._string(c):
+                value = self._decode()
+                if value is None:
+                    self.state = "bad"
+                elif st == "keystr":
+                    self.key, self.state = value, "colon"
+                else:
+                    self.name = self.name if self.name is not None else value
+                    self.state = "after"
+            return
+        if st == "val":
+            self._value(c)
+            return
+        if c.isspace():
+            return
+        if st == "start":
+            self.state = "key" if c == "{" else "bad"
+        elif st == "key":
+            if c == '"':
+                self.buf, self.state = "", "keystr"
+            else:
+                self.state = "done" if c == "}" else "bad"
+        elif st == "colon":
+            self.state = "value" if c == ":" else "bad"
+        elif st == "after":
+            self.state = {",": "key", "}": "done"}.get(c, "bad")
+        elif st == "value":
+            if self.key == "name":
+                if c == '"' and self.name is None:
+                    self.buf, self.state = "", "namestr"
+                else:
+                    self.state = "bad"
+                return
+            self.target = self.key in self.ARGS and self.raw is None
+            if self.target:
+                self.raw = ""
+            self.depth, self.in_str, self.esc, self.state = 0, False, False, "val"
+            self._value(c)
+
+    def _value(self, c: str) -> None:
+        """One character of a value (nesting and strings followed); its end moves on to `after`."""
+        ends = False
+        if self.in_str:
+            if self.esc:
+                self.esc = False
+            elif c == "\\":
+                self.esc = True
+            elif c == '"':
+                self.in_str = False
+                ends = self.depth == 0
+        elif c == '"':
+            self.in_str = True
+        elif c in "{[":
+            self.depth += 1
+        elif c in "}]" or (c == "," and self.depth == 0):
+            if self.depth == 0:  # a number, true, false or null ends where its object goes on
+                self._end_value()
+                self._char(c)
+                return
+            self.depth -= 1
+            ends = self.depth == 0
+        if self.target and not (c.isspace() and self.depth == 0 and not self.in_str):  # a number's trailing space
+            self.raw += c
+        if ends:
+            self._end_value()
+
+    def _end_value(self) -> None:
+        if self.target:
+            self.args_closed, self.target = True, False
+        self.state = "after"
+
+
+class CallReader:
+    """The tool calls of one output as its text grows (`ToolParser.reader`): `feed(text)` scans the text added since
+    the last call, `finish()` the rest once the output ended; `calls` are the `CallScanner`s so far, and `start` is
+    where the first call begins (None: no call yet), which ends the content."""
+
+    def __init__(self, parser: "ToolParser"):
+        self.parser = parser
+        self.calls: list[CallScanner] = []
+        self.start: int | None = None
+        self.pos = 0  # how far the text was scanned
+        self.hold = ""  # characters that may begin a tag, not scanned yet
+        self.state = "content"
+
+    def feed(self, text: str, final: bool = False) -> None:
+        if self.start is None:
+            self.start = self.parser.first_call(text, final)
+            if self.start is None:
+                return
+            self.pos, self.state = self.start, "call"
+            self.calls.append(CallScanner())
+        for c in text[self.pos:]:
+            self.parser.step(self, c)
+        self.pos = len(text)
+        if final and self.hold:
+            held, self.hold = self.hold, ""
+            if self.state == "call":
+                self.calls[-1].feed(held)
+
+
 class ToolParser:
-    """Reads tool calls out of a model's free text. `parse(text)`: (content or None, calls), calls empty when the
-    text holds none (then content is the whole text). `content_end(text)`: how much of a text still being written
-    is content whatever follows (what a stream may send now)."""
+    """How tool calls sit in a model's free text. `content_end(text)`: how much of a text still being written is
+    content whatever follows (what a stream may send now); `first_call(text, final)`: where the first call's object
+    begins, once known (None before); `step(reader, c)`: one character after it (framing between calls)."""
     name = ""
 
-    def parse(self, text: str) -> tuple[str | None, list[dict]]:
-        raise NotImplementedError
+    def reader(self) -> CallReader:
+        return CallReader(self)
 
     def content_end(self, text: str) -> int:
+        raise NotImplementedError
+
+    def first_call(self, text: str, final: bool) -> int | None:
+        raise NotImplementedError
+
+    def step(self, r: CallReader, c: str) -> None:
         raise NotImplementedError
 
 
 class HermesParser(ToolParser):
     """Hermes 2 Pro, Qwen 2.5 and 3, SmolLM3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any
-    number of them after the content; the last may lack its closing tag."""
+    number of them after the content; the last may lack its closing tag. A call's text ends at its closing tag
+    (whatever its JSON), and text between calls is not read."""
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
-    _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
-
-    def parse(self, text):
-        at = text.find(self.START)
-        if at < 0:
-            return text, []
-        calls = []
-        for m in self._CALL.finditer(text, at):
-            try:
-                obj = json.loads(m.group(1) if m.group(1) is not None else m.group(2))
-            except ValueError:
-                return text, []
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                return text, []
-            calls.append(call(obj["name"], _dump(obj.get("arguments", {}))))
-        content = text[:at]
-        return (content if content.strip() else None), calls
 
     def content_end(self, text):
         at = text.find(self.START)
@@ -176,38 +330,62 @@ class HermesParser(ToolParser):
                 return len(text) - k
         return len(text)
 
+    def first_call(self, text, final):
+        at = text.find(self.START)
+        return None if at < 0 else at + len(self.START)
+
+    def step(self, r, c):
+        tag = self.END if r.state == "call" else self.START  # "seek": between calls
+        r.hold += c
+        while r.hold and not tag.startswith(r.hold):
+            if r.state == "call":
+                r.calls[-1].feed(r.hold[0])
+            r.hold = r.hold[1:]
+        if r.hold == tag:
+            r.hold = ""
+            if r.state == "call":
+                r.state = "seek"
+            else:
+                r.state = "call"
+                r.calls.append(CallScanner())
+
 
 class Llama3JsonParser(ToolParser):
-    """Llama 3.1-3.3's JSON tool calls: the whole output is `{"name": ..., "parameters": {...}}` (or
-    "arguments"), several separated by ";", after an optional `<|python_tag|>`. Anything else is content."""
+    """Llama 3.1-3.3's JSON tool calls: the output is `{"name": ..., "parameters": {...}}` (or "arguments"),
+    several separated by ";", after an optional `<|python_tag|>`; an output that begins otherwise is content. After
+    the calls, text that is not another call is not read."""
     name = "llama3_json"
     TAG = "<|python_tag|>"
-
-    def parse(self, text):
-        s = text.strip()
-        if s.startswith(self.TAG):
-            s = s[len(self.TAG):].lstrip()
-        if not s.startswith("{"):
-            return text, []
-        decoder, calls, i = json.JSONDecoder(), [], 0
-        while i < len(s):
-            try:
-                obj, i = decoder.raw_decode(s, i)
-            except ValueError:
-                return text, []
-            args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
-            if not isinstance(obj.get("name") if isinstance(obj, dict) else None, str) or not isinstance(args, dict):
-                return text, []
-            calls.append(call(obj["name"], _dump(args)))
-            while i < len(s) and (s[i].isspace() or s[i] == ";"):
-                i += 1
-        return None, calls
 
     def content_end(self, text):
         s = text.lstrip()
         if not s or s.startswith("{") or s.startswith(self.TAG) or self.TAG.startswith(s):
             return 0  # a call may be what this text is: nothing is content yet
         return len(text)
+
+    def first_call(self, text, final):
+        s = text.lstrip()
+        at = len(text) - len(s)
+        if s.startswith(self.TAG):
+            rest = s[len(self.TAG):]
+            t = rest.lstrip()
+            if not t:
+                return None
+            return at + len(self.TAG) + len(rest) - len(t) if t.startswith("{") else None
+        return at if s.startswith("{") else None
+
+    def step(self, r, c):
+        if r.state == "call":
+            r.calls[-1].feed(c)
+            if r.calls[-1].done:
+                r.state = "seek" if r.calls[-1].state == "done" else "end"
+        elif r.state == "seek":
+            if c == "{":
+                r.state = "call"
+                r.calls.append(CallScanner())
+                r.calls[-1].feed(c)
+            elif not (c.isspace() or c == ";"):
+                r.state = "end"
 
 
 PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser)}
@@ -232,6 +410,8 @@ class ToolStream:
         self.head: dict | None = None  # a named call, once its first part went out
         self.items = ArrayItems() if choice == "required" else None
         self.calls_sent = 0  # "required": the calls that went out
+        self.reader = parser.reader() if choice == "auto" else None
+        self.emitted: dict[int, list] = {}  # "auto": per call that went out (by its scanner), [index, arguments sent]
 
     def feed(self, delta: str) -> list[dict]:
         self.text += delta
@@ -249,11 +429,13 @@ class ToolStream:
             self.calls_sent += len(calls)
             return out
         if self.choice == "auto":
+            out = []
             end = self.parser.content_end(self.text)
             if end > self.sent and self.text[:end].strip():
-                out, self.sent = self.text[self.sent:end], end
-                return [{"content": out}]
-            return []
+                out.append({"content": self.text[self.sent:end]})
+                self.sent = end
+            self.reader.feed(self.text)
+            return out + self._call_deltas()
         if self.head is None:
             self.head = call(self.choice, delta)
             return [{"tool_calls": [{"index": 0, **self.head}]}]
@@ -267,15 +449,27 @@ class ToolStream:
             if self.calls_sent:
                 return [], ("tool_calls" if reason == "stop" else reason)
             return ([{"content": self.text}] if self.text else []), reason
-        content, calls = self.parser.parse(self.text)
+        self.reader.feed(self.text, final=True)
+        calls = self._call_deltas()
+        if not self.emitted:  # no call: the text is content, all of it (what is left of it)
+            return ([{"content": self.text[self.sent:]}] if self.text[self.sent:] else []), reason
+        return calls, ("tool_calls" if reason == "stop" else reason)
+
+    def _call_deltas(self) -> list[dict]:
+        """"auto": a call goes out once its name is known, then its arguments as they grow."""
         out = []
-        rest = (content or "")[self.sent:]  # content not sent yet: all of it, or what followed the last delta
-        if rest:
-            out.append({"content": rest})
-        if not calls:
-            return out, reason
-        out.append({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
-        return out, "tool_calls"
+        for sc in self.reader.calls:
+            if sc.name is None:
+                continue
+            args = sc.arguments()
+            sent = self.emitted.get(id(sc))
+            if sent is None:
+                self.emitted[id(sc)] = [len(self.emitted), len(args)]
+                out.append({"tool_calls": [{"index": len(self.emitted) - 1, **call(sc.name, args)}]})
+            elif len(args) > sent[1]:
+                out.append({"tool_calls": [{"index": sent[0], "function": {"arguments": args[sent[1]:]}}]})
+                sent[1] = len(args)
+        return out
 
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         deltas = self.feed(text)
@@ -288,7 +482,7 @@ class ToolStream:
                 if "id" in c:
                     calls.append({"id": c["id"], "type": c["type"], "function": dict(c["function"])})
                 else:
-                    calls[-1]["function"]["arguments"] += c["function"]["arguments"]
+                    calls[c["index"]]["function"]["arguments"] += c["function"]["arguments"]
         msg = {"role": "assistant", "content": content if calls else content or ""}
         if calls:
             msg["tool_calls"] = calls
