@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP server: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (streaming via SSE and
-not), `/health`, `/metrics`. FastAPI + uvicorn; the engine runs in its own thread (see async_engine.py).
+not), `/v1/responses` (eyas/serve/responses.py), `/health`, `/metrics`. FastAPI + uvicorn; the engine runs in its own thread (see async_engine.py).
 
     eyas serve --model smollm2 [--draft default] [--speculation tree:8] [--host 127.0.0.1] [--port 8000]
 
@@ -35,6 +35,7 @@ from eyas.serve.metrics import CONTENT_TYPE, Metrics
 from eyas.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                  ModelList, TokenizeRequest, api_error_response, completion_id, error_response,
                                  make_usage)
+from eyas.serve import responses
 from eyas.serve.tools import PARSERS, ToolStream, check_tools, make_parser, tool_guide
 
 log = logging.getLogger("eyas.serve")
@@ -204,7 +205,10 @@ def _validation_response(errors) -> JSONResponse:
 
 async def _parse(request: Request, model):
     """The body as `model`, whatever the Content-Type says (curl users forget it)."""
-    body = await request.body()
+    return await _parse_body(await request.body(), model)
+
+
+async def _parse_body(body: bytes, model):
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
@@ -230,6 +234,7 @@ class Server:
         self.engine = engine = getattr(llm, "engine", llm)  # an LLM or an LLMEngine
         self.chat_template = chat_template  # in place of the model's (`eyas serve --chat-template`)
         self.tool_parser = None if tool_parser is None else make_parser(tool_parser)  # reads "auto" tool calls
+        self.responses = responses.ResponseStore()  # /v1/responses' stored ones (previous_response_id, GET)
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
         self.names = {served_model_name, *aliases}
@@ -571,25 +576,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
     async def chat_completions(request: Request):
         arrival = time.perf_counter()
         req = await _parse(request, ChatCompletionRequest)
-        server.common_checks(req)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
-                           param="top_logprobs")
-        tool_choice = _tool_choice(req, server.tool_parser)
-        text = server.chat_text(req)
-        max_tokens, max_param = req.max_tokens, "max_tokens"
-        if req.max_completion_tokens is not None:
-            max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
-        base = _sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        base = _with_tool_guide(req, base, tool_choice)
-        await server.compile_guided(base.guided)
-        ids = server.prompt_ids(server.tokenizer.encode(text), "messages", base.truncate_prompt_tokens)
-        budget = server.fit(ids, max_tokens, "messages", max_param)
-        cid = completion_id("chatcmpl")
-        queue, rids = await server.submit(cid, [ids], [budget], base, req.n, arrival)
-        calls = None if tool_choice == "none" else lambda: ToolStream(tool_choice, server.tool_parser)
+        ids, base, cid, queue, rids, calls = await _submit_chat(server, req, arrival, "chatcmpl")
         if req.stream:
             include_usage = _usage_mode(req)
             return _stream(server, queue, rids, cid, req.model, "chat.completion.chunk", len(ids), include_usage,
@@ -611,7 +598,105 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
             reply["prompt_logprobs"] = prompt_logprobs(finals[0].prompt_logprobs, ids, server.token_text)
         return reply
 
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        arrival = time.perf_counter()
+        body = await request.body()
+        rreq = await _parse_body(body, responses.ResponsesRequest)
+        try:
+            raw = json.loads(body)
+        except ValueError:
+            raw = {}
+        history = [] if rreq.previous_response_id is None else \
+            server.responses.get(rreq.previous_response_id, "previous_response_id")[1]
+        chat, messages = responses.chat_body(rreq, raw, history)
+        try:
+            req = ChatCompletionRequest.model_validate(chat)
+        except ValidationError as e:
+            raise _BadBody(_validation_response(e.errors())) from None
+        ids, base, _, queue, rids, calls = await _submit_chat(server, req, arrival, "resp")
+        rid, created = responses.new_id(), responses.now()
+        if rreq.stream:
+            return _response_stream(server, rreq, rid, created, queue, rids, len(ids), base.stop, calls, messages)
+        out = (await server.collect(request, queue, rids))[0]
+        message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
+        if calls is not None:
+            message, finish = calls().message(out.text, finish)
+        status = responses.status_of(finish)
+        resp = responses.response(rid, rreq, created, responses.output_items(message, status), status,
+                                  responses.usage(len(ids), len(out.token_ids), out.num_cached_tokens))
+        if rreq.store:
+            server.responses.put(resp, messages)
+        return resp
+
+    @app.get("/v1/responses/{rid}")
+    async def get_response(rid: str):
+        return server.responses.get(rid)[0]
+
     return app
+
+
+async def _submit_chat(server: Server, req, arrival: float, prefix: str):
+    """A chat request checked and queued: (its prompt ids, sampling parameters, id, queue, request ids, and the
+    maker of each choice's `ToolStream`, None without tools)."""
+    server.common_checks(req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                       param="top_logprobs")
+    tool_choice = _tool_choice(req, server.tool_parser)
+    text = server.chat_text(req)
+    max_tokens, max_param = req.max_tokens, "max_tokens"
+    if req.max_completion_tokens is not None:
+        max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+    base = _sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    base = _with_tool_guide(req, base, tool_choice)
+    await server.compile_guided(base.guided)
+    ids = server.prompt_ids(server.tokenizer.encode(text), "messages", base.truncate_prompt_tokens)
+    budget = server.fit(ids, max_tokens, "messages", max_param)
+    cid = completion_id(prefix)
+    queue, rids = await server.submit(cid, [ids], [budget], base, req.n, arrival)
+    calls = None if tool_choice == "none" else lambda: ToolStream(tool_choice, server.tool_parser)
+    return ids, base, cid, queue, rids, calls
+
+
+def _response_stream(server: Server, rreq, rid: str, created: int, queue, rids: list[str], num_prompt: int,
+                     stops: list[str], calls, messages: list[dict]) -> StreamingResponse:
+    """/v1/responses with stream: OpenAI's typed events (`eyas.serve.responses.ResponseEvents`), the response
+    stored at the end as the non-streaming path stores it."""
+    ev = responses.ResponseEvents(rid, rreq, created)
+
+    async def events():
+        text, tools = TextStream(stops), calls() if calls is not None else None
+        try:
+            for e in ev.start():
+                yield e
+            async for _, out in AsyncEngine.results(queue, 1):
+                delta = text.delta(out)
+                for d in (tools.feed(delta) if tools is not None else ([{"content": delta}] if delta else [])):
+                    for e in ev.delta(d):
+                        yield e
+                if out.finished:
+                    finish = out.finish_reason
+                    if tools is not None:
+                        parts, finish = tools.finish(finish)
+                        for d in parts:
+                            for e in ev.delta(d):
+                                yield e
+                    closing, resp = ev.finish(finish, responses.usage(num_prompt, len(out.token_ids),
+                                                                       out.num_cached_tokens))
+                    if rreq.store:
+                        server.responses.put(resp, messages)
+                    for e in closing:
+                        yield e
+        except EngineError as e:
+            yield ev.event("error", message=str(e), code=None, param=None)
+        finally:
+            server.async_engine.abort(rids)
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def _logprobs(server: Server, out, chat: bool, new: bool = False, offset: int = 0,
@@ -756,7 +841,7 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn)",
                               description="OpenAI-compatible server: /v1/models, /v1/completions, "
-                                          "/v1/chat/completions, /health, /metrics")
+                                          "/v1/chat/completions, /v1/responses, /health, /metrics")
     p.add_argument("--model", default="smollm2", help="'smollm2', an HF directory or a .gguf file")
     p.add_argument("--draft", default="auto",
                    help="EAGLE draft directory, 'default' (the draft shipped for smollm2), 'none', or 'auto' "

@@ -1,0 +1,173 @@
+"""OpenAI's Responses API (eyas.serve.responses) through the openai client: a response says what the offline chat
+with the same messages says (greedy, speculative), its stream's events make the same response, tools, text formats
+and earlier calls map onto the chat's, `previous_response_id` continues a stored response, and bad input is a
+400."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from eyas import LLM, GuidedDecoding, SamplingParams
+from helpers import write_guided_mirror
+from test_tools import ADD, HERMES_REGEX, TOOL_TEMPLATE, TOOLS
+
+FLAT = [{"type": "function", **t["function"]} for t in TOOLS]  # Responses' function tools
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from eyas.serve.api_server import create_app
+    from test_server import LiveServer
+    target, draft, _ = write_guided_mirror(tmp_path_factory.mktemp("responses"))
+    cfg = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TOOL_TEMPLATE}))
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation="tree:8")
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    sys_user = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "weather?"}]
+    refs = {"plain": llm.chat([{"role": "user", "content": "weather?"}], greedy)[0],
+            "instructed": llm.chat(sys_user, greedy)[0],
+            "add": llm.chat([{"role": "user", "content": "add?"}], SamplingParams(
+                max_tokens=150, guided=GuidedDecoding(json=ADD["function"]["parameters"])), tools=TOOLS)[0],
+            "schema": llm.chat([{"role": "user", "content": "n?"}], SamplingParams(
+                max_tokens=40, guided=GuidedDecoding(json=SCHEMA)))[0]}
+    s = LiveServer(create_app(llm, "mirror", tool_parser="hermes"))
+    s.refs = refs
+    yield s
+    s.close()
+
+
+def _strip(resp: dict) -> dict:
+    """A response without what differs between two runs of it (ids, times)."""
+    out = [{k: v for k, v in it.items() if k not in ("id", "call_id")} for it in resp["output"]]
+    return {**{k: v for k, v in resp.items() if k not in ("id", "created_at")}, "output": out}
+
+
+def _tokens(server, messages, tools=None) -> int:
+    body = {"messages": messages} | ({"tools": tools} if tools else {})
+    return httpx.post(server.url + "/tokenize", json=body, timeout=60).json()["count"]
+
+
+def test_a_response_says_what_the_chat_says(server):
+    """Text in, text out: the offline chat's greedy text, its usage; `instructions` as a system message; a cut
+    budget is an "incomplete" response."""
+    client = server.client()
+    r = client.responses.create(model="mirror", input="weather?", max_output_tokens=12, temperature=0)
+    assert r.output_text == server.refs["plain"].text and r.status == "incomplete"  # 12 tokens, no end
+    assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 12
+    assert r.usage.input_tokens == _tokens(server, [{"role": "user", "content": "weather?"}])
+    assert r.output[0].type == "message" and r.output[0].role == "assistant" and r.id.startswith("resp_")
+    r = client.responses.create(model="mirror", instructions="Be brief.", max_output_tokens=12, temperature=0,
+                                input=[{"role": "user", "content": [{"type": "input_text", "text": "weather?"}]}])
+    assert r.output_text == server.refs["instructed"].text
+    text = server.refs["plain"].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]  # vLLM's extras pass through: a stop string ends it
+    done = client.responses.create(model="mirror", input="weather?", max_output_tokens=200, temperature=0,
+                                   extra_body={"stop": [stop]})
+    assert done.status == "completed" and done.incomplete_details is None
+    assert done.output_text == text[:text.index(stop)]
+
+
+def test_the_stream_makes_the_same_response(server):
+    """Typed events in order (created, in_progress, item and part added, text deltas, done events, completed):
+    the deltas make the text, and the last event's response is the non-streaming one (ids aside). The openai
+    client's stream helper accumulates a completed one into the same response."""
+    client = server.client()
+    kw = dict(model="mirror", input="weather?", max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**kw).model_dump()
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]  # the budget cut it
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole["output"][0][
+        "content"][0]["text"]
+    assert _strip(events[-1].response.model_dump()) == _strip(whole)
+    text = whole["output"][0]["content"][0]["text"]
+    stop = {"stop": [text[len(text) // 2: len(text) // 2 + 2]]}
+    with client.responses.stream(**kw, extra_body=stop) as st:  # completed: a stop string ends it
+        final = st.get_final_response()
+    assert final.status == "completed"
+    assert final.output_text == client.responses.create(**kw, extra_body=stop).output_text
+
+
+def test_tools_and_text_formats_map_onto_the_chats(server):
+    """A named function tool: a function_call item whose arguments are offline guided decoding's under its schema,
+    streamed as argument deltas; "auto" (hermes) reads content and calls back; text.format json_schema is
+    guided decoding."""
+    client = server.client()
+    kw = dict(model="mirror", input="add?", tools=FLAT, tool_choice={"type": "function", "name": "add"},
+              temperature=0, max_output_tokens=150)
+    r = client.responses.create(**kw)
+    assert [(it.type, it.name, it.arguments) for it in r.output] == [("function_call", "add",
+                                                                      server.refs["add"].text)]
+    assert r.output[0].call_id.startswith("call_") and r.status == "completed"
+    events = list(client.responses.create(**kw, stream=True))
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == server.refs["add"].text
+    assert _strip(events[-1].response.model_dump()) == _strip(r.model_dump())
+    auto = client.responses.create(model="mirror", input="weather?", tools=FLAT, temperature=0,
+                                   max_output_tokens=250, extra_body={"guided_regex": HERMES_REGEX})
+    assert [it.type for it in auto.output] == ["message", "function_call", "function_call"]
+    assert auto.output[0].content[0].text == "Sure.\n" and auto.output[2].name == "add"
+    js = client.responses.create(model="mirror", input="n?", temperature=0, max_output_tokens=40,
+                                 text={"format": {"type": "json_schema", "name": "n", "schema": SCHEMA}})
+    assert js.output_text == server.refs["schema"].text and "n" in json.loads(js.output_text)
+
+
+def test_previous_response_id_and_stored_responses(server):
+    """A response continues a stored one: its prompt is the earlier input and output, then the new input (the
+    earlier instructions not); earlier calls and their outputs given as input items reach the template as the
+    chat's tool_calls and tool messages. GET returns a stored response; unknown or unstored ids are 404s."""
+    client = server.client()
+    first = client.responses.create(model="mirror", input="weather?", instructions="Be brief.",
+                                    max_output_tokens=6, temperature=0)
+    second = client.responses.create(model="mirror", input="and tomorrow?", previous_response_id=first.id,
+                                     max_output_tokens=6, temperature=0)
+    history = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "and tomorrow?"}]
+    assert second.usage.input_tokens == _tokens(server, history)
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    calls = [{"type": "function_call", "call_id": "call_7", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+             {"type": "function_call_output", "call_id": "call_7", "output": "sunny"}]
+    third = client.responses.create(model="mirror", input=[{"role": "user", "content": "weather?"}] + calls,
+                                    tools=FLAT, tool_choice="none", max_output_tokens=4, temperature=0)
+    chat = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_7", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+            {"role": "tool", "tool_call_id": "call_7", "content": "sunny"}]
+    assert third.usage.input_tokens == _tokens(server, chat, TOOLS)
+    unstored = client.responses.create(model="mirror", input="x", store=False, max_output_tokens=2)
+    for rid in ("resp_nope", unstored.id):
+        r = httpx.get(f"{server.url}/v1/responses/{rid}", timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+    r = httpx.post(server.url + "/v1/responses", json={"model": "mirror", "input": "x",
+                                                       "previous_response_id": "resp_nope"}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_bad_responses_requests(server):
+    bad = [({"input": [{"type": "input_image", "image_url": "x"}]}, 400, "input"),
+           ({"input": [{"role": "tool", "content": "x"}]}, 400, "input"),
+           ({"input": []}, 400, "input"),
+           ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, "input"),
+           ({"input": [{"type": "function_call", "name": "f"}]}, 400, "input"),
+           ({"input": "x", "text": {"format": {"type": "xml"}}}, 400, "text"),
+           ({"input": "x", "background": True}, 400, "background"),
+           ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools"),
+           ({"input": "x", "tool_choice": {"type": "mcp"}, "tools": FLAT}, 400, "tool_choice"),
+           ({"input": "x", "max_output_tokens": 0}, 400, None),
+           ({"input": 5}, 422, "input"),
+           ({"input": "x", "model": "other"}, 404, "model")]
+    for body, status, param in bad:
+        r = httpx.post(server.url + "/v1/responses", json={"model": "mirror", **body}, timeout=60)
+        assert r.status_code == status, (body, r.text)
+        if param is not None:
+            assert r.json()["error"]["param"] == param, (body, r.text)
