@@ -61,7 +61,8 @@ def test_node_contexts_and_commit_tail_equal_lists():
 
 
 def test_word_bans_equal_a_loop_over_each_nodes_context():
-    """`WordBans.apply` (what each tree node of the target and the draft gets): per row its own words, per node its
+    """`WordBans.apply` (what each tree node of the target gets, and the draft's with `DRAFT_MATCHES_WORDS`): per
+    row its own words, per node its
     own path; a draft vocabulary's columns without some words' last tokens; words longer than the context, and a
     word begun in the committed output and ended on the path."""
     g = torch.Generator().manual_seed(4)
@@ -128,6 +129,21 @@ def test_greedy_with_bad_words_equals_a_dense_loop(pairs, spec):
         assert (o.token_ids != f.token_ids) == bool(pen)
     if spec is not None:  # paths were accepted, so the nodes' own contexts were matched
         assert sum(o.stats.committed for o in outs) > 1.3 * sum(o.stats.target_calls for o in outs)
+
+
+@pytest.mark.parametrize("spec", ["chain:4", "dyn:k3d4n8"])
+def test_the_draft_may_match_the_words_too(pairs, spec, monkeypatch):
+    """`DRAFT_MATCHES_WORDS` (off by default: it costs more than it buys) has the draft's levels match the words as
+    the target's nodes do: the output is the same dense loop's."""
+    import eyas.layers.penalties as pen
+    monkeypatch.setattr(pen, "DRAFT_MATCHES_WORDS", True)
+    target, draft = pairs["mirror"]
+    llm = LLM(str(target), device="cpu", dtype="float32", block_size=4, draft=str(draft), speculation=spec)
+    free = llm.generate(_prompts(), SamplingParams(max_tokens=24, ignore_eos=True))
+    pens = [dict(bad_words_token_ids=_words_from(o.token_ids)) for o in free]
+    outs = llm.generate(_prompts(), [SamplingParams(max_tokens=24, ignore_eos=True, **p) for p in pens])
+    for p, o, pe in zip(_prompts(), outs, pens, strict=True):
+        assert o.token_ids == _dense_greedy(llm.target, p, 24, **pe)
 
 
 @pytest.mark.parametrize("setting", [dict(max_num_seqs=2), dict(num_blocks=30)], ids=["slots_reused", "preempt"])

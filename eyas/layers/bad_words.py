@@ -10,7 +10,9 @@ A one-token sequence is refused everywhere, so it is a constant bias of -inf (`e
 writes it beside `logit_bias`). A longer one depends on the context, so under speculation each tree node is matched
 against its own: the committed output's last tokens followed by its path's (`node_contexts`). A node's law is then
 the one plain decoding would use after that path, and acceptance stays lossless, as with the penalties that this
-travels with (`WordBans`, in `eyas.layers.penalties.Penalties`). The draft proposes under the same bans.
+travels with (`WordBans`, in `eyas.layers.penalties.Penalties`). The draft proposes under the one-token bans only
+(`DRAFT_MATCHES_WORDS`): matching its levels too cost ~0.4 ms a step of SmolLM2's default tree on an H100, for
+proposals the target refuses only where a banned phrase would go on.
 
 Everything runs on the device from fixed-size rows (CUDA graphs capture it): per sequence slot, the output's last
 `MAX_WORD_TOKENS - 1` tokens (`tail`, moved on by each step's commit, `commit_tail`) and up to `MAX_LONG_WORDS`
@@ -26,6 +28,8 @@ MAX_WORDS = 128  # bad_words entries (or token sequences) a request may give
 MAX_WORD_TOKENS = 16  # tokens in one sequence
 MAX_LONG_WORDS = 64  # sequences of two tokens or more a request may end up with (each word gives one or two)
 TAIL = MAX_WORD_TOKENS - 1  # the output tokens a match looks back at
+# whether the draft's levels match the multi-token words too (the target's nodes always do: exactness needs it)
+DRAFT_MATCHES_WORDS = False
 
 
 def word_token_ids(words: Iterable[str], encode: Callable[[str], list[int]]) -> list[list[int]]:

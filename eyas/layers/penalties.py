@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from eyas.layers.bad_words import WordBans, commit_tail
+from eyas.layers.bad_words import DRAFT_MATCHES_WORDS, WordBans, commit_tail
 
 
 def penalize(logits: torch.Tensor, out_counts: torch.Tensor, seen: torch.Tensor, frequency: torch.Tensor,
@@ -115,14 +115,15 @@ class Penalties:
         """The `adjust` of `eyas.spec.draft_vocab.draft_topk`: the draft's logits ([B, L, K], or [B, K] for one node)
         penalised as `apply_to_nodes` does."""
         def adjust(logits: torch.Tensor, columns: torch.Tensor | None) -> None:
-            self.apply_to_nodes(logits if logits.dim() == 3 else logits[:, None], path_tokens, on_path, columns)
+            self.apply_to_nodes(logits if logits.dim() == 3 else logits[:, None], path_tokens, on_path, columns,
+                                words=DRAFT_MATCHES_WORDS)
             # a row whose every column is ruled out (allowed_token_ids outside a draft vocabulary, say) stays finite:
             # its proposals are then arbitrary, but a dynamic tree's log-softmax of it is not NaN
             logits.clamp_(min=torch.finfo(logits.dtype).min)
         return adjust
 
     def apply_to_nodes(self, logits: torch.Tensor, path_tokens: torch.Tensor, on_path: torch.Tensor,
-                       columns: torch.Tensor | None = None) -> None:
+                       columns: torch.Tensor | None = None, words: bool = True) -> None:
         """In place, logits [B, L, K] of L tree nodes: each penalised by the committed tokens and its path's:
         `path_tokens` ([B, M]: the tokens of nodes 1..M, or [B, L, M]: each node's own) where `on_path` ([L, M] or
         [B, L, M]) is true. `columns` [K]: the token id of each column of `logits` (a draft vocabulary's), None when
@@ -166,7 +167,7 @@ class Penalties:
         depth = on.sum(-1) if M else torch.zeros(B, L, device=logits.device)
         ban = self.ban if columns is None else self.ban[:, columns]
         logits.masked_fill_(ban[:, None, :] & (depth < self.ban_until[:, None])[..., None], float("-inf"))
-        if self.words is not None:  # each node's context: the committed output's end, then its path
+        if self.words is not None and words:  # each node's context: the committed output's end, then its path
             if not M:
                 tokens = torch.empty(B, L, 0, dtype=torch.long, device=logits.device)
                 on = tokens.bool()

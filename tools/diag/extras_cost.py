@@ -1,7 +1,8 @@
 """What requests that ask for log-probabilities or penalties cost their batch: ms per output token of a batch of B
 MT-Bench first turns (greedy, `--max-tokens` each, end-of-sequence ignored), decoded with no such request ("free"),
 with one request of the batch asking for log-probabilities (k = 5), for penalties (repetition 1.2, frequency 0.3), or
-for both, and every request asking for both ("all"). On CUDA each row runs with graphs ("graphed": such steps replay
+for both, and every request asking for both ("all"); "words" is the penalties' request with bad words of several
+tokens too (their matching: `Penalties.kind` 2's graphs), and "words_all" every request so. On CUDA each row runs with graphs ("graphed": such steps replay
 the graphs of `GraphedStep.launch_extras`) and without ("eager": every step eager, which is what a batch with such a
 request cost before those graphs). A record of costs, not a fast path.
 
@@ -22,7 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from diag_rows import chat_prompts, emit, save  # noqa: E402
 
-KINDS = {"free": (), "logprobs": ("lp",), "penalties": ("pen",), "both": ("lp", "pen"), "all": ("lp", "pen")}
+KINDS = {"free": (), "logprobs": ("lp",), "penalties": ("pen",), "both": ("lp", "pen"), "all": ("lp", "pen"),
+         "words": ("pen", "words"), "words_all": ("pen", "words")}
+WORDS = ["in conclusion", "the capital of", "I think that", "as an AI", "it is important to note"]
 
 
 def params_for(kind: str, B: int, max_tokens: int):
@@ -33,7 +36,9 @@ def params_for(kind: str, B: int, max_tokens: int):
         extra["logprobs"] = 5
     if "pen" in KINDS[kind]:
         extra.update(repetition_penalty=1.2, frequency_penalty=0.3)
-    asking = B if kind == "all" else (1 if extra else 0)
+    if "words" in KINDS[kind]:
+        extra["bad_words"] = WORDS
+    asking = B if kind.endswith("all") else (1 if extra else 0)
     return [SamplingParams(**base, **(extra if i < asking else {})) for i in range(B)]
 
 
