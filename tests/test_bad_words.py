@@ -13,7 +13,7 @@ from eyas import LLM, SamplingParams
 from eyas.layers.bad_words import (MAX_LONG_WORDS, MAX_WORD_TOKENS, WordBans, commit_tail, node_contexts,
                                    word_token_ids)
 from helpers import write_mirror_and_random
-from test_penalties import PARAMS, SPECS, _dense_greedy, _prompts
+from test_penalties import PARAMS, SPECS, _dense_greedy, _prompts, filled_from_fewer_rows
 
 
 @pytest.fixture(scope="module")
@@ -177,17 +177,7 @@ def test_static_buffers_with_words_filled_from_fewer_rows():
         bad_words=words)
     wide = [seq([1, 2], ((2, 3),))] * 3
     step = [seq([4, 5], ((5, 6), (6, 7))), seq([1], ((1, 2, 3),))]
-    buf = Penalties.neutral(4, V, "cpu", words=True)
-    buf.fill(Penalties.of(wide, V, "cpu"))
-    buf.fill(Penalties.of(step, V, "cpu"))
-    logits = torch.randn(4, 3, V, generator=torch.Generator().manual_seed(0))
-    tokens, anc = torch.tensor([[0, 2, 6]] * 4), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)
-    got = logits.clone()
-    buf.apply_to_tree(got, tokens, anc)
-    want = logits[:2].clone()
-    Penalties.of(step, V, "cpu").apply_to_tree(want, tokens[:2], anc)
-    torch.testing.assert_close(got[:2], want)
-    torch.testing.assert_close(got[2:], logits[2:])
+    want, _ = filled_from_fewer_rows(wide, step, V, [0, 2, 6], words=True)
     # row 0: 6 after the root (5), 7 after node 2 (6); row 1: 3 after node 1 (1, 2)
     assert want[0, 0, 6] == want[0, 2, 7] == want[1, 1, 3] == float("-inf")
     assert want.isinf().sum() == 3

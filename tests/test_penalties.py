@@ -41,24 +41,32 @@ def test_static_buffers_filled_from_fewer_rows_penalise_those_rows_only():
     """A graph's static penalties (`Penalties.neutral`, then `fill` from a step's rows): its first rows penalise as
     the step's own penalties do, its padding rows (filled after a batch that had more rows) change nothing."""
     from types import SimpleNamespace
-    from eyas.layers.penalties import Penalties
     V = 6
     seq = lambda prompt, out, **kw: SimpleNamespace(  # noqa: E731
         token_ids=prompt + out, output_ids=out, params=SamplingParams(**kw))
     wide = [seq([1], [2, 2], frequency_penalty=0.5)] * 3
     step = [seq([0, 3], [3, 5], repetition_penalty=2.0, presence_penalty=0.25), seq([4], [1], frequency_penalty=1.0)]
-    buf = Penalties.neutral(4, V, "cpu")
+    want, logits = filled_from_fewer_rows(wide, step, V, [0, 2, 3])
+    assert not torch.equal(want, logits[:2])
+
+
+def filled_from_fewer_rows(wide, step, V, node_tokens, words=False):
+    """Static buffers of 4 rows (`Penalties.neutral`) filled from `wide`'s 3 rows, then `step`'s 2: their tree
+    penalties equal `step`'s own penalties' in the first rows and change nothing in the others. Returns (step's
+    own penalised logits, the logits before)."""
+    from eyas.layers.penalties import Penalties
+    buf = Penalties.neutral(4, V, "cpu", words=words)
     buf.fill(Penalties.of(wide, V, "cpu"))
     buf.fill(Penalties.of(step, V, "cpu"))
     logits = torch.randn(4, 3, V, generator=torch.Generator().manual_seed(0))
-    tokens, anc = torch.tensor([[0, 2, 3]] * 4), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    tokens, anc = torch.tensor([node_tokens] * 4), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)
     got = logits.clone()
     buf.apply_to_tree(got, tokens, anc)
     want = logits[:2].clone()
     Penalties.of(step, V, "cpu").apply_to_tree(want, tokens[:2], anc)
     torch.testing.assert_close(got[:2], want)
     torch.testing.assert_close(got[2:], logits[2:])
-    assert not torch.equal(want, logits[:2])
+    return want, logits
 
 
 def test_node_penalties_equal_a_loop_over_each_nodes_path():

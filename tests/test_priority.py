@@ -7,15 +7,8 @@ import pytest
 import torch
 
 from eyas import LLM, SamplingParams
-from helpers import write_mirror_pair, write_tiny_llama
-
-VOCAB = 97
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "m", vocab=VOCAB, hidden=64, heads=4, kv_heads=2,
-                            layers=2, max_pos=256)
+from helpers import write_mirror_pair
+from test_engine import VOCAB, tiny_dir  # noqa: F401 (the fixture)
 
 
 @pytest.fixture(scope="module")
