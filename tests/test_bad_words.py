@@ -13,7 +13,7 @@ from eyas import LLM, SamplingParams
 from eyas.layers.bad_words import (MAX_LONG_WORDS, MAX_WORD_TOKENS, WordBans, commit_tail, node_contexts,
                                    word_token_ids)
 from helpers import write_mirror_and_random
-from test_penalties import PARAMS, SPECS, _dense_greedy, _prompts, filled_from_fewer_rows
+from test_penalties import PARAMS, SPECS, _dense_greedy, _prompts, filled_from_fewer_rows, pair_llm
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +111,7 @@ def _words_from(out: list) -> list:
 def test_greedy_with_bad_words_equals_a_dense_loop(pairs, spec):
     """Words taken from each prompt's unbanned output (so they would appear), beside penalties, and requests
     without bad words in the same batch: every output equals the dense loop's and holds none of its words."""
-    target, draft = pairs["mirror"]
-    kw = dict(device="cpu", dtype="float32", block_size=4)
-    if spec is not None:
-        kw.update(draft=str(draft), speculation=spec)
-    llm = LLM(str(target), **kw)
+    llm = pair_llm(pairs, spec)
     prompts = _prompts()
     free = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     pens = [dict(bad_words_token_ids=_words_from(o.token_ids)) for o in free]

@@ -250,6 +250,15 @@ def _ban_words(logits: torch.Tensor, out: list, pen: dict) -> None:
             logits[..., w[-1]] = float("-inf")
 
 
+def pair_llm(pairs, spec, pair="mirror"):
+    """An LLM of a test pair's target (float32, blocks of 4), speculating with its draft where `spec` is given."""
+    target, draft = pairs[pair]
+    kw = dict(device="cpu", dtype="float32", block_size=4)
+    if spec is not None:
+        kw.update(draft=str(draft), speculation=spec)
+    return LLM(str(target), **kw)
+
+
 def _dense_greedy(target, prompt, n, ban=None, **pen):
     """Greedy decoding by dense forwards, each step's logits penalised from scratch (and held to allowed_token_ids
     and bad words); `ban` (tokens, k): those tokens refused at the first k output positions (min_tokens)."""
@@ -277,11 +286,7 @@ def _dense_greedy(target, prompt, n, ban=None, **pen):
 @pytest.mark.parametrize("pair", ["mirror", "random"])
 @pytest.mark.parametrize("spec", [None] + SPECS)
 def test_greedy_with_penalties_equals_a_dense_loop(pairs, pair, spec):
-    target, draft = pairs[pair]
-    kw = dict(device="cpu", dtype="float32", block_size=4)
-    if spec is not None:
-        kw.update(draft=str(draft), speculation=spec)
-    llm = LLM(str(target), **kw)
+    llm = pair_llm(pairs, spec, pair)
     params = [SamplingParams(max_tokens=24, ignore_eos=True, **pen) for pen in PARAMS]
     prompts = (_prompts() * 2)[:len(PARAMS)]
     outs = llm.generate(prompts, params)
@@ -323,11 +328,7 @@ def test_min_tokens_equals_a_dense_loop_that_bans_stop_tokens(pairs, spec):
     refused at every position before min_tokens, each tree node by its own position (its path's length), and may end
     the output after: greedy output and finish reason equal a dense loop that bans them so. With penalties beside it
     and without; a request without min_tokens in the same batch stops early as before."""
-    target, draft = pairs["mirror"]
-    kw = dict(device="cpu", dtype="float32", block_size=4)
-    if spec is not None:
-        kw.update(draft=str(draft), speculation=spec)
-    llm = LLM(str(target), **kw)
+    llm = pair_llm(pairs, spec)
     prompts = _prompts()
     free = llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
     cases = []
