@@ -140,10 +140,12 @@ class Penalties:
         rows = (slice(None), None)  # each row's [V] or [K] broadcast over the nodes
         counts, seen, bias = self.out_counts, self.seen, self.bias
         inv = None
+        words = words and self.words is not None
         if columns is not None:
             counts, seen, bias = counts[:, columns], seen[:, columns], bias[:, columns]
-            inv = torch.full((self.out_counts.shape[-1],), -1, dtype=torch.long, device=logits.device)
-            inv[columns] = torch.arange(columns.shape[0], device=logits.device)  # token id -> column (-1: none)
+            if M or words:  # token id -> column (-1: none)
+                inv = torch.full((self.out_counts.shape[-1],), -1, dtype=torch.long, device=logits.device)
+                inv[columns] = torch.arange(columns.shape[0], device=logits.device)
         if M:
             tokens = path_tokens if path_tokens.dim() == 3 else path_tokens[:, None].expand(B, L, M)
             on = on_path.to(logits.device)
@@ -167,7 +169,7 @@ class Penalties:
         depth = on.sum(-1) if M else torch.zeros(B, L, device=logits.device)
         ban = self.ban if columns is None else self.ban[:, columns]
         logits.masked_fill_(ban[:, None, :] & (depth < self.ban_until[:, None])[..., None], float("-inf"))
-        if self.words is not None and words:  # each node's context: the committed output's end, then its path
+        if words:  # each node's context: the committed output's end, then its path
             if not M:
                 tokens = torch.empty(B, L, 0, dtype=torch.long, device=logits.device)
                 on = tokens.bool()
