@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP server: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (streaming via SSE and
-not), `/v1/responses` (eyas/serve/responses.py), `/health`, `/metrics`. FastAPI + uvicorn; the engine runs in its own thread (see async_engine.py).
+not), `/v1/responses` (eyas/serve/responses.py), `/health`, `/metrics`. FastAPI + uvicorn; the engine runs in its
+own thread (see async_engine.py).
 
     eyas serve --model smollm2 [--draft default] [--speculation tree:8] [--host 127.0.0.1] [--port 8000]
 
@@ -29,13 +30,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from eyas.engine.detokenizer import TextStream
 from eyas.loader.resolve import resolve_draft_arg
 from eyas.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams
+from eyas.serve import responses
 from eyas.serve.async_engine import AsyncEngine, EngineDead, EngineError, QueueFull
 from eyas.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from eyas.serve.metrics import CONTENT_TYPE, Metrics
 from eyas.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                  ModelList, TokenizeRequest, api_error_response, completion_id, error_response,
                                  make_usage)
-from eyas.serve import responses
 from eyas.serve.tools import PARSERS, ToolStream, check_tools, make_parser, tool_guide
 
 log = logging.getLogger("eyas.serve")
@@ -602,11 +603,8 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
     async def create_response(request: Request):
         arrival = time.perf_counter()
         body = await request.body()
-        rreq = await _parse_body(body, responses.ResponsesRequest)
-        try:
-            raw = json.loads(body)
-        except ValueError:
-            raw = {}
+        rreq = await _parse_body(body, responses.ResponsesRequest)  # so the body is a JSON object
+        raw = json.loads(body)
         history = [] if rreq.previous_response_id is None else \
             server.responses.get(rreq.previous_response_id, "previous_response_id")[1]
         chat, messages = responses.chat_body(rreq, raw, history)
