@@ -10,18 +10,22 @@ class GuidedDecoding:
 
     json: a JSON schema (a dict, or its JSON text); json_object: any JSON object; regex: a regular expression the
     whole output matches; choice: one of these strings exactly; grammar: an EBNF grammar (xgrammar's dialect, GBNF-like,
-    whose start rule is `root`)."""
+    whose start rule is `root`); structural_tag: xgrammar's structural tag (vLLM's `response_format` of that type):
+    either `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}` (free text, where each trigger opens a
+    structure whose content follows its JSON schema), or `{"format": {...}}` (xgrammar's format objects)."""
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    structural_tag: dict | None = None
 
     def __post_init__(self):
-        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given = [k for k in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object is True else []
         if len(given) != 1:
-            raise ValueError("guided decoding takes exactly one of json, json_object, regex, choice, grammar; got "
+            raise ValueError("guided decoding takes exactly one of json, json_object, regex, choice, grammar, "
+                             "structural_tag; got "
                              f"{given or 'none'}")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"guided json must be a JSON schema (a dict or its text), got {type(self.json).__name__}")
@@ -31,6 +35,10 @@ class GuidedDecoding:
             v = getattr(self, k)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"guided {k} must be a non-empty string, got {v!r}")
+        st = self.structural_tag
+        if st is not None and (not isinstance(st, dict) or ("structures" in st) == ("format" in st)):
+            raise ValueError("guided structural_tag must be an object with either structures (and triggers) or "
+                             f"format, got {st!r}")
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or any(not isinstance(c, str) or not c for c in self.choice)):
@@ -39,8 +47,8 @@ class GuidedDecoding:
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None) \
-            if not self.json_object else "json_object"
+        kinds = ("json", "regex", "choice", "grammar", "structural_tag")
+        return next(k for k in kinds if getattr(self, k) is not None) if not self.json_object else "json_object"
 
 
 MAX_LOGPROBS = 20  # the most alternatives a token's log-probabilities list (vLLM's default limit)

@@ -46,9 +46,15 @@ def fresh_mask(be, compiled, history, words):
     return out[0]
 
 
+A_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+# structural tags (vLLM's response_format of that type): a tag whose content follows a schema, in xgrammar's format,
+# and vLLM's older form (free text, a trigger opening the tag)
+TAG = {"format": {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": A_SCHEMA},
+                  "end": "</f>"}}
+TRIGGERED = {"structures": [{"begin": "<f>", "schema": A_SCHEMA, "end": "</f>"}], "triggers": ["<f"]}
 GUIDES = [GuidedDecoding(regex=r"(yes|no), [0-9]{1,3}!"), GuidedDecoding(choice=["a", "ab", "abc", "ba"]),
-          GuidedDecoding(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
-          GuidedDecoding(grammar='root ::= ("ab" | "c")+ "."')]
+          GuidedDecoding(json=A_SCHEMA), GuidedDecoding(grammar='root ::= ("ab" | "c")+ "."'),
+          GuidedDecoding(structural_tag=TAG)]
 
 
 @pytest.mark.parametrize("g", GUIDES, ids=lambda g: g.kind)
@@ -147,6 +153,12 @@ def test_bad_specs_are_value_errors(backend):
         be.compile(GuidedDecoding(grammar="root ::= ("))
     with pytest.raises(ValueError, match="GuidedDecoding"):
         SamplingParams(guided={"regex": "a"})
+    for bad in ({}, {"format": {}, "structures": []}, "<f>"):
+        with pytest.raises(ValueError, match="guided structural_tag"):
+            GuidedDecoding(structural_tag=bad)
+    for bad in ({"format": {"type": "nope"}}, {"structures": [{"begin": "<f>", "end": "</f>"}], "triggers": []}):
+        with pytest.raises(ValueError, match="invalid structural_tag"):
+            be.compile(GuidedDecoding(structural_tag=bad))
 
 
 def matches(g: GuidedDecoding, text: str) -> bool:
@@ -156,6 +168,13 @@ def matches(g: GuidedDecoding, text: str) -> bool:
         return text in g.choice
     if g.grammar is not None:
         return re.fullmatch(r"(ab|c)+\.", text) is not None
+    if g.structural_tag is not None:  # the tag's content (every tag's, after a trigger) is the schema's
+        parts = [text] if "format" in g.structural_tag else text.split("<f")[1:]
+        for p in parts:
+            m = re.fullmatch(r"<f>(.*)</f>", p if "format" in g.structural_tag else "<f" + p, re.S)
+            if m is None or not isinstance(json.loads(m.group(1)).get("a"), int):
+                return False
+        return True
     obj = json.loads(text)
     return isinstance(obj, dict) and (g.json is None or isinstance(obj.get("a"), int))
 
@@ -170,7 +189,8 @@ def test_speculative_guided_equals_plain_guided(mirror, spec):
     target, draft, _ = mirror
     plain = LLM(str(target), device="cpu", dtype="float32")
     fast = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec)
-    guides = GUIDES + [GuidedDecoding(json_object=True), GuidedDecoding(regex=r"[a-z ]{5,60}\."), None]
+    guides = GUIDES + [GuidedDecoding(json_object=True), GuidedDecoding(regex=r"[a-z ]{5,60}\."),
+                       GuidedDecoding(structural_tag=TRIGGERED), None]
     params = [SamplingParams(max_tokens=40, guided=g) for g in guides]
     accepted = 0
     for prompt in PROMPTS[:3]:
@@ -403,7 +423,8 @@ def guided_server(mirror):
     refs = {"schema": llm.chat([{"role": "user", "content": "json"}], _with(g, json=SCHEMA))[0],
             "object": llm.chat([{"role": "user", "content": "json"}], _with(g, json_object=True))[0],
             "regex": llm.generate(["yes?"], _with(g, regex=r"(yes|no), [0-9]{1,3}!"))[0],
-            "choice": llm.generate(["pick"], _with(g, choice=["abc", "ba"]))[0]}
+            "choice": llm.generate(["pick"], _with(g, choice=["abc", "ba"]))[0],
+            "tag": llm.chat([{"role": "user", "content": "json"}], _with(g, structural_tag=TAG))[0]}
     server = LiveServer(create_app(llm, "mirror"))
     server.refs = refs
     yield server
@@ -438,6 +459,9 @@ def test_server_guided_outputs_equal_offline(guided_server):
     r = client.completions.create(model="mirror", prompt="pick", max_tokens=40, temperature=0,
                                   extra_body={"guided_choice": ["abc", "ba"]})
     assert r.choices[0].text == refs["choice"].text and r.choices[0].text in ("abc", "ba")
+    r = client.chat.completions.create(model="mirror", messages=msgs, max_tokens=40, temperature=0,
+                                       response_format={"type": "structural_tag", **TAG})
+    assert r.choices[0].message.content == refs["tag"].text and refs["tag"].text.startswith("<f>")
     r = client.chat.completions.create(model="mirror", messages=msgs, max_tokens=5, temperature=0,
                                        response_format={"type": "text"})
     assert r.choices[0].finish_reason == "length"
@@ -490,6 +514,9 @@ def test_server_rejects_bad_guides_with_400(guided_server):
         ({"guided_regex": "a("}, "invalid regex", None),
         ({"guided_json": {"type": "objec"}}, "invalid json", None),
         ({"guided_grammar": "root ::= ("}, "invalid grammar", None),
+        ({"response_format": {"type": "structural_tag"}}, "guided structural_tag", "response_format"),
+        ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, "invalid structural_tag",
+         None),
     ]
     with httpx.Client(base_url=guided_server.url, timeout=60) as http:
         for extra, words, param in cases:

@@ -74,9 +74,11 @@ def _guided(req) -> GuidedDecoding | None:
                 raise APIError("response_format of type json_schema needs json_schema.schema, a JSON schema object",
                                param="response_format")
             asked["json"] = spec["schema"]
+        elif kind == "structural_tag":  # vLLM's: {"structures", "triggers"} or {"format"} beside the type
+            asked["structural_tag"] = {k: v for k, v in rf.items() if k != "type"}
         elif kind != "text":
-            raise APIError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                           param="response_format")
+            raise APIError("response_format.type must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
+                           f"got {kind!r}", param="response_format")
         params.append("response_format")
     for field, key in GUIDED_FIELDS.items():
         value = getattr(req, field)

@@ -51,6 +51,18 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def structural_tag(spec: dict) -> dict:
+    """A structural tag as xgrammar compiles it: `{"format": ...}` as it is; vLLM's older form, `{"structures":
+    [{"begin", "schema", "end"}], "triggers": [...]}`, as the same "triggered_tags" format (free text; each trigger
+    opens one of the tags that begin with it, whose content follows its JSON schema until its end)."""
+    if "format" in spec:
+        return {"type": "structural_tag", "format": spec["format"]}
+    tags = [{"type": "tag", "begin": s["begin"], "end": s["end"],
+             "content": {"type": "json_schema", "json_schema": s["schema"]}} for s in spec["structures"]]
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": list(spec["triggers"]),
+                                                 "tags": tags}}
+
+
 class GrammarBackend:
     """The tokenizer's vocabulary as xgrammar sees it, and a compiler (with its own cache) of guided specs."""
 
@@ -92,8 +104,10 @@ class GrammarBackend:
                 return self.compiler.compile_regex(g.regex)
             if g.choice is not None:
                 return self.compiler.compile_grammar(choice_grammar(g.choice))
+            if g.structural_tag is not None:
+                return self.compiler.compile_structural_tag(structural_tag(g.structural_tag))
             return self.compiler.compile_grammar(g.grammar)
-        except (RuntimeError, ValueError) as e:  # xgrammar's parse errors: "[time] file.cc:line: message"
+        except (RuntimeError, ValueError, TypeError, KeyError) as e:  # xgrammar's parse errors: "[time] file.cc:line: message"
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(f"guided decoding: invalid {g.kind}: {msg.split(': ', 1)[-1]}") from None
 
