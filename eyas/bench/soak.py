@@ -35,19 +35,21 @@ from eyas.sampling_params import SamplingParams
 from eyas.spec.tree import resolve_tree
 
 
-def _request(rng: random.Random, vocab: int, max_len: int, max_prompt: int, max_tokens: int):
-    """A random request: (prompt ids, params). One in 50 is too long for the engine (refused on every rank)."""
+def _request(rng: random.Random, vocab: int, max_len: int, max_prompt: int, max_tokens: int, priority: bool = False):
+    """A random request: (prompt ids, params). One in 50 is too long for the engine (refused on every rank).
+    `priority` (the priority policy): a random priority in 0..3."""
     if rng.random() < 0.02:
         n = max_len + 1
     else:
         n = int(min(max_prompt, max(1, rng.lognormvariate(4.5, 1.2))))
     prompt = [rng.randrange(10, vocab) for _ in range(n)]
     m = rng.randint(1, max_tokens)
+    extras = _extras(rng, vocab, m) | ({"priority": rng.randint(0, 3)} if priority else {})
     if rng.random() < 0.5:
-        params = SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, **_extras(rng, vocab, m))
+        params = SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, **extras)
     else:
         params = SamplingParams(temperature=rng.choice([0.6, 1.0]), top_p=rng.choice([1.0, 0.9]),
-                                top_k=rng.choice([0, 50]), max_tokens=m, ignore_eos=True, **_extras(rng, vocab, m))
+                                top_k=rng.choice([0, 50]), max_tokens=m, ignore_eos=True, **extras)
     return prompt, params
 
 
@@ -85,7 +87,7 @@ def soak_rank(rank: int, world_size: int, device, args, accept) -> None:
     max_len = args.max_prompt + args.max_tokens + 64
     cfg = EngineConfig(max_num_seqs=args.max_batch, max_num_batched_tokens=max(2048, args.max_prompt),
                        cuda_graphs=args.cuda_graphs and device.type == "cuda", max_model_len=max_len,
-                       num_blocks=args.num_blocks)
+                       num_blocks=args.num_blocks, scheduling_policy=args.scheduling_policy)
     engine = LLMEngine(target, tokenizer, draft, tree, cfg)
     if simulated and tree is not None:
         simulate_acceptance(engine, accept)
@@ -97,7 +99,7 @@ def soak_rank(rank: int, world_size: int, device, args, accept) -> None:
         return
     rng = random.Random(args.seed)
     report = {"model": args.model, "tensor_parallel": world_size, "tp_draft": args.tp_draft,
-              "speculation": args.speculation,
+              "speculation": args.speculation, "scheduling_policy": args.scheduling_policy,
               "simulated_acceptance": simulated, "cuda_graphs": cfg.cuda_graphs, "duration_s": args.duration,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     live: set[str] = set()
@@ -118,6 +120,7 @@ def soak_rank(rank: int, world_size: int, device, args, accept) -> None:
                       step_ms={"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)),
                                "max": float(ms.max())},
                       final=final)
+        report["preemptions"] = engine.scheduler.num_preemptions
         if final:
             report["kv_blocks_in_use"] = engine.blocks.num_used
             report["passed"] = (not live and engine.blocks.num_used == 0 and admitted == finished + aborted
@@ -141,7 +144,8 @@ def soak_rank(rank: int, world_size: int, device, args, accept) -> None:
             last_admit = now
             k = int(expected) + (rng.random() < expected - int(expected))
             for _ in range(min(k, 2 * args.max_batch - len(live))):  # a bounded queue
-                prompt, params = _request(rng, vocab, max_len, args.max_prompt, args.max_tokens)
+                prompt, params = _request(rng, vocab, max_len, args.max_prompt, args.max_tokens,
+                                          args.scheduling_policy == "priority")
                 live.add(tp.add_request(prompt, params))
                 admitted += 1
             if live and rng.random() < 0.01:
@@ -223,6 +227,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--max-prompt", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from free memory)")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="priority: each request gets a random priority in 0..3 (eyas.engine.scheduler)")
     p.add_argument("--accept-ranks", default=None, help="random-weight shapes: rank paths to replay "
                                                         "(as in bench latency)")
     p.add_argument("--accept-rates", default="0.8,0.7,0.6",
