@@ -97,6 +97,31 @@ def test_the_stream_makes_the_same_response(server):
     assert final.output_text == client.responses.create(**kw, extra_body=stop).output_text
 
 
+def test_log_probabilities(server):
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: the output text's tokens with their
+    log-probabilities and alternatives, the chat's for the same messages; streamed on the text deltas, the same
+    list; with tools, or another include, a 400."""
+    client = server.client()
+    kw = dict(model="mirror", input="weather?", max_output_tokens=8, temperature=0, top_logprobs=2,
+              include=["message.output_text.logprobs"])
+    r = client.responses.create(**kw).model_dump()
+    chat = client.chat.completions.create(model="mirror", messages=[{"role": "user", "content": "weather?"}],
+                                          max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    lps = r["output"][0]["content"][0]["logprobs"]
+    want = chat.choices[0].logprobs.model_dump()["content"]
+    assert [(x["token"], len(x["top_logprobs"])) for x in lps] == [(x["token"], 2) for x in want]
+    assert [x["logprob"] for x in lps] == pytest.approx([x["logprob"] for x in want], abs=1e-5)
+    events = list(client.responses.create(**kw, stream=True))
+    streamed = [x.model_dump() for e in events if e.type == "response.output_text.delta" for x in e.logprobs]
+    assert [x["token"] for x in streamed] == [x["token"] for x in lps] and len(lps) == 8
+    assert _strip(events[-1].response.model_dump()) == _strip(r)
+    assert not client.responses.create(model="mirror", input="weather?", max_output_tokens=4).output[0].content[
+        0].logprobs
+    for extra, param in (({"tools": FLAT}, "top_logprobs"), ({"include": ["reasoning.encrypted_content"]}, "include")):
+        resp = httpx.post(server.url + "/v1/responses", json={**kw, **extra}, timeout=60)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
 def test_tools_and_text_formats_map_onto_the_chats(server):
     """A named function tool: a function_call item whose arguments are offline guided decoding's under its schema,
     streamed as argument deltas; "auto" (hermes) reads content and calls back; text.format json_schema is

@@ -623,8 +623,9 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         if calls is not None:
             message, finish = calls().message(out.text, finish)
         status = responses.status_of(finish)
-        resp = responses.response(rid, rreq, created, responses.output_items(message, status), status,
-                                  responses.usage(len(ids), len(out.token_ids), out.num_cached_tokens))
+        lp = _logprobs(server, out, True)
+        resp = responses.response(rid, rreq, created, responses.output_items(message, status, lp and lp["content"]),
+                                  status, responses.usage(len(ids), len(out.token_ids), out.num_cached_tokens))
         if rreq.store:
             server.responses.put(resp, messages)
         return resp
@@ -674,6 +675,10 @@ def _response_stream(server: Server, rreq, rid: str, created: int, queue, rids: 
                 yield e
             async for _, out in AsyncEngine.results(queue, 1):
                 delta = text.delta(out)
+                if out.logprobs is not None and out.new_token_ids:  # no tools here: the step's text, or ""
+                    for e in ev.delta({"content": delta}, _logprobs(server, out, True, new=True)["content"]):
+                        yield e
+                    delta = ""
                 for d in (tools.feed(delta) if tools is not None else ([{"content": delta}] if delta else [])):
                     for e in ev.delta(d):
                         yield e

@@ -32,10 +32,13 @@ from pydantic import StrictBool, StrictFloat, StrictInt
 
 from eyas.serve.protocol import APIError, _Request
 
+LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for the text's log-probabilities
+
 # the Responses fields that have no chat counterpart of the same name (the rest pass through to the chat request)
 OWN_FIELDS = {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "previous_response_id",
               "store", "metadata", "background", "include", "truncation", "reasoning", "stream", "stream_options",
-              "messages", "max_tokens", "max_completion_tokens", "response_format", "n", "logprobs", "top_logprobs"}
+              "messages", "max_tokens", "max_completion_tokens", "response_format", "n", "logprobs", "top_logprobs",
+              "prompt_logprobs"}
 
 
 class ResponsesRequest(_Request):
@@ -54,6 +57,8 @@ class ResponsesRequest(_Request):
     store: StrictBool = True
     metadata: dict | None = None
     background: StrictBool = False
+    top_logprobs: StrictInt | None = None  # with include's "message.output_text.logprobs" (or alone): k alternatives
+    include: list[str] | None = None
 
 
 def _text(content, param: str) -> str:
@@ -151,20 +156,31 @@ def chat_body(req: ResponsesRequest, body: dict, history: list[dict]) -> tuple[d
     (history and input, not the instructions)."""
     if req.background:
         raise APIError("background responses are not supported", param="background")
+    unknown = set(req.include or ()) - {LOGPROBS}
+    if unknown:
+        raise APIError(f"include: only {LOGPROBS!r} is supported, got {sorted(unknown)}", param="include")
+    logprobs = req.top_logprobs is not None or LOGPROBS in (req.include or ())
+    if logprobs and req.tools:
+        raise APIError("log-probabilities with tools are not supported", param="top_logprobs")
     kept = history + input_messages(req.input)
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else []) + kept
     tools, choice = _tools(req)
     chat = {k: v for k, v in body.items() if k not in OWN_FIELDS}
     chat.update(messages=messages, max_completion_tokens=req.max_output_tokens, tools=tools, tool_choice=choice,
                 response_format=_format(req), stream=False)
+    if logprobs:
+        chat.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     return chat, kept
 
 
 # ---- the reply -------------------------------------------------------------------------------------------------------
 
-def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
+def message_item(text: str, status: str = "completed", item_id: str | None = None,
+                 logprobs: list | None = None) -> dict:
+    """A message output item; `logprobs`: its tokens' (chat's `logprobs.content` entries: token, logprob, bytes,
+    top_logprobs), [] unless asked for."""
     return {"type": "message", "id": item_id or new_id("msg"), "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs or [])}]}
 
 
 def call_item(call: dict, status: str = "completed", item_id: str | None = None) -> dict:
@@ -172,9 +188,10 @@ def call_item(call: dict, status: str = "completed", item_id: str | None = None)
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
 
-def output_items(message: dict, status: str = "completed") -> list[dict]:
+def output_items(message: dict, status: str = "completed", logprobs: list | None = None) -> list[dict]:
     """A chat message (content, tool_calls) as Responses' output items."""
-    items = [message_item(message["content"], status)] if message.get("content") else []
+    items = [message_item(message["content"] or "", status, logprobs=logprobs)] \
+        if message.get("content") or logprobs else []
     return items + [call_item(c, status) for c in message.get("tool_calls") or []]
 
 
@@ -253,9 +270,11 @@ class ResponseEvents:
         r = response(self.rid, self.req, self.created, [], "in_progress", None)
         return [self.event("response.created", response=r), self.event("response.in_progress", response=r)]
 
-    def delta(self, d: dict) -> list[str]:
+    def delta(self, d: dict, logprobs: list | None = None) -> list[str]:
+        """The events of one chat delta; `logprobs`: the log-probabilities of the tokens its step wrote (they ride
+        with its text, or with an empty delta where a stop string's beginning is held back)."""
         out = []
-        if d.get("content"):
+        if d.get("content") or logprobs:
             if self.text_item is None:
                 self.text_item = len(self.items)
                 item = message_item("", "in_progress")
@@ -265,9 +284,10 @@ class ResponseEvents:
                 out.append(self.event("response.content_part.added", item_id=item["id"],
                                       output_index=self.text_item, content_index=0, part=item["content"][0]))
             item = self.items[self.text_item]
-            item["content"][0]["text"] += d["content"]
+            item["content"][0]["text"] += d.get("content", "")
+            item["content"][0]["logprobs"] += logprobs or []
             out.append(self.event("response.output_text.delta", item_id=item["id"], output_index=self.text_item,
-                                  content_index=0, delta=d["content"], logprobs=[]))
+                                  content_index=0, delta=d.get("content", ""), logprobs=logprobs or []))
         for c in d.get("tool_calls", []):
             if c["index"] not in self.call_items:
                 self.call_items[c["index"]] = len(self.items)
@@ -291,7 +311,7 @@ class ResponseEvents:
             if item["type"] == "message":
                 part = item["content"][0]
                 out.append(self.event("response.output_text.done", item_id=item["id"], output_index=k,
-                                      content_index=0, text=part["text"], logprobs=[]))
+                                      content_index=0, text=part["text"], logprobs=part["logprobs"]))
                 out.append(self.event("response.content_part.done", item_id=item["id"], output_index=k,
                                       content_index=0, part=part))
             else:
