@@ -34,7 +34,7 @@ def server(tmp_path_factory):
             "schema": llm.chat([{"role": "user", "content": "n?"}], SamplingParams(
                 max_tokens=40, guided=GuidedDecoding(json=SCHEMA)))[0]}
     s = LiveServer(create_app(llm, "mirror", tool_parser="hermes"))
-    s.refs = refs
+    s.refs, s.tokenizer = refs, llm.tokenizer
     yield s
     s.close()
 
@@ -100,7 +100,8 @@ def test_the_stream_makes_the_same_response(server):
 def test_log_probabilities(server):
     """`include: ["message.output_text.logprobs"]` with `top_logprobs`: the output text's tokens with their
     log-probabilities and alternatives, the chat's for the same messages; streamed on the text deltas, the same
-    list; with tools, or another include, a 400."""
+    list; vLLM's `return_tokens_as_token_ids` names them by id (here, in chat and in streamed completions); with
+    tools, or another include, a 400."""
     client = server.client()
     kw = dict(model="mirror", input="weather?", max_output_tokens=8, temperature=0, top_logprobs=2,
               include=["message.output_text.logprobs"])
@@ -117,6 +118,21 @@ def test_log_probabilities(server):
     assert _strip(events[-1].response.model_dump()) == _strip(r)
     assert not client.responses.create(model="mirror", input="weather?", max_output_tokens=4).output[0].content[
         0].logprobs
+    # vLLM's return_tokens_as_token_ids: the same entries, tokens named by id (chat, completions and here)
+    ids = client.responses.create(**kw, extra_body={"return_tokens_as_token_ids": True}).model_dump()
+    named = ids["output"][0]["content"][0]["logprobs"]
+    tok = server.tokenizer
+    assert [tok.decode([int(x["token"].split(":")[1])], skip_special_tokens=False) for x in named] == [
+        x["token"] for x in lps]
+    assert all(t["token"].startswith("token_id:") for x in named for t in x["top_logprobs"])
+    c = client.chat.completions.create(model="mirror", messages=[{"role": "user", "content": "weather?"}],
+                                       max_tokens=8, temperature=0, logprobs=True, top_logprobs=2,
+                                       extra_body={"return_tokens_as_token_ids": True})
+    assert [x.token for x in c.choices[0].logprobs.content] == [x["token"] for x in named]
+    comp = client.completions.create(model="mirror", prompt="weather?", max_tokens=4, temperature=0, logprobs=1,
+                                     extra_body={"return_tokens_as_token_ids": True}, stream=True)
+    assert all(t.startswith("token_id:") for ch in comp if ch.choices[0].logprobs
+               for t in ch.choices[0].logprobs.tokens)
     for extra, param in (({"tools": FLAT}, "top_logprobs"), ({"include": ["reasoning.encrypted_content"]}, "include")):
         resp = httpx.post(server.url + "/v1/responses", json={**kw, **extra}, timeout=60)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text

@@ -541,6 +541,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         score_only = req.echo and req.max_tokens == 0
         asked = 1 if score_only else req.max_tokens
         base = _sampling_params(req, asked, req.logprobs)
+        names = _token_names(server, req)
         if req.echo and req.logprobs is not None and base.prompt_logprobs is None:  # the prompt's tokens get theirs
             base = dataclasses.replace(base, prompt_logprobs=req.logprobs)  # too (lm-eval's loglikelihood)
         await server.compile_guided(base.guided)
@@ -556,21 +557,21 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         if req.stream:
             include_usage = _usage_mode(req)
             return _stream(server, queue, rids, cid, req.model, "text_completion", num_prompt, include_usage,
-                           base.stop, req.n, echoes=echoes, score_only=score_only)
+                           base.stop, req.n, echoes=echoes, score_only=score_only, names=names)
         finals = await server.collect(request, queue, rids)
         choices = []
         for i in range(len(rids)):
             out, echo = finals[i], echoes[i] if echoes else None
             if score_only:
                 choices.append({"index": i, "text": echo[0], "finish_reason": "length",
-                                "logprobs": _logprobs(server, out, False, echo=echo, prompt_only=True)})
+                                "logprobs": _logprobs(names, out, False, echo=echo, prompt_only=True)})
             else:
                 choices.append({"index": i, "text": (echo[0] if echo else "") + out.text,
                                 "finish_reason": out.finish_reason,
-                                "logprobs": _logprobs(server, out, False, echo=echo)})
+                                "logprobs": _logprobs(names, out, False, echo=echo)})
             if req.prompt_logprobs is not None:  # vLLM's field, beside OpenAI's logprobs
                 choices[-1]["prompt_logprobs"] = prompt_logprobs(out.prompt_logprobs, ids[i // req.n],
-                                                                 server.token_text)
+                                                                 names)
         completion_tokens = 0 if score_only else sum(len(o.token_ids) for o in finals.values())
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": req.model,
                 "choices": choices, "usage": make_usage(num_prompt, completion_tokens, _cached(finals, req.n))}
@@ -580,10 +581,11 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         arrival = time.perf_counter()
         req = await _parse(request, ChatCompletionRequest)
         ids, base, cid, queue, rids, calls = await _submit_chat(server, req, arrival, "chatcmpl")
+        names = _token_names(server, req)
         if req.stream:
             include_usage = _usage_mode(req)
             return _stream(server, queue, rids, cid, req.model, "chat.completion.chunk", len(ids), include_usage,
-                           base.stop, req.n, calls)
+                           base.stop, req.n, calls, names=names)
         finals = await server.collect(request, queue, rids)
         choices = []
         for i in range(len(rids)):
@@ -591,14 +593,14 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
             message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
             if calls is not None:
                 message, finish = calls().message(out.text, finish)
-            choices.append({"index": i, "message": message, "logprobs": _logprobs(server, out, True),
+            choices.append({"index": i, "message": message, "logprobs": _logprobs(names, out, True),
                             "finish_reason": finish})
         reply = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
                  "choices": choices,
                  "usage": make_usage(len(ids), sum(len(o.token_ids) for o in finals.values()),
                                      _cached(finals, req.n))}
         if req.prompt_logprobs is not None:  # vLLM's: the prompt's, once (every choice reads the same prompt)
-            reply["prompt_logprobs"] = prompt_logprobs(finals[0].prompt_logprobs, ids, server.token_text)
+            reply["prompt_logprobs"] = prompt_logprobs(finals[0].prompt_logprobs, ids, names)
         return reply
 
     @app.post("/v1/responses")
@@ -616,14 +618,16 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
             raise _BadBody(_validation_response(e.errors())) from None
         ids, base, _, queue, rids, calls = await _submit_chat(server, req, arrival, "resp")
         rid, created = responses.new_id(), responses.now()
+        names = _token_names(server, req)
         if rreq.stream:
-            return _response_stream(server, rreq, rid, created, queue, rids, len(ids), base.stop, calls, messages)
+            return _response_stream(server, rreq, rid, created, queue, rids, len(ids), base.stop, calls, messages,
+                                    names)
         out = (await server.collect(request, queue, rids))[0]
         message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
         if calls is not None:
             message, finish = calls().message(out.text, finish)
         status = responses.status_of(finish)
-        lp = _logprobs(server, out, True)
+        lp = _logprobs(names, out, True)
         resp = responses.response(rid, rreq, created, responses.output_items(message, status, lp and lp["content"]),
                                   status, responses.usage(len(ids), len(out.token_ids), out.num_cached_tokens))
         if rreq.store:
@@ -663,7 +667,7 @@ async def _submit_chat(server: Server, req, arrival: float, prefix: str):
 
 
 def _response_stream(server: Server, rreq, rid: str, created: int, queue, rids: list[str], num_prompt: int,
-                     stops: list[str], calls, messages: list[dict]) -> StreamingResponse:
+                     stops: list[str], calls, messages: list[dict], names) -> StreamingResponse:
     """/v1/responses with stream: OpenAI's typed events (`eyas.serve.responses.ResponseEvents`), the response
     stored at the end as the non-streaming path stores it."""
     ev = responses.ResponseEvents(rid, rreq, created)
@@ -676,7 +680,7 @@ def _response_stream(server: Server, rreq, rid: str, created: int, queue, rids: 
             async for _, out in AsyncEngine.results(queue, 1):
                 delta = text.delta(out)
                 if out.logprobs is not None and out.new_token_ids:  # no tools here: the step's text, or ""
-                    for e in ev.delta({"content": delta}, _logprobs(server, out, True, new=True)["content"]):
+                    for e in ev.delta({"content": delta}, _logprobs(names, out, True, new=True)["content"]):
                         yield e
                     delta = ""
                 for d in (tools.feed(delta) if tools is not None else ([{"content": delta}] if delta else [])):
@@ -704,23 +708,31 @@ def _response_stream(server: Server, rreq, rid: str, created: int, queue, rids: 
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _logprobs(server: Server, out, chat: bool, new: bool = False, offset: int = 0,
+def _token_names(server: Server, req):
+    """How a request's log-probabilities name tokens: by their text, or as "token_id:<id>" (vLLM's
+    `return_tokens_as_token_ids`, for clients that must map them back to ids exactly)."""
+    if getattr(req, "return_tokens_as_token_ids", False):
+        return lambda i: f"token_id:{i}"
+    return server.token_text
+
+
+def _logprobs(names, out, chat: bool, new: bool = False, offset: int = 0,
               echo: tuple[str, list[int]] | None = None, prompt_only: bool = False) -> dict | None:
-    """A choice's `logprobs` field: every output token's (`new`: those of the step's new tokens), or None. `echo`
-    (completions): (the prompt's text, its ids), whose tokens come first, the first with no log-probability; with
-    `prompt_only` (`max_tokens: 0`), theirs alone."""
+    """A choice's `logprobs` field: every output token's (`new`: those of the step's new tokens), or None; `names`
+    (`_token_names`): a token id's name there. `echo` (completions): (the prompt's text, its ids), whose tokens come
+    first, the first with no log-probability; with `prompt_only` (`max_tokens: 0`), theirs alone."""
     entries = out.new_logprobs if new else out.logprobs
     if entries is None:
         return None
     ids = out.new_token_ids if new else out.token_ids
     if chat:
-        return chat_logprobs(entries, ids, server.token_text)
+        return chat_logprobs(entries, ids, names)
     if echo is None:
-        return completion_logprobs(entries, ids, server.token_text, offset)
-    head = completion_logprobs([None] + list(out.prompt_logprobs), echo[1], server.token_text)
+        return completion_logprobs(entries, ids, names, offset)
+    head = completion_logprobs([None] + list(out.prompt_logprobs), echo[1], names)
     if prompt_only:
         return head
-    tail = completion_logprobs(entries, ids, server.token_text, len(echo[0]))
+    tail = completion_logprobs(entries, ids, names, len(echo[0]))
     return {k: head[k] + tail[k] for k in head}
 
 
@@ -748,7 +760,7 @@ def _usage_mode(req) -> bool | str:
 
 def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: str, num_prompt: int,
             include_usage: bool | str, stops: list[str], per_prompt: int, calls=None, echoes=None,
-            score_only: bool = False) -> StreamingResponse:
+            score_only: bool = False, names=None) -> StreamingResponse:
     """SSE: one chunk per new text of a choice, a finish chunk per choice, the usage chunk when asked for (every
     chunk with the usage so far where `include_usage` is "continuous": `_usage_mode`), then `data: [DONE]`. A
     client that goes away cancels this generator: its requests are aborted (KV blocks freed).
@@ -757,6 +769,7 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
     each choice's (prompt text, prompt ids), sent first, with the prompt's log-probabilities where asked;
     `score_only` (echo with `max_tokens: 0`): that alone, then the finish."""
     created = int(time.time())
+    names = names or server.token_text
     chat = obj == "chat.completion.chunk"
     n = len(rids)
     continuous = include_usage == "continuous"
@@ -798,7 +811,7 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
                     echoed.add(i)
                     lp = None
                     if out.logprobs is not None:
-                        lp = _logprobs(server, out, False, echo=echoes[i], prompt_only=True)
+                        lp = _logprobs(names, out, False, echo=echoes[i], prompt_only=True)
                         offsets[i] = len(echoes[i][0])
                     yield chunk([choice(i, echoes[i][0], logprobs=lp)])
                 if score_only:
@@ -808,7 +821,7 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
                 delta = texts[i].delta(out)
                 if tools is not None:  # text -> content and tool-call deltas; the step's log-probabilities ride
                     parts = tools[i].feed(delta)  # with the first
-                    lp = _logprobs(server, out, chat, new=True) if out.logprobs is not None and (
+                    lp = _logprobs(names, out, chat, new=True) if out.logprobs is not None and (
                         out.new_token_ids or delta) else None
                     for k, d in enumerate(parts or ([{}] if lp is not None else [])):
                         yield chunk([choice(i, delta=d, logprobs=lp if k == 0 else None)])
@@ -820,7 +833,7 @@ def _stream(server: Server, queue, rids: list[str], cid: str, model: str, obj: s
                     continue
                 if out.logprobs is not None:  # the step's tokens' log-probabilities ride with its text
                     if out.new_token_ids or delta:
-                        lp = _logprobs(server, out, chat, new=True, offset=offsets[i])
+                        lp = _logprobs(names, out, chat, new=True, offset=offsets[i])
                         if not chat:
                             offsets[i] += sum(len(t) for t in lp["tokens"])
                         yield chunk([choice(i, delta, logprobs=lp)])

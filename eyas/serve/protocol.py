@@ -84,6 +84,8 @@ class _SamplingFields(_Request):
     prompt_logprobs: StrictInt | None = None  # vLLM's extension: each prompt token's, and the k likeliest in its place
     bad_words: list[StrictStr] | None = None  # vLLM's extension: words and phrases the output never contains
     priority: StrictInt = 0  # vLLM's extension: lower is served first (with --scheduling-policy priority)
+    # vLLM's extension: log-probabilities name tokens "token_id:<id>" instead of by their text
+    return_tokens_as_token_ids: StrictBool = False
     # guided decoding, vLLM's extensions (chat also takes OpenAI's response_format): at most one of them
     guided_json: dict | str | None = None
     guided_regex: str | None = None
