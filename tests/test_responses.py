@@ -165,7 +165,8 @@ def test_tools_and_text_formats_map_onto_the_chats(server):
 def test_previous_response_id_and_stored_responses(server):
     """A response continues a stored one: its prompt is the earlier input and output, then the new input (the
     earlier instructions not); earlier calls and their outputs given as input items reach the template as the
-    chat's tool_calls and tool messages. GET returns a stored response; unknown or unstored ids are 404s."""
+    chat's tool_calls and tool messages. GET returns a stored response; unknown, unstored or deleted ids are
+    404s."""
     client = server.client()
     first = client.responses.create(model="mirror", input="weather?", instructions="Be brief.",
                                     max_output_tokens=6, temperature=0)
@@ -186,7 +187,8 @@ def test_previous_response_id_and_stored_responses(server):
             {"role": "tool", "tool_call_id": "call_7", "content": "sunny"}]
     assert third.usage.input_tokens == _tokens(server, chat, TOOLS)
     unstored = client.responses.create(model="mirror", input="x", store=False, max_output_tokens=2)
-    for rid in ("resp_nope", unstored.id):
+    client.responses.delete(third.id)  # DELETE forgets a stored response
+    for rid in ("resp_nope", unstored.id, third.id):
         r = httpx.get(f"{server.url}/v1/responses/{rid}", timeout=60)
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
     r = httpx.post(server.url + "/v1/responses", json={"model": "mirror", "input": "x",

@@ -638,6 +638,10 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
     async def get_response(rid: str):
         return server.responses.get(rid)[0]
 
+    @app.delete("/v1/responses/{rid}")
+    async def delete_response(rid: str):
+        return server.responses.delete(rid)
+
     return app
 
 

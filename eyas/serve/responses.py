@@ -249,6 +249,11 @@ class ResponseStore:
             raise APIError(f"Response with id {rid!r} not found.", status=404, param=param, code="not_found")
         return self._items[rid]
 
+    def delete(self, rid: str) -> dict:
+        self.get(rid)
+        del self._items[rid]
+        return {"id": rid, "object": "response", "deleted": True}
+
 
 class ResponseEvents:
     """One response's stream events from its chat deltas (`ToolStream`'s, or text alone): items open as their
