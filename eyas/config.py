@@ -1,7 +1,9 @@
 """Model and engine configuration.
 
 `ModelConfig` is the architecture of a Llama-family model, read from an HF `config.json` dict (both the classic
-`rope_theta` + `rope_scaling` spelling and transformers 5's `rope_parameters`) or from GGUF metadata.
+`rope_theta` + `rope_scaling` spelling and transformers 5's `rope_parameters`) or from GGUF metadata. Qwen2 (and
+Qwen2.5) checkpoints are Llama models with biases on the q, k and v projections (`qkv_bias`); their sliding window
+is refused where a config turns it on.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     attention_bias: bool = False
     mlp_bias: bool = False
+    qkv_bias: bool = False  # biases on q, k and v only (Qwen2's attention)
     fc_bias: bool = False  # EAGLE drafts: optional bias of fc
     # EAGLE drafts only: the target layers (0-based) whose rms-normalised outputs the draft reads next to the final
     # hidden state (EAGLE-3 style; `EagleDraft.read_features`). None: EAGLE-1 (the final hidden state only)
@@ -61,6 +64,9 @@ class ModelConfig:
                 rope_scaling["rope_type"] = "llama3"
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        qwen2 = cfg.get("model_type") == "qwen2" or (cfg.get("architectures") or [""])[0] == "Qwen2ForCausalLM"
+        if qwen2 and cfg.get("use_sliding_window"):
+            raise ValueError("Qwen2 with use_sliding_window is not supported (eyas attends to the whole context)")
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
@@ -78,6 +84,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qkv_bias=bool(cfg.get("qkv_bias", qwen2)),
             fc_bias=bool(cfg.get("bias", False)),
             feature_layers=(tuple(int(i) for i in cfg["eyas_feature_layers"])
                             if cfg.get("eyas_feature_layers") is not None else None),
@@ -109,6 +116,8 @@ class ModelConfig:
             "hidden_act": "silu",
             "bias": self.fc_bias,
         }
+        if self.qkv_bias:  # only when set (a draft of a Qwen2 target's shape)
+            d["qkv_bias"] = True
         if self.feature_layers is not None:  # only when set: EAGLE-1 configs stay exactly as they were
             d["eyas_feature_layers"] = list(self.feature_layers)
         if self.speculation:

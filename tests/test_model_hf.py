@@ -60,6 +60,54 @@ def test_logits_equal_hf(tmp_path, cfg):
     torch.testing.assert_close(paged_logits(model, ids), ref, atol=1e-4, rtol=0)
 
 
+def write_tiny_qwen2(path, vocab=97, hidden=64, heads=4, kv_heads=2, layers=3, tie=True, seed=0):
+    """A random Qwen2 checkpoint (biases on q, k and v) via transformers' save_pretrained."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                      rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=tie, use_sliding_window=False)
+    model = Qwen2ForCausalLM(cfg).float()
+    with torch.no_grad():  # larger weights than HF's init (and biases that are not 0)
+        for p in model.parameters():
+            p.normal_(0, 0.5 / p.shape[-1] ** 0.5 * 4 if p.dim() == 2 else 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+def test_qwen2_equals_hf(tmp_path):
+    """A Qwen2 checkpoint (q, k, v biases, no o bias, tied head) equals transformers' Qwen2ForCausalLM, dense and
+    paged; greedy speculative decoding equals plain decoding on it; a config that turns the sliding window on is
+    refused."""
+    from transformers import Qwen2ForCausalLM
+    from eyas import LLM, SamplingParams
+    from helpers import write_random_draft
+    path = write_tiny_qwen2(tmp_path / "q")
+    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    hf = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    model, _ = load_target(str(path), "cpu", "float32")
+    attn = model.model.layers[0].self_attn
+    assert model.config.qkv_bias and attn.o_proj.bias is None
+    dense = model.compute_logits(model(torch.tensor([ids]), torch.arange(len(ids))[None]))[0]
+    torch.testing.assert_close(dense, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(paged_logits(model, ids), ref, atol=1e-4, rtol=0)
+    draft = write_random_draft(tmp_path / "d", path)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain = LLM(str(path), device="cpu", dtype="float32").generate([ids[:7], ids[:20]], params)
+    spec = LLM(str(path), device="cpu", dtype="float32", draft=str(draft), speculation="tree:8").generate(
+        [ids[:7], ids[:20]], params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids[:7]]), max_new_tokens=16, do_sample=False)[0, 7:].tolist()
+    assert plain[0].token_ids == want
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "use_sliding_window": True}))
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        load_target(str(path), "cpu", "float32")
+
+
 def test_classic_rope_spelling(tmp_path):
     """Checkpoints in the wild write rope_theta + rope_scaling; transformers 5 writes rope_parameters."""
     path = write_tiny_llama(tmp_path / "m", vocab=50, hidden=32, heads=4, kv_heads=2, rope_scaling=LLAMA3_SCALING)

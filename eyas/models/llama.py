@@ -46,9 +46,10 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         H, D = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(H, self.n_heads * D, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(H, self.n_kv * D, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(H, self.n_kv * D, bias=cfg.attention_bias)
+        qkv_bias = cfg.attention_bias or cfg.qkv_bias  # Qwen2: biases on q, k and v, none on o
+        self.q_proj = nn.Linear(H, self.n_heads * D, bias=qkv_bias)
+        self.k_proj = nn.Linear(H, self.n_kv * D, bias=qkv_bias)
+        self.v_proj = nn.Linear(H, self.n_kv * D, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * D, H, bias=cfg.attention_bias)
         self.scale = D ** -0.5
 
