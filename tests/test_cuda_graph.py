@@ -72,6 +72,17 @@ def test_graphs_equal_eager_with_a_draft_vocabulary(pair, tmp_path):
     assert [o.token_ids for o in graphed.generate(PROMPTS, PARAMS)] == ref
 
 
+@pytest.mark.parametrize("spec", [None, "tree:8"])
+def test_graphs_equal_eager_on_qwen2(tmp_path, spec):
+    """A Qwen2 checkpoint (biases on q, k and v: the steps take the paths that allow biases) with a random draft."""
+    from helpers import write_random_draft
+    from test_model_hf import write_tiny_qwen2
+    target = write_tiny_qwen2(tmp_path / "q", vocab=24, layers=2)
+    ref, graphed = eager_reference_and_graphed(target, write_random_draft(tmp_path / "d", target), spec)
+    assert [o.token_ids for o in graphed.generate(PROMPTS, PARAMS)] == ref
+    assert graphed.engine.runner.graphs.graphs
+
+
 def test_capture_all_covers_every_bucket_a_shrinking_batch_needs(pair):
     target, draft = pair
     spec = "dispatch:1=chain:4,4=tree:8,64=plain"
