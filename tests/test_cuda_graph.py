@@ -339,7 +339,9 @@ def test_guided_graphs_with_logprobs_and_penalties_equal_eager(guided_mirror, sp
     then reports them; greedy tokens and log-probabilities equal the eager reference path's."""
     from eyas import GuidedDecoding
     target, draft, _ = guided_mirror
-    guides = [GuidedDecoding(regex=r"[a-z ]{5,60}\."), GuidedDecoding(json_object=True), None]
+    from test_guided import TAG
+    guides = [GuidedDecoding(regex=r"[a-z ]{5,60}\."), GuidedDecoding(json_object=True), None,
+              GuidedDecoding(structural_tag=TAG)]
     params = [SamplingParams(max_tokens=40, guided=g, logprobs=3, repetition_penalty=1.3, presence_penalty=0.5)
               for g in guides]
     kw = dict(device="cuda", dtype="float32", draft=str(draft), speculation=spec)
