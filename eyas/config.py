@@ -2,8 +2,10 @@
 
 `ModelConfig` is the architecture of a Llama-family model, read from an HF `config.json` dict (both the classic
 `rope_theta` + `rope_scaling` spelling and transformers 5's `rope_parameters`) or from GGUF metadata. Qwen2 (and
-Qwen2.5) checkpoints are Llama models with biases on the q, k and v projections (`qkv_bias`); their sliding window
-is refused where a config turns it on.
+Qwen2.5) checkpoints are Llama models with biases on the q, k and v projections (`qkv_bias`), Mistral ones Llama
+models. Where a config has a sliding window (Mistral's `sliding_window`; Qwen2's with `use_sliding_window`), the
+context is capped at the window (`max_position_embeddings`), inside which sliding-window attention is full
+attention: exact, where serving longer contexts would not be.
 """
 from __future__ import annotations
 
@@ -64,9 +66,13 @@ class ModelConfig:
                 rope_scaling["rope_type"] = "llama3"
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        qwen2 = cfg.get("model_type") == "qwen2" or (cfg.get("architectures") or [""])[0] == "Qwen2ForCausalLM"
-        if qwen2 and cfg.get("use_sliding_window"):
-            raise ValueError("Qwen2 with use_sliding_window is not supported (eyas attends to the whole context)")
+        arch = (cfg.get("architectures") or [""])[0]
+        qwen2 = cfg.get("model_type") == "qwen2" or arch == "Qwen2ForCausalLM"
+        window = cfg.get("sliding_window") if (cfg.get("model_type") == "mistral" or arch == "MistralForCausalLM"
+                                               or (qwen2 and cfg.get("use_sliding_window"))) else None
+        max_pos = cfg.get("max_position_embeddings", 2048)
+        if window:  # attention within the window is full attention: no longer context than it
+            max_pos = min(max_pos, int(window))
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
@@ -78,7 +84,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

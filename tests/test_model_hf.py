@@ -77,8 +77,8 @@ def write_tiny_qwen2(path, vocab=97, hidden=64, heads=4, kv_heads=2, layers=3, t
 
 def test_qwen2_equals_hf(tmp_path):
     """A Qwen2 checkpoint (q, k, v biases, no o bias, tied head) equals transformers' Qwen2ForCausalLM, dense and
-    paged; greedy speculative decoding equals plain decoding on it; a config that turns the sliding window on is
-    refused."""
+    paged; greedy speculative decoding equals plain decoding on it; a config that turns the sliding window on caps
+    the context at the window."""
     from transformers import Qwen2ForCausalLM
     from eyas import LLM, SamplingParams
     from helpers import write_random_draft
@@ -103,9 +103,31 @@ def test_qwen2_equals_hf(tmp_path):
         want = hf.generate(torch.tensor([ids[:7]]), max_new_tokens=16, do_sample=False)[0, 7:].tolist()
     assert plain[0].token_ids == want
     raw = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**raw, "use_sliding_window": True}))
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        load_target(str(path), "cpu", "float32")
+    (path / "config.json").write_text(json.dumps({**raw, "use_sliding_window": True, "sliding_window": 32}))
+    assert load_target(str(path), "cpu", "float32")[0].config.max_position_embeddings == 32  # the window's
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_mistral_equals_hf(tmp_path, window):
+    """A Mistral checkpoint is a Llama one; with a sliding window, the context is capped at it, within which the
+    logits are transformers' (whose sliding-window attention is full attention there)."""
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        sliding_window=window)
+    hf = MistralForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 2.0 / p.shape[1] ** 0.5)
+    hf.save_pretrained(tmp_path / "m")
+    ids = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    model, _ = load_target(str(tmp_path / "m"), "cpu", "float32")
+    assert model.config.max_position_embeddings == (window or 256)
+    torch.testing.assert_close(paged_logits(model, ids), ref, atol=1e-4, rtol=0)
 
 
 def test_classic_rope_spelling(tmp_path):

@@ -41,17 +41,18 @@ def load_weights(path: Path, allow_bin: bool = False) -> dict[str, torch.Tensor]
     return state
 
 
-SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # model_type -> architecture
+# model_type -> architecture
+SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 def llama_config(path: Path) -> ModelConfig:
     """The ModelConfig of an HF directory, which must hold a Llama model (or a Qwen2 one: Llama's blocks with
-    biases on q, k and v)."""
+    biases on q, k and v; or a Mistral one)."""
     raw = read_config(path)
     arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
     if raw.get("model_type", "llama") not in SUPPORTED and arch not in SUPPORTED.values():
-        raise ValueError(f"{path}: model type {raw.get('model_type')!r} is not supported (eyas loads Llama and "
-                         "Qwen2 models)")
+        raise ValueError(f"{path}: model type {raw.get('model_type')!r} is not supported (eyas loads Llama, Qwen2 "
+                         "and Mistral models)")
     return ModelConfig.from_hf(raw)
 
 
