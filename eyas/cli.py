@@ -81,7 +81,7 @@ def _tp_generate(rank: int, world_size: int, device, args) -> None:
         return
     prompt = args.prompt
     if args.chat:
-        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]))
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), add_bos=False)
     t0 = time.perf_counter()
     ids = tp.generate([prompt], _sampling_params(args))[0]
     t1 = time.perf_counter()
@@ -109,7 +109,8 @@ def cmd_generate(args) -> int:
               cuda_graphs="auto" if args.cuda_graphs else False)
     prompt = args.prompt
     if args.chat:
-        prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
+        prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
+                                        add_bos=False)
     engine = llm.engine
     t0 = time.perf_counter()
     seq = engine.add_request(prompt, params)

@@ -64,3 +64,37 @@ def test_llama3_pre_tokenizer():
 def test_unknown_pre_tokenizer_is_an_error():
     with pytest.raises(ValueError, match="tokenizer.ggml.pre"):
         tokenizer("qwen2")
+
+
+def test_chat_prompts_hold_the_templates_bos_once(tmp_path):
+    """A tokenizer that adds BOS (`add_bos_token`, Llama 2 and Mistral) and a template that writes it: a chat's
+    prompt begins with one BOS (the template's; vLLM and HF tokenize a rendered template without special tokens),
+    offline and through the server's /tokenize; a plain prompt still gets the tokenizer's BOS."""
+    import json
+
+    import httpx
+
+    from eyas import LLM, SamplingParams
+    from eyas.serve.api_server import create_app
+    from helpers import SEP, tiny_tokenizer, write_tiny_chat_model
+    from test_server import LiveServer
+    tok = tiny_tokenizer()
+    path = write_tiny_chat_model(tmp_path / "m", tok)
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": SEP, "eos_token": "<|end|>", "add_bos_token": True,
+        "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}\n{% endfor %}"}))
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    bos = llm.tokenizer.bos_token_id
+    seen = []
+    generate = llm.generate
+    llm.generate = lambda prompts, *a, **k: (seen.extend(prompts), generate(prompts, *a, **k))[1]
+    llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1))
+    assert seen[0][0] == bos and seen[0].count(bos) == 1
+    assert llm.tokenizer.encode("hi")[0] == bos  # a completion's prompt: the tokenizer's BOS
+    del llm.generate
+    server = LiveServer(create_app(llm, "m"))
+    try:
+        r = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+        assert r.json()["tokens"] == seen[0]
+    finally:
+        server.close()

@@ -155,7 +155,8 @@ def make_prompts(tokenizer, vocab: int, n: int, context: int, prompts_file: str 
         qs = read_prompts(prompts_file)
         if not qs:
             raise ValueError(f"no prompts in {prompts_file}")
-        return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": qs[i]["text"]}]))
+        return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": qs[i]["text"]}]),
+                                 add_bos=False)
                 for i in spread(len(qs), n)]
     g = torch.Generator().manual_seed(0)
     return [torch.randint(10, vocab, (context,), generator=g).tolist() for _ in range(n)]

@@ -167,7 +167,8 @@ def bench_tpc(model: str, drafts: list[str], speculations: list[str], prompts_pa
     if tok is None or not tok.chat_template:
         raise ValueError(f"model {model!r} has no chat template; `bench tpc` prompts through it")
     records = read_prompts(prompts_path, limit)
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": r["text"]}])) for r in records]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": r["text"]}]), add_bos=False)
+               for r in records]
     results = []
     for dname in drafts:
         draft = apply_draft_quant(load_draft(draft_dir(model, dname), target), target, draft_quant)

@@ -136,6 +136,6 @@ class LLM:
         convs = [messages] if single else messages
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(
             c, add_generation_prompt=not continue_final_message, continue_final_message=continue_final_message,
-            tools=tools, chat_template=chat_template, **(chat_template_kwargs or {})))
-            for c in convs]
+            tools=tools, chat_template=chat_template, **(chat_template_kwargs or {})), add_bos=False)
+            for c in convs]  # the template writes any BOS itself (vLLM and HF tokenize it without special tokens)
         return self.generate(prompts, params, use_tqdm=use_tqdm)

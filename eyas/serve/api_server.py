@@ -502,7 +502,8 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
             raise APIError("this model has no tokenizer: its prompts are token ids already", param="prompt")
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
-        ids = tok.encode(req.prompt if req.messages is None else server.chat_text(req))
+        # a chat's template writes any BOS itself (vLLM and HF tokenize it without special tokens)
+        ids = tok.encode(req.prompt) if req.messages is None else tok.encode(server.chat_text(req), add_bos=False)
         out = {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = [server.token_text(i) for i in ids]
@@ -662,7 +663,8 @@ async def _submit_chat(server: Server, req, arrival: float, prefix: str):
     base = _sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     base = _with_tool_guide(req, base, tool_choice)
     await server.compile_guided(base.guided)
-    ids = server.prompt_ids(server.tokenizer.encode(text), "messages", base.truncate_prompt_tokens)
+    ids = server.prompt_ids(server.tokenizer.encode(text, add_bos=False), "messages",  # the template's BOS, if any
+                            base.truncate_prompt_tokens)
     budget = server.fit(ids, max_tokens, "messages", max_param)
     cid = completion_id(prefix)
     queue, rids = await server.submit(cid, [ids], [budget], base, req.n, arrival)

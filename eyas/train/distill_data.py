@@ -43,7 +43,7 @@ def regenerate(llm, conversations: list[list[dict]], params, max_turns: int | No
             if not alive[i] or r >= len(u):
                 continue
             msgs = histories[i] + [u[r]]
-            ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True))
+            ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True), add_bos=False)
             if len(ids) > limit:
                 alive[i] = False
                 continue
