@@ -98,3 +98,24 @@ def test_chat_prompts_hold_the_templates_bos_once(tmp_path):
         assert r.json()["tokens"] == seen[0]
     finally:
         server.close()
+
+
+def test_bos_follows_the_post_processor_where_the_config_is_silent(tmp_path):
+    """No `add_bos_token` in tokenizer_config.json (Llama 3's): BOS where the tokenizer's post-processor adds it
+    (HF's default for a plain prompt), none where it adds nothing."""
+    import json
+
+    from tokenizers import processors
+
+    from helpers import SEP, tiny_tokenizer
+    for post in (True, False):
+        tok = tiny_tokenizer()
+        if post:
+            sep = (SEP, tok.backend.token_to_id(SEP))
+            tok.backend.post_processor = processors.TemplateProcessing(single=f"{SEP} $A", special_tokens=[sep])
+        d = tmp_path / str(post)
+        d.mkdir()
+        tok.backend.save(str(d / "tokenizer.json"))
+        (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": SEP, "eos_token": "<|end|>"}))
+        t = Tokenizer.from_hf_dir(d)
+        assert (t.encode("hi")[0] == t.bos_token_id) == post and t.encode("hi", add_bos=False)[0] != t.bos_token_id

@@ -164,8 +164,13 @@ class Tokenizer:
         template = cfg.get("chat_template")
         if template is None and (path / "chat_template.jinja").exists():
             template = (path / "chat_template.jinja").read_text()
-        return cls(backend, template, name(cfg.get("bos_token")), name(cfg.get("eos_token")),
-                   bool(cfg.get("add_bos_token", False)))
+        bos = name(cfg.get("bos_token"))
+        add_bos = cfg.get("add_bos_token")
+        if add_bos is None:  # HF's default: what the tokenizer's post-processor adds (Llama 3's TemplateProcessing)
+            bos_id = backend.token_to_id(bos) if bos else None
+            marked = backend.encode("a", add_special_tokens=True).ids
+            add_bos = bos_id is not None and bool(marked) and marked[0] == bos_id
+        return cls(backend, template, bos, name(cfg.get("eos_token")), bool(add_bos))
 
 
 _templates: dict[str, jinja2.Template] = {}
