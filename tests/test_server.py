@@ -909,6 +909,8 @@ def test_priority_scheduling_through_the_server(tiny_dir, tiny):
         done, got = asyncio.run(main())
         assert done == ["p1", "p3", "p5", "low"]
         assert llm.engine.scheduler.num_preemptions >= 1
+        assert server.metrics()["eyas:num_preemptions_total{}"] == \
+            llm.engine.scheduler.num_preemptions
         alone = LLM(str(tiny_dir), device="cpu", dtype="float32").generate(
             [[3, 1, 4, 1, 5]], SamplingParams(max_tokens=40, ignore_eos=True))[0].token_ids
         assert got[0] == alone and got[1] == got[2] == got[3] == alone[:20]

@@ -116,6 +116,7 @@ class AsyncEngine:
         self._stopping = False
         self._dead: str | None = None
         self._steps_seen = dict(engine.step_counts)
+        self._preempted_seen = engine.scheduler.num_preemptions  # metrics: preemptions already counted
         self.spec_depth = engine.tree.max_depth if engine.draft is not None else 0
         if metrics is not None:
             metrics.set_tree_depth(self.spec_depth)
@@ -355,6 +356,10 @@ class AsyncEngine:
                         m.verify_steps.inc(d)
                         m.draft_forwards.inc(d * self.spec_depth)
             self._steps_seen = dict(counts)
+            preempted = self.engine.scheduler.num_preemptions
+            if preempted > self._preempted_seen:
+                m.preemptions.inc(preempted - self._preempted_seen)
+                self._preempted_seen = preempted
 
     def _account(self, tr: _Tracker, out: RequestOutput, now: float, step: _StepCounts) -> None:
         """One request's part of this step in the metrics: its latencies at once, its counts added to `step`'s

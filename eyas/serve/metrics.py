@@ -106,6 +106,8 @@ class Metrics:
         self.generation_tokens = counter("eyas:generation_tokens", "Output tokens generated.")
         self.prefix_queries = counter("eyas:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("eyas:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("eyas:num_preemptions", "Requests preempted (recomputed later): for KV blocks, "
+                                   "or for higher-priority requests under --scheduling-policy priority.")
         self._success = Counter("eyas:request_success", "Finished requests by finish reason.",
                                 lab + ["finish_reason"], registry=r)
         for reason in ("stop", "length", "abort", "error"):
