@@ -139,6 +139,14 @@ def test_bad_input(tiny_dir):
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate(["text needs a tokenizer"], SamplingParams())
     assert llm.engine.blocks.num_used == 0 and not llm.engine.has_unfinished()
+    # a bad request after good ones: none of them stays queued, and the next call's outputs are its own
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[1, 2], [3, 4], [1, VOCAB + 5]], params)
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_used == 0
+    outs = llm.generate([[5, 6]], params)
+    assert len(outs) == 1 and outs[0].token_ids == LLM(str(tiny_dir), device="cpu", dtype="float32").generate(
+        [[5, 6]], params)[0].token_ids
 
 
 def test_smollm2_text_and_stops(smollm2):

@@ -103,16 +103,18 @@ class LLM:
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         engine = self.engine
-        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, plist)]  # validates everything first
-        bar = tqdm(total=len(seqs), desc="generating", disable=not use_tqdm)
+        seqs = []
+        bar = tqdm(total=len(prompts), desc="generating", disable=not use_tqdm)
         try:
+            for p, sp in zip(prompts, plist):
+                seqs.append(engine.add_request(p, sp))
             while engine.has_unfinished():
                 for out in engine.step():
                     if out.finished:
                         bar.update(1)
         finally:
             bar.close()
-            for s in seqs:  # an exception mid-way must not leak blocks
+            for s in seqs:  # an exception mid-way (a bad request among them, a failed step) leaves none queued
                 if not s.finished:
                     engine.abort(s.request_id)
         return [CompletionOutput(s.prompt_ids, s.output_ids, s.text, s.finish_reason, s.stats,
