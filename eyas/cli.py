@@ -17,6 +17,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "dispatch:B1=SPEC,B2=SPEC,... (a tree per batch size; SPEC may be 'plain')")
     from eyas.spec.draft_quant import add_draft_quant_arg
     add_draft_quant_arg(p)
+    p.add_argument("--lora", default=None, metavar="DIR",
+                   help="a PEFT LoRA adapter directory, merged into the model's weights at load")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto")
 
@@ -101,11 +103,13 @@ def cmd_generate(args) -> int:
         from eyas.spec.draft_quant import asks_quant
         if asks_quant(args.draft_quant):
             raise SystemExit("eyas generate: --draft-quant does not combine with --tensor-parallel yet")
+        if getattr(args, "lora", None):
+            raise SystemExit("eyas generate: --lora does not combine with --tensor-parallel yet")
         cpu = args.device == "cpu" or not torch.cuda.is_available()
         run_ranks(_tp_generate, args.tensor_parallel, args, on_gpu=not cpu)
         return 0
     llm = LLM(args.model, device=args.device, dtype=args.dtype, draft=resolve_draft_arg(args.model, args.draft),
-              speculation=args.speculation, draft_quant=args.draft_quant,
+              speculation=args.speculation, draft_quant=args.draft_quant, lora=getattr(args, "lora", None),
               cuda_graphs="auto" if args.cuda_graphs else False)
     prompt = args.prompt
     if args.chat:

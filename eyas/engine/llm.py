@@ -55,11 +55,16 @@ class LLM:
 
     def __init__(self, model: str = "smollm2", device: str = "auto", dtype: str = "auto",
                  draft: str | None = None, speculation: str | None = None, draft_quant: str | None = None,
-                 disaggregate: str | None = None, prefill_process: bool = False, **engine_kwargs):
+                 disaggregate: str | None = None, prefill_process: bool = False, lora: str | None = None,
+                 **engine_kwargs):
         """`disaggregate`: "PREFILL_DEVICE,DECODE_DEVICE" (e.g. "cuda:0,cuda:1"): prompts are prefilled by an engine
         on the first device, then decoded by one on the second (`eyas.engine.disagg`; the model is loaded on each,
         and `device` is not used). `prefill_process`: the prefill engine runs in a child process
-        (`eyas.engine.prefill_process`), not on a thread of this one."""
+        (`eyas.engine.prefill_process`), not on a thread of this one. `lora`: a PEFT LoRA adapter directory merged
+        into the target's weights at load (`eyas.loader.lora`)."""
+        if lora is not None and prefill_process:
+            raise ValueError("lora with prefill_process is not supported (the child process loads the base model)")
+        self.lora = lora
         if asks_quant(draft_quant) and draft is None:
             raise ValueError(f"draft_quant={draft_quant!r} needs a draft (draft=...)")
         tree = resolve_tree(speculation)  # a bad name fails before anything loads
@@ -85,10 +90,9 @@ class LLM:
     def _load(self, model, device, dtype, draft, draft_quant) -> None:
         self.target, self.tokenizer, self.draft = self._loaded(model, device, dtype, draft, draft_quant)
 
-    @staticmethod
-    def _loaded(model, device, dtype, draft, draft_quant):
-        """(target, tokenizer, draft) loaded on `device`."""
-        target, tokenizer = load_target(model, device, dtype)
+    def _loaded(self, model, device, dtype, draft, draft_quant):
+        """(target, tokenizer, draft) loaded on `device` (the target with `self.lora` merged)."""
+        target, tokenizer = load_target(model, device, dtype, self.lora)
         d = load_draft(draft_dir(model, draft), target) if draft is not None else None
         if d is not None:  # INT4 / FP8 draft weights (eyas.spec.draft_quant), as asked or the draft's own
             apply_draft_quant(d, target, draft_quant)

@@ -86,8 +86,9 @@ def build_target(cfg: ModelConfig, state: dict, where: str, device, dtype, rank:
     return model.eval().requires_grad_(False)
 
 
-def load_target(model: str, device="cpu", dtype="float32"):
-    """`model` is "smollm2", an HF directory or a .gguf file. Returns (LlamaForCausalLM, Tokenizer | None)."""
+def load_target(model: str, device="cpu", dtype="float32", lora: str | None = None):
+    """`model` is "smollm2", an HF directory or a .gguf file; `lora`: a PEFT LoRA adapter directory merged into its
+    weights (`eyas.loader.lora`). Returns (LlamaForCausalLM, Tokenizer | None)."""
     from eyas.loader.gguf import load_gguf
     from eyas.loader.hf import load_hf
 
@@ -106,6 +107,9 @@ def load_target(model: str, device="cpu", dtype="float32"):
         cfg, state, tok = load_gguf(path)
     else:
         raise ValueError(f"model {model!r}: expected an HF directory or a .gguf file")
+    if lora is not None:
+        from eyas.loader.lora import merge_lora
+        state = merge_lora(state, lora)
     return build_target(cfg, state, str(path), device, dtype), tok
 
 

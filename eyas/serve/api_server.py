@@ -870,6 +870,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--draft", default="auto",
                    help="EAGLE draft directory, 'default' (the draft shipped for smollm2), 'none', or 'auto' "
                         "(default: the shipped draft when there is one, so speculation is on)")
+    p.add_argument("--lora", default=None, metavar="DIR",
+                   help="a PEFT LoRA adapter directory, merged into the model's weights at load")
     p.add_argument("--speculation", default=None,
                    help="chain:K | tree:NAME (mc_sim_7b_63, 8, 16, smollm2_25|48d5|64|128) | tree JSON file | "
                         "dispatch:B1=SPEC,B2=SPEC,... (a tree per batch size; SPEC may be 'plain') "
@@ -940,7 +942,7 @@ def build_llm(args):
     from eyas import LLM
     return LLM(args.model, device=args.device, dtype=args.dtype, draft=resolve_draft_arg(args.model, args.draft),
                speculation=args.speculation, draft_quant=getattr(args, "draft_quant", None),
-               disaggregate=getattr(args, "disaggregate", None),
+               disaggregate=getattr(args, "disaggregate", None), lora=getattr(args, "lora", None),
                prefill_process=getattr(args, "prefill_process", False), **_engine_kwargs(args))
 
 
@@ -1046,6 +1048,8 @@ def run_serve(args) -> int:
         from eyas.spec.draft_quant import asks_quant
         if asks_quant(getattr(args, "draft_quant", None)):
             raise ValueError("--draft-quant does not combine with --tensor-parallel yet")
+        if getattr(args, "lora", None):
+            raise ValueError("--lora does not combine with --tensor-parallel yet")
         on_gpu = args.device != "cpu" and torch.cuda.is_available()
         try:
             run_ranks(_tp_serve, args.tensor_parallel, args, options, on_gpu=on_gpu, timeout=float("inf"))
