@@ -98,11 +98,19 @@ class LLM:
             apply_draft_quant(d, target, draft_quant)
         return target, tokenizer, d
 
+    def default_sampling_params(self) -> SamplingParams:
+        """The sampling settings `generate` uses when given none: the model's generation_config.json's (temperature,
+        top_p, top_k, min_p, repetition_penalty; vLLM's `get_default_sampling_params`) over SamplingParams'
+        defaults (greedy)."""
+        from eyas.loader.hf import SAMPLING_DEFAULTS
+        d = self.target.config.generation_defaults or {}
+        return SamplingParams(**{k: v for k, v in d.items() if k in SAMPLING_DEFAULTS})
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[CompletionOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")

@@ -56,10 +56,32 @@ def llama_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf(raw)
 
 
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(path: Path) -> dict | None:
+    """The sampling settings of a directory's generation_config.json (those SamplingParams has, as vLLM reads
+    them), and its EOS ids under "eos_token_ids"; None without the file."""
+    file = path / "generation_config.json"
+    if not file.exists():
+        return None
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: invalid JSON ({e})") from None
+    out = {k: raw[k] for k in SAMPLING_DEFAULTS if isinstance(raw.get(k), (int, float)) and not isinstance(raw[k], bool)}
+    eos = raw.get("eos_token_id")
+    if eos is not None:
+        out["eos_token_ids"] = [eos] if isinstance(eos, int) else list(eos)
+    return out
+
+
 def load_hf(path: str | Path):
     """-> (ModelConfig, state dict in HF names, Tokenizer or None)."""
     path = Path(path)
-    return llama_config(path), load_weights(path), Tokenizer.from_hf_dir(path)
+    cfg = llama_config(path)
+    cfg.generation_defaults = generation_defaults(path)
+    return cfg, load_weights(path), Tokenizer.from_hf_dir(path)
 
 
 def _safetensors_files(path: Path) -> list[Path]:

@@ -106,22 +106,28 @@ def _logit_bias(req) -> dict[int, float] | None:
                        param="logit_bias") from None
 
 
-def _sampling_params(req, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
+def _sampling_params(req, max_tokens: int | None, logprobs: int | None = None,
+                     defaults: dict | None = None) -> SamplingParams:
+    """`defaults`: the model's settings for what the request leaves out (`--generation-config auto`), else
+    OpenAI's."""
     if req.seed is not None and not 0 <= req.seed < SEED_LIMIT:
         raise APIError(f"seed must be an integer in [0, 2**63), got {req.seed}", param="seed")
+    d = defaults or {}
+
+    def given(name, fallback):
+        value = getattr(req, name)
+        return value if value is not None else d.get(name, fallback)
     try:
         return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
+            temperature=given("temperature", 1.0), top_p=given("top_p", 1.0), top_k=given("top_k", -1),
+            min_p=given("min_p", 0.0),
             max_tokens=max(1, req.min_tokens or 0) if max_tokens is None else max_tokens,  # the real value: per prompt
             seed=req.seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
             truncate_prompt_tokens=req.truncate_prompt_tokens, min_tokens=req.min_tokens or 0,
             guided=_guided(req), logprobs=logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=given("repetition_penalty", 1.0),
             logit_bias=_logit_bias(req), allowed_token_ids=req.allowed_token_ids,
             prompt_logprobs=req.prompt_logprobs, bad_words=req.bad_words, priority=req.priority)
     except ValueError as e:
@@ -237,6 +243,7 @@ class Server:
         self.engine = engine = getattr(llm, "engine", llm)  # an LLM or an LLMEngine
         self.chat_template = chat_template  # in place of the model's (`eyas serve --chat-template`)
         self.tool_parser = None if tool_parser is None else make_parser(tool_parser)  # reads "auto" tool calls
+        self.sampling_defaults: dict = {}  # the model's, for what a request leaves out (`create_app`)
         self.responses = responses.ResponseStore()  # /v1/responses' stored ones (previous_response_id, GET)
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
@@ -400,12 +407,22 @@ OPEN_PATHS = ("/health", "/metrics", "/version")  # answered without the API key
 
 def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
                aliases: tuple[str, ...] = (), tool_parser: str | None = None,
-               chat_template: str | None = None, api_key: str | None = None) -> FastAPI:
+               chat_template: str | None = None, api_key: str | None = None,
+               generation_config: str = "auto") -> FastAPI:
     """`llm`: an `eyas.LLM` (or an `LLMEngine`). The engine thread starts and stops with the app's lifespan.
     `tool_parser`: how "auto" tool calls are read from the text (`eyas.serve.tools.PARSERS`); None refuses them.
     `chat_template`: a Jinja template in place of the model's (a request's own `chat_template` goes first).
-    `api_key`: when set, every endpoint but `OPEN_PATHS` wants `Authorization: Bearer <api_key>` (401 otherwise)."""
+    `api_key`: when set, every endpoint but `OPEN_PATHS` wants `Authorization: Bearer <api_key>` (401 otherwise).
+    `generation_config`: "auto" (vLLM's default): what a request leaves out of temperature, top_p, top_k, min_p and
+    repetition_penalty comes from the model's generation_config.json where it has them; "vllm": OpenAI's defaults
+    always."""
+    if generation_config not in ("auto", "vllm"):
+        raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
     server = Server(llm, served_model_name or "smollm2", max_queue, aliases, tool_parser, chat_template)
+    if generation_config == "auto":
+        from eyas.loader.hf import SAMPLING_DEFAULTS
+        model_defaults = server.engine.target.config.generation_defaults or {}
+        server.sampling_defaults = {k: v for k, v in model_defaults.items() if k in SAMPLING_DEFAULTS}
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -541,7 +558,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         # `echo` with `max_tokens: 0` (OpenAI's legacy way to score a text): one token is generated and dropped
         score_only = req.echo and req.max_tokens == 0
         asked = 1 if score_only else req.max_tokens
-        base = _sampling_params(req, asked, req.logprobs)
+        base = _sampling_params(req, asked, req.logprobs, server.sampling_defaults)
         names = _token_names(server, req)
         if req.echo and req.logprobs is not None and base.prompt_logprobs is None:  # the prompt's tokens get theirs
             base = dataclasses.replace(base, prompt_logprobs=req.logprobs)  # too (lm-eval's loglikelihood)
@@ -660,7 +677,8 @@ async def _submit_chat(server: Server, req, arrival: float, prefix: str):
     max_tokens, max_param = req.max_tokens, "max_tokens"
     if req.max_completion_tokens is not None:
         max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
-    base = _sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    base = _sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                            server.sampling_defaults)
     base = _with_tool_guide(req, base, tool_choice)
     await server.compile_guided(base.guided)
     ids = server.prompt_ids(server.tokenizer.encode(text, add_bos=False), "messages",  # the template's BOS, if any
@@ -884,6 +902,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
+    p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
+                   help="auto: a request's unset temperature, top_p, top_k, min_p and repetition_penalty come from "
+                        "the model's generation_config.json (vLLM's default); vllm: OpenAI's defaults always")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="fcfs: by arrival; priority: by each request's `priority` (lower first), then arrival, "
                         "lower-priority running requests preempted for higher ones (vLLM's)")
@@ -1030,7 +1051,8 @@ def _app_options(args) -> dict:
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
                          f"({' or '.join(sorted(PARSERS))})")
-    return dict(tool_parser=_tool_parser(args), chat_template=_chat_template(args), api_key=_api_key(args))
+    return dict(tool_parser=_tool_parser(args), chat_template=_chat_template(args), api_key=_api_key(args),
+                generation_config=getattr(args, "generation_config", "auto"))
 
 
 def run_serve(args) -> int:
