@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eyas import LLM, GuidedDecoding, SamplingParams
-from eyas.serve.tools import HermesParser, Llama3JsonParser, ToolStream, required_schema, tool_guide
+from eyas.serve.tools import (HermesParser, Llama3JsonParser, MistralParser, ToolStream, required_schema,
+                              tool_guide)
 from helpers import write_guided_mirror
 
 WEATHER = {"type": "function", "function": {
@@ -54,6 +55,18 @@ def reference_calls(choice: str, text: str):
     """The calls in a finished text, read whole by `json` (the oracle): (content, [(name, arguments)]), or None
     where some call is not well formed (cut short, or not a call object)."""
     import re
+    if choice == "mistral":
+        at = text.find("[TOOL_CALLS]")
+        if at < 0:
+            return text, []
+        try:
+            arr = json.loads(text[at + len("[TOOL_CALLS]"):])
+        except ValueError:
+            return None
+        if not isinstance(arr, list) or not arr or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
+                                                          for o in arr):
+            return None
+        return (text[:at] if text[:at].strip() else None), [(o["name"], o.get("arguments", {})) for o in arr]
     if choice == "hermes":
         at = text.find("<tool_call>")
         if at < 0:
@@ -81,7 +94,7 @@ def reference_calls(choice: str, text: str):
 
 
 def whole(choice: str, text: str, reason: str = "stop"):
-    parser = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser()}[choice]
+    parser = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser(), "mistral": MistralParser()}[choice]
     msg, reason = ToolStream("auto", parser).message(text, reason)
     return msg["content"], [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])], \
         reason
@@ -110,6 +123,17 @@ def test_hermes_calls():
     p = HermesParser()
     assert p.content_end("abc <tool") == 4 and p.content_end("abc <tool_call>{") == 4
     assert p.content_end("abc <") == 4 and p.content_end("a <b") == 4 and p.content_end("abc") == 3
+
+
+def test_mistral_calls():
+    text = ('Let me see.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": "x"}}, '
+            '{"name": "ping", "arguments": {}}]')
+    assert whole("mistral", text) == ("Let me see.", [("add", '{"a": 1, "b": "x"}'), ("ping", "{}")], "tool_calls")
+    assert whole("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1', "length") == (
+        None, [("add", '{"a": 1')], "length")
+    for bad in ("no calls", "[TOOL_CALLS]nope", "[TOOL_CALLS][]", '[TOOL_CALLS][{"arguments": {}}]'):
+        assert whole("mistral", bad) == (bad, [], "stop"), bad
+    assert MistralParser().content_end("abc [TOOL") == 4 and MistralParser().content_end("abc") == 3
 
 
 def test_llama3_json_calls():
@@ -151,6 +175,8 @@ HERMES_CALLS = ['<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_cal
                 '<tool_call>{"arguments": "{\\"a\\": 2}", "name": "add"}</tool_call>',
                 '<tool_call>{"name": "add", "arguments": {"s": "}{\\"<", "t": [1, {}]}}</tool_call>\n',
                 '<tool_call> {"name": "ad\\u0064", "arguments": 5 }</tool_call>']
+MISTRAL_CALLS = ['{"name": "add", "arguments": {"a": 1, "b": "x"}}', '{"name": "ping", "arguments": {}}',
+                 '{"name": "add", "arguments": {"a": [1, "]"]}}', '{"name": "add", "argu']
 LLAMA_CALLS = ['{"name": "add", "parameters": {"a": 1}}', '<|python_tag|>{"name": "ping", "arguments": {}}',
                '{"name": "add", "parameters": {"a"', '{"name": "add", "arguments": {"a": [1, {"b": ";"}]}}']
 
@@ -158,10 +184,14 @@ LLAMA_CALLS = ['{"name": "add", "parameters": {"a": 1}}', '<|python_tag|>{"name"
 @st.composite
 def replies(draw):
     """(choice, text): what a model might write under each choice: content, then calls (some malformed or cut)."""
-    choice = draw(st.sampled_from(["hermes", "llama3_json", "required", "add"]))
+    choice = draw(st.sampled_from(["hermes", "llama3_json", "mistral", "required", "add"]))
     content = draw(st.sampled_from(["", " ", "\n", "Sure.\n", "I'll check <tool", "a <b> c", "x{"]))
     if choice == "hermes":
         return choice, content + "".join(draw(st.lists(st.sampled_from(HERMES_CALLS), max_size=3)))
+    if choice == "mistral":
+        calls = draw(st.lists(st.sampled_from(MISTRAL_CALLS), max_size=3))
+        return choice, content + ("[TOOL_CALLS][" + ", ".join(calls) + draw(st.sampled_from(["]", ""]))
+                                  if calls else "")
     if choice == "llama3_json":
         calls = draw(st.lists(st.sampled_from(LLAMA_CALLS), max_size=3))
         return choice, draw(st.sampled_from(["", " ", content])) + "; ".join(calls)
@@ -179,7 +209,7 @@ def test_stream_deltas_make_the_whole_reply(reply, cuts, reason):
     """Any split of a text into deltas streams the reply the non-streaming path gives: the same content and calls
     (ids aside) and finish_reason; content once sent is never taken back (it is what the parser calls content)."""
     choice, text = reply
-    parsers = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser()}
+    parsers = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser(), "mistral": MistralParser()}
     mode = "auto" if choice in parsers else choice
     whole, whole_reason = ToolStream(mode, parsers.get(choice)).message(text, reason)
     ts, deltas = ToolStream(mode, parsers.get(choice)), []

@@ -940,7 +940,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "tool choices are served")
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                    help="how tool calls are written in the model's text: hermes (<tool_call>{...}</tool_call>: "
-                        "Hermes, Qwen, SmolLM3) or llama3_json (Llama 3.1-3.3's JSON)")
+                        "Hermes, Qwen, SmolLM3), llama3_json (Llama 3.1-3.3's JSON) or mistral ([TOOL_CALLS][...])")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p

@@ -8,7 +8,8 @@ What the model writes, by `tool_choice`:
   schema; one item at most with `parallel_tool_calls: false`), guided; each item becomes a call, and
   `finish_reason` is "tool_calls" (or "length" where max_tokens cut the array: its finished items are the calls).
 * "auto" (the default when tools are given): free text, which the server's tool-call parser (`eyas serve
-  --enable-auto-tool-choice --tool-call-parser NAME`) reads back: text before the calls is the reply's `content`.
+  --enable-auto-tool-choice --tool-call-parser NAME`: hermes, llama3_json or mistral) reads back: text before the
+  calls is the reply's `content`.
   Without a parser, "auto" with tools is a 400, as in vLLM.
 * "none": free text, never read as calls.
 The tools always reach the chat template (its `tools` variable), so a template that knows them shows them to the
@@ -314,6 +315,17 @@ class ToolParser:
         raise NotImplementedError
 
 
+def _before_tag(text: str, tag: str) -> int:
+    """How much of `text` comes before `tag` whatever follows: up to the tag, or to where it may be starting."""
+    at = text.find(tag)
+    if at >= 0:
+        return at
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
 class HermesParser(ToolParser):
     """Hermes 2 Pro, Qwen 2.5 and 3, SmolLM3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any
     number of them after the content; the last may lack its closing tag. A call's text ends at its closing tag
@@ -322,13 +334,7 @@ class HermesParser(ToolParser):
     START, END = "<tool_call>", "</tool_call>"
 
     def content_end(self, text):
-        at = text.find(self.START)
-        if at >= 0:
-            return at
-        for k in range(min(len(self.START) - 1, len(text)), 0, -1):  # a tag may be starting at the end
-            if self.START.startswith(text[-k:]):
-                return len(text) - k
-        return len(text)
+        return _before_tag(text, self.START)
 
     def first_call(self, text, final):
         at = text.find(self.START)
@@ -375,20 +381,53 @@ class Llama3JsonParser(ToolParser):
         return at if s.startswith("{") else None
 
     def step(self, r, c):
-        if r.state == "call":
+        _objects(r, c, ";")
+
+
+class MistralParser(ToolParser):
+    """Mistral's tool calls (Mistral 7B Instruct v0.3, Mixtral, Mistral Small / Nemo): `[TOOL_CALLS]` then a JSON
+    array of `{"name": ..., "arguments": {...}}`, after the content. After the array, text is not read."""
+    name = "mistral"
+    TAG = "[TOOL_CALLS]"
+
+    def content_end(self, text):
+        return _before_tag(text, self.TAG)
+
+    def first_call(self, text, final):
+        at = text.find(self.TAG)
+        if at < 0:
+            return None
+        rest = text[at + len(self.TAG):]
+        body = rest.lstrip()
+        if not body:
+            return None
+        if not body.startswith("["):  # not the array: no calls
+            return None
+        inner = body[1:].lstrip()
+        if not inner:
+            return None
+        return len(text) - len(inner)
+
+    def step(self, r, c):
+        _objects(r, c, ",")
+
+
+def _objects(r: CallReader, c: str, sep: str) -> None:
+    """One character of a run of call objects separated by `sep` (and spaces); anything else ends the calls."""
+    if r.state == "call":
+        r.calls[-1].feed(c)
+        if r.calls[-1].done:
+            r.state = "seek" if r.calls[-1].state == "done" else "end"
+    elif r.state == "seek":
+        if c == "{":
+            r.state = "call"
+            r.calls.append(CallScanner())
             r.calls[-1].feed(c)
-            if r.calls[-1].done:
-                r.state = "seek" if r.calls[-1].state == "done" else "end"
-        elif r.state == "seek":
-            if c == "{":
-                r.state = "call"
-                r.calls.append(CallScanner())
-                r.calls[-1].feed(c)
-            elif not (c.isspace() or c == ";"):
-                r.state = "end"
+        elif not (c.isspace() or c == sep):
+            r.state = "end"
 
 
-PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser)}
+PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
 
 
 def make_parser(name: str) -> ToolParser:
