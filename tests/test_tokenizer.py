@@ -96,6 +96,13 @@ def test_chat_prompts_hold_the_templates_bos_once(tmp_path):
     try:
         r = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60)
         assert r.json()["tokens"] == seen[0]
+        # vLLM's add_special_tokens: the tokenizer's BOS too, in the chat endpoint's prompt and in /tokenize
+        msgs = [{"role": "user", "content": "hi"}]
+        r = httpx.post(server.url + "/tokenize", json={"messages": msgs, "add_special_tokens": True}, timeout=60)
+        assert r.json()["tokens"] == [bos] + seen[0]
+        r = httpx.post(server.url + "/v1/chat/completions", json={"model": "m", "messages": msgs, "max_tokens": 1,
+                                                                  "add_special_tokens": True}, timeout=60)
+        assert r.json()["usage"]["prompt_tokens"] == len(seen[0]) + 1
     finally:
         server.close()
 

@@ -520,7 +520,8 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
         # a chat's template writes any BOS itself (vLLM and HF tokenize it without special tokens)
-        ids = tok.encode(req.prompt) if req.messages is None else tok.encode(server.chat_text(req), add_bos=False)
+        special = req.add_special_tokens if req.add_special_tokens is not None else req.messages is None
+        ids = tok.encode(req.prompt if req.messages is None else server.chat_text(req), add_bos=special)
         out = {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = [server.token_text(i) for i in ids]
@@ -681,8 +682,8 @@ async def _submit_chat(server: Server, req, arrival: float, prefix: str):
                             server.sampling_defaults)
     base = _with_tool_guide(req, base, tool_choice)
     await server.compile_guided(base.guided)
-    ids = server.prompt_ids(server.tokenizer.encode(text, add_bos=False), "messages",  # the template's BOS, if any
-                            base.truncate_prompt_tokens)
+    ids = server.prompt_ids(server.tokenizer.encode(text, add_bos=req.add_special_tokens),  # the template's BOS
+                            "messages", base.truncate_prompt_tokens)
     budget = server.fit(ids, max_tokens, "messages", max_param)
     cid = completion_id(prefix)
     queue, rids = await server.submit(cid, [ids], [budget], base, req.n, arrival)

@@ -169,6 +169,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: StrictBool = False  # the last message left open for the model to go on with
     chat_template: str | None = None  # vLLM's: a Jinja template in place of the server's
     chat_template_kwargs: dict | None = None  # vLLM's: more variables for the template
+    add_special_tokens: StrictBool = False  # vLLM's: the tokenizer's BOS before the template's text too
 
 
 class TokenizeRequest(_Request):
@@ -181,6 +182,7 @@ class TokenizeRequest(_Request):
     continue_final_message: StrictBool = False  # messages only (as /v1/chat/completions)
     chat_template: str | None = None  # messages only (as /v1/chat/completions)
     chat_template_kwargs: dict | None = None
+    add_special_tokens: StrictBool | None = None  # vLLM's: the tokenizer's BOS (default: prompts yes, messages no)
     return_token_strs: StrictBool = False
 
 
