@@ -23,13 +23,14 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, hf_dir, qtype_name: str):
+def write_gguf(path, hf_dir, qtype_name: str, arch: str = "llama", pre: str = "gpt-2"):
+    """`arch` "qwen2": as llama.cpp's converter writes a Qwen2 model (q, k, v biases; no Q/K permutation)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
     qtype = GGMLQuantizationType[qtype_name]
     cfg = json.loads((hf_dir / "config.json").read_text())
     sd = load_file(str(hf_dir / "model.safetensors"))
-    w = GGUFWriter(str(path), "llama")
+    w = GGUFWriter(str(path), arch)
     w.add_block_count(L)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(H)
@@ -40,7 +41,7 @@ def write_gguf(path, hf_dir, qtype_name: str):
     w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     w.add_vocab_size(V)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list([chr(ord("A") + i) if i < 26 else chr(ord("a") + i - 26) if i < 52 else str(i - 52)
                       for i in range(V)])
     w.add_token_types([1] * V)
@@ -66,11 +67,13 @@ def write_gguf(path, hf_dir, qtype_name: str):
             key = f"model.layers.{i}.{hf_name}.weight" if "layernorm" in hf_name else \
                 f"model.layers.{i}.{sub}.{hf_name}.weight"
             t = sd[key]
-            if hf_name == "q_proj":
+            if hf_name == "q_proj" and arch == "llama":
                 t = torch.from_numpy(llama_cpp_permute(t.numpy(), HEADS))
-            if hf_name == "k_proj":
+            if hf_name == "k_proj" and arch == "llama":
                 t = torch.from_numpy(llama_cpp_permute(t.numpy(), KV))
             put(f"blk.{i}.{gg}.weight", t, "layernorm" not in hf_name)
+            if key.replace(".weight", ".bias") in sd:
+                put(f"blk.{i}.{gg}.bias", sd[key.replace(".weight", ".bias")], False)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -108,6 +111,23 @@ def test_gguf_f32_logits_equal_hf(tmp_path, hf_dir):
         ref = hf(ids).logits
     out = model.compute_logits(model(ids, torch.arange(30)[None]))
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+def test_qwen2_gguf_logits_equal_hf(tmp_path):
+    """A Qwen2 GGUF (biases on q, k and v; rows as the converter leaves them, unpermuted; the "qwen2"
+    pre-tokenizer, which splits digits one by one) equals transformers' Qwen2ForCausalLM on the source checkpoint."""
+    from transformers import Qwen2ForCausalLM
+    from test_model_hf import write_tiny_qwen2
+    src = write_tiny_qwen2(tmp_path / "q", vocab=V, hidden=H, heads=HEADS, kv_heads=KV, layers=L, tie=False)
+    model, tok = load_target(str(write_gguf(tmp_path / "q.gguf", src, "F32", arch="qwen2", pre="qwen2")), "cpu",
+                             "float32")
+    assert model.config.qkv_bias and model.model.layers[0].self_attn.o_proj.bias is None
+    hf = Qwen2ForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ids = torch.randint(0, V, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    torch.testing.assert_close(model.compute_logits(model(ids, torch.arange(30)[None])), ref, atol=1e-4, rtol=0)
+    assert tok.backend.pre_tokenizer.pre_tokenize_str("a 123")[-3:] == [("1", (2, 3)), ("2", (3, 4)), ("3", (4, 5))]
 
 
 def test_unsupported_tensor_type_is_named(tmp_path, hf_dir):

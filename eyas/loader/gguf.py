@@ -41,11 +41,14 @@ def read_metadata(reader) -> dict:
     return meta
 
 
+ARCHITECTURES = ("llama", "qwen2")  # qwen2: Llama's blocks with biases on q, k and v (and no Q/K permutation)
+
+
 def config_from_metadata(meta: dict, path: Path, tensor_names: set[str]) -> ModelConfig:
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: architecture {arch!r} is not supported (eyas loads 'llama')")
-    a = "llama."
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path}: architecture {arch!r} is not supported (eyas loads {', '.join(ARCHITECTURES)})")
+    a = arch + "."
     try:
         heads = int(meta[a + "attention.head_count"])
         hidden = int(meta[a + "embedding_length"])
@@ -64,6 +67,7 @@ def config_from_metadata(meta: dict, path: Path, tensor_names: set[str]) -> Mode
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
                            if k in meta],
+            qkv_bias=arch == "qwen2",
         )
     except KeyError as e:
         raise ValueError(f"{path}: GGUF metadata lacks {e.args[0]!r}") from None
@@ -90,6 +94,7 @@ def load_gguf(path: str | Path):
     meta = read_metadata(reader)
     names = {t.name for t in reader.tensors}
     cfg = config_from_metadata(meta, path, names)
+    permuted = meta.get("general.architecture") == "llama"  # llama.cpp's converter permutes Llama's Q/K rows only
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         qtype = GGMLQuantizationType(t.tensor_type).name
@@ -99,19 +104,19 @@ def load_gguf(path: str | Path):
         if t.name in _GLOBAL_NAMES:
             name = _GLOBAL_NAMES[t.name]
         else:
-            m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
+            m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
             if not m or m.group(2) not in _LAYER_NAMES:
                 continue  # e.g. rope_freqs handled above; unknown extras ignored
-            name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+            name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
         try:
             arr = dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise ValueError(f"{path}: tensor {t.name} could not be decoded ({e})") from None
         shape = tuple(int(x) for x in reversed(list(t.shape)))
         w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(shape)
-        if name.endswith("q_proj.weight"):
+        if permuted and name.endswith("q_proj.weight"):
             w = unpermute_qk(w, cfg.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif permuted and name.endswith("k_proj.weight"):
             w = unpermute_qk(w, cfg.num_key_value_heads)
         state[name] = w
     return cfg, state, Tokenizer.from_gguf_metadata(meta)

@@ -33,6 +33,8 @@ _DIGITS_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaon
 _LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe"}
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_PRE = {"qwen2"}
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen2's: Llama 3's, digits one by one
 
 
 def gguf_pre_tokenizer(pre: str | None):
@@ -47,12 +49,13 @@ def gguf_pre_tokenizer(pre: str | None):
     if pre in _DIGITS_PRE:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                         pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    if pre in _LLAMA3_PRE:
+    if pre in _LLAMA3_PRE | _QWEN2_PRE:
         from tokenizers import Regex
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+        split = _LLAMA3_SPLIT if pre in _LLAMA3_PRE else _QWEN2_SPLIT
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre); eyas reads "
-                     f"{sorted(_GPT2_PRE | _DIGITS_PRE | _LLAMA3_PRE)}. Load the model's HF directory "
+                     f"{sorted(_GPT2_PRE | _DIGITS_PRE | _LLAMA3_PRE | _QWEN2_PRE)}. Load the model's HF directory "
                      "(tokenizer.json) instead")
 
 
