@@ -41,8 +41,8 @@ class ModelConfig:
     # default_speculation`). None: chain:3
     speculation: dict[str, str] | None = None
     # an HF directory's generation_config.json: the sampling settings its authors recommend (temperature, top_p,
-    # top_k, min_p, repetition_penalty; vLLM's `--generation-config auto` makes them a request's defaults), and its
-    # end-of-sequence ids, which also stop the output
+    # top_k, min_p, repetition_penalty; vLLM's `--generation-config auto` makes them a request's defaults). Its
+    # end-of-sequence ids join `eos_token_ids` (`eyas.loader.hf.read_generation_config`)
     generation_defaults: dict | None = None
     # EAGLE drafts only: the quantization to apply when none is asked, per device type as `speculation`
     # (`eyas.spec.draft_quant.resolve_draft_quant`; SmolLM2's draft: {"cuda": "fp8-head"}). None: none

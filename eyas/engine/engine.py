@@ -174,7 +174,7 @@ class LLMEngine:
                                    self.runner.lookahead, cfg.min_admit, with_draft=draft is not None,
                                    policy=cfg.scheduling_policy)
         self.seqs: dict[str, Sequence] = {}
-        self.eos_ids = set(mcfg.eos_token_ids) | set((mcfg.generation_defaults or {}).get("eos_token_ids", ()))
+        self.eos_ids = set(mcfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.step_counts = {"prefill": 0, "decode": 0}

@@ -102,9 +102,7 @@ class LLM:
         """The sampling settings `generate` uses when given none: the model's generation_config.json's (temperature,
         top_p, top_k, min_p, repetition_penalty; vLLM's `get_default_sampling_params`) over SamplingParams'
         defaults (greedy)."""
-        from eyas.loader.hf import SAMPLING_DEFAULTS
-        d = self.target.config.generation_defaults or {}
-        return SamplingParams(**{k: v for k, v in d.items() if k in SAMPLING_DEFAULTS})
+        return SamplingParams(**(self.target.config.generation_defaults or {}))
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[CompletionOutput]:

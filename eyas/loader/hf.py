@@ -47,41 +47,41 @@ SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral"
 
 def llama_config(path: Path) -> ModelConfig:
     """The ModelConfig of an HF directory, which must hold a Llama model (or a Qwen2 one: Llama's blocks with
-    biases on q, k and v; or a Mistral one)."""
+    biases on q, k and v; or a Mistral one), with its generation_config.json's settings."""
     raw = read_config(path)
     arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
     if raw.get("model_type", "llama") not in SUPPORTED and arch not in SUPPORTED.values():
         raise ValueError(f"{path}: model type {raw.get('model_type')!r} is not supported (eyas loads Llama, Qwen2 "
                          "and Mistral models)")
-    return ModelConfig.from_hf(raw)
+    cfg = ModelConfig.from_hf(raw)
+    read_generation_config(path, cfg)
+    return cfg
 
 
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def generation_defaults(path: Path) -> dict | None:
-    """The sampling settings of a directory's generation_config.json (those SamplingParams has, as vLLM reads
-    them), and its EOS ids under "eos_token_ids"; None without the file."""
+def read_generation_config(path: Path, cfg: ModelConfig) -> None:
+    """A directory's generation_config.json, as vLLM reads it, into `cfg`: its sampling settings (those
+    SamplingParams has) as `generation_defaults`, and its end-of-sequence ids among `eos_token_ids`."""
     file = path / "generation_config.json"
     if not file.exists():
-        return None
+        return
     try:
         raw = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{file}: invalid JSON ({e})") from None
-    out = {k: raw[k] for k in SAMPLING_DEFAULTS if isinstance(raw.get(k), (int, float)) and not isinstance(raw[k], bool)}
+    cfg.generation_defaults = {k: raw[k] for k in SAMPLING_DEFAULTS
+                               if isinstance(raw.get(k), (int, float)) and not isinstance(raw[k], bool)}
     eos = raw.get("eos_token_id")
     if eos is not None:
-        out["eos_token_ids"] = [eos] if isinstance(eos, int) else list(eos)
-    return out
+        cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set([eos] if isinstance(eos, int) else eos))
 
 
 def load_hf(path: str | Path):
     """-> (ModelConfig, state dict in HF names, Tokenizer or None)."""
     path = Path(path)
-    cfg = llama_config(path)
-    cfg.generation_defaults = generation_defaults(path)
-    return cfg, load_weights(path), Tokenizer.from_hf_dir(path)
+    return llama_config(path), load_weights(path), Tokenizer.from_hf_dir(path)
 
 
 def _safetensors_files(path: Path) -> list[Path]:

@@ -420,9 +420,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
     server = Server(llm, served_model_name or "smollm2", max_queue, aliases, tool_parser, chat_template)
     if generation_config == "auto":
-        from eyas.loader.hf import SAMPLING_DEFAULTS
-        model_defaults = server.engine.target.config.generation_defaults or {}
-        server.sampling_defaults = {k: v for k, v in model_defaults.items() if k in SAMPLING_DEFAULTS}
+        server.sampling_defaults = server.engine.target.config.generation_defaults or {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
