@@ -11,8 +11,9 @@ writes it beside `logit_bias`). A longer one depends on the context, so under sp
 against its own: the committed output's last tokens followed by its path's (`node_contexts`). A node's law is then
 the one plain decoding would use after that path, and acceptance stays lossless, as with the penalties that this
 travels with (`WordBans`, in `eyas.layers.penalties.Penalties`). The draft proposes under the one-token bans only
-(`DRAFT_MATCHES_WORDS`): matching its levels too cost ~0.4 ms a step of SmolLM2's default tree on an H100, for
-proposals the target refuses only where a banned phrase would go on.
+(`DRAFT_MATCHES_WORDS`): matching its levels too cost ~0.3 ms a step of SmolLM2's default tree at batch 1 (+0.23
+against +0.09 ms a token at TPC 2.17; tools/diag/extras_cost.py on an H100, 2026-12-05, docs/benchmarks.md
+"Session 55"), for proposals the target refuses only where a banned phrase would go on.
 
 Everything runs on the device from fixed-size rows (CUDA graphs capture it): per sequence slot, the output's last
 `MAX_WORD_TOKENS - 1` tokens (`tail`, moved on by each step's commit, `commit_tail`) and up to `MAX_LONG_WORDS`
