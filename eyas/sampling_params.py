@@ -51,6 +51,11 @@ class GuidedDecoding:
         return next(k for k in kinds if getattr(self, k) is not None) if not self.json_object else "json_object"
 
 
+def _is_token_id(t) -> bool:
+    """An integer >= 0 (not a bool): what a token id given in a request may be."""
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
 MAX_LOGPROBS = 20  # the most alternatives a token's log-probabilities list (vLLM's default limit)
 
 
@@ -146,7 +151,7 @@ class SamplingParams:
                 raise ValueError(f"logit_bias must map token ids to numbers, got {type(self.logit_bias).__name__}")
             bias = {}
             for t, b in self.logit_bias.items():
-                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                if not _is_token_id(t):
                     raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
                 if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
                     raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
@@ -154,8 +159,7 @@ class SamplingParams:
             self.logit_bias = bias or None
         a = self.allowed_token_ids
         if a is not None:
-            if (not isinstance(a, (list, tuple)) or not a
-                    or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in a)):
+            if not isinstance(a, (list, tuple)) or not a or not all(_is_token_id(t) for t in a):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), got {a!r}")
             self.allowed_token_ids = sorted(set(a))
             if self.guided is not None:  # the grammar may allow none of them
@@ -172,7 +176,7 @@ class SamplingParams:
         if w is not None:
             if (not isinstance(w, (list, tuple)) or any(
                     not isinstance(x, (list, tuple)) or not x
-                    or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in x) for x in w)):
+                    or not all(_is_token_id(t) for t in x) for x in w)):
                 raise ValueError(f"bad_words_token_ids must be a list of non-empty lists of token ids, got {w!r}")
             self.bad_words_token_ids = [list(x) for x in w] or None
         if len(self.bad_words or ()) + len(self.bad_words_token_ids or ()) > MAX_WORDS:
