@@ -19,6 +19,9 @@ class GuidedDecoding:
     grammar: str | None = None
     json_object: bool = False
     structural_tag: dict | None = None
+    # the grammar applies from after the output's first such token; any token before it (a reasoning model's
+    # thinking, up to its `</think>`: what `eyas serve --reasoning-parser` sets)
+    after_token_id: int | None = None
 
     def __post_init__(self):
         given = [k for k in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, k) is not None]
@@ -27,6 +30,9 @@ class GuidedDecoding:
             raise ValueError("guided decoding takes exactly one of json, json_object, regex, choice, grammar, "
                              "structural_tag; got "
                              f"{given or 'none'}")
+        a = self.after_token_id
+        if a is not None and (not isinstance(a, int) or isinstance(a, bool) or a < 0):
+            raise ValueError(f"guided after_token_id must be a token id (an integer >= 0), got {a!r}")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"guided json must be a JSON schema (a dict or its text), got {type(self.json).__name__}")
         if self.json_object not in (True, False):

@@ -141,6 +141,18 @@ def tiny_tokenizer():
     return Tokenizer(backend, eos_token=END)
 
 
+THINK, UNTHINK = "<think>", "</think>"
+
+
+def think_tokenizer():
+    """`tiny_tokenizer` with a reasoning model's `<think>` and `</think>`: added tokens, not special (their text
+    stays in the output, as DeepSeek-R1's and Qwen3's do)."""
+    from tokenizers import AddedToken
+    tok = tiny_tokenizer()
+    tok.backend.add_tokens([AddedToken(THINK, special=False), AddedToken(UNTHINK, special=False)])
+    return tok
+
+
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
 
 

@@ -254,6 +254,8 @@ class LLMEngine:
             raise ValueError(f"logit_bias keys must be token ids in [0, {V}), got {max(params.logit_bias)}")
         if params.allowed_token_ids is not None and params.allowed_token_ids[-1] >= V:
             raise ValueError(f"allowed_token_ids must be token ids in [0, {V}), got {params.allowed_token_ids[-1]}")
+        if params.guided is not None and (params.guided.after_token_id or 0) >= V:
+            raise ValueError(f"guided after_token_id must be a token id in [0, {V}), got {params.guided.after_token_id}")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         grammar = self.grammar_state(params)  # a bad schema fails here, before the request is queued
         stop_ids = self._stop_ids(params)

@@ -23,6 +23,11 @@ next step, whose masks need the grammar states after this one's commit.
 The draft proposes the root's children among the tokens the grammar allows next (`TreeGuide.root_masks`: known on the
 host before the step, as the state after the committed tokens); its deeper levels propose freely, since their states
 depend on the tree's tokens. A proposal that breaks the grammar costs acceptance, never exactness.
+
+A grammar may start late (`GuidedDecoding.after_token_id`, what `eyas serve --reasoning-parser` sets for a reasoning
+model's `</think>`): until the output holds that token, every token is allowed and the matcher takes nothing
+(`GatedGrammarState`). In a tree, the nodes below the first such token on their path get the masks of the grammar
+fed the path after it, so a step that drafts the end of the reasoning and the first structured tokens is exact too.
 """
 from __future__ import annotations
 
@@ -112,6 +117,8 @@ class GrammarBackend:
             raise ValueError(f"guided decoding: invalid {g.kind}: {msg.split(': ', 1)[-1]}") from None
 
     def state(self, g: GuidedDecoding) -> "GrammarState":
+        if g.after_token_id is not None:
+            return GatedGrammarState(self.compile(g), self.stop_ids, self.words, g.after_token_id)
         return GrammarState(self.compile(g), self.stop_ids, self.words)
 
 
@@ -163,6 +170,59 @@ class GrammarState:
         # xgrammar leaves the rows of nodes under a refused token as they were (all allowed here) and zeroes the
         # rows of refused or terminal nodes: allowing nothing is never a valid state, so those allow everything too
         out[~out[:N1].any(-1)] = -1
+
+
+class GatedGrammarState(GrammarState):
+    """A grammar that starts after the output's first `after` token (the end of a reasoning model's thinking): until
+    then every token is allowed and the matcher takes nothing; from the token after it on, a `GrammarState`."""
+
+    def __init__(self, compiled, stop_ids: list[int], words: int, after: int):
+        super().__init__(compiled, stop_ids, words)
+        self.after = after
+        self.open = False  # the `after` token is among the committed tokens
+
+    @property
+    def terminated(self) -> bool:
+        return self.open and super().terminated
+
+    def accept(self, tokens: list[int]) -> int:
+        before = 0
+        if not self.open:
+            for before, t in enumerate(tokens, 1):
+                if int(t) == self.after:
+                    self.open = True
+                    break
+            if not self.open:
+                return len(tokens)
+        return before + super().accept(tokens[before:])
+
+    def fill(self, out: torch.Tensor, row: int = 0) -> None:
+        if self.open:
+            super().fill(out, row)
+        else:
+            out[row] = -1
+
+    def tree_bitmask(self, tokens: np.ndarray, parents: np.ndarray, out: torch.Tensor) -> None:
+        """Open: `GrammarState.tree_bitmask`. Closed: every node allows every token, but the subtree under each node
+        that is the path's first `after` token: that node gets the grammar's first mask, and its descendants the
+        masks of the grammar fed the path below it (a subtree walked as a tree of its own)."""
+        if self.open:
+            return super().tree_bitmask(tokens, parents, out)
+        N1 = len(tokens)
+        out[:N1] = -1
+        gate = np.full(N1, -1, dtype=np.int64)  # the node that opened the grammar on the path root -> node, or -1
+        for i in range(1, N1):
+            p = int(parents[i])
+            if p < 0:
+                continue
+            gate[i] = gate[p] if gate[p] >= 0 else (i if int(tokens[i]) == self.after else -1)
+        for r in np.unique(gate[gate >= 0]):
+            idx = np.nonzero(gate == r)[0]  # r first: parents come before their children
+            where = {int(j): k for k, j in enumerate(idx)}
+            sub_parents = np.array([-1] + [where[int(parents[j])] for j in idx[1:]], dtype=np.int64)
+            rows = torch.empty((len(idx), out.shape[-1]), dtype=out.dtype)
+            super().tree_bitmask(tokens[idx], sub_parents, rows)
+            out[torch.from_numpy(idx)] = rows
 
 
 def tree_bitmask_reference(state: GrammarState, tokens, parents, out: torch.Tensor) -> None:
