@@ -148,3 +148,207 @@ def test_gated_guided_speculation_equals_plain(think_mirror, spec):
     assert accepted > 0
     assert fast.engine.scheduler.num_preemptions > 0
     assert fast.engine.blocks.num_used == 0
+
+
+# ---- the parsers (eyas.serve.reasoning) ------------------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from eyas.serve.reasoning import ReasoningStream, make_reasoning_parser  # noqa: E402
+from eyas.serve.tools import ToolStream, make_parser, merge_deltas  # noqa: E402
+
+
+def reference_split(text: str, thinking: bool) -> dict:
+    """The reply a reasoning parser makes of a whole output, by string splitting: a leading `<think>` (blanks
+    before it) opens the thinking, which runs to the first `</think>` (or the end); the rest is the answer."""
+    lead = text.lstrip()
+    if lead.startswith("<think>"):
+        text, thinking = lead[len("<think>"):], True
+    reasoning, content = (text.partition("</think>")[0], text.partition("</think>")[2]) if thinking else ("", text)
+    msg = {"role": "assistant", "content": content or (None if reasoning else "")}
+    if reasoning:
+        msg["reasoning"] = msg["reasoning_content"] = reasoning
+    return msg
+
+
+PIECES = ["<think>", "</think>", "<", "</", "</th", "think>", "<thi", " ", "\n", "a", "b c", "ok."]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(PIECES), max_size=12), st.booleans(),
+       st.lists(st.integers(min_value=0, max_value=60), max_size=6))
+def test_stream_pieces_make_the_whole_reply(pieces, thinking, cuts):
+    """However the text is cut, the stream's pieces make the whole reply, and both are the string splitting's."""
+    text = "".join(pieces)
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    s = ReasoningStream(thinking)
+    deltas = [d for a, b in zip(bounds, bounds[1:]) for d in s.feed(text[a:b])]
+    last, reason = s.finish("stop")
+    want = reference_split(text, thinking)
+    assert merge_deltas(deltas + last) == want and reason == "stop"
+    assert ReasoningStream(thinking).message(text, "length") == (want, "length")
+
+
+def test_tool_calls_are_read_from_the_answer_only():
+    """A call written while thinking stays thinking; the answer's calls are tool calls (hermes), streamed or not;
+    `include=False` drops the thinking."""
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    text = f"<think>maybe {call} then</think>Sure.{call}"
+    make = lambda include=True: ReasoningStream(True, ToolStream("auto", make_parser("hermes")), include)  # noqa
+    msg, reason = make().message(text, "stop")
+    assert reason == "tool_calls" and msg["reasoning"] == f"maybe {call} then" and msg["content"] == "Sure."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == [
+        ("add", {"a": 1})]
+    s = make()
+    deltas = [d for k in range(0, len(text), 5) for d in s.feed(text[k:k + 5])]
+    last, _ = s.finish("stop")
+    assert _no_ids(merge_deltas(deltas + last)) == _no_ids(msg)
+    quiet, _ = make(include=False).message(text, "stop")
+    assert "reasoning" not in quiet and quiet["content"] == "Sure."
+
+
+def _no_ids(msg: dict) -> dict:
+    return {**msg, "tool_calls": [{**c, "id": None} for c in msg.get("tool_calls", [])]}
+
+
+def test_parser_needs_the_tags_and_reads_the_prompt():
+    """A tokenizer without `<think>` tokens, no tokenizer, or an unknown name: ValueError. Where the output starts:
+    the prompt's last tag, else the parser's default (Qwen3: `enable_thinking`)."""
+    from helpers import tiny_tokenizer
+    with pytest.raises(ValueError, match="no <think> or </think> token"):
+        make_reasoning_parser("deepseek_r1", tiny_tokenizer())
+    with pytest.raises(ValueError, match="no tokenizer"):
+        make_reasoning_parser("qwen3", None)
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        make_reasoning_parser("granite", think_tokenizer())
+    tok = think_tokenizer()
+    r1, q3 = make_reasoning_parser("deepseek_r1", tok), make_reasoning_parser("qwen3", tok)
+    a, b = r1.start_id, r1.end_id
+    assert (tok.decode([a], skip_special_tokens=True), tok.decode([b], skip_special_tokens=True)) == (
+        "<think>", "</think>")
+    for p in (r1, q3):
+        assert p.thinking([5, a, 6]) and not p.thinking([a, 7, b, 6]) and p.thinking([a, 1, b, a])
+    assert r1.thinking([5, 6], {"enable_thinking": False})  # R1 always thinks
+    assert q3.thinking([5, 6]) and not q3.thinking([5, 6], {"enable_thinking": False})
+    assert r1.reasoning_tokens([5, 6, b, 7], True) == 3 and r1.reasoning_tokens([5, 6], True) == 2
+    assert r1.reasoning_tokens([5, 6, b, 7], False) == 0 and r1.reasoning_tokens([a, 6, b, 7], False) == 3
+
+
+# ---- the server ----------------------------------------------------------------------------------------------------
+
+MSGS = [{"role": "user", "content": "What is 2 + 3? Think first."}]
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def think_server(think_mirror):
+    """The think mirror behind a server with `--reasoning-parser deepseek_r1`; a logit bias on `</think>` that makes
+    the greedy output close its thinking after a few tokens (the smallest that does), and offline references."""
+    from eyas.serve.api_server import create_app
+    from test_server import LiveServer
+    target, draft, tok = think_mirror
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation="tree:8")
+    end = tok.backend.token_to_id(UNTHINK)
+    bias = None
+    for b in range(8):
+        ids = llm.chat(MSGS, SamplingParams(max_tokens=30, temperature=0.0, logit_bias={end: b}))[0].token_ids
+        if end in ids and 2 <= ids.index(end) < 20:
+            bias = b
+            break
+    assert bias is not None
+    free = llm.chat(MSGS, SamplingParams(max_tokens=30, temperature=0.0, logit_bias={end: bias}))[0]
+    guided = llm.chat(MSGS, SamplingParams(max_tokens=60, temperature=0.0, logit_bias={end: bias},
+                                           guided=GuidedDecoding(json=SCHEMA, after_token_id=end)))[0]
+    server = LiveServer(create_app(llm, "think", reasoning_parser="deepseek_r1"))
+    server.end, server.bias, server.free, server.guided = end, bias, free, guided
+    yield server
+    server.close()
+
+
+def _split_ids(tok, ids, end):
+    k = ids.index(end)
+    return tok.decode(ids[:k]), tok.decode(ids[k + 1:])
+
+
+def test_chat_reply_holds_the_thinking_apart(think_server, think_mirror):
+    """The thinking (up to `</think>`) as `reasoning` and `reasoning_content`, the rest as content: the offline
+    output split at the tag, whole and streamed alike; `include_reasoning: false` drops it."""
+    tok = think_mirror[2]
+    client = think_server.client()
+    free = think_server.free
+    thought, answer = _split_ids(tok, free.token_ids, think_server.end)
+    assert thought and answer
+    kw = dict(model="think", messages=MSGS, max_tokens=30, temperature=0,
+              logit_bias={str(think_server.end): think_server.bias})
+    m = client.chat.completions.create(**kw).choices[0].message
+    assert (m.reasoning, m.reasoning_content, m.content) == (thought, thought, answer)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    got = "".join(getattr(d, "reasoning", None) or "" for d in deltas)
+    assert got == thought and "".join(d.content or "" for d in deltas) == answer
+    assert sum(1 for d in deltas if getattr(d, "reasoning", None)) > 1  # streamed as written
+    quiet = client.chat.completions.create(**kw, extra_body={"include_reasoning": False}).choices[0].message
+    assert getattr(quiet, "reasoning", None) is None and quiet.content == answer
+
+
+def test_a_guide_holds_the_answer_only(think_server, think_mirror):
+    """response_format json_schema with a reasoning parser: the thinking is free and the answer follows the schema,
+    token for token the offline output with the grammar gated at `</think>`; a prompt whose thinking is closed
+    already (the template wrote `<think></think>`) is answered under the guide from its first token."""
+    tok = think_mirror[2]
+    client = think_server.client()
+    ref = think_server.guided
+    thought, answer = _split_ids(tok, ref.token_ids, think_server.end)
+    assert ref.finish_reason == "stop" and isinstance(json.loads(answer)["a"], int) and thought
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    kw = dict(model="think", messages=MSGS, max_tokens=60, temperature=0, response_format=fmt,
+              logit_bias={str(think_server.end): think_server.bias})
+    r = client.chat.completions.create(**kw)
+    m = r.choices[0].message
+    assert (m.reasoning, m.content, r.choices[0].finish_reason) == (thought, answer, "stop")
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    closed = TEMPLATE + "</think>"
+    r = client.chat.completions.create(**kw, extra_body={"chat_template": closed}).choices[0]
+    assert getattr(r.message, "reasoning", None) is None and isinstance(json.loads(r.message.content)["a"], int)
+
+
+def test_responses_reasoning_item(think_server, think_mirror):
+    """/v1/responses: a reasoning item before the message, `reasoning_tokens` in the usage; streamed, its
+    reasoning_text deltas make it, and the last event's response is the whole one (ids aside); a later response
+    continues it (`previous_response_id`) and reasoning items are taken as input."""
+    tok = think_mirror[2]
+    client = think_server.client()
+    free = think_server.free
+    thought, answer = _split_ids(tok, free.token_ids, think_server.end)
+    kw = dict(model="think", input=MSGS[0]["content"], max_output_tokens=30, temperature=0,
+              extra_body={"logit_bias": {str(think_server.end): think_server.bias}})
+    r = client.responses.create(**kw)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == thought and r.output_text == answer
+    assert r.usage.output_tokens_details.reasoning_tokens == free.token_ids.index(think_server.end) + 1
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert "response.reasoning_text.done" in kinds
+    strip = lambda d: {**d, "id": None, "created_at": None, "output": [{**o, "id": None} for o in d["output"]]}  # noqa
+    assert strip(events[-1].response.model_dump()) == strip(r.model_dump())
+    again = client.responses.create(model="think", input="And 3 + 4?", previous_response_id=r.id,
+                                    max_output_tokens=4, temperature=0)
+    assert again.status in ("completed", "incomplete")
+    items = [{"type": "message", "role": "user", "content": "hi"},
+             {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hmm"}], "summary": []},
+             {"type": "message", "role": "assistant", "content": "hello"},
+             {"type": "message", "role": "user", "content": "bye"}]
+    assert client.responses.create(model="think", input=items, max_output_tokens=4, temperature=0).output
+
+
+def test_server_refuses_a_parser_without_tags(tmp_path):
+    """A reasoning parser on a model whose tokenizer has no `<think>` tokens stops the server before it serves."""
+    from eyas.serve.api_server import create_app
+    from helpers import write_guided_mirror
+    target, _, _ = write_guided_mirror(tmp_path)
+    llm = LLM(str(target), device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="no <think> or </think> token"):
+        create_app(llm, "m", reasoning_parser="qwen3")

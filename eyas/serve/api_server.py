@@ -34,6 +34,8 @@ from eyas.serve import responses
 from eyas.serve.async_engine import AsyncEngine, EngineDead, EngineError, QueueFull
 from eyas.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from eyas.serve.metrics import CONTENT_TYPE, Metrics
+from eyas.serve.reasoning import PARSERS as REASONING_PARSERS
+from eyas.serve.reasoning import make_reasoning_parser
 from eyas.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                  ModelList, TokenizeRequest, api_error_response, completion_id, error_response,
                                  make_usage)
@@ -239,8 +241,13 @@ class Server:
     """Holds the engine loop and the metrics; the handlers of `create_app` call it."""
 
     def __init__(self, llm, served_model_name: str, max_queue: int, aliases: tuple[str, ...] = (),
-                 tool_parser: str | None = None, chat_template: str | None = None):
+                 tool_parser: str | None = None, chat_template: str | None = None,
+                 reasoning_parser: str | None = None):
         self.engine = engine = getattr(llm, "engine", llm)  # an LLM or an LLMEngine
+        # splits a reasoning model's thinking from its answer (eyas.serve.reasoning); a tokenizer without the tags
+        # stops the server here
+        self.reasoning = None if reasoning_parser is None else make_reasoning_parser(reasoning_parser,
+                                                                                     engine.tokenizer)
         self.chat_template = chat_template  # in place of the model's (`eyas serve --chat-template`)
         self.tool_parser = None if tool_parser is None else make_parser(tool_parser)  # reads "auto" tool calls
         self.sampling_defaults: dict = {}  # the model's, for what a request leaves out (`create_app`)
@@ -408,17 +415,19 @@ OPEN_PATHS = ("/health", "/metrics", "/version")  # answered without the API key
 def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
                aliases: tuple[str, ...] = (), tool_parser: str | None = None,
                chat_template: str | None = None, api_key: str | None = None,
-               generation_config: str = "auto") -> FastAPI:
+               generation_config: str = "auto", reasoning_parser: str | None = None) -> FastAPI:
     """`llm`: an `eyas.LLM` (or an `LLMEngine`). The engine thread starts and stops with the app's lifespan.
     `tool_parser`: how "auto" tool calls are read from the text (`eyas.serve.tools.PARSERS`); None refuses them.
     `chat_template`: a Jinja template in place of the model's (a request's own `chat_template` goes first).
     `api_key`: when set, every endpoint but `OPEN_PATHS` wants `Authorization: Bearer <api_key>` (401 otherwise).
     `generation_config`: "auto" (vLLM's default): what a request leaves out of temperature, top_p, top_k, min_p and
     repetition_penalty comes from the model's generation_config.json where it has them; "vllm": OpenAI's defaults
-    always."""
+    always. `reasoning_parser` (`eyas.serve.reasoning.PARSERS`): a reasoning model's thinking comes back apart from
+    its answer, and guides apply to the answer only; ValueError where the tokenizer lacks its tags."""
     if generation_config not in ("auto", "vllm"):
         raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
-    server = Server(llm, served_model_name or "smollm2", max_queue, aliases, tool_parser, chat_template)
+    server = Server(llm, served_model_name or "smollm2", max_queue, aliases, tool_parser, chat_template,
+                    reasoning_parser)
     if generation_config == "auto":
         server.sampling_defaults = server.engine.target.config.generation_defaults or {}
 
@@ -597,7 +606,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
     async def chat_completions(request: Request):
         arrival = time.perf_counter()
         req = await _parse(request, ChatCompletionRequest)
-        ids, base, cid, queue, rids, calls = await _submit_chat(server, req, arrival, "chatcmpl")
+        ids, base, cid, queue, rids, calls, _ = await _submit_chat(server, req, arrival, "chatcmpl")
         names = _token_names(server, req)
         if req.stream:
             include_usage = _usage_mode(req)
@@ -633,20 +642,22 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
             req = ChatCompletionRequest.model_validate(chat)
         except ValidationError as e:
             raise _BadBody(_validation_response(e.errors())) from None
-        ids, base, _, queue, rids, calls = await _submit_chat(server, req, arrival, "resp")
+        ids, base, _, queue, rids, calls, thinking = await _submit_chat(server, req, arrival, "resp")
         rid, created = responses.new_id(), responses.now()
         names = _token_names(server, req)
         if rreq.stream:
             return _response_stream(server, rreq, rid, created, queue, rids, len(ids), base.stop, calls, messages,
-                                    names)
+                                    names, thinking)
         out = (await server.collect(request, queue, rids))[0]
         message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
         if calls is not None:
             message, finish = calls().message(out.text, finish)
         status = responses.status_of(finish)
         lp = _logprobs(names, out, True)
-        resp = responses.response(rid, rreq, created, responses.output_items(message, status, lp and lp["content"]),
-                                  status, responses.usage(len(ids), len(out.token_ids), out.num_cached_tokens))
+        thought = _thought_tokens(server, out.token_ids, thinking)
+        resp = responses.response(rid, rreq, created,
+                                  responses.output_items(message, status, lp and lp["content"][thought:]), status,
+                                  responses.usage(len(ids), len(out.token_ids), out.num_cached_tokens, thought))
         if rreq.store:
             server.responses.put(resp, messages)
         return resp
@@ -663,8 +674,9 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
 
 
 async def _submit_chat(server: Server, req, arrival: float, prefix: str):
-    """A chat request checked and queued: (its prompt ids, sampling parameters, id, queue, request ids, and the
-    maker of each choice's `ToolStream`, None without tools)."""
+    """A chat request checked and queued: (its prompt ids, sampling parameters, id, queue, request ids, the maker of
+    each choice's reply stream (a `ToolStream` with tools, inside a `ReasoningStream` with a reasoning parser; None
+    for neither), and whether the output starts in a reasoning model's thinking (None without a parser))."""
     server.common_checks(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -683,14 +695,27 @@ async def _submit_chat(server: Server, req, arrival: float, prefix: str):
     ids = server.prompt_ids(server.tokenizer.encode(text, add_bos=req.add_special_tokens),  # the template's BOS
                             "messages", base.truncate_prompt_tokens)
     budget = server.fit(ids, max_tokens, "messages", max_param)
+    thinking = None if server.reasoning is None else server.reasoning.thinking(ids, req.chat_template_kwargs)
+    if thinking and base.guided is not None:  # the guide holds the answer: its grammar starts after the thinking
+        base = replace(base, guided=replace(base.guided, after_token_id=server.reasoning.end_id))
     cid = completion_id(prefix)
     queue, rids = await server.submit(cid, [ids], [budget], base, req.n, arrival)
-    calls = None if tool_choice == "none" else lambda: ToolStream(tool_choice, server.tool_parser)
-    return ids, base, cid, queue, rids, calls
+    tools = None if tool_choice == "none" else lambda: ToolStream(tool_choice, server.tool_parser)
+    calls = tools
+    if thinking is not None:
+        calls = lambda: server.reasoning.stream(thinking, tools() if tools is not None else None,  # noqa: E731
+                                                req.include_reasoning)
+    return ids, base, cid, queue, rids, calls, thinking
+
+
+def _thought_tokens(server: Server, ids: list[int], thinking: bool | None) -> int:
+    """How many of an output's tokens are a reasoning model's thinking (0 without a reasoning parser)."""
+    return 0 if thinking is None else server.reasoning.reasoning_tokens(list(ids), thinking)
 
 
 def _response_stream(server: Server, rreq, rid: str, created: int, queue, rids: list[str], num_prompt: int,
-                     stops: list[str], calls, messages: list[dict], names) -> StreamingResponse:
+                     stops: list[str], calls, messages: list[dict], names,
+                     thinking: bool | None = None) -> StreamingResponse:
     """/v1/responses with stream: OpenAI's typed events (`eyas.serve.responses.ResponseEvents`), the response
     stored at the end as the non-streaming path stores it."""
     ev = responses.ResponseEvents(rid, rreq, created)
@@ -702,12 +727,18 @@ def _response_stream(server: Server, rreq, rid: str, created: int, queue, rids: 
                 yield e
             async for _, out in AsyncEngine.results(queue, 1):
                 delta = text.delta(out)
-                if out.logprobs is not None and out.new_token_ids:  # no tools here: the step's text, or ""
-                    for e in ev.delta({"content": delta}, _logprobs(names, out, True, new=True)["content"]):
-                        yield e
-                    delta = ""
+                lp = None
+                if out.logprobs is not None and out.new_token_ids:  # no tools here; the answer's tokens only
+                    first = len(out.token_ids) - len(out.new_token_ids)
+                    skip = max(0, _thought_tokens(server, out.token_ids, thinking) - first)
+                    lp = _logprobs(names, out, True, new=True)["content"][skip:] or None
                 for d in (tools.feed(delta) if tools is not None else ([{"content": delta}] if delta else [])):
-                    for e in ev.delta(d):
+                    with_lp = lp if "content" in d else None  # the step's log-probabilities ride with its text
+                    lp = None if with_lp is not None else lp
+                    for e in ev.delta(d, with_lp):
+                        yield e
+                if lp is not None:  # text held back (a stop string's beginning): they come alone
+                    for e in ev.delta({"content": ""}, lp):
                         yield e
                 if out.finished:
                     finish = out.finish_reason
@@ -716,8 +747,9 @@ def _response_stream(server: Server, rreq, rid: str, created: int, queue, rids: 
                         for d in parts:
                             for e in ev.delta(d):
                                 yield e
-                    closing, resp = ev.finish(finish, responses.usage(num_prompt, len(out.token_ids),
-                                                                       out.num_cached_tokens))
+                    closing, resp = ev.finish(finish, responses.usage(
+                        num_prompt, len(out.token_ids), out.num_cached_tokens,
+                        _thought_tokens(server, out.token_ids, thinking)))
                     if rreq.store:
                         server.responses.put(resp, messages)
                     for e in closing:
@@ -940,6 +972,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                    help="how tool calls are written in the model's text: hermes (<tool_call>{...}</tool_call>: "
                         "Hermes, Qwen, SmolLM3), llama3_json (Llama 3.1-3.3's JSON) or mistral ([TOOL_CALLS][...])")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="a reasoning model's thinking (<think>...</think>) comes back as the reply's `reasoning` apart "
+                        "from its content, and guides (response_format, tool choices) apply after it: deepseek_r1 "
+                        "(DeepSeek-R1 and its distills, QwQ) or qwen3 (eyas.serve.reasoning)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
@@ -1051,7 +1087,8 @@ def _app_options(args) -> dict:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
                          f"({' or '.join(sorted(PARSERS))})")
     return dict(tool_parser=_tool_parser(args), chat_template=_chat_template(args), api_key=_api_key(args),
-                generation_config=getattr(args, "generation_config", "auto"))
+                generation_config=getattr(args, "generation_config", "auto"),
+                reasoning_parser=getattr(args, "reasoning_parser", None))
 
 
 def run_serve(args) -> int:

@@ -113,6 +113,10 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[dict] | None = None  # an assistant's calls (OpenAI's {"id", "type", "function"})
     tool_call_id: str | None = None  # a "tool" message: the call it answers
+    # an assistant's thinking (a reasoning model's earlier turn): vLLM's field and its older name, which templates
+    # (Qwen3's) read as `reasoning_content`
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def template_dict(self) -> dict:
         """The message as chat templates read it (eyas.serve.tools.template_tool_calls for the calls)."""
@@ -124,6 +128,9 @@ class ChatMessage(_Request):
             m["tool_calls"] = template_tool_calls(self.tool_calls)
         if self.tool_call_id is not None:
             m["tool_call_id"] = self.tool_call_id
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thinking is not None:
+            m["reasoning_content"] = thinking
         return m
 
     def text(self) -> str:
@@ -170,6 +177,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None  # vLLM's: a Jinja template in place of the server's
     chat_template_kwargs: dict | None = None  # vLLM's: more variables for the template
     add_special_tokens: StrictBool = False  # vLLM's: the tokenizer's BOS before the template's text too
+    include_reasoning: StrictBool = True  # vLLM's: with a reasoning parser, false drops the thinking from the reply
 
 
 class TokenizeRequest(_Request):

@@ -83,8 +83,17 @@ def input_messages(items: str | list[dict]) -> list[dict]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict] = []
+    thought = None  # a reasoning item's text: the thinking of the assistant turn that follows it
     for k, it in enumerate(items):
         kind = it.get("type", "message")
+        if kind == "reasoning":
+            parts = it.get("content") or []
+            if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                      for p in parts):
+                raise APIError(f"input[{k}]: a reasoning item's content must be a list of reasoning_text parts",
+                               param="input")
+            thought = (thought or "") + "".join(p["text"] for p in parts)
+            continue
         if kind == "message":
             role = it.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -92,6 +101,8 @@ def input_messages(items: str | list[dict]) -> list[dict]:
                                param="input")
             messages.append({"role": "system" if role == "developer" else role,
                              "content": _text(it.get("content"), "input")})
+            if role == "assistant" and thought is not None:
+                messages[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call":
             if not all(isinstance(it.get(f), str) for f in ("call_id", "name", "arguments")):
                 raise APIError(f"input[{k}]: a function_call needs call_id, name and arguments (strings)",
@@ -103,6 +114,8 @@ def input_messages(items: str | list[dict]) -> list[dict]:
                 last["tool_calls"].append(c)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [c]})
+            if thought is not None:
+                messages[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call_output":
             if not isinstance(it.get("call_id"), str) or not isinstance(it.get("output"), str):
                 raise APIError(f"input[{k}]: a function_call_output needs call_id and output (strings)",
@@ -110,7 +123,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             messages.append({"role": "tool", "tool_call_id": it["call_id"], "content": it["output"]})
         else:
             raise APIError(f"input[{k}]: items of type {kind!r} are not supported (message, function_call, "
-                           "function_call_output)", param="input")
+                           "function_call_output, reasoning)", param="input")
     if not messages:
         raise APIError("input must hold at least one item", param="input")
     return messages
@@ -188,16 +201,24 @@ def call_item(call: dict, status: str = "completed", item_id: str | None = None)
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
 
+def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
+    """A reasoning model's thinking (`eyas.serve.reasoning`) as an output item: its text whole, no summary."""
+    return {"type": "reasoning", "id": item_id or new_id("rs"), "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": None}
+
+
 def output_items(message: dict, status: str = "completed", logprobs: list | None = None) -> list[dict]:
-    """A chat message (content, tool_calls) as Responses' output items."""
-    items = [message_item(message["content"] or "", status, logprobs=logprobs)] \
+    """A chat message (reasoning, content, tool_calls) as Responses' output items."""
+    items = [reasoning_item(message["reasoning"], status)] if message.get("reasoning") else []
+    items += [message_item(message["content"] or "", status, logprobs=logprobs)] \
         if message.get("content") or logprobs else []
     return items + [call_item(c, status) for c in message.get("tool_calls") or []]
 
 
-def usage(prompt: int, completion: int, cached: int) -> dict:
+def usage(prompt: int, completion: int, cached: int, reasoning: int = 0) -> dict:
+    """`reasoning`: the output tokens that were a reasoning model's thinking."""
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": completion,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
+            "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": prompt + completion}
 
 
 def response(rid: str, req: ResponsesRequest, created: int, output: list[dict], status: str,
@@ -225,9 +246,12 @@ def output_messages(output: list[dict]) -> list[dict]:
     calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"],
                                                                     "arguments": it["arguments"]}}
              for it in output if it["type"] == "function_call"]
+    thought = "".join(p["text"] for it in output if it["type"] == "reasoning" for p in it["content"])
     m = {"role": "assistant", "content": text or None}
     if calls:
         m["tool_calls"] = calls
+    if thought:  # the template decides whether an earlier turn's thinking is shown again (Qwen3's: the last ones)
+        m["reasoning_content"] = thought
     return [m]
 
 
@@ -264,6 +288,7 @@ class ResponseEvents:
         self.seq = 0
         self.items: list[dict] = []  # the output items so far (their text and arguments as they grow)
         self.text_item: int | None = None  # the message item's index
+        self.thought_item: int | None = None  # the reasoning item's index
         self.call_items: dict[int, int] = {}  # a tool call's index -> its item's index
 
     def event(self, kind: str, **fields) -> str:
@@ -279,6 +304,19 @@ class ResponseEvents:
         """The events of one chat delta; `logprobs`: the log-probabilities of the tokens its step wrote (they ride
         with its text, or with an empty delta where a stop string's beginning is held back)."""
         out = []
+        if d.get("reasoning"):
+            if self.thought_item is None:
+                self.thought_item = len(self.items)
+                item = reasoning_item("", "in_progress")
+                self.items.append(item)
+                out.append(self.event("response.output_item.added", output_index=self.thought_item,
+                                      item={**item, "content": []}))
+                out.append(self.event("response.content_part.added", item_id=item["id"],
+                                      output_index=self.thought_item, content_index=0, part=item["content"][0]))
+            item = self.items[self.thought_item]
+            item["content"][0]["text"] += d["reasoning"]
+            out.append(self.event("response.reasoning_text.delta", item_id=item["id"],
+                                  output_index=self.thought_item, content_index=0, delta=d["reasoning"]))
         if d.get("content") or logprobs:
             if self.text_item is None:
                 self.text_item = len(self.items)
@@ -313,10 +351,14 @@ class ResponseEvents:
         status = "completed" if finish != "length" else "incomplete"
         for k, item in enumerate(self.items):
             item["status"] = status
-            if item["type"] == "message":
+            if item["type"] in ("message", "reasoning"):
                 part = item["content"][0]
-                out.append(self.event("response.output_text.done", item_id=item["id"], output_index=k,
-                                      content_index=0, text=part["text"], logprobs=part["logprobs"]))
+                if item["type"] == "message":
+                    out.append(self.event("response.output_text.done", item_id=item["id"], output_index=k,
+                                          content_index=0, text=part["text"], logprobs=part["logprobs"]))
+                else:
+                    out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=k,
+                                          content_index=0, text=part["text"]))
                 out.append(self.event("response.content_part.done", item_id=item["id"], output_index=k,
                                       content_index=0, part=part))
             else:

@@ -513,16 +513,26 @@ class ToolStream:
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         deltas = self.feed(text)
         last, reason = self.finish(reason)
-        content, calls = None, []
-        for d in deltas + last:
-            if "content" in d:
-                content = (content or "") + d["content"]
-            for c in d.get("tool_calls", []):
-                if "id" in c:
-                    calls.append({"id": c["id"], "type": c["type"], "function": dict(c["function"])})
-                else:
-                    calls[c["index"]]["function"]["arguments"] += c["function"]["arguments"]
-        msg = {"role": "assistant", "content": content if calls else content or ""}
-        if calls:
-            msg["tool_calls"] = calls
-        return msg, reason
+        return merge_deltas(deltas + last), reason
+
+
+def merge_deltas(deltas: list[dict]) -> dict:
+    """A reply's chat deltas (a stream's pieces) as its whole message: content, tool calls, and a reasoning model's
+    thinking (`eyas.serve.reasoning`). Content is None where calls or thinking came without it, else a string."""
+    content, calls, reasoning = None, [], None
+    for d in deltas:
+        if "content" in d:
+            content = (content or "") + d["content"]
+        if "reasoning" in d:
+            reasoning = (reasoning or "") + d["reasoning"]
+        for c in d.get("tool_calls", []):
+            if "id" in c:
+                calls.append({"id": c["id"], "type": c["type"], "function": dict(c["function"])})
+            else:
+                calls[c["index"]]["function"]["arguments"] += c["function"]["arguments"]
+    msg = {"role": "assistant", "content": content if calls or reasoning else content or ""}
+    if reasoning:
+        msg["reasoning"] = msg["reasoning_content"] = reasoning
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
