@@ -2,8 +2,8 @@
 
 `ModelConfig` is the architecture of a Llama-family model, read from an HF `config.json` dict (both the classic
 `rope_theta` + `rope_scaling` spelling and transformers 5's `rope_parameters`) or from GGUF metadata. Qwen2 (and
-Qwen2.5) checkpoints are Llama models with biases on the q, k and v projections (`qkv_bias`), Mistral ones Llama
-models. Where a config has a sliding window (Mistral's `sliding_window`; Qwen2's with `use_sliding_window`), the
+Qwen2.5) checkpoints are Llama models with biases on the q, k and v projections (`qkv_bias`), Qwen3 ones Llama
+models whose q and k heads are RMS-normalised before RoPE (`qk_norm`), Mistral ones Llama models. Where a config has a sliding window (Mistral's `sliding_window`; Qwen2's with `use_sliding_window`), the
 context is capped at the window (`max_position_embeddings`), inside which sliding-window attention is full
 attention: exact, where serving longer contexts would not be.
 """
@@ -32,6 +32,7 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2's attention)
+    qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3's attention)
     fc_bias: bool = False  # EAGLE drafts: optional bias of fc
     # EAGLE drafts only: the target layers (0-based) whose rms-normalised outputs the draft reads next to the final
     # hidden state (EAGLE-3 style; `EagleDraft.read_features`). None: EAGLE-1 (the final hidden state only)
@@ -72,8 +73,9 @@ class ModelConfig:
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         arch = (cfg.get("architectures") or [""])[0]
         qwen2 = cfg.get("model_type") == "qwen2" or arch == "Qwen2ForCausalLM"
+        qwen3 = cfg.get("model_type") == "qwen3" or arch == "Qwen3ForCausalLM"
         window = cfg.get("sliding_window") if (cfg.get("model_type") == "mistral" or arch == "MistralForCausalLM"
-                                               or (qwen2 and cfg.get("use_sliding_window"))) else None
+                                               or ((qwen2 or qwen3) and cfg.get("use_sliding_window"))) else None
         max_pos = cfg.get("max_position_embeddings", 2048)
         if window:  # attention within the window is full attention: no longer context than it
             max_pos = min(max_pos, int(window))
@@ -95,6 +97,7 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qkv_bias=bool(cfg.get("qkv_bias", qwen2)),
+            qk_norm=bool(cfg.get("qk_norm", qwen3)),
             fc_bias=bool(cfg.get("bias", False)),
             feature_layers=(tuple(int(i) for i in cfg["eyas_feature_layers"])
                             if cfg.get("eyas_feature_layers") is not None else None),
@@ -128,6 +131,8 @@ class ModelConfig:
         }
         if self.qkv_bias:  # only when set (a draft of a Qwen2 target's shape)
             d["qkv_bias"] = True
+        if self.qk_norm:  # only when set (a draft of a Qwen3 target's shape)
+            d["qk_norm"] = True
         if self.feature_layers is not None:  # only when set: EAGLE-1 configs stay exactly as they were
             d["eyas_feature_layers"] = list(self.feature_layers)
         if self.speculation:

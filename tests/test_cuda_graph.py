@@ -73,11 +73,14 @@ def test_graphs_equal_eager_with_a_draft_vocabulary(pair, tmp_path):
 
 
 @pytest.mark.parametrize("spec", [None, "tree:8"])
-def test_graphs_equal_eager_on_qwen2(tmp_path, spec):
-    """A Qwen2 checkpoint (biases on q, k and v: the steps take the paths that allow biases) with a random draft."""
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_graphs_equal_eager_on_qwen2(tmp_path, spec, kind):
+    """A Qwen2 checkpoint (biases on q, k and v) and a Qwen3 one (per-head q and k norms), each with a random draft
+    of its shape: the steps take the paths that allow them."""
     from helpers import write_random_draft
-    from test_model_hf import write_tiny_qwen2
-    target = write_tiny_qwen2(tmp_path / "q", vocab=24, layers=2)
+    from test_model_hf import write_tiny_qwen2, write_tiny_qwen3
+    write = write_tiny_qwen2 if kind == "qwen2" else write_tiny_qwen3
+    target = write(tmp_path / "q", vocab=24, layers=2)
     ref, graphed = eager_reference_and_graphed(target, write_random_draft(tmp_path / "d", target), spec)
     assert [o.token_ids for o in graphed.generate(PROMPTS, PARAMS)] == ref
     assert graphed.engine.runner.graphs.graphs

@@ -40,6 +40,9 @@ def write_gguf(path, hf_dir, qtype_name: str, arch: str = "llama", pre: str = "g
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     w.add_vocab_size(V)
+    if cfg.get("head_dim") and cfg["head_dim"] != H // HEADS:
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list([chr(ord("A") + i) if i < 26 else chr(ord("a") + i - 26) if i < 52 else str(i - 52)
@@ -74,6 +77,9 @@ def write_gguf(path, hf_dir, qtype_name: str, arch: str = "llama", pre: str = "g
             put(f"blk.{i}.{gg}.weight", t, "layernorm" not in hf_name)
             if key.replace(".weight", ".bias") in sd:
                 put(f"blk.{i}.{gg}.bias", sd[key.replace(".weight", ".bias")], False)
+        for qk in ("q", "k"):  # Qwen3's per-head norms
+            if f"model.layers.{i}.self_attn.{qk}_norm.weight" in sd:
+                put(f"blk.{i}.attn_{qk}_norm.weight", sd[f"model.layers.{i}.self_attn.{qk}_norm.weight"], False)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -128,6 +134,23 @@ def test_qwen2_gguf_logits_equal_hf(tmp_path):
         ref = hf(ids).logits
     torch.testing.assert_close(model.compute_logits(model(ids, torch.arange(30)[None])), ref, atol=1e-4, rtol=0)
     assert tok.backend.pre_tokenizer.pre_tokenize_str("a 123")[-3:] == [("1", (2, 3)), ("2", (3, 4)), ("3", (4, 5))]
+
+
+def test_qwen3_gguf_logits_equal_hf(tmp_path):
+    """A Qwen3 GGUF (per-head q and k norms, a head size given by key_length, unpermuted rows) equals transformers'
+    Qwen3ForCausalLM on the source checkpoint."""
+    from transformers import Qwen3ForCausalLM
+    from test_model_hf import write_tiny_qwen3
+    src = write_tiny_qwen3(tmp_path / "q", vocab=V, hidden=H, heads=HEADS, kv_heads=KV, head_dim=24, layers=L,
+                           tie=False)
+    model, _ = load_target(str(write_gguf(tmp_path / "q.gguf", src, "F32", arch="qwen3", pre="qwen2")), "cpu",
+                           "float32")
+    assert model.config.qk_norm and model.config.head_dim == 24
+    hf = Qwen3ForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ids = torch.randint(0, V, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    torch.testing.assert_close(model.compute_logits(model(ids, torch.arange(30)[None])), ref, atol=1e-4, rtol=0)
 
 
 def test_unsupported_tensor_type_is_named(tmp_path, hf_dir):

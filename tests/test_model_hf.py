@@ -107,6 +107,56 @@ def test_qwen2_equals_hf(tmp_path):
     assert load_target(str(path), "cpu", "float32")[0].config.max_position_embeddings == 32  # the window's
 
 
+def write_tiny_qwen3(path, vocab=97, hidden=64, heads=4, kv_heads=2, head_dim=24, layers=3, tie=True, seed=0):
+    """A random Qwen3 checkpoint (q and k heads normalised before RoPE; a head size that is not hidden / heads)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=256, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=tie,
+                      use_sliding_window=False)
+    model = Qwen3ForCausalLM(cfg).float()
+    with torch.no_grad():  # larger weights than HF's init, and norm weights that are not 1
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.5 / p.shape[-1] ** 0.5 * 4)
+            else:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path
+
+
+def test_qwen3_equals_hf(tmp_path):
+    """A Qwen3 checkpoint (per-head q and k norms, head_dim 24 with hidden 64) equals transformers'
+    Qwen3ForCausalLM, dense and paged, and its greedy generation; speculative decoding (a draft of its shape, which
+    has the norms too, written and read back) equals plain decoding on it."""
+    from transformers import Qwen3ForCausalLM
+    from eyas import LLM, SamplingParams
+    from helpers import write_random_draft
+    path = write_tiny_qwen3(tmp_path / "q")
+    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    hf = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    model, _ = load_target(str(path), "cpu", "float32")
+    attn = model.model.layers[0].self_attn
+    assert model.config.qk_norm and not model.config.qkv_bias and attn.q_norm.weight.shape == (24,)
+    dense = model.compute_logits(model(torch.tensor([ids]), torch.arange(len(ids))[None]))[0]
+    torch.testing.assert_close(dense, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(paged_logits(model, ids), ref, atol=1e-4, rtol=0)
+    draft = write_random_draft(tmp_path / "d", path)
+    assert json.loads((draft / "config.json").read_text())["qk_norm"] is True
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain = LLM(str(path), device="cpu", dtype="float32").generate([ids[:7], ids[:20]], params)
+    fast = LLM(str(path), device="cpu", dtype="float32", draft=str(draft), speculation="tree:8")
+    assert hasattr(fast.engine.draft.layers[0].self_attn, "q_norm")
+    spec = fast.generate([ids[:7], ids[:20]], params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids[:7]]), max_new_tokens=16, do_sample=False)[0, 7:].tolist()
+    assert plain[0].token_ids == want
+
+
 @pytest.mark.parametrize("window", [None, 24])
 def test_mistral_equals_hf(tmp_path, window):
     """A Mistral checkpoint is a Llama one; with a sliding window, the context is capped at it, within which the

@@ -46,7 +46,7 @@ def run_cases(rank: int, world: int, dirs: dict, device="cpu") -> dict:
     """Every case on this rank; with world = 1 it is the unsharded oracle (no process group needed)."""
     res = {}
     # -- logits: dense forward and the paged engine path (plain greedy decoding, every compute_logits call recorded)
-    for name in ("untied", "tied"):
+    for name in ("untied", "tied", "qwen3"):
         target, tok = load_target(dirs[name], device, "float32")
         apply_tensor_parallel(target, rank, world)
         V = target.config.vocab_size
@@ -125,12 +125,15 @@ def dirs(tmp_path_factory):
     d = tmp_path_factory.mktemp("tp")
     mt, md = write_mirror_pair(d / "mirror", vocab=24, layers=2)
     from helpers import write_guided_mirror
+    from test_model_hf import write_tiny_qwen3
     gt, gd, _ = write_guided_mirror(d / "guided")
     return {"guided_target": str(gt), "guided_draft": str(gd),
             "untied": str(write_tiny_llama(d / "untied", vocab=40, hidden=32, heads=4, kv_heads=2, layers=2)),
             "tied": str(write_tiny_llama(d / "tied", vocab=41, hidden=32, heads=4, kv_heads=2, layers=2, tie=True,
                                          seed=3)),  # 41: the vocabulary shards are uneven (21 + 20)
-            "mirror_target": str(mt), "mirror_draft": str(md)}
+            "mirror_target": str(mt), "mirror_draft": str(md),
+            "qwen3": str(write_tiny_qwen3(d / "qwen3", vocab=40, hidden=32, heads=4, kv_heads=2, head_dim=16,
+                                          layers=2))}
 
 
 def _cpu_ranks_take_triton():
@@ -158,12 +161,12 @@ def test_ranks_commit_the_same_tokens(ranks):
     for key in ranks[0]:
         if key.endswith(("greedy", "sampled", "preempt", "tokens")):
             assert ranks[0][key] == ranks[1][key], key
-    for name in ("untied", "tied"):  # the gathered logits are the same bits on every rank
+    for name in ("untied", "tied", "qwen3"):  # the gathered logits are the same bits on every rank
         assert torch.equal(ranks[0][f"{name}/dense"], ranks[1][f"{name}/dense"])
         assert all(torch.equal(a, b) for a, b in zip(ranks[0][f"{name}/paged"], ranks[1][f"{name}/paged"]))
 
 
-@pytest.mark.parametrize("name", ["untied", "tied"])
+@pytest.mark.parametrize("name", ["untied", "tied", "qwen3"])  # qwen3: per-head q/k norms, replicated on each rank
 def test_logits_equal_tp1(ranks, oracle, name):
     for r in ranks:
         assert r[f"{name}/kv_heads"] == oracle[f"{name}/kv_heads"] // WORLD  # the KV cache holds this rank's heads

@@ -16,7 +16,7 @@ SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_1"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -41,7 +41,9 @@ def read_metadata(reader) -> dict:
     return meta
 
 
-ARCHITECTURES = ("llama", "qwen2")  # qwen2: Llama's blocks with biases on q, k and v (and no Q/K permutation)
+# qwen2: Llama's blocks with biases on q, k and v; qwen3: with q and k heads normalised before RoPE (both without the
+# Q/K permutation of llama.cpp's converter)
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 def config_from_metadata(meta: dict, path: Path, tensor_names: set[str]) -> ModelConfig:
@@ -68,6 +70,7 @@ def config_from_metadata(meta: dict, path: Path, tensor_names: set[str]) -> Mode
             eos_token_ids=[int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
                            if k in meta],
             qkv_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
         )
     except KeyError as e:
         raise ValueError(f"{path}: GGUF metadata lacks {e.args[0]!r}") from None

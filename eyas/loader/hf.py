@@ -42,7 +42,8 @@ def load_weights(path: Path, allow_bin: bool = False) -> dict[str, torch.Tensor]
 
 
 # model_type -> architecture
-SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+             "mistral": "MistralForCausalLM"}
 
 
 def llama_config(path: Path) -> ModelConfig:
@@ -51,8 +52,8 @@ def llama_config(path: Path) -> ModelConfig:
     raw = read_config(path)
     arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
     if raw.get("model_type", "llama") not in SUPPORTED and arch not in SUPPORTED.values():
-        raise ValueError(f"{path}: model type {raw.get('model_type')!r} is not supported (eyas loads Llama, Qwen2 "
-                         "and Mistral models)")
+        raise ValueError(f"{path}: model type {raw.get('model_type')!r} is not supported (eyas loads Llama, Qwen2, "
+                         "Qwen3 and Mistral models)")
     cfg = ModelConfig.from_hf(raw)
     read_generation_config(path, cfg)
     return cfg

@@ -51,6 +51,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(H, self.n_kv * D, bias=qkv_bias)
         self.v_proj = nn.Linear(H, self.n_kv * D, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * D, H, bias=cfg.attention_bias)
+        if cfg.qk_norm:  # Qwen3: each q and k head RMS-normalised before RoPE
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.scale = D ** -0.5
 
     def fuse_projections(self) -> None:
@@ -64,14 +67,16 @@ class Attention(nn.Module):
 
     def qkv(self, x):
         """x [B, Q, H] -> q [B, Q, heads, D], k and v [B, Q, kv heads, D], before RoPE (views of one fused
-        projection's output, or three separate ones)."""
+        projection's output, or three separate ones; q and k normalised per head where the model does: Qwen3)."""
         B, Q, _ = x.shape
         if hasattr(self, "qkv_proj"):
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return (q.view(B, Q, self.n_heads, self.head_dim), k.view(B, Q, self.n_kv, self.head_dim),
-                v.view(B, Q, self.n_kv, self.head_dim))
+        q, k = q.view(B, Q, self.n_heads, self.head_dim), k.view(B, Q, self.n_kv, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v.view(B, Q, self.n_kv, self.head_dim)
 
     def project(self, x, positions, rope: RotaryEmbedding, fused: bool = False):
         """`qkv` with RoPE applied to q and k (`fused`: by the Triton kernel; the reference otherwise)."""

@@ -76,6 +76,8 @@ def layer_ready(layer: nn.Module, input_norm: bool, fp8: bool = False) -> bool:
     attn, mlp = layer.self_attn, layer.mlp
     if not (hasattr(attn, "qkv_proj") and hasattr(mlp, "gate_up_proj")):
         return False
+    if hasattr(attn, "q_norm"):  # Qwen3's per-head norms come between the projection and RoPE: the fused path
+        return False
     if not all(_plain(m, fp8) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
         return False
     n1 = layer.input_layernorm
