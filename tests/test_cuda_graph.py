@@ -328,8 +328,12 @@ def test_guided_graphs_equal_eager(guided_mirror, spec):
             # among the tokens the grammar allows) and so the acceptance are the same too
             same = (lambda o: (o.token_ids, o.finish_reason)) if temperature == 0 else \
                 (lambda o: (o.token_ids, o.finish_reason, o.stats.accepted_by_depth))
-            ref = [same(o) for o in eager.generate([p] * len(guides), params)]
-            got = [same(o) for o in graphed.generate([p] * len(guides), params)]
+            # and a grammar that starts after a token (a reasoning model's </think>): the free output's third
+            gate = (eager.generate([p], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids + [0] * 3)[2]
+            gated = SamplingParams(max_tokens=40, guided=GuidedDecoding(json_object=True, after_token_id=gate),
+                                   temperature=temperature, seed=9)
+            ref = [same(o) for o in eager.generate([p] * (len(guides) + 1), params + [gated])]
+            got = [same(o) for o in graphed.generate([p] * (len(guides) + 1), params + [gated])]
             assert got == ref, (spec, temperature, p)
             assert graphed.generate([p], params[1])[0].token_ids == ref[1][0]  # bucket 1, alone
         assert graphed.engine.runner.graphs.guided, "no guided step ran on graphs"
