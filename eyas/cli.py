@@ -9,8 +9,9 @@ import time
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="'smollm2', an HF directory or a .gguf file")
     p.add_argument("--draft", default="auto",
-                   help="EAGLE draft directory, 'default' (the draft shipped for smollm2), 'none', or 'auto' "
-                        "(default: the shipped draft when there is one)")
+                   help="EAGLE draft directory, 'default' (the draft shipped for smollm2), 'ngram' or "
+                        "'ngram:N_MIN:N_MAX' (prompt lookup: no draft model, a chain of proposals from the text's own "
+                        "earlier tokens), 'none', or 'auto' (default: the shipped draft when there is one)")
     p.add_argument("--speculation", default=None,
                    help="chain:K | tree:NAME (mc_sim_7b_63, 8, 16, smollm2_25|48d5|64|128) | tree JSON file | "
                         "dyn:kKdDnN (a dynamic tree, EAGLE-2: top-K beam, depth D, N tokens verified) | "

@@ -15,7 +15,7 @@ def reference_ops(llm):
     """The eager reference for norm/RoPE/SwiGLU too (the runner switched to the fused kernels on CUDA; the fused
     projections stay: tests/test_fused_ops.py holds them to the unfused ones)."""
     from eyas.models.fused import use_fused_ops
-    for m in (llm.target, llm.draft):
+    for m in (llm.target, llm.engine.draft):  # (the engine's draft: None for n-gram proposals)
         if m is not None:
             use_fused_ops(m, False)
 
@@ -46,6 +46,32 @@ def test_graphs_equal_eager(pair, spec):
     assert [o.token_ids for o in graphed.generate(PROMPTS, PARAMS)] == ref
     assert graphed.engine.runner.graphs.graphs  # a graph was captured and replayed
     assert [graphed.generate([p], PARAMS)[0].token_ids for p in PROMPTS] == ref  # bucket 1
+
+
+@pytest.mark.parametrize("kind", ["bigram", "pair"])
+def test_graphs_equal_eager_with_ngram_proposals(pair, kind, tmp_path):
+    """N-gram speculation on graphs (the proposals are static inputs; steps without any are plain steps): greedy
+    output equals the eager reference path's, on a model whose output cycles (most tokens from accepted proposals)
+    and on the pair's target; sampled (seeded) output equals the eager Triton path's."""
+    from test_ngram import write_bigram_llama
+    target = write_bigram_llama(tmp_path / "b") if kind == "bigram" else pair[0]
+    prompts = PROMPTS + [[1, 2, 3, 4, 1, 2, 3]]
+    kw = dict(device="cuda", dtype="float32", draft="ngram", speculation="chain:4")
+    eager = LLM(str(target), **kw)
+    eager.engine.runner.use_triton = False
+    reference_ops(eager)
+    ref = [o.token_ids for o in eager.generate(prompts, PARAMS)]
+    graphed = LLM(str(target), cuda_graphs=True, **kw)
+    outs = graphed.generate(prompts, PARAMS)
+    assert [o.token_ids for o in outs] == ref
+    assert graphed.engine.runner.graphs.graphs
+    assert set(graphed.engine.runner.tree_steps) == {"chain:4", "chain:0"}
+    if kind == "bigram":
+        assert sum(sum(o.stats.accepted_by_depth) for o in outs) > 0.5 * sum(o.stats.committed for o in outs)
+    sampled = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    triton = LLM(str(target), **kw)
+    assert [o.token_ids for o in graphed.generate(prompts, sampled)] == \
+        [o.token_ids for o in triton.generate(prompts, sampled)]
 
 
 @pytest.mark.parametrize("spec", ["chain:4", "tree:8"])

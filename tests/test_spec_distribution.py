@@ -1,7 +1,7 @@
 """Lossless sampling: with a tiny target (vocabulary 6) at temperature 1 and with top-p 0.8, the joint law of the
 first 3 generated tokens over 20,000 seeded runs matches the exact law enumerated from the target alone
-(chi-square), with a random draft, with a deliberately bad one, and with the random draft restricted to a reduced
-draft vocabulary."""
+(chi-square), with a random draft, with a deliberately bad one, with the random draft restricted to a reduced
+draft vocabulary, and with n-gram proposals (no draft model)."""
 import numpy as np
 import pytest
 import torch
@@ -85,6 +85,21 @@ def test_joint_law_of_three_tokens(models, draft_kind, top_p, spec):
     accepted = sum(sum(o.stats.accepted_by_depth) for o in outs)
     if draft_kind in ("random", "subset"):
         assert accepted > 0
+
+
+def test_joint_law_with_ngram_proposals(models):
+    """N-gram speculation (`draft="ngram:1:2"`, chain:2): its proposals are the history's own tokens, which often
+    repeat over 6 tokens, and the output's law is still the target's."""
+    target, _ = models
+    llm = LLM(str(target), device="cpu", dtype="float32", draft="ngram:1:2", speculation="chain:2",
+              max_num_seqs=RUNS, num_blocks=RUNS + 8, block_size=8)
+    outs = llm.generate([PROMPT] * RUNS, [SamplingParams(temperature=1.0, max_tokens=3, seed=s, ignore_eos=True)
+                                          for s in range(RUNS)])
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    assert pooled_chisquare(counts, exact_joint(target, 1.0), RUNS) > 1e-3
+    assert sum(sum(o.stats.accepted_by_depth) for o in outs) > RUNS // 10  # proposals were accepted
 
 
 @pytest.mark.parametrize("spec", ["tree:8", "chain:2"])

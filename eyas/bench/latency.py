@@ -532,7 +532,11 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
         attach_draft_vocab(draft, target, torch.arange(min(args.draft_vocab, target.config.vocab_size)))
     if asks_quant(args.draft_quant) and draft is None:
         raise SystemExit("eyas bench latency: --draft-quant needs a draft")
-    if draft is not None and world_size == 1:  # as asked, or the draft's own choice (SmolLM2's: fp8-head on a GPU)
+    from eyas.spec.ngram import NgramProposer
+    if isinstance(draft, NgramProposer):  # `--draft ngram`: proposals from the prompts' own tokens, chains only
+        if asks_quant(args.draft_quant):
+            raise SystemExit("eyas bench latency: --draft-quant needs a draft model, not n-gram proposals")
+    elif draft is not None and world_size == 1:  # as asked, or the draft's own choice (SmolLM2's: fp8-head on a GPU)
         apply_draft_quant(draft, target, args.draft_quant, cuda_kernel=args.int4_kernel)
     rates = accept if simulated else None
     if draft is None and any(m != "plain" for m in modes):

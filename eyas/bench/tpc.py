@@ -160,6 +160,7 @@ def bench_tpc(model: str, drafts: list[str], speculations: list[str], prompts_pa
     from eyas.loader.eagle import load_draft
     from eyas.loader.resolve import draft_dir, load_target
     from eyas.spec.draft_quant import apply_draft_quant, check_quant_mode
+    from eyas.spec.ngram import NgramProposer, is_ngram
 
     check_quant_mode(draft_quant)
 
@@ -171,14 +172,17 @@ def bench_tpc(model: str, drafts: list[str], speculations: list[str], prompts_pa
                for r in records]
     results = []
     for dname in drafts:
-        draft = apply_draft_quant(load_draft(draft_dir(model, dname), target), target, draft_quant)
+        if is_ngram(dname):  # n-gram proposals (eyas.spec.ngram): no draft model
+            draft = NgramProposer.parse(dname)
+        else:
+            draft = apply_draft_quant(load_draft(draft_dir(model, dname), target), target, draft_quant)
         for temp in temperatures:  # every speculation at the first temperature first
             for spec in speculations:
                 r = run_one(target, tok, draft, spec, prompts, temp, max_tokens, batch_size, seed, kv_cache_bytes,
                             [rec["category"] for rec in records],
                             [rec["guided"] if guided else None for rec in records])
                 r["draft"] = dname
-                r["draft_layers"] = draft.config.num_hidden_layers
+                r["draft_layers"] = draft.config.num_hidden_layers if hasattr(draft, "config") else 0
                 if getattr(draft, "quant", None):  # asked, or the draft's own choice on this device
                     r["draft_quant"] = draft.quant
                 results.append(r)
@@ -285,7 +289,9 @@ def add_tpc_parser(bench_subparsers) -> argparse.ArgumentParser:
     p = bench_subparsers.add_parser("tpc", help="tokens per target call and acceptance by depth on a prompt set",
                                     description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--draft", nargs="+", default=["default"], help="EAGLE draft directories or 'default'")
+    p.add_argument("--draft", nargs="+", default=["default"],
+                   help="EAGLE draft directories, 'default', or 'ngram' / 'ngram:N_MIN:N_MAX' (n-gram proposals: no "
+                        "draft model)")
     p.add_argument("--speculation", action="append", default=None,
                    help="chain:K | tree:NAME | tree JSON | dyn:kKdDnN; repeat for several (default chain:3)")
     p.add_argument("--prompts", default=DEFAULT_PROMPTS)

@@ -161,13 +161,18 @@ class LLMEngine:
     def __init__(self, target: LlamaForCausalLM, tokenizer: Tokenizer | None, draft: EagleDraft | None = None,
                  tree: Tree | None = None, config: EngineConfig | None = None):
         self.config = cfg = config or EngineConfig()
+        from eyas.spec.ngram import NgramProposer
+        # n-gram speculation (`eyas.spec.ngram`): proposals from the host's tokens instead of a draft model
+        self.proposer = draft if isinstance(draft, NgramProposer) else None
+        draft = None if self.proposer is not None else draft
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
         mcfg = target.config
         self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         num_blocks = cfg.num_blocks or self._blocks_from_memory(target, draft)
         self.runner = ModelRunner(target, draft, tree, num_blocks, cfg.block_size, cuda_graphs=cfg.cuda_graphs,
                                   max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                                  one_row=cfg.one_row, few_rows=cfg.few_rows, fold_norms=cfg.fold_norms)
+                                  one_row=cfg.one_row, few_rows=cfg.few_rows, fold_norms=cfg.fold_norms,
+                                  proposer=self.proposer)
         self.tree = self.runner.tree
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -404,6 +409,8 @@ class LLMEngine:
         if not self.overlap or sched.can_admit() or len(sched.running) != len(h.seqs):
             return None
         if any(s.grammar is not None for s in h.seqs):  # its masks need the grammar states after `h`'s commits
+            return None
+        if self.proposer is not None:  # n-gram proposals are made from the tokens `h` commits
             return None
         ahead = h.tree.max_depth + 1  # tokens `h` may commit
         if any(s.finished or len(s.token_ids) + ahead >= self.max_model_len for s in h.seqs):

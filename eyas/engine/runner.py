@@ -67,9 +67,10 @@ class StepPacker:
     slots and positions are
     host arithmetic on the block tables, sent with the rest rather than computed by a dozen small kernels a step."""
 
-    PER_STEP = ("commit_slots", "catchup_tokens", "catchup_positions", "catchup_slots")  # the [B, P] fields
+    PER_STEP = ("commit_slots", "catchup_tokens", "catchup_positions", "catchup_slots", "proposed")  # [B, P] fields
 
-    def __init__(self, B: int, P: int, W: int, with_draft: bool, device: torch.device, staging: bool | None = None):
+    def __init__(self, B: int, P: int, W: int, with_draft: bool, device: torch.device, staging: bool | None = None,
+                 with_proposals: bool = False):
         """`staging` (default: on CUDA) sends through a separate staging buffer, pinned on CUDA; off, the device
         copy reads the filled buffer itself. (Tests turn it on without CUDA to hold the staged path equal.)"""
         self.B = B
@@ -78,6 +79,8 @@ class StepPacker:
         if with_draft:
             sizes += [("catchup_tokens", B * P), ("catchup_positions", B * P), ("catchup_slots", B * P),
                       ("catchup_lens", B)]
+        if with_proposals:  # n-gram speculation: the chain's tokens, proposed on the host
+            sizes += [("proposed", B * P)]
         sizes += [("block_tables", B * W), ("floats", -(-3 * B // 2))]
         total = sum(n for _, n in sizes)
         pin = device.type == "cuda"
@@ -111,7 +114,7 @@ class StepPacker:
                 shape = (B, W) if name == "block_tables" else (B, P) if name in self.PER_STEP else (B,)
                 views[name], self.np[name] = d.view(shape), a.reshape(shape)
             off += n
-        draft_fields = ("catchup_tokens", "catchup_positions", "catchup_slots", "catchup_lens")
+        draft_fields = ("catchup_tokens", "catchup_positions", "catchup_slots", "catchup_lens", "proposed")
         self.inputs = DecodeInputs(**{f: views.pop(f, None) for f in draft_fields}, max_context_len=0, **views)
 
     def send(self, part: slice | None = None) -> None:
@@ -155,15 +158,28 @@ def all_greedy(seqs: list[Sequence]) -> bool:
     return all(s.params.temperature == 0.0 for s in seqs)
 
 
+def _is_chain(tree) -> bool:
+    """A static tree whose nodes form one path (`chain:K`)."""
+    return isinstance(tree, Tree) and all(set(p) == {0} for p in tree.paths) and len(tree.paths) == tree.max_depth
+
+
 class ModelRunner:
     def __init__(self, target: LlamaForCausalLM, draft: EagleDraft | None, tree: Tree | None, num_blocks: int,
                  block_size: int, use_triton: bool | None = None, cuda_graphs: bool = False,
                  max_model_len: int = 0, max_num_seqs: int = 256, one_row: bool = True,
-                 few_rows: bool = True, fold_norms: bool = True):
+                 few_rows: bool = True, fold_norms: bool = True, proposer=None):
+        """`proposer` (an `eyas.spec.ngram.NgramProposer`, without a draft): n-gram speculation along `tree`, a
+        chain."""
         p = next(target.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.target, self.draft = target, draft
-        self.tree = (tree if (tree is not None and draft is not None) else Tree.chain(0)).to(self.device)
+        self.target, self.draft, self.proposer = target, draft, proposer
+        if proposer is not None and (draft is not None or not _is_chain(tree)):
+            raise ValueError(f"n-gram speculation proposes a chain (chain:K) without a draft model, got "
+                             f"{getattr(tree, 'name', tree)!r}" + (" and a draft" if draft is not None else ""))
+        speculates = draft is not None or proposer is not None
+        self.tree = (tree if (tree is not None and speculates) else Tree.chain(0)).to(self.device)
+        self.plain_tree = Tree.chain(0).to(self.device)  # n-gram steps where no sequence has a proposal
+        self._proposals: list[list[int] | None] | None = None  # this step's, made by `launch`
         if draft is not None:  # a dynamic tree's top-k must fit the vocabulary the draft proposes from
             ids = getattr(draft, "vocab_ids", None)
             vocab = target.config.vocab_size if ids is None else len(ids)
@@ -254,7 +270,8 @@ class ModelRunner:
     def packer(self, B: int) -> StepPacker:
         pk = self.packers.get(B)
         if pk is None:
-            pk = self.packers[B] = StepPacker(B, self.lookahead, self.width, self.draft is not None, self.device)
+            pk = self.packers[B] = StepPacker(B, self.lookahead, self.width, self.draft is not None, self.device,
+                                              with_proposals=self.proposer is not None)
         return pk
 
     def _meta(self, seqs, max_context_len: int) -> MetaBuilder:
@@ -450,6 +467,11 @@ class ModelRunner:
                 row = tokens[nd + 1: nc + 1]
                 cat_tokens += row
                 cat_tokens += [0] * (P - len(row))
+        if self.proposer is not None:  # n-gram proposals (`launch` made them), the root repeated where none
+            props = a["proposed"]
+            props[:] = 0
+            for r, (s, prop) in enumerate(zip(seqs, self._proposals or [None] * n)):
+                props[r, :P - 1] = prop if prop is not None else s.token_ids[-1]
         if n < B:  # padding rows: nothing cached, the scratch slot (its block-table row is zeros)
             pad = B - n
             roots += [0] * pad
@@ -516,6 +538,12 @@ class ModelRunner:
         state, which does not know yet what that step accepted. The caller must have reserved KV blocks for two
         steps ahead (`Scheduler.reserve_ahead`)."""
         tree = self.tree_for(len(seqs))
+        if self.proposer is not None:  # n-gram proposals from the committed tokens; none at all: a plain step
+            if after is not None:
+                raise ValueError("an n-gram step cannot be overlapped: its proposals need the step before's tokens")
+            self._proposals = [self.proposer.propose(s.token_ids, tree.num_nodes) for s in seqs]
+            if all(p is None for p in self._proposals):
+                tree = self.plain_tree
         self.tree_steps[tree.name] = self.tree_steps.get(tree.name, 0) + 1
         guide = self._guide(seqs)
         logprobs = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)

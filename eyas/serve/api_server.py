@@ -917,7 +917,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                                           "/v1/chat/completions, /v1/responses, /health, /metrics")
     p.add_argument("--model", default="smollm2", help="'smollm2', an HF directory or a .gguf file")
     p.add_argument("--draft", default="auto",
-                   help="EAGLE draft directory, 'default' (the draft shipped for smollm2), 'none', or 'auto' "
+                   help="EAGLE draft directory, 'default' (the draft shipped for smollm2), 'ngram' or "
+                        "'ngram:N_MIN:N_MAX' (prompt lookup: no draft model), 'none', or 'auto' "
                         "(default: the shipped draft when there is one, so speculation is on)")
     p.add_argument("--lora", default=None, metavar="DIR",
                    help="a PEFT LoRA adapter directory, merged into the model's weights at load")

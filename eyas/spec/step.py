@@ -83,6 +83,8 @@ class DecodeInputs:
     min_p: torch.Tensor  # [B]
     seeds: torch.Tensor  # [B]
     max_context_len: int  # host-side bound on num_cached (the reference attention's gather width)
+    # n-gram speculation (no draft model, `eyas.spec.ngram`): [B, P] the chain's proposed tokens (first N columns)
+    proposed: torch.Tensor | None = None
 
 
 @dataclass
@@ -198,6 +200,8 @@ def draft_phase(target, draft, tree: Tree | DynamicTree, draft_cache, inp: Decod
     # draft: read the committed history, then expand the tree level by level (a bare root, which a tree dispatcher
     # picks for large batches, only reads: the draft stays in step for the next speculative step); a dynamic tree
     # is grown for each sequence, and `tree` becomes this step's trees
+    if draft is None and inp.proposed is not None and tree.num_nodes:  # n-gram proposals, made on the host: a chain
+        node_tokens[:, 1:] = inp.proposed[:, :tree.num_nodes]
     if draft is not None:
         lens = inp.catchup_lens
         out = catch_up(draft, target, draft_cache, inp.catchup_tokens, draft_hidden, lens,
