@@ -60,6 +60,20 @@ def test_logits_equal_hf(tmp_path, cfg):
     torch.testing.assert_close(paged_logits(model, ids), ref, atol=1e-4, rtol=0)
 
 
+def logits_equal_hf(path, hf_class, vocab=97):
+    """Our model of the checkpoint at `path` against transformers' `hf_class` on 40 random tokens: dense and paged
+    logits within 1e-4. Returns (the tokens, the HF model, ours)."""
+    ids = torch.randint(0, vocab, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    hf = hf_class.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    model, _ = load_target(str(path), "cpu", "float32")
+    dense = model.compute_logits(model(torch.tensor([ids]), torch.arange(len(ids))[None]))[0]
+    torch.testing.assert_close(dense, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(paged_logits(model, ids), ref, atol=1e-4, rtol=0)
+    return ids, hf, model
+
+
 def write_tiny_qwen2(path, vocab=97, hidden=64, heads=4, kv_heads=2, layers=3, tie=True, seed=0):
     """A random Qwen2 checkpoint (biases on q, k and v) via transformers' save_pretrained."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -83,16 +97,9 @@ def test_qwen2_equals_hf(tmp_path):
     from eyas import LLM, SamplingParams
     from helpers import write_random_draft
     path = write_tiny_qwen2(tmp_path / "q")
-    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    hf = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    model, _ = load_target(str(path), "cpu", "float32")
+    ids, hf, model = logits_equal_hf(path, Qwen2ForCausalLM)
     attn = model.model.layers[0].self_attn
     assert model.config.qkv_bias and attn.o_proj.bias is None
-    dense = model.compute_logits(model(torch.tensor([ids]), torch.arange(len(ids))[None]))[0]
-    torch.testing.assert_close(dense, ref, atol=1e-4, rtol=0)
-    torch.testing.assert_close(paged_logits(model, ids), ref, atol=1e-4, rtol=0)
     draft = write_random_draft(tmp_path / "d", path)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     plain = LLM(str(path), device="cpu", dtype="float32").generate([ids[:7], ids[:20]], params)
@@ -134,16 +141,9 @@ def test_qwen3_equals_hf(tmp_path):
     from eyas import LLM, SamplingParams
     from helpers import write_random_draft
     path = write_tiny_qwen3(tmp_path / "q")
-    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    hf = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    model, _ = load_target(str(path), "cpu", "float32")
+    ids, hf, model = logits_equal_hf(path, Qwen3ForCausalLM)
     attn = model.model.layers[0].self_attn
     assert model.config.qk_norm and not model.config.qkv_bias and attn.q_norm.weight.shape == (24,)
-    dense = model.compute_logits(model(torch.tensor([ids]), torch.arange(len(ids))[None]))[0]
-    torch.testing.assert_close(dense, ref, atol=1e-4, rtol=0)
-    torch.testing.assert_close(paged_logits(model, ids), ref, atol=1e-4, rtol=0)
     draft = write_random_draft(tmp_path / "d", path)
     assert json.loads((draft / "config.json").read_text())["qk_norm"] is True
     params = SamplingParams(max_tokens=16, ignore_eos=True)

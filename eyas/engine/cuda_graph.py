@@ -127,6 +127,8 @@ class GraphedStep:
             for n in range(lo, b + 1):
                 t = self.runner.tree_for(n)
                 trees[t.name] = t
+            if self.runner.proposer is not None:  # n-gram steps where no sequence has a proposal are plain steps
+                trees[self.runner.plain_tree.name] = self.runner.plain_tree
             lo = b + 1
             for g in greedy:
                 for t in trees.values():

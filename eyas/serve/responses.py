@@ -300,32 +300,32 @@ class ResponseEvents:
         r = response(self.rid, self.req, self.created, [], "in_progress", None)
         return [self.event("response.created", response=r), self.event("response.in_progress", response=r)]
 
+    def _part_item(self, index: int | None, make) -> tuple[int, list[str]]:
+        """The index of the item of one text part (`make`: `message_item` or `reasoning_item`), opened on its first
+        delta: then also its `output_item.added` and `content_part.added` events."""
+        if index is not None:
+            return index, []
+        index = len(self.items)
+        item = make("", "in_progress")
+        self.items.append(item)
+        return index, [self.event("response.output_item.added", output_index=index, item={**item, "content": []}),
+                       self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                  content_index=0, part=item["content"][0])]
+
     def delta(self, d: dict, logprobs: list | None = None) -> list[str]:
         """The events of one chat delta; `logprobs`: the log-probabilities of the tokens its step wrote (they ride
         with its text, or with an empty delta where a stop string's beginning is held back)."""
         out = []
         if d.get("reasoning"):
-            if self.thought_item is None:
-                self.thought_item = len(self.items)
-                item = reasoning_item("", "in_progress")
-                self.items.append(item)
-                out.append(self.event("response.output_item.added", output_index=self.thought_item,
-                                      item={**item, "content": []}))
-                out.append(self.event("response.content_part.added", item_id=item["id"],
-                                      output_index=self.thought_item, content_index=0, part=item["content"][0]))
+            self.thought_item, opened = self._part_item(self.thought_item, reasoning_item)
+            out += opened
             item = self.items[self.thought_item]
             item["content"][0]["text"] += d["reasoning"]
             out.append(self.event("response.reasoning_text.delta", item_id=item["id"],
                                   output_index=self.thought_item, content_index=0, delta=d["reasoning"]))
         if d.get("content") or logprobs:
-            if self.text_item is None:
-                self.text_item = len(self.items)
-                item = message_item("", "in_progress")
-                self.items.append(item)
-                out.append(self.event("response.output_item.added", output_index=self.text_item,
-                                      item={**item, "content": []}))
-                out.append(self.event("response.content_part.added", item_id=item["id"],
-                                      output_index=self.text_item, content_index=0, part=item["content"][0]))
+            self.text_item, opened = self._part_item(self.text_item, message_item)
+            out += opened
             item = self.items[self.text_item]
             item["content"][0]["text"] += d.get("content", "")
             item["content"][0]["logprobs"] += logprobs or []
