@@ -602,10 +602,10 @@ def test_one_row_taps_feature_layers():
     cache = KVCache.allocate(cfg, 3, 4, 16, torch.float32, torch.device(DEV))
     for t in (cache.k, cache.v):
         t.normal_()
-    meta = AttentionMetadata(block_tables=torch.tensor([[2, 0]]), context_lens=torch.tensor([20]), max_context_len=20,
-                             block_size=16, suffix_mask=None, slot_mapping=torch.tensor([[3]]), use_triton=True,
-                             prefix_includes_new=True)
-    ids, pos = torch.tensor([[5]]), torch.tensor([[19]])
+    meta = AttentionMetadata(block_tables=torch.tensor([[2, 0]], device=DEV), context_lens=torch.tensor([20], device=DEV),
+                             max_context_len=20, block_size=16, suffix_mask=None,
+                             slot_mapping=torch.tensor([[3]], device=DEV), use_triton=True, prefix_includes_new=True)
+    ids, pos = torch.tensor([[5]], device=DEV), torch.tensor([[19]], device=DEV)
     with torch.no_grad():
         h1, f1 = forward_rows(model, model.embed(ids), pos, meta, cache, feature_layers=(2, 0))
         model.one_row = False

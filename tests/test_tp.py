@@ -282,10 +282,11 @@ def _fail_on_rank1(rank, world, device):
 def test_spawn_never_waits_forever():
     import time
     t = time.monotonic()
+    # gloo: the ranks need no GPU each (on a one-GPU machine NCCL's second rank has no device)
     with pytest.raises(TimeoutError):  # a stuck rank: every rank is killed at the deadline
-        spawn(_hang_on_rank1, WORLD, timeout=6, threads=1)
+        spawn(_hang_on_rank1, WORLD, backend="gloo", timeout=6, threads=1)
     with pytest.raises(Exception, match="exit code 1"):  # a failing rank: reported, the survivor not waited for
-        spawn(_fail_on_rank1, WORLD, timeout=60, threads=1)
+        spawn(_fail_on_rank1, WORLD, backend="gloo", timeout=60, threads=1)
     assert time.monotonic() - t < 40
 
 
