@@ -203,7 +203,7 @@ def test_bad_responses_requests(server):
            ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, "input"),
            ({"input": [{"type": "function_call", "name": "f"}]}, 400, "input"),
            ({"input": "x", "text": {"format": {"type": "xml"}}}, 400, "text"),
-           ({"input": "x", "background": True}, 400, "background"),
+           ({"input": "x", "background": True, "store": False}, 400, "background"),
            ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools"),
            ({"input": "x", "tool_choice": {"type": "mcp"}, "tools": FLAT}, 400, "tool_choice"),
            ({"input": "x", "max_output_tokens": 0}, 400, None),
@@ -214,3 +214,50 @@ def test_bad_responses_requests(server):
         assert r.status_code == status, (body, r.text)
         if param is not None:
             assert r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_background_responses_cancel_and_input_items(server):
+    """`background: true`: the reply comes at once ("queued"), and the stored response, polled, ends as the
+    foreground one does (the same text); a long one is cancelled ("cancelled", its KV blocks freed); a finished one
+    comes back as it is; a foreground one cannot be cancelled (400); background needs store and no stream (400s).
+    `GET /v1/responses/{id}/input_items` lists the response's own input as items (the openai client's pager), newest
+    first or in order, a page at a time."""
+    import time
+    client = server.client()
+    kw = dict(model="mirror", input="weather?", max_output_tokens=12, temperature=0)
+    fg = client.responses.create(**kw)
+    bg = client.responses.create(**kw, background=True)
+    assert bg.status in ("queued", "in_progress") and bg.background and not bg.output
+    deadline = time.monotonic() + 60
+    while (r := client.responses.retrieve(bg.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert (r.status, r.output_text, r.usage.output_tokens) == (fg.status, fg.output_text, fg.usage.output_tokens)
+    assert client.responses.cancel(bg.id).status == r.status  # ended: as it is
+    aborted = server.metrics()["eyas:request_success_total{finish_reason=abort}"]
+    long = client.responses.create(model="mirror", input="weather?", max_output_tokens=480, temperature=0,
+                                   background=True, extra_body={"ignore_eos": True})
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(long.id).status == "cancelled"
+    m = server.wait_idle()  # nothing runs and no KV block is held
+    assert m["eyas:request_success_total{finish_reason=abort}"] == aborted + 1  # stopped, not run to its end
+    r = httpx.post(f"{server.url}/v1/responses/{fg.id}/cancel", timeout=60)
+    assert r.status_code == 400 and "background" in r.json()["error"]["message"]
+    for body in ({"background": True, "store": False}, {"background": True, "stream": True}):
+        r = httpx.post(server.url + "/v1/responses", json={"model": "mirror", "input": "x", **body}, timeout=60)
+        assert r.status_code == 400, r.text
+    items = [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c1", "name": "add",
+                                                 "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "3"},
+             {"role": "user", "content": "bye"}]
+    resp = client.responses.create(model="mirror", input=items, instructions="Be brief.", max_output_tokens=2,
+                                   temperature=0)
+    listed = list(client.responses.input_items.list(resp.id))  # newest first
+    assert [it.type for it in listed] == ["message", "function_call_output", "function_call", "message"]
+    assert listed[0].content[0].text == "bye" and listed[2].call_id == "c1" and listed[1].output == "3"
+    page = client.responses.input_items.list(resp.id, order="asc", limit=2)
+    assert [it.id for it in page.data] == [it.id for it in reversed(listed)][:2] and page.has_more
+    rest = client.responses.input_items.list(resp.id, order="asc", limit=2, after=page.data[-1].id)
+    assert [it.id for it in rest.data] == [it.id for it in reversed(listed)][2:] and not rest.has_more
+    r = httpx.get(f"{server.url}/v1/responses/{resp.id}/input_items", params={"limit": 0}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit"

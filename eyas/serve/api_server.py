@@ -252,6 +252,7 @@ class Server:
         self.tool_parser = None if tool_parser is None else make_parser(tool_parser)  # reads "auto" tool calls
         self.sampling_defaults: dict = {}  # the model's, for what a request leaves out (`create_app`)
         self.responses = responses.ResponseStore()  # /v1/responses' stored ones (previous_response_id, GET)
+        self.background: dict[str, tuple] = {}  # background responses at work: id -> (their task, request ids)
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
         self.names = {served_model_name, *aliases}
@@ -437,6 +438,8 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         try:
             yield
         finally:
+            for task, _ in list(server.background.values()):  # background responses still at work
+                task.cancel()
             server.async_engine.shutdown()
 
     app = FastAPI(title="eyas", description="OpenAI-compatible server of eyas", lifespan=lifespan)
@@ -635,9 +638,14 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         body = await request.body()
         rreq = await _parse_body(body, responses.ResponsesRequest)  # so the body is a JSON object
         raw = json.loads(body)
-        history = [] if rreq.previous_response_id is None else \
-            server.responses.get(rreq.previous_response_id, "previous_response_id")[1]
+        history = []
+        if rreq.previous_response_id is not None:
+            before, history = server.responses.get(rreq.previous_response_id, "previous_response_id")
+            if before["status"] in ("queued", "in_progress"):
+                raise APIError(f"response {rreq.previous_response_id!r} is still {before['status']}: continue it once "
+                               "it has ended", param="previous_response_id")
         chat, messages = responses.chat_body(rreq, raw, history)
+        inputs = messages[len(history):]  # the response's own input (its input items)
         try:
             req = ChatCompletionRequest.model_validate(chat)
         except ValidationError as e:
@@ -647,19 +655,28 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         names = _token_names(server, req)
         if rreq.stream:
             return _response_stream(server, rreq, rid, created, queue, rids, len(ids), base.stop, calls, messages,
-                                    names, thinking)
-        out = (await server.collect(request, queue, rids))[0]
-        message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
-        if calls is not None:
-            message, finish = calls().message(out.text, finish)
-        status = responses.status_of(finish)
-        lp = _logprobs(names, out, True)
-        thought = _thought_tokens(server, out.token_ids, thinking)
-        resp = responses.response(rid, rreq, created,
-                                  responses.output_items(message, status, lp and lp["content"][thought:]), status,
-                                  responses.usage(len(ids), len(out.token_ids), out.num_cached_tokens, thought))
+                                    names, thinking, inputs)
+
+        def made(out) -> dict:  # the response of a finished output
+            message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
+            if calls is not None:
+                message, finish = calls().message(out.text, finish)
+            status = responses.status_of(finish)
+            lp = _logprobs(names, out, True)
+            thought = _thought_tokens(server, out.token_ids, thinking)
+            return responses.response(rid, rreq, created,
+                                      responses.output_items(message, status, lp and lp["content"][thought:]),
+                                      status, responses.usage(len(ids), len(out.token_ids), out.num_cached_tokens,
+                                                              thought))
+        if rreq.background:  # answered now, "queued"; the stored response moves on as the engine works
+            resp = responses.response(rid, rreq, created, [], "queued", None)
+            server.responses.put(resp, messages, inputs)
+            task = asyncio.ensure_future(_background(server, resp, queue, rids, made, messages))
+            server.background[rid] = (task, rids)
+            return resp
+        resp = made((await server.collect(request, queue, rids))[0])
         if rreq.store:
-            server.responses.put(resp, messages)
+            server.responses.put(resp, messages, inputs)
         return resp
 
     @app.get("/v1/responses/{rid}")
@@ -668,7 +685,29 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
 
     @app.delete("/v1/responses/{rid}")
     async def delete_response(rid: str):
+        running = server.background.pop(rid, None)
+        if running is not None:  # a background response still at work: stopped, its blocks freed
+            running[0].cancel()
+            server.async_engine.abort(running[1])
         return server.responses.delete(rid)
+
+    @app.post("/v1/responses/{rid}/cancel")
+    async def cancel_response(rid: str):
+        """Stop a background response still queued or in progress ("cancelled"); one that has ended comes back as it
+        is. Only background responses can be cancelled (a 400)."""
+        resp = server.responses.get(rid)[0]
+        if not resp.get("background"):
+            raise APIError("only background responses can be cancelled", param="response_id")
+        running = server.background.pop(rid, None)
+        if running is not None:
+            running[0].cancel()
+            server.async_engine.abort(running[1])
+            resp["status"] = "cancelled"
+        return resp
+
+    @app.get("/v1/responses/{rid}/input_items")
+    async def list_input_items(rid: str, order: str = "desc", limit: int = 20, after: str | None = None):
+        return server.responses.input_items(rid, order, limit, after)
 
     return app
 
@@ -713,9 +752,33 @@ def _thought_tokens(server: Server, ids: list[int], thinking: bool | None) -> in
     return 0 if thinking is None else server.reasoning.reasoning_tokens(list(ids), thinking)
 
 
+async def _background(server: Server, resp: dict, queue, rids: list[str], made, messages: list[dict]) -> None:
+    """A background response's work: "in_progress" from its first output, then stored whole when it ends
+    ("completed" or "incomplete"), or "failed" with the error where the engine failed it. A cancel or a delete
+    cancels this task (and aborts the request)."""
+    rid = resp["id"]
+    try:
+        final = None
+        async for _, out in AsyncEngine.results(queue, 1):
+            resp["status"] = "in_progress"
+            if out.finished:
+                final = out
+        done = made(final)
+        done["created_at"] = resp["created_at"]
+        if server.background.get(rid) is not None:  # not cancelled or deleted meanwhile
+            server.responses.put(done, messages)
+    except asyncio.CancelledError:
+        raise
+    except EngineError as e:
+        resp.update(status="failed", error={"code": "server_error", "message": str(e)})
+    finally:
+        server.background.pop(rid, None)
+        server.async_engine.abort(rids)
+
+
 def _response_stream(server: Server, rreq, rid: str, created: int, queue, rids: list[str], num_prompt: int,
                      stops: list[str], calls, messages: list[dict], names,
-                     thinking: bool | None = None) -> StreamingResponse:
+                     thinking: bool | None = None, inputs: list[dict] | None = None) -> StreamingResponse:
     """/v1/responses with stream: OpenAI's typed events (`eyas.serve.responses.ResponseEvents`), the response
     stored at the end as the non-streaming path stores it."""
     ev = responses.ResponseEvents(rid, rreq, created)
@@ -751,7 +814,7 @@ def _response_stream(server: Server, rreq, rid: str, created: int, queue, rids: 
                         num_prompt, len(out.token_ids), out.num_cached_tokens,
                         _thought_tokens(server, out.token_ids, thinking)))
                     if rreq.store:
-                        server.responses.put(resp, messages)
+                        server.responses.put(resp, messages, inputs)
                     for e in closing:
                         yield e
         except EngineError as e:

@@ -1,4 +1,5 @@
-"""OpenAI's Responses API (`POST /v1/responses`, `GET /v1/responses/{id}`), as vLLM serves it for text models.
+"""OpenAI's Responses API (`POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`, `POST .../cancel`, `GET
+.../input_items`), as vLLM serves it for text models.
 
 A request is read as a chat completion (`chat_body`): `input` (a string, or items: messages whose content is a
 string or `input_text` / `output_text` parts, earlier `function_call`s and their `function_call_output`s) becomes
@@ -19,7 +20,12 @@ Streaming (`stream: true`) sends OpenAI's typed events (`ResponseEvents`): `resp
 `response.content_part.added`, `response.output_text.delta`s, `response.output_text.done` and
 `response.content_part.done` (or a call's `response.function_call_arguments.delta`s and `.done`),
 `response.output_item.done`, and last `response.completed` (or `response.incomplete`) with the whole response,
-which equals the non-streaming reply (ids aside)."""
+which equals the non-streaming reply (ids aside).
+
+`background: true` (stored, not streamed) answers at once with the response "queued"; the stored one moves to
+"in_progress" and then to its end as the engine works (`eyas.serve.api_server._background`), and `POST
+/v1/responses/{id}/cancel` stops it ("cancelled"). `GET /v1/responses/{id}/input_items` pages through a stored
+response's own input as items (`input_items`)."""
 from __future__ import annotations
 
 import json
@@ -167,8 +173,11 @@ def chat_body(req: ResponsesRequest, body: dict, history: list[dict]) -> tuple[d
     """The chat completion request that answers `req` (`body`: its JSON, whose other fields pass through), with
     `history` (a previous response's messages) before its input; and the messages a later response continues
     (history and input, not the instructions)."""
-    if req.background:
-        raise APIError("background responses are not supported", param="background")
+    if req.background and not req.store:
+        raise APIError("background responses must be stored (store: true): they are read back by id",
+                       param="background")
+    if req.background and req.stream:
+        raise APIError("background responses are not streamed here: poll GET /v1/responses/{id}", param="stream")
     unknown = set(req.include or ()) - {LOGPROBS}
     if unknown:
         raise APIError(f"include: only {LOGPROBS!r} is supported, got {sorted(unknown)}", param="include")
@@ -232,12 +241,38 @@ def response(rid: str, req: ResponsesRequest, created: int, output: list[dict], 
             "top_p": 1.0 if req.top_p is None else req.top_p, "tools": req.tools or [],
             "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls,
             "text": req.text or {"format": {"type": "text"}}, "previous_response_id": req.previous_response_id,
-            "store": req.store, "metadata": req.metadata or {}, "usage": use, "background": False,
+            "store": req.store, "metadata": req.metadata or {}, "usage": use, "background": req.background,
             "truncation": "disabled", "reasoning": None, "user": None}
 
 
 def status_of(finish: str | None) -> str:
     return "incomplete" if finish == "length" else "completed"
+
+
+def input_items(messages: list[dict]) -> list[dict]:
+    """A response's input (its chat messages, the instructions not among them) as the items `GET
+    /v1/responses/{id}/input_items` lists: messages (`input_text` parts; an assistant's `output_text`), an
+    assistant's thinking as a reasoning item, its calls as function_call items, tool messages as
+    function_call_output items; each with an id of its own."""
+    items = []
+    for m in messages:
+        if m.get("reasoning_content"):
+            items.append({"type": "reasoning", "id": new_id("rs"), "summary": [],
+                          "content": [{"type": "reasoning_text", "text": m["reasoning_content"]}]})
+        if m["role"] == "tool":
+            items.append({"type": "function_call_output", "id": new_id("fco"), "call_id": m["tool_call_id"],
+                          "output": m["content"], "status": "completed"})
+            continue
+        if m.get("content") or not m.get("tool_calls"):
+            kind = "output_text" if m["role"] == "assistant" else "input_text"
+            part = {"type": kind, "text": m.get("content") or ""}
+            if kind == "output_text":
+                part["annotations"] = []
+            items.append({"type": "message", "id": new_id("msg"), "role": m["role"], "status": "completed",
+                          "content": [part]})
+        for c in m.get("tool_calls") or []:
+            items.append(call_item(c))
+    return items
 
 
 def output_messages(output: list[dict]) -> list[dict]:
@@ -257,16 +292,42 @@ def output_messages(output: list[dict]) -> list[dict]:
 
 class ResponseStore:
     """The last `capacity` stored responses, with the messages that continue each (its history, its input, its
-    output)."""
+    output) and its input items (`input_items`)."""
 
     def __init__(self, capacity: int = 1024):
         self.capacity = capacity
         self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+        self._inputs: dict[str, list[dict]] = {}
 
-    def put(self, resp: dict, messages: list[dict]) -> None:
+    def put(self, resp: dict, messages: list[dict], inputs: list[dict] | None = None) -> None:
+        """`inputs`: the response's own input messages (kept as items at the first put; a background response is
+        put again when it ends)."""
         self._items[resp["id"]] = (resp, messages + output_messages(resp["output"]))
+        if inputs is not None and resp["id"] not in self._inputs:
+            self._inputs[resp["id"]] = input_items(inputs)
         while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+            old, _ = self._items.popitem(last=False)
+            self._inputs.pop(old, None)
+
+    def input_items(self, rid: str, order: str = "desc", limit: int = 20, after: str | None = None) -> dict:
+        """OpenAI's list of a stored response's input items: newest first (`order` "desc") or oldest first, `limit`
+        (1-100) of them after the item `after`."""
+        self.get(rid)
+        if order not in ("asc", "desc"):
+            raise APIError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+        if not 1 <= limit <= 100:
+            raise APIError(f"limit must be an integer in [1, 100], got {limit}", param="limit")
+        items = list(self._inputs.get(rid, []))
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [it["id"] for it in items]
+            if after not in ids:
+                raise APIError(f"after: no input item {after!r} in response {rid!r}", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
     def get(self, rid: str, param: str | None = None) -> tuple[dict, list[dict]]:
         if rid not in self._items:
@@ -276,6 +337,7 @@ class ResponseStore:
     def delete(self, rid: str) -> dict:
         self.get(rid)
         del self._items[rid]
+        self._inputs.pop(rid, None)
         return {"id": rid, "object": "response", "deleted": True}
 
 
