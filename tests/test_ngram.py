@@ -92,3 +92,26 @@ def test_ngram_needs_a_chain(models):
         LLM(path, device="cpu", dtype="float32", draft="ngram", draft_quant="fp8")
     with pytest.raises(ValueError, match="ngram:N_MIN:N_MAX"):
         LLM(path, device="cpu", dtype="float32", draft="ngram:2")
+
+
+def test_ngram_with_guides_penalties_and_logprobs(tmp_path):
+    """N-gram proposals under a guide (each node masked by the grammar state its path reaches), with penalties (each
+    node penalised by its own path) and log-probabilities: greedy tokens and log-probabilities equal plain
+    decoding's, batched with free requests."""
+    from eyas import GuidedDecoding
+    from helpers import write_guided_mirror
+    target, _, _ = write_guided_mirror(tmp_path)
+    params = [SamplingParams(max_tokens=40, guided=GuidedDecoding(regex=r"(ab|c)+\.")),
+              SamplingParams(max_tokens=40, repetition_penalty=1.3, frequency_penalty=0.2, logprobs=2),
+              SamplingParams(max_tokens=40, ignore_eos=True, logprobs=1),
+              SamplingParams(max_tokens=40, guided=GuidedDecoding(json_object=True), presence_penalty=0.5)]
+    prompts = ["abcabcab", "Hello there Hello there", "yes or no? yes or no?", '{"']
+    plain = LLM(str(target), device="cpu", dtype="float32").generate(prompts, params)
+    ngram = LLM(str(target), device="cpu", dtype="float32", draft="ngram:1:3", speculation="chain:3")
+    outs = ngram.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    for a, b in zip(outs, plain):
+        if b.logprobs is not None:
+            assert [[t for t, _ in x.top] for x in a.logprobs] == [[t for t, _ in x.top] for x in b.logprobs]
+            assert [x.logprob for x in a.logprobs] == pytest.approx([x.logprob for x in b.logprobs], abs=1e-4)
+    assert sum(sum(o.stats.accepted_by_depth) for o in outs) > 0
