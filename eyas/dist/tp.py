@@ -348,11 +348,16 @@ def build_tp_engine(model: str, draft: str | None, speculation: str | None, rank
     from eyas.engine.llm import build_engine
     from eyas.loader.resolve import draft_dir
     from eyas.spec.tree import resolve_tree
+    from eyas.spec.ngram import NgramProposer, is_ngram
     tree = resolve_tree(speculation)  # a bad name fails before anything loads
+    proposer = NgramProposer.parse(draft) if is_ngram(draft) else None  # n-gram proposals: every rank makes the
+    if proposer is not None:  # same ones from the same tokens
+        draft = None
     if draft is not None:
         draft = draft_dir(model, draft)
     target, tok, draft_model = load_sharded(model, rank, world_size, device, dtype, draft=draft,
                                             shard_draft=shard_draft)
+    draft_model = proposer if proposer is not None else draft_model
     return TPEngine(build_engine(target, tok, draft_model, tree, speculation, **engine_kwargs), rank, world_size,
                     check=check)
 
