@@ -23,6 +23,21 @@ def test_proposals_equal_the_loop(tokens, k, n_min, extra):
     assert propose(tokens, k, n_min, n_max) == propose_reference(tokens, k, n_min, n_max)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.lists(st.integers(1, 5), min_size=1, max_size=20),
+       st.integers(1, 3), st.integers(0, 2))
+def test_the_index_equals_the_scan_as_tokens_grow(tokens, steps, n_min, extra):
+    """`NgramIndex` (what the engine uses), fed a sequence as it grows by a few tokens a step, proposes what a scan
+    of the whole sequence does at every step; given a shorter sequence it starts afresh."""
+    from eyas.spec.ngram import NgramIndex
+    n_max = n_min + extra
+    index, L = NgramIndex(n_min, n_max), 0
+    for s in steps:
+        L = min(len(tokens), L + s)
+        assert index.propose(tokens[:L], 3) == propose(tokens[:L], 3, n_min, n_max), L
+    assert index.propose(tokens[:1], 2) == propose(tokens[:1], 2, n_min, n_max) is None
+
+
 def test_proposals_by_hand():
     assert propose([1, 2, 3, 9, 1, 2], 3) == [3, 9, 1]  # after the earlier "1 2"
     assert propose([7, 1, 2, 5, 1, 2, 6, 1, 2], 2) == [6, 1]  # the most recent occurrence

@@ -541,7 +541,7 @@ class ModelRunner:
         if self.proposer is not None:  # n-gram proposals from the committed tokens; none at all: a plain step
             if after is not None:
                 raise ValueError("an n-gram step cannot be overlapped: its proposals need the step before's tokens")
-            self._proposals = [self.proposer.propose(s.token_ids, tree.num_nodes) for s in seqs]
+            self._proposals = [self.proposer.propose_for(s, tree.num_nodes) for s in seqs]
             if all(p is None for p in self._proposals):
                 tree = self.plain_tree
         self.tree_steps[tree.name] = self.tree_steps.get(tree.name, 0) + 1

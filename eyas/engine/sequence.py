@@ -70,6 +70,7 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()  # token ids that end the output (set by the engine: stop_token_ids + EOS)
     grammar: "GrammarState | None" = None  # guided decoding: the state after the committed output (eyas.spec.grammar)
     bad_words: tuple[tuple[int, ...], ...] = ()  # the request's bad words as token sequences (eyas.layers.bad_words)
+    ngram_index: object | None = None  # n-gram speculation: its n-grams' latest ends (eyas.spec.ngram.NgramIndex)
     # prefix caching (eyas.cache.prefix_cache): the entries of the leading blocks of `block_table` that are cached
     # (or hold what a cached one holds), and how many KV entries the last admission found cached
     prefix_entries: list[int] = field(default_factory=list)

@@ -14,7 +14,10 @@ the step (`eyas.spec.step.draft_phase`). A step in which no sequence has a match
 repeats nothing costs what plain decoding costs; the steps are never overlapped (the next step's proposals need this
 one's tokens on the host).
 
-`propose_reference` is the plain loop that `propose` (numpy) is held equal to.
+A sequence's n-grams are kept in a map from each n-gram to the end of its latest occurrence (`NgramIndex`), which
+takes only the tokens added since the last step: a step's proposals cost the same at any context length (a scan of
+the whole context took 0.73 ms a sequence at 8k tokens on this repository's CPU, 47 ms a step at batch 64).
+`propose` (numpy, a scan) and `propose_reference` (a plain loop) are the references it is held equal to.
 """
 from __future__ import annotations
 
@@ -50,13 +53,46 @@ class NgramProposer:
     def propose(self, tokens, k: int) -> list[int] | None:
         return propose(tokens, k, self.n_min, self.n_max)
 
+    def propose_for(self, seq, k: int) -> list[int] | None:
+        """`propose` for a running sequence (`eyas.engine.sequence.Sequence`), through its own `NgramIndex`."""
+        if seq.ngram_index is None:
+            seq.ngram_index = NgramIndex(self.n_min, self.n_max)
+        return seq.ngram_index.propose(seq.token_ids, k)
+
+
+class NgramIndex:
+    """One sequence's n-grams (n_min..n_max) -> the end (exclusive) of their latest occurrence that ends before the
+    last token, brought up to date with the tokens added since the last call. Tokens only ever grow (a sequence's
+    output is appended to); a shorter sequence than before starts the index afresh."""
+
+    def __init__(self, n_min: int = N_MIN, n_max: int = N_MAX):
+        self.n_min, self.n_max = n_min, n_max
+        self.ends: dict[int, dict[tuple, int]] = {n: {} for n in range(n_min, n_max + 1)}
+        self.upto = 0  # the n-grams ending (exclusive) at 1..upto are in
+
+    def propose(self, tokens: list[int], k: int) -> list[int] | None:
+        """`propose(tokens, k, n_min, n_max)`, from the index."""
+        L = len(tokens)
+        if L - 1 < self.upto:  # not the tokens indexed before
+            self.__init__(self.n_min, self.n_max)
+        for e in range(self.upto + 1, L):  # the n-grams tokens[e - n: e] that end before the last token
+            for n, m in self.ends.items():
+                if e >= n:
+                    m[tuple(tokens[e - n: e])] = e
+        self.upto = max(self.upto, L - 1)
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            e = self.ends[n].get(tuple(tokens[L - n:]))
+            if e is not None:
+                return _continue(tokens, e, k)
+        return None
+
 
 def is_ngram(draft) -> bool:
     """Whether a `draft` argument asks for n-gram speculation."""
     return isinstance(draft, str) and (draft == "ngram" or draft.startswith("ngram:"))
 
 
-def _continue(tokens: np.ndarray, start: int, k: int) -> list[int]:
+def _continue(tokens, start: int, k: int) -> list[int]:
     """k tokens from `start` on, the sequence going on with what it proposes past its end."""
     out: list[int] = []
     L = len(tokens)
