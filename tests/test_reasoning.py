@@ -110,11 +110,20 @@ TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfo
 
 
 @pytest.mark.parametrize("spec", ["chain:3", "tree:8", "dyn:k4d3n8"])
-def test_gated_guided_speculation_equals_plain(think_mirror, spec):
+def test_gated_guided_speculation_equals_plain(think_mirror, spec, monkeypatch):
     """Greedy, with the gate set to a token the free output writes a few tokens in: the gated guided output equals
     the free output up to and including the gate, its rest matches the guide, and speculation (with a small pool,
-    so that requests are preempted and their grammar rebuilt from their output) changes no token."""
+    so that requests are preempted and their grammar rebuilt from their output) changes no token. Steps before the
+    gate ran unmasked, and commits that held the gate before their last token were cut after it."""
     target, draft, tok = think_mirror
+    cuts = []
+    original = GatedGrammarState.cut_at_gate
+
+    def spy(self, tokens):
+        keep = original(self, tokens)
+        cuts.append(keep < len(tokens))
+        return keep
+    monkeypatch.setattr(GatedGrammarState, "cut_at_gate", spy)
     plain = LLM(str(target), device="cpu", dtype="float32")
     fast = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec, num_blocks=30,
                block_size=4)
@@ -148,6 +157,7 @@ def test_gated_guided_speculation_equals_plain(think_mirror, spec):
     assert accepted > 0
     assert fast.engine.scheduler.num_preemptions > 0
     assert fast.engine.blocks.num_used == 0
+    assert any(cuts) and fast.engine.runner.guided_steps < fast.engine.step_counts["decode"]
 
 
 # ---- the parsers (eyas.serve.reasoning) ------------------------------------------------------------------------------

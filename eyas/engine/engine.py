@@ -24,6 +24,7 @@ from eyas.loader.tokenizer import Tokenizer
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
 from eyas.sampling_params import SamplingParams
+from eyas.spec.grammar import unmasked
 from eyas.spec.tree import Tree
 
 
@@ -383,6 +384,11 @@ class LLMEngine:
         for seq, toks, m in zip(h.seqs, new_tokens, accepted):
             if not toks:  # it finished (was aborted) while the step was in flight
                 continue
+            if seq.grammar is not None and unmasked(seq.grammar, seq.params.has_penalties):  # its step ran unmasked:
+                keep = seq.grammar.cut_at_gate(toks)  # nothing after its gate token stays (eyas.spec.grammar)
+                if keep < len(toks):
+                    seq.num_cached -= len(toks) - keep  # their KV entries are not the sequence's
+                    toks, m = toks[:keep], min(m, keep)
             out = self._commit(seq, toks)
             st = seq.stats
             st.target_calls += 1

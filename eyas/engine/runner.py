@@ -209,6 +209,7 @@ class ModelRunner:
         # benchmarks: acceptance rates by depth or recorded rank paths (`spec_step`)
         self.simulated_accept: torch.Tensor | None = None
         self.tree_steps: dict[str, int] = {}  # decode steps run with each tree (a dispatcher uses several)
+        self.guided_steps = 0  # decode steps that masked some request's logits by its grammar
         self._init_slots(max_num_seqs, max_model_len or cfg.max_position_embeddings)
         self.graphs = None
         if cuda_graphs:
@@ -606,12 +607,15 @@ class ModelRunner:
         slots = slots.to(self.device, non_blocking=True)
         return self.penalty_state.penalties(seqs, slots), slots
 
-    @staticmethod
-    def _guide(seqs: list[Sequence]):
-        """The step's grammar masks when any of `seqs` is guided (`eyas.spec.grammar.TreeGuide`), else None."""
-        states = [s.grammar for s in seqs]
+    def _guide(self, seqs: list[Sequence]):
+        """The step's grammar masks when any of `seqs` is guided (`eyas.spec.grammar.TreeGuide`), else None. A
+        gated grammar still closed needs none (`eyas.spec.grammar.unmasked`: its commit is cut at the gate)."""
+        from eyas.spec.grammar import unmasked
+        states = [None if s.grammar is None or unmasked(s.grammar, s.params.has_penalties) else s.grammar
+                  for s in seqs]
         if all(st is None for st in states):
             return None
+        self.guided_steps += 1
         from eyas.spec.grammar import TreeGuide
         return TreeGuide(states, next(st for st in states if st is not None).words)
 

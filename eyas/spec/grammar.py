@@ -28,6 +28,12 @@ A grammar may start late (`GuidedDecoding.after_token_id`, what `eyas serve --re
 model's `</think>`): until the output holds that token, every token is allowed and the matcher takes nothing
 (`GatedGrammarState`). In a tree, the nodes below the first such token on their path get the masks of the grammar
 fed the path after it, so a step that drafts the end of the reasoning and the first structured tokens is exact too.
+While the gate is closed a request needs no masks at all, but for the tokens after the gate: so its steps run as
+free ones (one graph, no synchronisation in the middle: `unmasked`), and where such a step commits the gate before
+its last token, the commit is cut after the gate (`cut_at_gate`; `LLMEngine._commit`). The cut is a stopping time
+of the sequence (as an end-of-sequence token is), so the tokens kept follow the unmasked law they were drawn from,
+and the next step, its grammar open, draws the rest under the masks. Requests with repetition penalties keep the
+masked steps (their device counts take every token the step commits).
 """
 from __future__ import annotations
 
@@ -202,6 +208,12 @@ class GatedGrammarState(GrammarState):
         else:
             out[row] = -1
 
+    def cut_at_gate(self, tokens: list[int]) -> int:
+        """How many of a step's committed tokens to keep: up to the first gate token (closed), all of them else."""
+        if self.open or self.after not in tokens:
+            return len(tokens)
+        return tokens.index(self.after) + 1
+
     def tree_bitmask(self, tokens: np.ndarray, parents: np.ndarray, out: torch.Tensor) -> None:
         """Open: `GrammarState.tree_bitmask`. Closed: every node allows every token, but the subtree under each node
         that is the path's first `after` token: that node gets the grammar's first mask, and its descendants the
@@ -223,6 +235,12 @@ class GatedGrammarState(GrammarState):
             rows = torch.empty((len(idx), out.shape[-1]), dtype=out.dtype)
             super().tree_bitmask(tokens[idx], sub_parents, rows)
             out[torch.from_numpy(idx)] = rows
+
+
+def unmasked(state, penalised: bool) -> bool:
+    """Whether a request's decode step may run without its grammar's masks: a gated grammar still closed, on a
+    request without penalties (the step's commit is then cut at the gate: `GatedGrammarState.cut_at_gate`)."""
+    return isinstance(state, GatedGrammarState) and not state.open and not penalised
 
 
 def tree_bitmask_reference(state: GrammarState, tokens, parents, out: torch.Tensor) -> None:
