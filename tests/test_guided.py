@@ -350,23 +350,35 @@ RUNS = 20_000
 LAW_GUIDE = GuidedDecoding(choice=["a", "ab", "abc", "b", "ba"])
 
 
-def exact_guided_law(target_dir, tok, prompt):
+def exact_guided_law(target_dir, tok, prompt, guide: GuidedDecoding = LAW_GUIDE, top_k: int | None = None,
+                     max_tokens: int | None = None):
     """The law of the whole output (token paths, end token included) of plain guided sampling at temperature 1:
-    each token drawn from HF transformers' next-token softmax restricted to what a fresh matcher allows."""
+    each token drawn from HF transformers' next-token softmax (over its top k, with `top_k`) restricted to what a
+    fresh matcher allows. A guide with `after_token_id` (a gate) allows every token until the path holds the gate,
+    then what a fresh matcher fed the path after its first gate allows. `max_tokens` ends the paths that long."""
     from transformers import LlamaForCausalLM
     hf = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     be = GrammarBackend(tok, hf.config.vocab_size, [tok.eos_token_id])
-    compiled = be.compile(LAW_GUIDE)
+    compiled = be.compile(guide)
+    gate = guide.after_token_id
     law = {}
 
     def walk(path, prob):
-        mask = fresh_mask(be, compiled, path, be.words)
-        if mask is None:  # terminated: the end token was the last one
+        mask = None
+        if gate is None or gate in path:
+            mask = fresh_mask(be, compiled, path if gate is None else path[path.index(gate) + 1:], be.words)
+            if mask is None:  # terminated: the end token was the last one
+                law[tuple(path)] = prob
+                return
+        if len(path) == max_tokens:
             law[tuple(path)] = prob
             return
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + path])).logits[0, -1].double()
-        logits[~allowed_tokens(mask, logits.shape[0])] = float("-inf")
+        if mask is not None:
+            logits[~allowed_tokens(mask, logits.shape[0])] = float("-inf")
+        if top_k is not None:
+            logits[logits < torch.topk(logits, top_k).values[-1]] = float("-inf")
         p = torch.softmax(logits, -1)
         for t in torch.nonzero(p > 0).flatten().tolist():
             walk(path + [t], prob * float(p[t]))
@@ -375,10 +387,21 @@ def exact_guided_law(target_dir, tok, prompt):
     return law
 
 
+def sampled_law_p(llm, prompt, params, law: dict):
+    """Generate `prompt` once per params; every output must be a path of `law`: (the pooled chi-square p-value of
+    the outputs' counts against it, the outputs)."""
+    from test_spec_distribution import pooled_chisquare
+    outs = llm.generate([prompt] * len(params), params)
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    assert set(counts) <= set(law), set(counts) - set(law)
+    return pooled_chisquare(counts, law, len(params)), outs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["chain:3", "tree:8"])
 def test_guided_sampling_law_is_exact(mirror, spec, tmp_path):
-    from test_spec_distribution import pooled_chisquare
     import shutil
 
     from eyas.spec.draft_vocab import save_draft_vocab
@@ -395,12 +418,7 @@ def test_guided_sampling_law_is_exact(mirror, spec, tmp_path):
     llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec,
               max_num_seqs=1024, num_blocks=1024 * 4 + 8, block_size=4)
     params = [SamplingParams(temperature=1.0, max_tokens=8, seed=s, guided=LAW_GUIDE) for s in range(RUNS)]
-    outs = llm.generate([prompt] * RUNS, params)
-    counts: dict = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    assert set(counts) <= set(law), set(counts) - set(law)
-    p = pooled_chisquare(counts, law, RUNS)
+    p, outs = sampled_law_p(llm, prompt, params, law)
     accepted = sum(sum(o.stats.accepted_by_depth) for o in outs)
     print(f"{spec}: {len(law)} outputs, chi-square p {p:.3f}, {accepted} draft tokens accepted")
     assert p > 1e-3, p

@@ -13,7 +13,7 @@ import torch
 from eyas import LLM, GuidedDecoding, SamplingParams
 from eyas.spec.grammar import GatedGrammarState, GrammarBackend, allowed_tokens
 from helpers import UNTHINK, think_tokenizer, write_mirror_pair
-from test_guided import A_SCHEMA, GUIDES, fresh_mask
+from test_guided import A_SCHEMA, GUIDES, exact_guided_law, fresh_mask, sampled_law_p
 
 
 @pytest.fixture(scope="module")
@@ -106,24 +106,30 @@ def think_mirror(tmp_path_factory):
     return target, draft, tok
 
 
+@pytest.fixture
+def cuts(monkeypatch) -> list[bool]:
+    """Each commit of a step that ran unmasked for a closed gated grammar: whether it was cut at the gate."""
+    seen = []
+    original = GatedGrammarState.cut_at_gate
+
+    def spy(self, tokens):
+        keep = original(self, tokens)
+        seen.append(keep < len(tokens))
+        return keep
+    monkeypatch.setattr(GatedGrammarState, "cut_at_gate", spy)
+    return seen
+
+
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: <think>"
 
 
 @pytest.mark.parametrize("spec", ["chain:3", "tree:8", "dyn:k4d3n8"])
-def test_gated_guided_speculation_equals_plain(think_mirror, spec, monkeypatch):
+def test_gated_guided_speculation_equals_plain(think_mirror, spec, cuts):
     """Greedy, with the gate set to a token the free output writes a few tokens in: the gated guided output equals
     the free output up to and including the gate, its rest matches the guide, and speculation (with a small pool,
     so that requests are preempted and their grammar rebuilt from their output) changes no token. Steps before the
     gate ran unmasked, and commits that held the gate before their last token were cut after it."""
     target, draft, tok = think_mirror
-    cuts = []
-    original = GatedGrammarState.cut_at_gate
-
-    def spy(self, tokens):
-        keep = original(self, tokens)
-        cuts.append(keep < len(tokens))
-        return keep
-    monkeypatch.setattr(GatedGrammarState, "cut_at_gate", spy)
     plain = LLM(str(target), device="cpu", dtype="float32")
     fast = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec, num_blocks=30,
                block_size=4)
@@ -364,81 +370,26 @@ def test_server_refuses_a_parser_without_tags(tmp_path):
         create_app(llm, "m", reasoning_parser="qwen3")
 
 
-def exact_gated_law(target_dir, tok, prompt, guide: GuidedDecoding, bias: dict, top_k: int, max_tokens: int):
-    """The law of the whole output of plain gated guided sampling (temperature 1, top-k, a logit bias): each token
-    drawn from HF transformers' next-token softmax over the top k of the biased logits, masked by the grammar fed
-    what follows the first gate token once there is one."""
-    from transformers import LlamaForCausalLM
-    hf = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    be = GrammarBackend(tok, hf.config.vocab_size, [tok.eos_token_id])
-    compiled = be.compile(guide)
-    gate = guide.after_token_id
-    law = {}
-
-    def walk(path, prob):
-        if gate in path:
-            mask = fresh_mask(be, compiled, path[path.index(gate) + 1:], be.words)
-            if mask is None:  # terminated: the end token was the last one
-                law[tuple(path)] = prob
-                return
-        if len(path) == max_tokens:
-            law[tuple(path)] = prob
-            return
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + path])).logits[0, -1].double()
-        for t, b in bias.items():
-            logits[t] += b
-        if gate in path:
-            logits[~allowed_tokens(mask, logits.shape[0])] = float("-inf")
-        kth = torch.topk(logits, top_k).values[-1]
-        logits[logits < kth] = float("-inf")
-        p = torch.softmax(logits, -1)
-        for t in torch.nonzero(p > 0).flatten().tolist():
-            walk(path + [t], prob * float(p[t]))
-
-    walk([], 1.0)
-    return law
-
-
 @pytest.mark.slow
-def test_gated_sampling_law_is_exact(think_mirror):
+def test_gated_sampling_law_is_exact(think_mirror, cuts):
     """Sampled (T=1, top-3), the gate the prompt's likeliest next token, with the mirror draft (tree:8, so
     that the gate is often accepted in the middle of a path and the commit cut after it): the law of the whole
     output equals the enumerated law of plain gated sampling. (No logit bias: a request with any penalty or bias
     keeps masked steps, and would not be cut.)"""
     from transformers import LlamaForCausalLM
-    from test_spec_distribution import pooled_chisquare
     target, draft, tok = think_mirror
     prompt = tok.encode("abab", add_bos=False)
     hf = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     with torch.no_grad():
         gate = int(torch.topk(hf(torch.tensor([prompt])).logits[0, -1], 2).indices[0])
-    bias = {}
     guide = GuidedDecoding(choice=["ab", "ba", "b"], after_token_id=gate)
-    law = exact_gated_law(target, tok, prompt, guide, bias, top_k=3, max_tokens=5)
+    law = exact_guided_law(target, tok, prompt, guide, top_k=3, max_tokens=5)
     assert len(law) >= 20 and abs(sum(law.values()) - 1) < 1e-9
     runs = 6000
     llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation="tree:8",
               max_num_seqs=1024, num_blocks=1024 * 4 + 8, block_size=4)
-    cuts = []
-    original = GatedGrammarState.cut_at_gate
-
-    def spy(self, tokens):
-        keep = original(self, tokens)
-        cuts.append(keep < len(tokens))
-        return keep
-    GatedGrammarState.cut_at_gate = spy
-    try:
-        params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=5, seed=s, guided=guide)
-                  for s in range(runs)]
-        outs = llm.generate([prompt] * runs, params)
-    finally:
-        GatedGrammarState.cut_at_gate = original
-    counts: dict = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    assert set(counts) <= set(law), set(counts) - set(law)
-    p = pooled_chisquare(counts, law, runs)
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=5, seed=s, guided=guide) for s in range(runs)]
+    p, _ = sampled_law_p(llm, prompt, params, law)
     print(f"{len(law)} outputs, chi-square p {p:.3f}, {sum(cuts)} commits cut at the gate")
     assert p > 1e-3, p
     assert sum(cuts) > runs // 20  # the cut is what is being tested
