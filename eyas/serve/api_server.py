@@ -767,8 +767,6 @@ async def _background(server: Server, resp: dict, queue, rids: list[str], made, 
         done["created_at"] = resp["created_at"]
         if server.background.get(rid) is not None:  # not cancelled or deleted meanwhile
             server.responses.put(done, messages)
-    except asyncio.CancelledError:
-        raise
     except EngineError as e:
         resp.update(status="failed", error={"code": "server_error", "message": str(e)})
     finally:
