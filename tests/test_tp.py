@@ -295,6 +295,20 @@ def test_load_sharded_refuses_indivisible_heads(dirs):
         load_sharded(dirs["untied"], 0, 3)
 
 
+def test_build_tp_engine_takes_ngram(dirs):
+    """`eyas serve/generate --tensor-parallel N --draft ngram`: the rank's engine proposes n-grams (no draft model
+    is loaded; every rank proposes the same from the same tokens), and its greedy output is plain decoding's. One
+    rank, in this process (the ranks' agreement is the spawned tests' business)."""
+    from eyas.dist.tp import build_tp_engine
+    from eyas.engine.llm import LLM
+    tp = build_tp_engine(dirs["mirror_target"], "ngram:1:3", "chain:3", 0, 1, "cpu", "float32")
+    assert tp.engine.proposer is not None and tp.engine.draft is None and tp.engine.tree.name == "chain:3"
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    got = tp.generate(prompts(24), [params] * 4)
+    plain = LLM(dirs["mirror_target"], device="cpu", dtype="float32").generate(prompts(24), params)
+    assert [list(g) for g in got] == [o.token_ids for o in plain]
+
+
 def test_tp_serving_engine_on_one_rank(dirs, monkeypatch):
     """TPServingEngine, the server loop's face of a TPEngine (world size 1 here: the same code as rank 0): requests
     are checked at once and queued, the loop sees work while operations are queued and once the heartbeat is due,
