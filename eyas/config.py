@@ -3,9 +3,10 @@
 `ModelConfig` is the architecture of a Llama-family model, read from an HF `config.json` dict (both the classic
 `rope_theta` + `rope_scaling` spelling and transformers 5's `rope_parameters`) or from GGUF metadata. Qwen2 (and
 Qwen2.5) checkpoints are Llama models with biases on the q, k and v projections (`qkv_bias`), Qwen3 ones Llama
-models whose q and k heads are RMS-normalised before RoPE (`qk_norm`), Mistral ones Llama models. Where a config has a sliding window (Mistral's `sliding_window`; Qwen2's with `use_sliding_window`), the
-context is capped at the window (`max_position_embeddings`), inside which sliding-window attention is full
-attention: exact, where serving longer contexts would not be.
+models whose q and k heads are RMS-normalised before RoPE (`qk_norm`), Mistral ones Llama models. Where a config has
+a sliding window (Mistral's `sliding_window`; Qwen2's and Qwen3's with `use_sliding_window`), the context is capped
+at the window (`max_position_embeddings`), inside which sliding-window attention is full attention: exact, where
+serving longer contexts would not be.
 """
 from __future__ import annotations
 

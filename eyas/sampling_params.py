@@ -30,9 +30,8 @@ class GuidedDecoding:
             raise ValueError("guided decoding takes exactly one of json, json_object, regex, choice, grammar, "
                              "structural_tag; got "
                              f"{given or 'none'}")
-        a = self.after_token_id
-        if a is not None and (not isinstance(a, int) or isinstance(a, bool) or a < 0):
-            raise ValueError(f"guided after_token_id must be a token id (an integer >= 0), got {a!r}")
+        if self.after_token_id is not None and not _is_token_id(self.after_token_id):
+            raise ValueError(f"guided after_token_id must be a token id (an integer >= 0), got {self.after_token_id!r}")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"guided json must be a JSON schema (a dict or its text), got {type(self.json).__name__}")
         if self.json_object not in (True, False):

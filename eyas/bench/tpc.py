@@ -160,7 +160,7 @@ def bench_tpc(model: str, drafts: list[str], speculations: list[str], prompts_pa
     from eyas.loader.eagle import load_draft
     from eyas.loader.resolve import draft_dir, load_target
     from eyas.spec.draft_quant import apply_draft_quant, check_quant_mode
-    from eyas.spec.ngram import NgramProposer, is_ngram
+    from eyas.spec.ngram import ngram_proposer
 
     check_quant_mode(draft_quant)
 
@@ -172,9 +172,8 @@ def bench_tpc(model: str, drafts: list[str], speculations: list[str], prompts_pa
                for r in records]
     results = []
     for dname in drafts:
-        if is_ngram(dname):  # n-gram proposals (eyas.spec.ngram): no draft model
-            draft = NgramProposer.parse(dname)
-        else:
+        draft = ngram_proposer(dname)  # n-gram proposals (eyas.spec.ngram): no draft model
+        if draft is None:
             draft = apply_draft_quant(load_draft(draft_dir(model, dname), target), target, draft_quant)
         for temp in temperatures:  # every speculation at the first temperature first
             for spec in speculations:

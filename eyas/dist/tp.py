@@ -348,10 +348,10 @@ def build_tp_engine(model: str, draft: str | None, speculation: str | None, rank
     from eyas.engine.llm import build_engine
     from eyas.loader.resolve import draft_dir
     from eyas.spec.tree import resolve_tree
-    from eyas.spec.ngram import NgramProposer, is_ngram
+    from eyas.spec.ngram import ngram_proposer
     tree = resolve_tree(speculation)  # a bad name fails before anything loads
-    proposer = NgramProposer.parse(draft) if is_ngram(draft) else None  # n-gram proposals: every rank makes the
-    if proposer is not None:  # same ones from the same tokens
+    proposer = ngram_proposer(draft)  # n-gram proposals: every rank makes the same ones from the same tokens
+    if proposer is not None:
         draft = None
     if draft is not None:
         draft = draft_dir(model, draft)

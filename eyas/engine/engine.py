@@ -261,7 +261,8 @@ class LLMEngine:
         if params.allowed_token_ids is not None and params.allowed_token_ids[-1] >= V:
             raise ValueError(f"allowed_token_ids must be token ids in [0, {V}), got {params.allowed_token_ids[-1]}")
         if params.guided is not None and (params.guided.after_token_id or 0) >= V:
-            raise ValueError(f"guided after_token_id must be a token id in [0, {V}), got {params.guided.after_token_id}")
+            raise ValueError(f"guided after_token_id must be a token id in [0, {V}), got "
+                             f"{params.guided.after_token_id}")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         grammar = self.grammar_state(params)  # a bad schema fails here, before the request is queued
         stop_ids = self._stop_ids(params)
@@ -384,7 +385,7 @@ class LLMEngine:
         for seq, toks, m in zip(h.seqs, new_tokens, accepted):
             if not toks:  # it finished (was aborted) while the step was in flight
                 continue
-            if seq.grammar is not None and unmasked(seq.grammar, seq.params.has_penalties):  # its step ran unmasked:
+            if unmasked(seq.grammar, seq.params.has_penalties):  # its step ran unmasked:
                 keep = seq.grammar.cut_at_gate(toks)  # nothing after its gate token stays (eyas.spec.grammar)
                 if keep < len(toks):
                     seq.num_cached -= len(toks) - keep  # their KV entries are not the sequence's

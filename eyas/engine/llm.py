@@ -12,7 +12,7 @@ from eyas.loader.resolve import draft_dir, load_target
 from eyas.sampling_params import SamplingParams
 from eyas.spec.dispatch import default_speculation
 from eyas.spec.draft_quant import apply_draft_quant, asks_quant
-from eyas.spec.ngram import NgramProposer, is_ngram
+from eyas.spec.ngram import NgramProposer, ngram_proposer
 from eyas.spec.tree import resolve_tree
 
 NGRAM_SPECULATION = "chain:4"  # n-gram speculation's default: four proposed tokens
@@ -53,8 +53,8 @@ class CompletionOutput:
 class LLM:
     """model: "smollm2" | HF directory | .gguf file. draft: EAGLE checkpoint directory, "default" (the draft shipped
     for smollm2), "ngram" / "ngram:N_MIN:N_MAX" (prompt lookup, no draft model: `eyas.spec.ngram`; speculation a
-    chain, chain:4 by default) or None. speculation: None | "chain:K" | "tree:NAME" | a JSON file of paths | "dispatch:B1=SPEC,..."
-    (a tree per batch size). draft_quant: "int4" | "int4-ffn" | "int4-head" | "fp8" | "fp8-head" | "none" | None
+    chain, chain:4 by default) or None. speculation: None | "chain:K" | "tree:NAME" | a JSON file of paths |
+    "dispatch:B1=SPEC,..." (a tree per batch size). draft_quant: "int4" | "int4-ffn" | "int4-head" | "fp8" | "fp8-head" | "none" | None
     (`eyas.spec.draft_quant`: the draft's FFN and/or its own LM head copy in INT4, or all its weights in FP8, or only
     its head's copy; None: the draft's own choice for the device, fp8-head for SmolLM2's on a GPU). Engine settings
     (`EngineConfig`) go as keywords; `cuda_graphs="auto"` turns CUDA graphs on where the model runs on a GPU."""
@@ -99,10 +99,11 @@ class LLM:
     def _loaded(self, model, device, dtype, draft, draft_quant):
         """(target, tokenizer, draft) loaded on `device` (the target with `self.lora` merged)."""
         target, tokenizer = load_target(model, device, dtype, self.lora)
-        if is_ngram(draft):  # n-gram speculation: no draft model
+        proposer = ngram_proposer(draft)
+        if proposer is not None:  # n-gram speculation: no draft model
             if asks_quant(draft_quant):
                 raise ValueError(f"draft_quant={draft_quant!r} needs a draft model, not {draft!r}")
-            return target, tokenizer, NgramProposer.parse(draft)
+            return target, tokenizer, proposer
         d = load_draft(draft_dir(model, draft), target) if draft is not None else None
         if d is not None:  # INT4 / FP8 draft weights (eyas.spec.draft_quant), as asked or the draft's own
             apply_draft_quant(d, target, draft_quant)

@@ -611,8 +611,7 @@ class ModelRunner:
         """The step's grammar masks when any of `seqs` is guided (`eyas.spec.grammar.TreeGuide`), else None. A
         gated grammar still closed needs none (`eyas.spec.grammar.unmasked`: its commit is cut at the gate)."""
         from eyas.spec.grammar import unmasked
-        states = [None if s.grammar is None or unmasked(s.grammar, s.params.has_penalties) else s.grammar
-                  for s in seqs]
+        states = [None if unmasked(s.grammar, s.params.has_penalties) else s.grammar for s in seqs]
         if all(st is None for st in states):
             return None
         self.guided_steps += 1

@@ -48,7 +48,8 @@ SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": 
 
 def llama_config(path: Path) -> ModelConfig:
     """The ModelConfig of an HF directory, which must hold a Llama model (or a Qwen2 one: Llama's blocks with
-    biases on q, k and v; or a Mistral one), with its generation_config.json's settings."""
+    biases on q, k and v; a Qwen3 one: with q and k heads normalised; or a Mistral one), with its
+    generation_config.json's settings."""
     raw = read_config(path)
     arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
     if raw.get("model_type", "llama") not in SUPPORTED and arch not in SUPPORTED.values():

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eyas.serve.tools import _before_tag
+
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
 
@@ -67,14 +69,6 @@ def make_reasoning_parser(name: str, tokenizer) -> ReasoningParser:
     return ReasoningParser(name, ids[0], ids[1])
 
 
-def _held(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (a tag that may be coming)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
-
-
 class ReasoningStream:
     """One choice's reply from its text as it grows: `feed(delta)` gives the chat deltas to send now
     (`{"reasoning", "reasoning_content"}` for thinking, and the answer's: `{"content"}`, or `inner`'s, a
@@ -99,13 +93,13 @@ class ReasoningStream:
                 self.buf, self.phase = lead[len(START):], "think"
             else:
                 self.phase = "think" if self.thinking else "answer"
-        if self.phase == "think":
-            at = self.buf.find(END)
-            if at < 0:
-                keep = _held(self.buf, END)
-                reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        if self.phase == "think":  # up to the end tag, or to where it may be starting
+            cut = _before_tag(self.buf, END)
+            reasoning = self.buf[:cut]
+            if self.buf.startswith(END, cut):
+                self.buf, self.phase = self.buf[cut + len(END):], "answer"
             else:
-                reasoning, self.buf, self.phase = self.buf[:at], self.buf[at + len(END):], "answer"
+                self.buf = self.buf[cut:]
         if self.phase == "answer":
             content, self.buf = self.buf, ""
         return self._parts(reasoning, content)

@@ -30,10 +30,10 @@ model's `</think>`): until the output holds that token, every token is allowed a
 fed the path after it, so a step that drafts the end of the reasoning and the first structured tokens is exact too.
 While the gate is closed a request needs no masks at all, but for the tokens after the gate: so its steps run as
 free ones (one graph, no synchronisation in the middle: `unmasked`), and where such a step commits the gate before
-its last token, the commit is cut after the gate (`cut_at_gate`; `LLMEngine._commit`). The cut is a stopping time
+its last token, the commit is cut after the gate (`cut_at_gate`; `LLMEngine._decoded`). The cut is a stopping time
 of the sequence (as an end-of-sequence token is), so the tokens kept follow the unmasked law they were drawn from,
-and the next step, its grammar open, draws the rest under the masks. Requests with repetition penalties keep the
-masked steps (their device counts take every token the step commits).
+and the next step, its grammar open, draws the rest under the masks. Requests with penalties or a logit bias
+(`SamplingParams.has_penalties`) keep the masked steps (their device counts take every token the step commits).
 """
 from __future__ import annotations
 

@@ -38,10 +38,6 @@ class NgramProposer:
         if not 1 <= self.n_min <= self.n_max:
             raise ValueError(f"n-gram sizes must satisfy 1 <= n_min <= n_max, got {self.n_min}, {self.n_max}")
 
-    @property
-    def name(self) -> str:
-        return f"ngram:{self.n_min}:{self.n_max}"
-
     @classmethod
     def parse(cls, spec: str) -> "NgramProposer":
         """"ngram" (sizes 2..4) or "ngram:N_MIN:N_MAX"."""
@@ -49,9 +45,6 @@ class NgramProposer:
         if m is None:
             raise ValueError(f"an n-gram draft is 'ngram' or 'ngram:N_MIN:N_MAX', got {spec!r}")
         return cls(int(m.group(1)), int(m.group(2))) if m.group(1) else cls()
-
-    def propose(self, tokens, k: int) -> list[int] | None:
-        return propose(tokens, k, self.n_min, self.n_max)
 
     def propose_for(self, seq, k: int) -> list[int] | None:
         """`propose` for a running sequence (`eyas.engine.sequence.Sequence`), through its own `NgramIndex`."""
@@ -67,14 +60,17 @@ class NgramIndex:
 
     def __init__(self, n_min: int = N_MIN, n_max: int = N_MAX):
         self.n_min, self.n_max = n_min, n_max
-        self.ends: dict[int, dict[tuple, int]] = {n: {} for n in range(n_min, n_max + 1)}
+        self._clear()
+
+    def _clear(self) -> None:
+        self.ends: dict[int, dict[tuple, int]] = {n: {} for n in range(self.n_min, self.n_max + 1)}
         self.upto = 0  # the n-grams ending (exclusive) at 1..upto are in
 
     def propose(self, tokens: list[int], k: int) -> list[int] | None:
         """`propose(tokens, k, n_min, n_max)`, from the index."""
         L = len(tokens)
         if L - 1 < self.upto:  # not the tokens indexed before
-            self.__init__(self.n_min, self.n_max)
+            self._clear()
         for e in range(self.upto + 1, L):  # the n-grams tokens[e - n: e] that end before the last token
             for n, m in self.ends.items():
                 if e >= n:
@@ -87,9 +83,12 @@ class NgramIndex:
         return None
 
 
-def is_ngram(draft) -> bool:
-    """Whether a `draft` argument asks for n-gram speculation."""
-    return isinstance(draft, str) and (draft == "ngram" or draft.startswith("ngram:"))
+def ngram_proposer(draft) -> NgramProposer | None:
+    """The proposer a `draft` argument asks for ("ngram", "ngram:N_MIN:N_MAX"; ValueError for another "ngram:..."),
+    None for any other argument (a draft model's)."""
+    if isinstance(draft, str) and (draft == "ngram" or draft.startswith("ngram:")):
+        return NgramProposer.parse(draft)
+    return None
 
 
 def _continue(tokens, start: int, k: int) -> list[int]:
