@@ -15,8 +15,8 @@ repeats nothing costs what plain decoding costs; the steps are never overlapped 
 one's tokens on the host).
 
 A sequence's n-grams are kept in a map from each n-gram to the end of its latest occurrence (`NgramIndex`), which
-takes only the tokens added since the last step: a step's proposals cost the same at any context length (a scan of
-the whole context took 0.73 ms a sequence at 8k tokens on this repository's CPU, 47 ms a step at batch 64).
+takes only the tokens added since the last step: a step's proposals cost the same at any context length, where a
+scan of the whole context grows with it (`tools/diag/ngram_cost.py`; docs/benchmarks.md, "Session 56").
 `propose` (numpy, a scan) and `propose_reference` (a plain loop) are the references it is held equal to.
 """
 from __future__ import annotations
