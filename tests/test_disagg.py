@@ -253,3 +253,37 @@ def test_server_on_a_disaggregated_engine(pair, process):
     finally:
         server.close()
         llm.engine.close()
+
+
+def test_a_dead_childs_last_message_is_still_read():
+    """The child puts its error and returns; the parent's timed get may miss it and then find the child dead. The
+    message is in the pipe by then (a child flushes its queues before exiting), and the parent reads it rather than
+    reporting a death without a cause (a CI failure: 'the prefill process died (exit code 0)')."""
+    import queue
+    from types import SimpleNamespace
+
+    from eyas.engine.prefill_process import RemotePrefillEngine
+
+    class LateQueue:  # the first get times out, as the message lands just after it
+        def __init__(self):
+            self.calls = 0
+
+        def get(self, timeout=None):
+            self.calls += 1
+            if self.calls == 1:
+                raise queue.Empty
+            return ("error", "Traceback: the child's error")
+
+        get_nowait = get
+
+    remote = RemotePrefillEngine.__new__(RemotePrefillEngine)
+    remote._results = LateQueue()
+    remote._proc = SimpleNamespace(is_alive=lambda: False, exitcode=0)
+    remote.seqs, remote._handoffs = {}, []
+    with pytest.raises(RuntimeError, match="prefill process failed:\nTraceback: the child's error"):
+        remote.step(wait=0.01)
+    # a child that died without a word is still reported so
+    remote._results = SimpleNamespace(get=lambda timeout=None: (_ for _ in ()).throw(queue.Empty),
+                                      get_nowait=lambda: (_ for _ in ()).throw(queue.Empty))
+    with pytest.raises(RuntimeError, match=r"died \(exit code 0\)"):
+        remote.step(wait=0.01)

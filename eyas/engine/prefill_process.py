@@ -129,7 +129,11 @@ class RemotePrefillEngine:
                 return self._results.get(timeout=min(left, 1.0)) if left > 0 else self._results.get_nowait()
             except queue.Empty:
                 if not self._proc.is_alive():
-                    raise RuntimeError(f"the prefill process died (exit code {self._proc.exitcode})") from None
+                    # its last words (an error it put before returning) may reach the pipe after the timeout above
+                    try:
+                        return self._results.get(timeout=1.0)
+                    except queue.Empty:
+                        raise RuntimeError(f"the prefill process died (exit code {self._proc.exitcode})") from None
                 if time.monotonic() >= end:
                     return None
 
