@@ -143,40 +143,47 @@ ECHO_PROMPT = "The capital of France is Paris"
 
 
 @pytest.fixture(scope="module")
-def spec(tmp_path_factory, smollm2):
-    from eyas.loader.eagle import save_draft
-    from eyas.models.eagle import EagleDraft
-
-    cfg = copy.copy(smollm2.target.config)  # a random draft with SmolLM2's shapes (hidden 576, vocab 49152)
-    cfg.num_hidden_layers = 1
-    torch.manual_seed(0)
+def spec(tmp_path_factory):
+    # SmolLM2's shipped draft: it accepts (a random one would not), so the server's commits span several tokens,
+    # and its steps are cheaper on the CPU than a random draft's many one-token commits
     tmp = tmp_path_factory.mktemp("spec")
-    draft_dir = save_draft(EagleDraft(cfg), tmp / "draft", dtype=torch.float32)
     tree = tmp / "tree.json"  # a small branching tree (depth 3, 5 nodes): cheap enough for the CPU
     tree.write_text(json.dumps(TREE_PATHS))
     # overlapped decoding on, as on a GPU with CUDA graphs: the server's admissions, stop strings and aborts
     # meet steps enqueued before the last was read back
-    llm = LLM(MODEL, device="cpu", dtype="float32", draft=str(draft_dir), speculation=str(tree),
+    llm = LLM(MODEL, device="cpu", dtype="float32", draft="default", speculation=str(tree),
               max_num_seqs=64, num_blocks=512, max_model_len=MAX_MODEL_LEN, overlap=True)
     assert llm.draft is not None and llm.engine.tree.max_depth == 3
 
-    # offline references (greedy), with speculation on, before the server takes the LLM over
+    # offline references, with speculation on, before the server takes the LLM over: one batch (one prefill, one
+    # decode loop) of every request the tests below send
     greedy = SamplingParams(max_tokens=16)
-    refs = {"chat": [llm.chat(c, greedy)[0] for c in CONVERSATIONS],
-            "completion": llm.generate(COMPLETION_PROMPTS, greedy)}
     tok = llm.tokenizer
     cases = concurrent_cases()
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c["prompt"]}])) if c["chat"]
-           else c["prompt"] for c in cases]
-    params = [SamplingParams(max_tokens=c["max_tokens"], temperature=c["temperature"], seed=c["seed"], stop=c["stop"])
-              for c in cases]
-    refs["concurrent"] = llm.generate(ids, params)
-    refs["logprobs"] = llm.chat(CONVERSATIONS[0], SamplingParams(max_tokens=16, logprobs=3))[0]
-    refs["echo"] = llm.generate([ECHO_PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
-    refs["bad_words"] = llm.generate(COMPLETION_PROMPTS[:1], SamplingParams(max_tokens=16, bad_words=BAD_WORDS))[0]
-    refs["continue"] = llm.chat(BEGUN, SamplingParams(max_tokens=8, temperature=0), continue_final_message=True)[0]
-    refs["n"] = llm.generate([PROMPTS[0]] * N_CHOICES, [SamplingParams(max_tokens=10, temperature=0.9, seed=N_SEED + j)
-                                                        for j in range(N_CHOICES)])
+    batch = {  # name: (prompts (ids or text), params)
+        "chat": ([llm.chat_prompt_ids(c) for c in CONVERSATIONS], greedy),
+        "completion": (COMPLETION_PROMPTS, greedy),
+        "concurrent": ([tok.encode(tok.apply_chat_template([{"role": "user", "content": c["prompt"]}])) if c["chat"]
+                        else c["prompt"] for c in cases],
+                       [SamplingParams(max_tokens=c["max_tokens"], temperature=c["temperature"], seed=c["seed"],
+                                       stop=c["stop"]) for c in cases]),
+        "logprobs": ([llm.chat_prompt_ids(CONVERSATIONS[0])], SamplingParams(max_tokens=16, logprobs=3)),
+        "echo": ([ECHO_PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=1)),
+        "bad_words": (COMPLETION_PROMPTS[:1], SamplingParams(max_tokens=16, bad_words=BAD_WORDS)),
+        "continue": ([llm.chat_prompt_ids(BEGUN, continue_final_message=True)],
+                     SamplingParams(max_tokens=8, temperature=0)),
+        "n": ([PROMPTS[0]] * N_CHOICES, [SamplingParams(max_tokens=10, temperature=0.9, seed=N_SEED + j)
+                                         for j in range(N_CHOICES)]),
+    }
+    prompts, params, spans = [], [], {}
+    for name, (ps, p) in batch.items():
+        spans[name] = (len(prompts), len(prompts) + len(ps))
+        prompts += ps
+        params += p if isinstance(p, list) else [p] * len(ps)
+    outs = llm.generate(prompts, params)
+    refs = {name: outs[a:b] for name, (a, b) in spans.items()}
+    for one in ("logprobs", "echo", "bad_words", "continue"):
+        refs[one] = refs[one][0]
     assert llm.engine.blocks.num_used == 0
 
     successors = []  # overlapped steps the server's engine enqueued (the tests below check it did)

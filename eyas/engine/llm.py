@@ -153,12 +153,18 @@ class LLM:
         the model goes on writing the last message (an assistant reply begun by the caller) instead of answering
         it; `tools`: OpenAI's tool definitions, for the chat template; `chat_template`: a Jinja template in place of
         the model's; `chat_template_kwargs`: more variables for it (`Tokenizer.apply_chat_template`)."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        prompts = [self.chat_prompt_ids(c, continue_final_message, tools, chat_template, chat_template_kwargs)
+                   for c in ([messages] if single else messages)]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def chat_prompt_ids(self, conversation: list[dict], continue_final_message: bool = False,
+                        tools: list[dict] | None = None, chat_template: str | None = None,
+                        chat_template_kwargs: dict | None = None) -> list[int]:
+        """The token ids `chat` sends for one conversation (its arguments as there)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
-        single = bool(messages) and isinstance(messages[0], dict)
-        convs = [messages] if single else messages
-        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(
-            c, add_generation_prompt=not continue_final_message, continue_final_message=continue_final_message,
-            tools=tools, chat_template=chat_template, **(chat_template_kwargs or {})), add_bos=False)
-            for c in convs]  # the template writes any BOS itself (vLLM and HF tokenize it without special tokens)
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=not continue_final_message,
+            continue_final_message=continue_final_message, tools=tools, chat_template=chat_template,
+            **(chat_template_kwargs or {})), add_bos=False)  # the template writes any BOS itself (as vLLM and HF)
