@@ -63,7 +63,7 @@ def test_graphs_equal_eager_with_ngram_proposals(pair, kind, tmp_path):
     ref = [o.token_ids for o in eager.generate(prompts, PARAMS)]
     graphed = LLM(str(target), cuda_graphs=True, **kw)
     g = graphed.engine.runner.graphs
-    assert g.capture_all(len(prompts), greedy=(True,)) > 0  # the plain steps' graphs among them
+    assert g.capture_all(len(prompts), modes=("greedy",)) > 0  # the plain steps' graphs among them
     captured = len(g.graphs)
     outs = graphed.generate(prompts, PARAMS)
     assert [o.token_ids for o in outs] == ref
@@ -130,8 +130,8 @@ def test_capture_all_covers_every_bucket_a_shrinking_batch_needs(pair):
     # buckets 1 (chain:4), 2 and 4 (tree:8), 8 (plain: n = 5..8), each per context bucket (512 and the table's
     # width: max_model_len is 512)
     assert g.context_buckets == (512, g.width * graphed.engine.runner.block_size)
-    assert g.capture_all(8, greedy=(True,)) == 4 * 2
-    assert g.capture_all(8, greedy=(True,)) == 0
+    assert g.capture_all(8, modes=("greedy",)) == 4 * 2
+    assert g.capture_all(8, modes=("greedy",)) == 0
     assert [o.token_ids for o in graphed.generate(prompts, params)] == ref
     assert len(g.graphs) == 4 * 2  # nothing was captured while decoding
 

@@ -5,6 +5,8 @@ draft vocabulary, and with n-gram proposals (no draft model)."""
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from eyas import LLM, SamplingParams
@@ -203,3 +205,31 @@ def test_sampling_is_reproducible_bit_for_bit_on_cuda():
         assert torch.equal(torch.stack([sample_from(probs, u[i:i + 1]) for i in range(64)]), first)
         float_cdfs.add(probs.cumsum(-1)[0, -1].item())
     print(f"distinct totals of the float cumsum over 50 runs: {len(float_cdfs)}")
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 6), vocab=st.integers(2, 300), scale=st.floats(0.1, 20.0), seed=st.integers(0, 2 ** 16))
+def test_the_softmax_path_equals_the_filters_turned_off(rows, vocab, scale, seed):
+    """`logits_to_probs(filters=False)` (no sort: the requests ask for no top-k, top-p or min-p) against the general
+    path with every filter off, its reference: greedy rows the same one-hot, sampled rows the same law (up to the
+    order of the softmax's additions), at any temperature."""
+    from eyas.layers.sampler import logits_to_probs
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    temperature = torch.tensor([[0.0, 0.3, 1.0, 1.7][(seed + i) % 4] for i in range(rows)])
+    off = (torch.full((rows,), -1), torch.ones(rows), torch.zeros(rows))
+    fast = logits_to_probs(logits, temperature, *off, filters=False)
+    ref = logits_to_probs(logits, temperature, *off)
+    greedy = temperature == 0
+    assert torch.equal(fast[greedy], ref[greedy]) and bool((fast[greedy].sum(-1) == 1).all())
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_sampling_modes():
+    """The host's flag that picks the softmax path (and a step's graphs): filters of greedy requests do not count."""
+    from eyas.layers.sampler import filters_of, sampling_mode
+    greedy, plain = SamplingParams(temperature=0.0, top_k=5, top_p=0.5), SamplingParams(temperature=0.7)
+    assert sampling_mode([greedy, SamplingParams(temperature=0.0)]) == "greedy" and not filters_of([greedy])
+    assert sampling_mode([greedy, plain]) == "sampled"
+    for filt in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1)):
+        assert sampling_mode([plain, SamplingParams(temperature=1.0, **filt)]) == "filtered", filt

@@ -217,7 +217,7 @@ def build_engine(target, tokenizer, draft, mode: str, batch: int, prompts, max_t
     if engine.runner.graphs is not None:
         # every bucket the batch shrinks through as sequences finish (simulated acceptance finishes them at
         # different steps): captured here, not inside the timed decode
-        engine.runner.graphs.capture_all(batch, greedy=(True,))
+        engine.runner.graphs.capture_all(batch, modes=("greedy",))
     # the objects built so far (model, graphs, caches) live as long as the engine: collected once and frozen, so
     # that no full collection has to scan them during a timed run. Hygiene, not a measured fix: session 17 saw the
     # first of two interleaved rounds 5-20% slower in every mode after 14 engines were built, and with this in place

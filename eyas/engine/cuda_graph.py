@@ -1,4 +1,4 @@
-"""CUDA graphs of the whole speculative step, one per (batch-size bucket, all-greedy, tree, context bucket); a tree
+"""CUDA graphs of the whole speculative step, one per (batch-size bucket, sampling mode, tree, context bucket); a tree
 dispatcher (`eyas.spec.dispatch`) picks the tree by batch size.
 
 The graph replays `spec_step` (draft catch-up, every tree level, verification, acceptance and sampling, and the KV
@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 from eyas.layers.penalties import Penalties
+from eyas.layers.sampler import SAMPLING_MODES, sampling_mode
 from eyas.sampling_params import MAX_LOGPROBS
 from eyas.spec.step import DecodeInputs, DecodeOutputs, accept_phase, draft_phase, spec_step, verify_phase
 
@@ -51,14 +52,14 @@ class GraphedStep:
         self.width = runner.width  # block-table width covering any sequence (max_model_len + lookahead + 1 slots)
         full = self.width * runner.block_size
         self.context_buckets = context_buckets(full) if runner.use_triton else (full,)
-        # one graph per (bucket, all requests greedy, tree: a dispatcher picks the tree by batch size, context
-        # bucket)
-        self.graphs: dict[tuple[int, bool, str, int], tuple[torch.cuda.CUDAGraph, DecodeInputs, DecodeOutputs]] = {}
-        self.carries: dict[tuple[int, bool, str, int], torch.cuda.CUDAGraph] = {}  # overlapped steps' input carries
+        # one graph per (bucket, sampling mode (`eyas.layers.sampler.sampling_mode`), tree: a dispatcher picks the
+        # tree by batch size, context bucket)
+        self.graphs: dict[tuple[int, str, str, int], tuple[torch.cuda.CUDAGraph, DecodeInputs, DecodeOutputs]] = {}
+        self.carries: dict[tuple[int, str, str, int], torch.cuda.CUDAGraph] = {}  # overlapped steps' input carries
         # guided steps' (`launch_guided`), keyed as the graphs plus (log-probabilities, penalties)
-        self.guided: dict[tuple[int, bool, str, int, bool, bool], GuidedGraphs] = {}
+        self.guided: dict[tuple[int, str, str, int, bool, bool], GuidedGraphs] = {}
         # steps that report log-probabilities or apply penalties (`launch_extras`), keyed so too
-        self.extras: dict[tuple[int, bool, str, int, bool, bool], ExtrasGraph] = {}
+        self.extras: dict[tuple[int, str, str, int, bool, bool], ExtrasGraph] = {}
         # their penalties' static buffers, per batch bucket and kind (`Penalties.kind`)
         self._extras_penalties: dict[tuple[int, int], Penalties] = {}
         self.pool = None
@@ -77,11 +78,12 @@ class GraphedStep:
         r.decode_inputs([], B)  # all rows padding: the warm-up and capture runs write only to the scratch block/slot
         return dataclasses.replace(r.packer(B).inputs, max_context_len=context)
 
-    def _step(self, inp: DecodeInputs, greedy: bool, tree, logprobs: int | None = None,
+    def _step(self, inp: DecodeInputs, mode: str, tree, logprobs: int | None = None,
               penalties: Penalties | None = None) -> DecodeOutputs:
         r = self.runner
         return spec_step(r.target, r.draft, tree, r.cache, r.draft_cache, inp, r.block_size, r.use_triton,
-                         r.simulated_accept, greedy, r.draft_hidden, None, logprobs, penalties)
+                         r.simulated_accept, mode == "greedy", r.draft_hidden, None, logprobs, penalties,
+                         filters=mode == "filtered")
 
     def _capturing(self, graph: torch.cuda.CUDAGraph):
         """The capture of `graph` into the graphs' shared pool. Thread-local error mode: graphs are captured when a
@@ -90,32 +92,32 @@ class GraphedStep:
         device call: a guided graph's capture failed so). This thread's own unsafe calls still fail the capture."""
         return torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local")
 
-    def _capture(self, key: tuple[int, bool, str, int], tree):
-        B, greedy, _, context = key
+    def _capture(self, key: tuple[int, str, str, int], tree):
+        B, mode, _, context = key
         static = self._static_inputs(B, context)
-        graph, out = self._capture_step(static, greedy, tree)
+        graph, out = self._capture_step(static, mode, tree)
         self.graphs[key] = (graph, static, out)
         self.carries[key] = self._capture_carry(static, out)  # for overlapped decoding
 
-    def _capture_step(self, static: DecodeInputs, greedy: bool, tree, logprobs: int | None = None,
+    def _capture_step(self, static: DecodeInputs, mode: str, tree, logprobs: int | None = None,
                       penalties: Penalties | None = None) -> tuple[torch.cuda.CUDAGraph, DecodeOutputs]:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile the Triton kernels and warm the allocator outside the capture
-                self._step(static, greedy, tree, logprobs, penalties)
+                self._step(static, mode, tree, logprobs, penalties)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with self._capturing(graph):
-            out = self._step(static, greedy, tree, logprobs, penalties)
+            out = self._step(static, mode, tree, logprobs, penalties)
         self.pool = graph.pool()
         return graph, out
 
     @torch.inference_mode()
-    def capture_all(self, max_batch: int, greedy: tuple[bool, ...] = (True, False)) -> int:
+    def capture_all(self, max_batch: int, modes: tuple[str, ...] = SAMPLING_MODES) -> int:
         """Capture, ahead of time, every graph a batch of up to `max_batch` sequences can need: one per bucket (as
         sequences finish, a batch shrinks through the smaller buckets), per tree the dispatcher picks inside that
-        bucket, per greedy flag, per context bucket. Otherwise the first step at each new bucket pays for a capture
+        bucket, per sampling mode (`modes`), per context bucket. Otherwise the first step at each new bucket pays for a capture
         (two eager warm-up steps plus the capture itself) in the middle of decoding. Returns how many graphs were
         captured."""
         top = self.bucket(min(max_batch, BUCKETS[-1]))
@@ -130,28 +132,27 @@ class GraphedStep:
             if self.runner.proposer is not None:  # n-gram steps where no sequence has a proposal are plain steps
                 trees[self.runner.plain_tree.name] = self.runner.plain_tree
             lo = b + 1
-            for g in greedy:
+            for m in modes:
                 for t in trees.values():
-                    new += self._capture_buckets(b, g, t)
+                    new += self._capture_buckets(b, m, t)
         return new
 
-    def _capture_buckets(self, B: int, greedy: bool, tree) -> int:
-        """Capture the graphs of every context bucket of (B, greedy, tree) not captured yet; returns how many. They
+    def _capture_buckets(self, B: int, mode: str, tree) -> int:
+        """Capture the graphs of every context bucket of (B, mode, tree) not captured yet; returns how many. They
         are captured together: a capture pads the static inputs, which an overlapped successor (its inputs carried,
         its tables refreshed) must find as they are, whichever bucket it moves to."""
         new = 0
         for c in self.context_buckets:
-            if (B, greedy, tree.name, c) not in self.graphs:
-                self._capture((B, greedy, tree.name, c), tree)
+            if (B, mode, tree.name, c) not in self.graphs:
+                self._capture((B, mode, tree.name, c), tree)
                 new += 1
         return new
 
-    def _key(self, seqs, tree) -> tuple[int, bool, str, int]:
-        """The graph of a step of `tree` for `seqs`: (batch bucket, all greedy, tree, context bucket)."""
-        from eyas.engine.runner import all_greedy
+    def _key(self, seqs, tree) -> tuple[int, str, str, int]:
+        """The graph of a step of `tree` for `seqs`: (batch bucket, sampling mode, tree, context bucket)."""
         r = self.runner
         context = r.context_bound(seqs) if r.use_triton else self.context_buckets[-1]
-        return self.bucket(len(seqs)), all_greedy(seqs), tree.name, context
+        return self.bucket(len(seqs)), sampling_mode([s.params for s in seqs]), tree.name, context
 
     @torch.inference_mode()
     def launch(self, seqs, tree, carried_from: tuple | None = None) -> tuple[tuple, DecodeOutputs]:
@@ -159,7 +160,7 @@ class GraphedStep:
         graph replayed last for them), for the step after that one (overlapped decoding: the inputs are carried on
         the device by a small captured graph of `eyas.spec.carry.carry_inputs` from that step's outputs; the
         context may have crossed into the next bucket's graph, which reads the same static inputs). Returns (the
-        graph's key: (bucket, greedy, tree, context bucket), its static outputs)."""
+        graph's key: (bucket, sampling mode, tree, context bucket), its static outputs)."""
         key = self._key(seqs, tree)
         if carried_from is not None:
             if carried_from[:3] != key[:3]:
@@ -202,9 +203,9 @@ class GraphedStep:
     def _capture_extras(self, key: tuple, tree) -> None:
         """The extras graphs of `key` in every context bucket (captured together, as `_capture_buckets` does), each
         with its carry; the penalties' static buffers are shared by the graphs of one batch bucket."""
-        B, greedy, name, _, with_logprobs, with_penalties = key
+        B, mode, name, _, with_logprobs, with_penalties = key
         for c in self.context_buckets:
-            k = (B, greedy, name, c, with_logprobs, with_penalties)
+            k = (B, mode, name, c, with_logprobs, with_penalties)
             if k in self.extras:
                 continue
             static = self._static_inputs(B, c)
@@ -214,7 +215,7 @@ class GraphedStep:
                 if pen is None:
                     pen = self._extras_penalties[B, with_penalties] = Penalties.neutral(
                         B, self.runner.target.config.vocab_size, static.root_tokens.device, words=with_penalties == 2)
-            graph, out = self._capture_step(static, greedy, tree, MAX_LOGPROBS if with_logprobs else None, pen)
+            graph, out = self._capture_step(static, mode, tree, MAX_LOGPROBS if with_logprobs else None, pen)
             self.extras[k] = ExtrasGraph(graph, pen, out, self._capture_carry(static, out))
 
     @torch.inference_mode()
@@ -225,7 +226,7 @@ class GraphedStep:
         pass, enqueued behind the copy of the tree's tokens to the host; then, once the host has computed every
         node's grammar mask from those tokens (while the verify pass runs) and sent the masks to a static buffer,
         masking, acceptance and commit. One host synchronisation in the middle of the step (the tokens), none after
-        the masks are sent. Returns (the key: (bucket, greedy, tree, context bucket), the static outputs). The
+        the masks are sent. Returns (the key: (bucket, sampling mode, tree, context bucket), the static outputs). The
         graphs are captured the first time a key is met (guided steps are never overlapped, so the context buckets
         need not be captured together). With `logprobs` or `penalties`, the accept graph also does what
         `launch_extras`'s does, the penalties after the masks as in `spec_step`; they are part of the key."""
@@ -251,8 +252,8 @@ class GraphedStep:
         g.accept.replay()
         return key, g.out
 
-    def _capture_guided(self, key: tuple[int, bool, str, int, bool, bool], tree, words: int) -> None:
-        B, greedy, _, context, with_logprobs, with_penalties = key
+    def _capture_guided(self, key: tuple[int, str, str, int, bool, bool], tree, words: int) -> None:
+        B, mode, _, context, with_logprobs, with_penalties = key
         r = self.runner
         static = self._static_inputs(B, context)
         device = static.root_tokens.device
@@ -274,8 +275,8 @@ class GraphedStep:
             apply_bitmask(v.logits, masks)
             if pen is not None:
                 pen.apply_to_tree(v.logits, d.node_tokens, d.tree.ancestor_mask)
-            return accept_phase(r.draft, d, v, r.cache, static, r.use_triton, r.simulated_accept, greedy,
-                                r.draft_hidden, MAX_LOGPROBS if with_logprobs else None)
+            return accept_phase(r.draft, d, v, r.cache, static, r.use_triton, r.simulated_accept, mode == "greedy",
+                                r.draft_hidden, MAX_LOGPROBS if with_logprobs else None, mode == "filtered")
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

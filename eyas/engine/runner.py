@@ -24,7 +24,7 @@ from eyas.cache.kv_cache import KVCache
 from eyas.engine.sequence import Sequence
 from eyas.layers.attention import MetaBuilder
 from eyas.layers.penalties import Penalties, PenaltyState
-from eyas.layers.sampler import logits_to_probs, sample_from, uniform
+from eyas.layers.sampler import filters_of, logits_to_probs, sample_from, sampling_mode, uniform
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
 from eyas.spec.drafter import catch_up, causal_mask
@@ -319,7 +319,7 @@ class ModelRunner:
         probs = logits_to_probs(logits, torch.tensor([x.temperature for x in p], device=dev),
                                 torch.tensor([x.top_k for x in p], device=dev),
                                 torch.tensor([x.top_p for x in p], device=dev),
-                                torch.tensor([x.min_p for x in p], device=dev))
+                                torch.tensor([x.min_p for x in p], device=dev), filters_of(p))
         seeds = torch.tensor([s.seed for s in seqs], device=dev)
         sampled = sample_from(probs, uniform(seeds, start + lens - 1, 0))
         if self.draft is not None:
@@ -578,9 +578,10 @@ class ModelRunner:
                 # S's num_cached <= the host's + the in-flight step's commits (at most `lookahead`)
                 inp.max_context_len = (self.context_bound(seqs) if self.use_triton
                                        else max(s.num_cached for s in seqs) + self.lookahead)
+            mode = sampling_mode([s.params for s in seqs])
             out = spec_step(self.target, self.draft, tree, self.cache, self.draft_cache, inp, self.block_size,
-                            self.use_triton, self.simulated_accept, all_greedy(seqs), self.draft_hidden, guide,
-                            logprobs, penalties)
+                            self.use_triton, self.simulated_accept, mode == "greedy", self.draft_hidden, guide,
+                            logprobs, penalties, filters=mode == "filtered")
         if penalties is not None:  # the counts gain this step's tokens on the device (`PenaltyState`)
             n = len(seqs)
             self.penalty_state.commit(pen_slots, out.path_tokens[:n], out.num_accepted[:n], out.bonus[:n],

@@ -52,18 +52,24 @@ def uniform(seeds: torch.Tensor, counters: torch.Tensor, index: torch.Tensor | i
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+                    top_p: torch.Tensor, min_p: torch.Tensor | None = None, filters: bool = True) -> torch.Tensor:
     """Target distribution after temperature, min-p, top-k and top-p (vLLM's order). logits [N, V]; per-row
     settings [N].
 
     Rows with temperature 0 give the one-hot of the argmax. top_k <= 0, top_p = 1 and min_p = 0 disable the filters.
     min-p keeps the tokens whose probability (after temperature) is at least min_p times the likeliest one's.
+    `filters=False`: the caller knows that no row filters (`filters_of`), so the distribution is the softmax alone,
+    without the sort over the vocabulary that the filters need (vLLM skips its top-k/top-p so); the general path
+    with every filter off is its reference (equal up to the order of the softmax's additions).
     """
     logits = logits.float()
     V = logits.shape[-1]
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
     x = logits / t[:, None]
+    onehot = torch.zeros_like(x).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    if not filters:
+        return torch.where(greedy[:, None], onehot, torch.softmax(x, dim=-1))
     sorted_x, order = x.sort(dim=-1, descending=True)
     ranks = torch.arange(V, device=x.device)[None, :]
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
@@ -78,8 +84,13 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     keep_sorted &= (mass_before < top_p[:, None].double() * cum[:, -1:].double()) | (top_p[:, None] >= 1.0)
     sorted_x = sorted_x.masked_fill(~keep_sorted, float("-inf"))
     probs = torch.zeros_like(x).scatter_(-1, order, torch.softmax(sorted_x, dim=-1))
-    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], onehot, probs)
+
+
+def filters_of(params) -> bool:
+    """Whether any of these `SamplingParams` of sampled requests asks for top-k, top-p or min-p (a host-side flag
+    for `logits_to_probs`; greedy requests filter nothing)."""
+    return any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p in params)
 
 
 FIXED_POINT_BITS = 32
@@ -105,3 +116,16 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     # a row of zeros (no mass at all): the most likely token, i.e. token 0
     return torch.where(idx >= probs.shape[-1], probs.argmax(-1), idx)
+
+
+SAMPLING_MODES = ("greedy", "sampled", "filtered")
+
+
+def sampling_mode(params) -> str:
+    """How a step of requests with these `SamplingParams` samples (CUDA graphs are captured per mode): "greedy"
+    (every request at temperature 0: acceptance needs only the argmax), "filtered" (a sampled request asks for
+    top-k, top-p or min-p: the sampler sorts the vocabulary), else "sampled" (a softmax, `logits_to_probs`'s
+    `filters=False`)."""
+    if all(p.temperature == 0.0 for p in params):
+        return "greedy"
+    return "filtered" if filters_of(params) else "sampled"

@@ -118,14 +118,15 @@ class Verified:
 def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: DecodeInputs, block_size: int,
               use_triton: bool = False, simulated_accept: torch.Tensor | None = None,
               all_greedy: bool = False, draft_hidden: torch.Tensor | None = None, guide=None,
-              logprobs: int | None = None, penalties=None) -> DecodeOutputs:
+              logprobs: int | None = None, penalties=None, filters: bool = True) -> DecodeOutputs:
     """One speculative step for every sequence: `draft_phase`, `verify_phase`, `accept_phase`.
 
     Before: the target KV holds positions 0..n-1 of each sequence, the last committed token x_n has none; the draft
     KV holds 0..d-1 and the committed pairs (x_{t+1}, h_t), t = d..n-1, it has not read are `catchup_tokens` and
     rows 0..n-d-1 of `draft_hidden[slots]` ([num_slots, D+1, H], one row per running sequence, kept on the device).
     `all_greedy`: every request has temperature 0, so acceptance needs only the target's argmax (no sort over the
-    vocabulary); the result is the same as the general path's. `simulated_accept` (benchmarks of random-weight
+    vocabulary); the result is the same as the general path's. `filters=False`: no sampled request asks for top-k,
+    top-p or min-p, so the sampler's distribution is a softmax without a sort (`logits_to_probs`). `simulated_accept` (benchmarks of random-weight
     models): per-depth acceptance rates (float [D]) or a real draft's recorded rank paths (integer [T, R],
     `simulate_replay`) replace the real acceptance.
 
@@ -159,7 +160,8 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
         guide.apply(v.logits)
     if penalties is not None:  # ... and penalised by the tokens before it, its path's included
         penalties.apply_to_tree(v.logits, d.node_tokens, d.tree.ancestor_mask)
-    return accept_phase(draft, d, v, cache, inp, use_triton, simulated_accept, all_greedy, draft_hidden, logprobs)
+    return accept_phase(draft, d, v, cache, inp, use_triton, simulated_accept, all_greedy, draft_hidden, logprobs,
+                        filters)
 
 
 # The draft proposes from logits penalised as the target's will be (`expand_tree`'s `penalties`), when a request asks
@@ -252,7 +254,8 @@ def verify_phase(target, draft, d: Drafted, cache, inp: DecodeInputs) -> Verifie
 
 def accept_phase(draft, d: Drafted, v: Verified, cache, inp: DecodeInputs, use_triton: bool = False,
                  simulated_accept: torch.Tensor | None = None, all_greedy: bool = False,
-                 draft_hidden: torch.Tensor | None = None, logprobs: int | None = None) -> DecodeOutputs:
+                 draft_hidden: torch.Tensor | None = None, logprobs: int | None = None,
+                 filters: bool = True) -> DecodeOutputs:
     """Acceptance (the longest accepted path and a bonus token: greedy or lossless speculative sampling), then the
     commit of the path's K/V and features, and with `logprobs` (k) the committed tokens' log-probabilities."""
     tree, node_tokens, logits, n = d.tree, d.node_tokens, v.logits, inp.num_cached
@@ -282,7 +285,7 @@ def accept_phase(draft, d: Drafted, v: Verified, cache, inp: DecodeInputs, use_t
     else:
         probs = logits_to_probs(logits.view(B * N1, V), inp.temperature.repeat_interleave(N1),
                                 inp.top_k.repeat_interleave(N1), inp.top_p.repeat_interleave(N1),
-                                inp.min_p.repeat_interleave(N1)).view(B, N1, V)
+                                inp.min_p.repeat_interleave(N1), filters).view(B, N1, V)
         path, num_accepted, bonus = accept_tree(probs, node_tokens, tree, inp.seeds, n)
 
     # commit: the accepted path's K/V go to positions n..n+m, every layer at once (a bare root's are there already)
