@@ -166,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --tensor-parallel: the draft sharded like the target, or whole on every rank")
     g.set_defaults(func=cmd_generate)
 
-    for module, attr in (("eyas.serve.api_server", "add_serve_parser"), ("eyas.train.trainer", "add_parser"),
+    for module, attr in (("eyas.serve.api_server", "add_serve_parser"), ("eyas.serve.run_batch", "add_parser"),
+                         ("eyas.train.trainer", "add_parser"),
                          ("eyas.train.distill_data", "add_parser"), ("eyas.train.self_instruct", "add_parser"),
                          ("eyas.train.context_prompts", "add_parser"), ("eyas.train.average", "add_parser"),
                          ("eyas.spec.tree_builder", "add_parser"),

@@ -976,6 +976,25 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn)",
                               description="OpenAI-compatible server: /v1/models, /v1/completions, "
                                           "/v1/chat/completions, /v1/responses, /health, /metrics")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting beyond the running batch at most; more get 503 with Retry-After")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="shard the target over N ranks (N GPUs with NCCL; gloo on the CPU), spawned by this command; "
+                        "rank 0 serves HTTP and schedules")
+    p.add_argument("--tp-draft", choices=["sharded", "replicated"], default="sharded",
+                   help="with --tensor-parallel: the draft sharded like the target, or whole on every rank")
+    p.add_argument("--api-key", default=None,
+                   help="every endpoint but /health, /metrics and /version wants 'Authorization: Bearer KEY' "
+                        "(default: $EYAS_API_KEY; none: no key asked for)")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The model, engine and API options that `eyas serve` and `eyas run-batch` share."""
     p.add_argument("--model", default="smollm2", help="'smollm2', an HF directory or a .gguf file")
     p.add_argument("--draft", default="auto",
                    help="EAGLE draft directory, 'default' (the draft shipped for smollm2), 'ngram' or "
@@ -991,8 +1010,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_draft_quant_arg(p)
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
     p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
@@ -1001,8 +1018,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="fcfs: by arrival; priority: by each request's `priority` (lower first), then arrival, "
                         "lower-priority running requests preempted for higher ones (vLLM's)")
-    p.add_argument("--max-queue", type=int, default=256,
-                   help="requests waiting beyond the running batch at most; more get 503 with Retry-After")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)")
     p.add_argument("--block-size", type=int, default=16)
@@ -1011,20 +1026,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "begins with the same tokens reuses them: eyas.cache.prefix_cache)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly on a GPU (default: CUDA graphs, all captured at start-up)")
-    p.add_argument("--tensor-parallel", type=int, default=1,
-                   help="shard the target over N ranks (N GPUs with NCCL; gloo on the CPU), spawned by this command; "
-                        "rank 0 serves HTTP and schedules")
-    p.add_argument("--tp-draft", choices=["sharded", "replicated"], default="sharded",
-                   help="with --tensor-parallel: the draft sharded like the target, or whole on every rank")
     p.add_argument("--disaggregate", default=None, metavar="PREFILL_DEVICE,DECODE_DEVICE",
                    help="prefill on one device and decode on another (e.g. cuda:0,cuda:1; eyas.engine.disagg): "
                         "decode steps do not wait for prefills; --device is not used")
     p.add_argument("--prefill-process", action="store_true",
                    help="with --disaggregate: the prefill engine in a process of its own, not on a thread of the "
                         "server's (eyas.engine.prefill_process)")
-    p.add_argument("--api-key", default=None,
-                   help="every endpoint but /health, /metrics and /version wants 'Authorization: Bearer KEY' "
-                        "(default: $EYAS_API_KEY; none: no key asked for)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template in place of the model's: a file, or the template itself (vLLM's)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -1039,8 +1046,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "from its content, and guides (response_format, tool choices) apply after it: deepseek_r1 "
                         "(DeepSeek-R1 and its distills, QwQ) or qwen3 (eyas.serve.reasoning)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.set_defaults(func=run_serve)
-    return p
 
 
 def _engine_kwargs(args) -> dict:
