@@ -75,6 +75,51 @@ def write_random_draft(path: Path, target_dir: Path, layers=1, seed=1, scale=1.0
     return save_draft(draft, path, dtype=torch.float32)
 
 
+def eagle3_weights(target_dir: Path, draft_vocab: int | None = None, seed=3, theta: float = 10000.0
+                   ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, weights) of a random EAGLE-3 draft for a target checkpoint, in SafeAILab's layout (`fc`,
+    `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`): written by hand from the layout's description, not by eyas.
+    `draft_vocab`: the draft proposes that many tokens, every other one of the target's (d2t), else all of them."""
+    raw = json.loads((Path(target_dir) / "config.json").read_text())
+    H, I, V = raw["hidden_size"], raw["intermediate_size"], raw["vocab_size"]
+    heads, kv = raw["num_attention_heads"], raw["num_key_value_heads"]
+    D = H // heads
+    vd = draft_vocab or V
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+    state = {"fc.weight": w(H, 3 * H), "norm.weight": 1 + 0.2 * torch.randn(H, generator=g),
+             "lm_head.weight": w(vd, H) * 3,
+             "midlayer.self_attn.q_proj.weight": w(heads * D, 2 * H) * 2,
+             "midlayer.self_attn.k_proj.weight": w(kv * D, 2 * H) * 2,
+             "midlayer.self_attn.v_proj.weight": w(kv * D, 2 * H), "midlayer.self_attn.o_proj.weight": w(H, heads * D),
+             "midlayer.mlp.gate_proj.weight": w(I, H), "midlayer.mlp.up_proj.weight": w(I, H),
+             "midlayer.mlp.down_proj.weight": w(H, I)}
+    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        state[f"midlayer.{norm}.weight"] = 1 + 0.2 * torch.randn(H, generator=g)
+    used = torch.arange(0, V, 2)[:vd] if vd < V else torch.arange(V)
+    state["d2t"] = used - torch.arange(vd)  # target id = draft id + d2t[draft id]
+    state["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill_(0, used, True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "intermediate_size": I,
+              "num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": 1,
+              "rms_norm_eps": raw.get("rms_norm_eps", 1e-6), "vocab_size": V, "draft_vocab_size": vd,
+              "max_position_embeddings": 2048, "rope_theta": theta, "tie_word_embeddings": False}
+    return config, state
+
+
+def write_eagle3_draft(path: Path, target_dir: Path, **kw) -> Path:
+    """`eagle3_weights` written as a checkpoint directory (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+    config, state = eagle3_weights(target_dir, **kw)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+    return path
+
+
 def write_mirror_and_random(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """{"mirror": the mirror pair, "random": its target with a random draft}: a draft that accepts long paths but
     reads only token embeddings, and one whose every output depends on the features it reads."""

@@ -613,6 +613,20 @@ def test_one_row_taps_feature_layers():
     torch.testing.assert_close(h1, h0, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(f1, f0, atol=1e-5, rtol=1e-5)
     assert f1.shape == (1, 1, 3 * 48)
+    # an EAGLE-3 checkpoint's taps (`RawTaps`): the residual streams themselves, no final state, as the reference
+    # path (the eager modules) gives them
+    from eyas.models.llama import RawTaps
+    raw = RawTaps((2, 0))
+    with torch.no_grad():
+        model.one_row = True
+        _, r1 = forward_rows(model, model.embed(ids), pos, meta, cache, feature_layers=raw)
+        model.one_row = False
+        _, r0 = model(ids, pos, meta, cache, feature_layers=raw)
+        model.fused_ops = False
+        _, ref = model(ids, pos, meta, cache, feature_layers=raw)
+    assert ref.shape == (1, 1, 2 * 48)
+    torch.testing.assert_close(r1, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(r0, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("quant", [None, "fp8"])

@@ -19,11 +19,21 @@ from eyas.models.llama import LlamaForCausalLM
 
 
 def load_draft(path: str | Path, target: LlamaForCausalLM, device=None, dtype=None) -> EagleDraft:
-    """An EAGLE-1 checkpoint directory (config.json + safetensors or pytorch_model.bin), checked against the target."""
+    """An EAGLE checkpoint directory (config.json + safetensors or pytorch_model.bin), checked against the target:
+    EAGLE-1's layout (eyas's drafts with feature layers too) or EAGLE-3's (`eyas.loader.eagle3`)."""
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"draft {str(path)!r}: not a directory (an EAGLE checkpoint has config.json and weights)")
-    cfg = ModelConfig.from_hf(read_config(path))
+    raw = read_config(path)
+    state = load_weights(path, allow_bin=True)
+    from eyas.loader.eagle3 import is_eagle3, load_eagle3
+    if is_eagle3(raw, state):  # SafeAILab's or speculators' EAGLE-3 layout
+        draft = load_eagle3(path, raw, state, target)
+        p = next(target.parameters())
+        draft = draft.to(device=device or p.device, dtype=dtype or p.dtype).eval().requires_grad_(False)
+        draft.attach_head()
+        return draft
+    cfg = ModelConfig.from_hf(raw)
     tcfg = target.config
     if cfg.hidden_size != tcfg.hidden_size:
         raise ValueError(f"draft {path}: hidden size {cfg.hidden_size} does not match the target's {tcfg.hidden_size}")
@@ -34,7 +44,6 @@ def load_draft(path: str | Path, target: LlamaForCausalLM, device=None, dtype=No
         if bad:
             raise ValueError(f"draft {path}: feature layers {bad} are outside the target's layers "
                              f"0..{tcfg.num_hidden_layers - 1}")
-    state = load_weights(path, allow_bin=True)
     state = {k.removeprefix("model."): v for k, v in state.items()}
     draft = EagleDraft(cfg)
     draft.rope = RotaryEmbedding.for_config(cfg, tcfg.max_position_embeddings)

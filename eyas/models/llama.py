@@ -319,14 +319,26 @@ def takes_fused_path(model: nn.Module, device: torch.device) -> bool:
             and not torch.is_autocast_enabled(device.type))
 
 
+class RawTaps(tuple):
+    """Feature layers read as EAGLE-3 checkpoints were trained to read them (`eyas.models.eagle3`): the residual
+    stream after each layer raw (not normalised), and no final hidden state after them. A tuple of layer indices,
+    so every reader of `feature_layers` takes it as it takes eyas's own (normalised, final state last)."""
+
+
+def is_raw(feature_layers) -> bool:
+    return isinstance(feature_layers, RawTaps)
+
+
 def with_features(hidden: torch.Tensor, taps: dict, feature_layers, num_layers: int):
-    """What a target forward returns: `hidden`, or (hidden, cat(taps in `feature_layers` order, then hidden))."""
+    """What a target forward returns: `hidden`, or (hidden, cat(taps in `feature_layers` order, then hidden));
+    `RawTaps`: (hidden, cat(taps) alone)."""
     if feature_layers is None:
         return hidden
     missing = [i for i in feature_layers if i not in taps]
     if missing:
         raise ValueError(f"feature layers {missing} are outside the target's {num_layers} layers")
-    return hidden, torch.cat([taps[i] for i in feature_layers] + [hidden], dim=-1)
+    return hidden, torch.cat([taps[i] for i in feature_layers] + ([] if is_raw(feature_layers) else [hidden]),
+                             dim=-1)
 
 
 def _concat_linears(*parts: nn.Linear) -> nn.Linear:
@@ -380,9 +392,11 @@ class LlamaForCausalLM(nn.Module):
         `feature_layers` (EAGLE-3-style drafts, `EagleDraft.read_features`): returns (hidden, features), features
         [B, Q, (k+1)H] = cat(rms(r_i) for i in feature_layers, then hidden), r_i the residual stream after decoder
         layer i (0-based: HF's hidden_states[i + 1]), rms parameter-free (`rms_normalize`, so the layers'
-        scales are comparable with each other and with the final hidden state). None: `hidden` alone."""
+        scales are comparable with each other and with the final hidden state); `RawTaps` (EAGLE-3 checkpoints):
+        cat(r_i for i in feature_layers), raw. None: `hidden` alone."""
         x = self.model.embed_tokens(input_ids)
         want = set(feature_layers) if feature_layers is not None else ()
+        raw = is_raw(feature_layers)
         eps = self.config.rms_norm_eps
         taps: dict[int, torch.Tensor] = {}  # layer -> rms(r_i)
         if takes_fused_path(self, x.device):
@@ -396,14 +410,16 @@ class LlamaForCausalLM(nn.Module):
                     x = layer.forward_folded(x, positions, self.rope, meta, cache)
                 else:
                     x, res = layer.forward_fused(x, res, positions, self.rope, meta, cache)
-                if i in want:  # r_i = x + res; with a unit weight the fused norm is rms(r_i) in one launch
+                if i in want and raw:  # r_i = x + res (folded layers carry r_i in x alone)
+                    taps[i] = x.clone() if res is None else x + res
+                elif i in want:  # with a unit weight the fused norm is rms(r_i) in one launch
                     taps[i] = add_rms_norm_triton(x, res, self._unit_weight(x), eps)[0]
             hidden = add_rms_norm_triton(x, res, self.model.norm.weight, self.model.norm.eps)[0]
         else:
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, positions, self.rope, meta, cache)
                 if i in want:
-                    taps[i] = rms_normalize(x, eps)
+                    taps[i] = x if raw else rms_normalize(x, eps)
             hidden = self.model.norm(x)
         return with_features(hidden, taps, feature_layers, len(self.model.layers))
 

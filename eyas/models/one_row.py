@@ -182,7 +182,7 @@ def forward_rows(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, met
     and the attention is the split tree attention). Returns what `LlamaForCausalLM.forward`
     returns: the final hidden state [B, Q, H], with the features when `feature_layers` is given."""
     from eyas.kernels import add_rms_norm_triton
-    from eyas.models.llama import with_features
+    from eyas.models.llama import is_raw, with_features
     B, Q, H = x.shape
     M = B * Q
     pdl = use_pdl(x.device)
@@ -195,7 +195,9 @@ def forward_rows(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, met
     eps = model.config.rms_norm_eps
     for i, layer in enumerate(model.model.layers):
         _layer_rows(layer, r, B, Q, pos, meta, cache, model.rope, pdl)
-        if i in want:  # rms(r_i), as the fused path taps it (a unit-weight norm)
+        if i in want and is_raw(feature_layers):  # r_i itself (EAGLE-3's features); r is updated in place
+            taps[i] = r.clone().view(B, Q, H)
+        elif i in want:  # rms(r_i), as the fused path taps it (a unit-weight norm)
             taps[i] = add_rms_norm_triton(r, None, model._unit_weight(r), eps)[0].view(B, Q, H)
     norm = model.model.norm
     hidden = add_rms_norm_triton(r, None, norm.weight, norm.eps)[0].view(B, Q, H)

@@ -100,6 +100,8 @@ def quantize_draft(draft, target, mode: str | None, group_size: int = 128, cuda_
         return draft
     if getattr(draft, "quant", None) is not None:
         raise ValueError(f"this draft is quantized already ({draft.quant})")
+    if getattr(draft, "head_norm", None) is not None:
+        raise ValueError(f"--draft-quant {mode}: an EAGLE-3 checkpoint's draft is not quantized yet")
     p = next(draft.parameters())
     if mode in ("int4", "int4-ffn"):
         for layer in draft.layers:

@@ -58,6 +58,8 @@ def attach_draft_vocab(draft, target, ids: torch.Tensor | None) -> None:
     head once; they live on the draft as non-persistent buffers (not part of its checkpoint weights)."""
     if getattr(draft, "head_quant", None) is not None:
         raise ValueError("this draft has a quantized head already: attach the draft vocabulary before quantizing")
+    if getattr(draft, "head_norm", None) is not None:
+        raise ValueError("an EAGLE-3 draft proposes from its own vocabulary (its d2t map) already")
     if ids is None:
         draft.vocab_ids = draft.vocab_head = None
         return
@@ -78,12 +80,15 @@ def attach_draft_vocab(draft, target, ids: torch.Tensor | None) -> None:
 def draft_logits(draft, target, h: torch.Tensor) -> torch.Tensor:
     """The draft's logits [..., K] over the tokens it may propose, from features h [..., H], in the head's dtype: its
     quantized head (`eyas.spec.draft_quant`: INT4 or FP8) if it has one, else the draft vocabulary's rows when one
-    is attached, else the target's whole head (K = V)."""
+    is attached (an EAGLE-3 draft's own head, after its `head_norm`), else the target's whole head (K = V)."""
     logits = draft_head_logits(draft, h)  # over the draft vocabulary if one is attached, else the whole one
     if logits is not None:
         return logits
     if getattr(draft, "vocab_ids", None) is None:
         return target.compute_logits(h, dtype=None)
+    norm = getattr(draft, "head_norm", None)  # an EAGLE-3 draft's own final norm before its own head
+    if norm is not None:
+        h = norm(h)
     H = h.shape[-1]
     return (h.reshape(-1, H) @ draft.vocab_head.t()).view(*h.shape[:-1], -1)  # one 2-D matmul
 
