@@ -75,6 +75,18 @@ def write_random_draft(path: Path, target_dir: Path, layers=1, seed=1, scale=1.0
     return save_draft(draft, path, dtype=torch.float32)
 
 
+def noting_batches(llm) -> list[int]:
+    """Make every step of `llm`'s engine note the size of its running batch first; returns the list it appends to."""
+    step, batches = llm.engine.step, []
+
+    def noting_step():
+        batches.append(len(llm.engine.scheduler.running))
+        return step()
+
+    llm.engine.step = noting_step
+    return batches
+
+
 def eagle3_weights(target_dir: Path, draft_vocab: int | None = None, seed=3, theta: float = 10000.0
                    ) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json, weights) of a random EAGLE-3 draft for a target checkpoint, in SafeAILab's layout (`fc`,

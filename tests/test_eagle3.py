@@ -123,7 +123,8 @@ def test_other_layouts_load_the_same_draft(pair, tmp_path, prefix):
     cfg = json.loads((draft_dir / "config.json").read_text())
     sg = tmp_path / "sglang"
     sg.mkdir()
-    (sg / "config.json").write_text(json.dumps({**cfg, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 6]}}))
+    sglang_ids = {"eagle_aux_hidden_state_layer_ids": [0, 2, 6]}
+    (sg / "config.json").write_text(json.dumps({**cfg, "eagle_config": sglang_ids}))
     (sg / "model.safetensors").symlink_to(draft_dir / "model.safetensors")
     assert tuple(load_draft(sg, target).feature_layers) == (0, 2, 6)
 

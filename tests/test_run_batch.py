@@ -11,12 +11,12 @@ from eyas import LLM, SamplingParams
 from eyas.cli import main
 from eyas.serve.api_server import create_app
 from eyas.serve.run_batch import answer_batch, read_batch
+from helpers import noting_batches, write_tiny_chat_model
 
 
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory):
     from conftest import smollm2_tokenizer
-    from helpers import write_tiny_chat_model
     return write_tiny_chat_model(tmp_path_factory.mktemp("batch_tiny"), smollm2_tokenizer())
 
 
@@ -79,13 +79,7 @@ def test_requests_in_flight_together_are_batched(chat_dir):
     every step holds one. The written lines come in the requests' order either way (the later requests are shorter,
     so they finish first)."""
     llm = LLM(str(chat_dir), device="cpu", dtype="float32", max_num_seqs=8)
-    step, batches = llm.engine.step, []
-
-    def noting_step():
-        batches.append(len(llm.engine.scheduler.running))
-        return step()
-
-    llm.engine.step = noting_step
+    batches = noting_batches(llm)
     requests = [dict(custom_id=f"r{i}", url="/v1/completions",
                      body=dict(model="tiny", prompt=QUESTIONS[i % 5], max_tokens=13 - i, temperature=0,
                                ignore_eos=True)) for i in range(8)]

@@ -1303,16 +1303,10 @@ def chat_tiny(tmp_path_factory):
     """A tiny random model with SmolLM2's tokenizer and chat template, served with at most 8 requests a batch;
     every step notes the size of the running batch."""
     from conftest import smollm2_tokenizer
-    from helpers import write_tiny_chat_model
+    from helpers import noting_batches, write_tiny_chat_model
     path = write_tiny_chat_model(tmp_path_factory.mktemp("chat_tiny"), smollm2_tokenizer())
     llm = LLM(str(path), device="cpu", dtype="float32", max_num_seqs=8)
-    step, batches = llm.engine.step, []
-
-    def noting_step():
-        batches.append(len(llm.engine.scheduler.running))
-        return step()
-
-    llm.engine.step = noting_step
+    batches = noting_batches(llm)
     server = LiveServer(create_app(llm, "tiny"))
     server.batches = batches
     yield server

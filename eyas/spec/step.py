@@ -126,9 +126,9 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
     rows 0..n-d-1 of `draft_hidden[slots]` ([num_slots, D+1, H], one row per running sequence, kept on the device).
     `all_greedy`: every request has temperature 0, so acceptance needs only the target's argmax (no sort over the
     vocabulary); the result is the same as the general path's. `filters=False`: no sampled request asks for top-k,
-    top-p or min-p, so the sampler's distribution is a softmax without a sort (`logits_to_probs`). `simulated_accept` (benchmarks of random-weight
-    models): per-depth acceptance rates (float [D]) or a real draft's recorded rank paths (integer [T, R],
-    `simulate_replay`) replace the real acceptance.
+    top-p or min-p, so the sampler's distribution is a softmax without a sort (`logits_to_probs`).
+    `simulated_accept` (benchmarks of random-weight models): per-depth acceptance rates (float [D]) or a real
+    draft's recorded rank paths (integer [T, R], `simulate_replay`) replace the real acceptance.
 
     After: the target KV holds 0..n+m (root and the m accepted draft tokens; nothing of rejected branches), the draft
     KV holds 0..n-1, the outputs give the new tokens (accepted path + bonus), and `draft_hidden[slots]` holds the
