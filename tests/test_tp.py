@@ -16,7 +16,7 @@ from eyas.loader.resolve import load_target
 from eyas.models.fused import enable_fast_path
 from eyas.sampling_params import GuidedDecoding, SamplingParams
 from eyas.spec.tree import resolve_tree
-from helpers import INTERPRETED_ONLY_REASON, NO_CPU_TRITON, write_mirror_pair, write_tiny_llama
+from helpers import INTERPRETED_ONLY_REASON, NO_CPU_TRITON, write_eagle3_draft, write_mirror_pair, write_tiny_llama
 
 WORLD = 2
 # |TP2 - TP1| <= 1e-5 + 1e-5 * |logit|. The row-parallel all-reduce sums the two halves of each o_proj/down_proj
@@ -85,6 +85,12 @@ def run_cases(rank: int, world: int, dirs: dict, device="cpu") -> dict:
     assert d2.layers[0].self_attn.n_heads == 4 // world
     res["chain:3/greedy_sharded_draft"], res["chain:3/stats_sharded_draft"] = _generate(t2, tok2, d2, "chain:3", rank,
                                                                                         world, greedy, prompts(V))
+    # an EAGLE-3 checkpoint's draft (with the target's embedding copied in), replicated and sharded: its first
+    # layer's 2H-wide q/k/v split by heads like any, its own head whole on every rank
+    for shard in (False, True):
+        t3, tok3, d3 = load_sharded(dirs["eagle3_target"], rank, world, device, "float32", dirs["eagle3_draft"],
+                                    shard_draft=shard)
+        res[f"eagle3/{shard}/greedy"], _ = _generate(t3, tok3, d3, "tree:8", rank, world, greedy, prompts(48))
     sampled = [SamplingParams(temperature=1.0, max_tokens=20, seed=100 + i, ignore_eos=True) for i in range(4)]
     for spec in (None, "chain:3"):
         res[f"{spec}/sampled"], _ = _generate(target, tok, draft if spec else None, spec, rank, world, sampled,
@@ -127,7 +133,13 @@ def dirs(tmp_path_factory):
     from helpers import write_guided_mirror
     from test_model_hf import write_tiny_qwen3
     gt, gd, _ = write_guided_mirror(d / "guided")
-    return {"guided_target": str(gt), "guided_draft": str(gd),
+    e3 = write_tiny_llama(d / "e3", vocab=48, hidden=32, heads=4, kv_heads=2, layers=8, seed=4)
+    e3_draft = write_eagle3_draft(d / "e3_draft", e3, draft_vocab=20)
+    from safetensors.torch import load_file, save_file
+    weights = load_file(e3_draft / "model.safetensors")  # speculators-style: the target's embedding inside
+    weights["embed_tokens.weight"] = load_file(e3 / "model.safetensors")["model.embed_tokens.weight"]
+    save_file(weights, str(e3_draft / "model.safetensors"))
+    return {"guided_target": str(gt), "guided_draft": str(gd), "eagle3_target": str(e3), "eagle3_draft": str(e3_draft),
             "untied": str(write_tiny_llama(d / "untied", vocab=40, hidden=32, heads=4, kv_heads=2, layers=2)),
             "tied": str(write_tiny_llama(d / "tied", vocab=41, hidden=32, heads=4, kv_heads=2, layers=2, tie=True,
                                          seed=3)),  # 41: the vocabulary shards are uneven (21 + 20)
@@ -210,6 +222,12 @@ def test_sharded_draft_equals_tp1(ranks, oracle):
     for r in ranks:
         assert r["chain:3/greedy_sharded_draft"] == oracle["plain/greedy"]
         assert r["chain:3/stats_sharded_draft"] == ranks[0]["chain:3/stats"]  # the same draft, the same steps
+
+
+def test_eagle3_draft_equals_tp1(ranks, oracle):
+    want = oracle["eagle3/False/greedy"]
+    for r in ranks:
+        assert r["eagle3/False/greedy"] == want and r["eagle3/True/greedy"] == want
 
 
 def test_preemption_under_tp(ranks, oracle):

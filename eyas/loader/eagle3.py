@@ -71,7 +71,10 @@ def load_eagle3(path: Path, raw: dict, state: dict[str, torch.Tensor], target) -
 
     state = {_rename(k): v for k, v in state.items() if not k.endswith("t2d")}
     emb = state.pop("embed_tokens.weight", None)
-    if emb is not None and not torch.equal(emb.float(), target.model.embed_tokens.weight.detach().float().cpu()):
+    own = target.model.embed_tokens  # under tensor parallelism, this rank's rows [start, end) of it
+    start = getattr(own, "start", 0)
+    if emb is not None and not torch.equal(emb[start: start + own.weight.shape[0]].float(),
+                                           own.weight.detach().float().cpu()):
         raise ValueError(f"{where}: its embed_tokens differ from the target's (a draft embedding of its own is not "
                          "served)")
     if "input_norm.weight" in state:
