@@ -87,11 +87,13 @@ def noting_batches(llm) -> list[int]:
     return batches
 
 
-def eagle3_weights(target_dir: Path, draft_vocab: int | None = None, seed=3, theta: float = 10000.0
-                   ) -> tuple[dict, dict[str, torch.Tensor]]:
+def eagle3_weights(target_dir: Path, draft_vocab: int | None = None, seed=3, theta: float = 10000.0,
+                   aux_ids: list[int] | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json, weights) of a random EAGLE-3 draft for a target checkpoint, in SafeAILab's layout (`fc`,
     `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`): written by hand from the layout's description, not by eyas.
-    `draft_vocab`: the draft proposes that many tokens, every other one of the target's (d2t), else all of them."""
+    `draft_vocab`: the draft proposes that many tokens, every other one of the target's (d2t), else all of them.
+    `aux_ids`: the target layers whose inputs it reads (vLLM's `eagle_aux_hidden_state_layer_ids`; default: none
+    stated, so (2, L//2, L-3))."""
     raw = json.loads((Path(target_dir) / "config.json").read_text())
     H, I, V = raw["hidden_size"], raw["intermediate_size"], raw["vocab_size"]
     heads, kv = raw["num_attention_heads"], raw["num_key_value_heads"]
@@ -102,7 +104,7 @@ def eagle3_weights(target_dir: Path, draft_vocab: int | None = None, seed=3, the
     def w(*shape):
         return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
 
-    state = {"fc.weight": w(H, 3 * H), "norm.weight": 1 + 0.2 * torch.randn(H, generator=g),
+    state = {"fc.weight": w(H, len(aux_ids or (0, 0, 0)) * H), "norm.weight": 1 + 0.2 * torch.randn(H, generator=g),
              "lm_head.weight": w(vd, H) * 3,
              "midlayer.self_attn.q_proj.weight": w(heads * D, 2 * H) * 2,
              "midlayer.self_attn.k_proj.weight": w(kv * D, 2 * H) * 2,
@@ -118,6 +120,8 @@ def eagle3_weights(target_dir: Path, draft_vocab: int | None = None, seed=3, the
               "num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": 1,
               "rms_norm_eps": raw.get("rms_norm_eps", 1e-6), "vocab_size": V, "draft_vocab_size": vd,
               "max_position_embeddings": 2048, "rope_theta": theta, "tie_word_embeddings": False}
+    if aux_ids is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = list(aux_ids)
     return config, state
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from eyas import LLM, SamplingParams
-from helpers import write_random_draft, write_tiny_llama
+from helpers import write_eagle3_draft, write_random_draft, write_tiny_llama
 
 V = 6
 PROMPT = [1, 4, 2]
@@ -87,6 +87,23 @@ def test_joint_law_of_three_tokens(models, draft_kind, top_p, spec):
     accepted = sum(sum(o.stats.accepted_by_depth) for o in outs)
     if draft_kind in ("random", "subset"):
         assert accepted > 0
+
+
+@pytest.mark.slow
+def test_joint_law_with_an_eagle3_draft(models, tmp_path):
+    """An EAGLE-3 checkpoint's draft (its own head over every other token, the inputs of the target's two layers),
+    tree:8 at temperature 1 (the sampler's softmax path): the output's law is still the target's."""
+    target, _ = models
+    draft = write_eagle3_draft(tmp_path / "e3", target, draft_vocab=3, aux_ids=[1, 2])
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation="tree:8",
+              max_num_seqs=RUNS, num_blocks=RUNS + 8, block_size=8)
+    outs = llm.generate([PROMPT] * RUNS, [SamplingParams(temperature=1.0, max_tokens=3, seed=s, ignore_eos=True)
+                                          for s in range(RUNS)])
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    assert pooled_chisquare(counts, exact_joint(target, 1.0), RUNS) > 1e-3
+    assert sum(sum(o.stats.accepted_by_depth) for o in outs) > RUNS // 10  # its proposals were accepted
 
 
 def test_joint_law_with_ngram_proposals(models):
