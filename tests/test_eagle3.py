@@ -192,3 +192,6 @@ def test_what_is_not_served_is_refused(pair, tmp_path):
         quantize_draft(draft, target, "int4")
     with pytest.raises(ValueError, match="EAGLE-3"):
         attach_draft_vocab(draft, target, torch.arange(10))
+    from eyas.train.trainer import init_from_checkpoint, make_draft
+    with pytest.raises(ValueError, match="EAGLE-3"):
+        init_from_checkpoint(make_draft(target, 1), tmp_path / "ok")

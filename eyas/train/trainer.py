@@ -179,8 +179,12 @@ def init_from_checkpoint(draft: EagleDraft, path: Path) -> None:
       projection columns start at zero (their gate and up rows keep the random init), so again the draft computes
       exactly what the checkpoint's does."""
     from eyas.config import ModelConfig
+    from eyas.loader.eagle3 import is_eagle3
     from eyas.loader.hf import load_weights, read_config
-    icfg = ModelConfig.from_hf(read_config(path))
+    raw = read_config(path)
+    if is_eagle3(raw, load_weights(path, allow_bin=True)):
+        raise ValueError(f"--init {path}: an EAGLE-3 checkpoint (its draft is served, not trained, by eyas)")
+    icfg = ModelConfig.from_hf(raw)
     L, fl = len(draft.layers), draft.feature_layers
     if icfg.num_hidden_layers > L:
         raise ValueError(f"--init {path} has {icfg.num_hidden_layers} layers, more than the {L} of this draft")
