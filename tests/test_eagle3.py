@@ -142,6 +142,30 @@ def test_speculative_decoding_with_an_eagle3_draft_equals_plain(pair, spec):
     assert llm.engine.blocks.num_used == 0
 
 
+@pytest.mark.parametrize("quant", ["int4", "fp8-head"])
+def test_quantized_eagle3_drafts(pair, quant):
+    """`--draft-quant` int4 (FFN and head) and fp8-head: the quantized head reads the draft's own norm first (its
+    logits near the bf16 head's: without the norm they would be far off), and decoding stays plain decoding's."""
+    from eyas.spec.draft_quant import quantize_draft
+    from eyas.spec.draft_vocab import draft_logits
+    target_dir, draft_dir = pair
+    target, _ = load_target(str(target_dir), device="cpu", dtype=torch.float32)
+    draft = load_draft(draft_dir, target)
+    h = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0)) * 4
+    with torch.no_grad():
+        ref = draft_logits(draft, target, h).float()
+        quantize_draft(draft, target, quant)
+        got = draft_logits(draft, target, h).float()
+    assert got.shape == ref.shape == (2, 5, 20)
+    assert (got - ref).norm() / ref.norm() < 0.1
+    prompts, params = [[1, 5, 9, 13], [44, 3]], SamplingParams(max_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(target_dir), device="cpu", dtype="float32").generate(prompts, params)]
+    llm = LLM(str(target_dir), device="cpu", dtype="float32", draft=str(draft_dir), speculation="tree:8",
+              draft_quant=quant)
+    assert llm.draft.quant == quant
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+
+
 @interpreted_only
 def test_the_fast_path_with_an_eagle3_draft_equals_plain(pair):
     """The runner's GPU path, interpreted on the CPU: fused target (raw taps from the fused layers), Triton attention,
@@ -189,7 +213,7 @@ def test_what_is_not_served_is_refused(pair, tmp_path):
     from eyas.spec.draft_quant import quantize_draft
     from eyas.spec.draft_vocab import attach_draft_vocab
     with pytest.raises(ValueError, match="EAGLE-3"):
-        quantize_draft(draft, target, "int4")
+        quantize_draft(draft, target, "fp8")
     with pytest.raises(ValueError, match="EAGLE-3"):
         attach_draft_vocab(draft, target, torch.arange(10))
     from eyas.train.trainer import init_from_checkpoint, make_draft

@@ -100,8 +100,9 @@ def quantize_draft(draft, target, mode: str | None, group_size: int = 128, cuda_
         return draft
     if getattr(draft, "quant", None) is not None:
         raise ValueError(f"this draft is quantized already ({draft.quant})")
-    if getattr(draft, "head_norm", None) is not None:
-        raise ValueError(f"--draft-quant {mode}: an EAGLE-3 checkpoint's draft is not quantized yet")
+    if mode == "fp8" and getattr(draft, "head_norm", None) is not None:
+        raise ValueError("--draft-quant fp8: an EAGLE-3 checkpoint's draft takes int4, int4-ffn, int4-head or "
+                         "fp8-head (its fc and first layer are not quantized)")
     p = next(draft.parameters())
     if mode in ("int4", "int4-ffn"):
         for layer in draft.layers:

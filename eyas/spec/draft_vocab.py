@@ -81,14 +81,14 @@ def draft_logits(draft, target, h: torch.Tensor) -> torch.Tensor:
     """The draft's logits [..., K] over the tokens it may propose, from features h [..., H], in the head's dtype: its
     quantized head (`eyas.spec.draft_quant`: INT4 or FP8) if it has one, else the draft vocabulary's rows when one
     is attached (an EAGLE-3 draft's own head, after its `head_norm`), else the target's whole head (K = V)."""
+    norm = getattr(draft, "head_norm", None)  # an EAGLE-3 draft's own final norm before its own head
+    if norm is not None:
+        h = norm(h)
     logits = draft_head_logits(draft, h)  # over the draft vocabulary if one is attached, else the whole one
     if logits is not None:
         return logits
     if getattr(draft, "vocab_ids", None) is None:
         return target.compute_logits(h, dtype=None)
-    norm = getattr(draft, "head_norm", None)  # an EAGLE-3 draft's own final norm before its own head
-    if norm is not None:
-        h = norm(h)
     H = h.shape[-1]
     return (h.reshape(-1, H) @ draft.vocab_head.t()).view(*h.shape[:-1], -1)  # one 2-D matmul
 
