@@ -66,19 +66,25 @@ def exact_joint(target_dir, top_p, min_p=0.0):
     return joint
 
 
+def sampled_law(target, draft, spec: str, **params) -> tuple[dict, list]:
+    """RUNS seeded runs of 3 tokens from PROMPT at temperature 1 (`params`: more SamplingParams), speculating with
+    `draft` (a directory or "ngram:...") by `spec`: (how often each 3-token output came, the outputs)."""
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec,
+              max_num_seqs=RUNS, num_blocks=RUNS + 8, block_size=8)
+    outs = llm.generate([PROMPT] * RUNS, [SamplingParams(temperature=1.0, max_tokens=3, seed=s, ignore_eos=True,
+                                                         **params) for s in range(RUNS)])
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    return counts, outs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("draft_kind", ["random", "bad", "subset"])
 @pytest.mark.parametrize("top_p,spec", [(1.0, "tree:8"), (0.8, "chain:2"), (1.0, "dyn:k3d3n6")])
 def test_joint_law_of_three_tokens(models, draft_kind, top_p, spec):
     target, drafts = models
-    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(drafts[draft_kind]), speculation=spec,
-              max_num_seqs=RUNS, num_blocks=RUNS + 8, block_size=8)
-    params = [SamplingParams(temperature=1.0, top_p=top_p, max_tokens=3, seed=s, ignore_eos=True)
-              for s in range(RUNS)]
-    outs = llm.generate([PROMPT] * RUNS, params)
-    counts: dict = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    counts, outs = sampled_law(target, drafts[draft_kind], spec, top_p=top_p)
     joint = exact_joint(target, top_p)
     assert set(counts) <= set(joint), "a token outside the top-p set was emitted"
     p = pooled_chisquare(counts, joint, RUNS)
@@ -95,13 +101,7 @@ def test_joint_law_with_an_eagle3_draft(models, tmp_path):
     tree:8 at temperature 1 (the sampler's softmax path): the output's law is still the target's."""
     target, _ = models
     draft = write_eagle3_draft(tmp_path / "e3", target, draft_vocab=3, aux_ids=[1, 2])
-    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation="tree:8",
-              max_num_seqs=RUNS, num_blocks=RUNS + 8, block_size=8)
-    outs = llm.generate([PROMPT] * RUNS, [SamplingParams(temperature=1.0, max_tokens=3, seed=s, ignore_eos=True)
-                                          for s in range(RUNS)])
-    counts: dict = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    counts, outs = sampled_law(target, draft, "tree:8")
     assert pooled_chisquare(counts, exact_joint(target, 1.0), RUNS) > 1e-3
     assert sum(sum(o.stats.accepted_by_depth) for o in outs) > RUNS // 10  # its proposals were accepted
 
@@ -110,13 +110,7 @@ def test_joint_law_with_ngram_proposals(models):
     """N-gram speculation (`draft="ngram:1:2"`, chain:2): its proposals are the history's own tokens, which often
     repeat over 6 tokens, and the output's law is still the target's."""
     target, _ = models
-    llm = LLM(str(target), device="cpu", dtype="float32", draft="ngram:1:2", speculation="chain:2",
-              max_num_seqs=RUNS, num_blocks=RUNS + 8, block_size=8)
-    outs = llm.generate([PROMPT] * RUNS, [SamplingParams(temperature=1.0, max_tokens=3, seed=s, ignore_eos=True)
-                                          for s in range(RUNS)])
-    counts: dict = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    counts, outs = sampled_law(target, "ngram:1:2", "chain:2")
     assert pooled_chisquare(counts, exact_joint(target, 1.0), RUNS) > 1e-3
     assert sum(sum(o.stats.accepted_by_depth) for o in outs) > RUNS // 10  # proposals were accepted
 
@@ -126,13 +120,7 @@ def test_joint_law_with_min_p(models, spec):
     """min-p 0.15 (vLLM's): the tokens less than 0.15 times as likely as the likeliest never come, and the rest
     follow the renormalised law."""
     target, drafts = models
-    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(drafts["random"]), speculation=spec,
-              max_num_seqs=RUNS, num_blocks=RUNS + 8, block_size=8)
-    outs = llm.generate([PROMPT] * RUNS, [SamplingParams(temperature=1.0, min_p=0.15, max_tokens=3, seed=s,
-                                                         ignore_eos=True) for s in range(RUNS)])
-    counts: dict = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    counts, _ = sampled_law(target, drafts["random"], spec, min_p=0.15)
     joint = {k: v for k, v in exact_joint(target, 1.0, 0.15).items() if v > 0}
     assert set(counts) <= set(joint), "a token below min-p was emitted"
     assert len(joint) < 0.8 * V ** 3  # min-p removed some paths: the test has power
