@@ -101,6 +101,24 @@ def test_graphs_equal_eager_with_a_draft_vocabulary(pair, tmp_path):
     assert [o.token_ids for o in graphed.generate(PROMPTS, PARAMS)] == ref
 
 
+@pytest.mark.parametrize("spec", ["chain:3", "tree:8", "dyn:k3d3n6"])
+def test_graphs_equal_eager_with_an_eagle3_draft(tmp_path, spec):
+    """An EAGLE-3 checkpoint's draft (eyas/models/eagle3.py: the target's raw taps, its 2H-wide first layer on the
+    modules' path, its own head and d2t map) inside the captured step: greedy output as the eager reference path's,
+    and seeded sampling (the "sampled" mode's graphs: no sort) as the eager Triton path's."""
+    from helpers import write_eagle3_draft, write_tiny_llama
+    target = write_tiny_llama(tmp_path / "t", vocab=48, hidden=32, heads=4, kv_heads=2, layers=8, seed=4)
+    draft = write_eagle3_draft(tmp_path / "d", target, draft_vocab=20)
+    prompts = [p[:12] for p in PROMPTS]
+    ref, graphed = eager_reference_and_graphed(target, draft, spec)
+    assert [o.token_ids for o in graphed.generate(PROMPTS, PARAMS)] == ref
+    sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=30, ignore_eos=True) for i in range(len(prompts))]
+    eager = LLM(str(target), device="cuda", dtype="float32", draft=str(draft), speculation=spec)
+    assert [o.token_ids for o in graphed.generate(prompts, sampled)] == \
+        [o.token_ids for o in eager.generate(prompts, sampled)]
+    assert any(k[1] == "sampled" for k in graphed.engine.runner.graphs.graphs)
+
+
 @pytest.mark.parametrize("spec", [None, "tree:8"])
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
 def test_graphs_equal_eager_on_qwen2(tmp_path, spec, kind):
