@@ -219,3 +219,6 @@ def test_what_is_not_served_is_refused(pair, tmp_path):
     from eyas.train.trainer import init_from_checkpoint, make_draft
     with pytest.raises(ValueError, match="EAGLE-3"):
         init_from_checkpoint(make_draft(target, 1), tmp_path / "ok")
+    from eyas.spec.tree_builder import rank_paths
+    with pytest.raises(ValueError, match="EAGLE-3"):
+        rank_paths(target, draft, [[1, 2, 3]], 3, 8)

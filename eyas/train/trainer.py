@@ -256,7 +256,8 @@ def draft_inputs(target, ids: torch.Tensor, amask: torch.Tensor, feature_layers=
         if feature_layers is None:
             h = f = target(ids, pos)
         else:
-            h, f = target(ids, pos, feature_layers=tuple(feature_layers))
+            fl = feature_layers if isinstance(feature_layers, tuple) else tuple(feature_layers)  # RawTaps kept
+            h, f = target(ids, pos, feature_layers=fl)
         emb = target.embed(ids[:, 1:])
     lmask = torch.zeros(B, T - 1, dtype=torch.bool, device=ids.device)
     lmask[:, : T - 2] = amask[:, 2:]
