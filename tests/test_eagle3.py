@@ -166,6 +166,34 @@ def test_quantized_eagle3_drafts(pair, quant):
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
 
 
+@pytest.mark.parametrize("spec", ["chain:3", "tree:16"])
+def test_rank_paths_of_an_eagle3_draft_predict_the_engines_steps(pair, spec):
+    """`eyas make-tree`'s rank paths (the draft's chains unrolled over a whole text, `unrolled_streams`, with the
+    first layer read as EAGLE-3's) replayed with a tree give the engine's target calls and committed tokens exactly:
+    two independent computations of every draft step along the accepted paths (the engine: catch-up, the target's raw
+    taps through fc, the draft's own outputs fed back, its head and d2t map)."""
+    import numpy as np
+
+    from eyas.spec.tree import resolve_tree
+    from eyas.spec.tree_builder import rank_paths, replay
+    from eyas.train.data import Example
+    target_dir, draft_dir = pair
+    target, _ = load_target(str(target_dir), device="cpu", dtype=torch.float32)
+    draft = load_draft(draft_dir, target)
+    prompt = [3, 7, 1, 12, 5]
+    out = LLM(str(target_dir), device="cpu", dtype="float32").generate(
+        prompt, SamplingParams(max_tokens=50, ignore_eos=True))[0].token_ids
+    ex = Example(np.asarray(prompt + out, dtype=np.int32), np.asarray([False] * len(prompt) + [True] * len(out)))
+    paths = rank_paths(target, draft, [ex], 4, 16)
+    assert len(paths) == len(out) and (paths[:, 0] == 0).sum() >= 3  # the draft is right at times
+    tree = [list(p) for p in resolve_tree(spec).paths]
+    res = LLM(str(target_dir), device="cpu", dtype="float32", draft=str(draft_dir), speculation=spec).generate(
+        prompt, SamplingParams(max_tokens=50, ignore_eos=True))[0]
+    assert res.token_ids == out
+    assert res.stats.committed > res.stats.target_calls  # something was accepted
+    assert (res.stats.target_calls, res.stats.committed) == replay(paths, tree, 50)
+
+
 @interpreted_only
 def test_the_fast_path_with_an_eagle3_draft_equals_plain(pair):
     """The runner's GPU path, interpreted on the CPU: fused target (raw taps from the fused layers), Triton attention,
@@ -219,6 +247,3 @@ def test_what_is_not_served_is_refused(pair, tmp_path):
     from eyas.train.trainer import init_from_checkpoint, make_draft
     with pytest.raises(ValueError, match="EAGLE-3"):
         init_from_checkpoint(make_draft(target, 1), tmp_path / "ok")
-    from eyas.spec.tree_builder import rank_paths
-    with pytest.raises(ValueError, match="EAGLE-3"):
-        rank_paths(target, draft, [[1, 2, 3]], 3, 8)

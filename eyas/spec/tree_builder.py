@@ -37,13 +37,9 @@ def rank_paths(target, draft, examples, depth: int, max_rank: int, batch_tokens:
     text or its assistant part, and after the first MISS). Root t's depth 1 proposes token t + 2, so an example
     whose answer starts at P has roots P - 2, P - 1, ...; the first decode step is rooted at P - 1 (the prefill
     produced token P). `per_example`: a list of each example's [roots, depth], in the examples' order."""
-    from eyas.models.eagle3 import Eagle3Draft
     from eyas.train.data import collate, length_batches
     from eyas.train.trainer import draft_inputs, unrolled_streams
 
-    if isinstance(draft, Eagle3Draft):  # unrolled_streams runs an EagleDraft's layers stream by stream
-        raise ValueError("rank paths (eyas make-tree, replayed acceptance) are recorded for eyas's own drafts, not "
-                         "an EAGLE-3 checkpoint's yet")
     dev = next(target.parameters()).device
     out: list = [None] * len(examples)
     for batch in length_batches([len(e) for e in examples], batch_tokens):

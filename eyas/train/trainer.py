@@ -309,8 +309,22 @@ def _layer_stream(layer, x, positions, rope, kv: list, mask):
     """One decoder layer for the newest stream: its queries attend to the keys of all streams so far (`kv` holds the
     earlier streams' K/V of this layer, and gets this stream's appended), under `mask` [T, S*T]. A stream's values
     never depend on later streams, so the earlier streams' K/V are exactly those of the whole masked pass."""
-    a = layer.self_attn
-    h = layer.input_layernorm(x)
+    x = _attention_stream(layer.self_attn, layer.input_layernorm(x), x, positions, rope, kv, mask)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _eagle3_stream(layer, emb, feat, positions, rope, kv: list, mask):
+    """`_layer_stream` for an EAGLE-3 checkpoint's first layer (`eyas.models.eagle3.Eagle3Layer`): attention over
+    [input_layernorm(emb) ; hidden_norm(feat)], the residual feat (or its norm)."""
+    h = layer.hidden_norm(feat)
+    residual = h if layer.norm_before_residual else feat
+    x = _attention_stream(layer.self_attn, torch.cat([layer.input_layernorm(emb), h], -1), residual, positions, rope,
+                          kv, mask)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _attention_stream(a, h, residual, positions, rope, kv: list, mask):
+    """residual + the attention of `h` (a stream's normed input) over every stream so far (see `_layer_stream`)."""
     B, Q, _ = h.shape
     q, k, v = a.project(h, positions, rope)
     G = a.n_heads // a.n_kv
@@ -322,8 +336,7 @@ def _layer_stream(layer, x, positions, rope, kv: list, mask):
         o = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, is_causal=True, scale=a.scale)
     else:
         o = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, attn_mask=mask, scale=a.scale)
-    x = x + a.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return residual + a.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
 
 
 def unrolled_streams(draft: EagleDraft, emb: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
@@ -338,10 +351,16 @@ def unrolled_streams(draft: EagleDraft, emb: torch.Tensor, feats: torch.Tensor, 
     B, T, H = feat.shape
     kv: list[list] = [[] for _ in draft.layers]
     outs: list[torch.Tensor] = []
+    from eyas.models.eagle3 import Eagle3Draft
+    eagle3 = isinstance(draft, Eagle3Draft)  # its first layer reads the embedding and the feature apart
     for S in range(1, depth + 1):
-        x = draft.fc(torch.cat([emb, feat], -1))
         mask = stream_mask(S, T, emb.device)
-        for layer, layer_kv in zip(draft.layers, kv):
+        if eagle3:
+            x = _eagle3_stream(draft.layers[0], emb, feat, positions, draft.rope, kv[0], mask)
+        else:
+            x = _layer_stream(draft.layers[0], draft.fc(torch.cat([emb, feat], -1)), positions, draft.rope, kv[0],
+                              mask)
+        for layer, layer_kv in zip(draft.layers[1:], kv[1:]):
             x = _layer_stream(layer, x, positions, draft.rope, layer_kv, mask)
         outs.append(x)
         # the next stream's feature at p is this stream's output at p - 1 (zero at p = 0: no chain is rooted there)
