@@ -1,7 +1,8 @@
 """EAGLE-1 draft checkpoints: read (config.json + safetensors or pytorch_model.bin) and write (safetensors).
 
 A draft with feature layers (EAGLE-3 style, `eyas.models.eagle`) uses the same layout plus `fuse.weight`
-[H, (k+1)H] in the weights and `"eyas_feature_layers": [i_1, ..., i_k]` in config.json."""
+[H, (k+1)H] in the weights and `"eyas_feature_layers": [i_1, ..., i_k]` in config.json. `load_draft` also reads
+EAGLE-3 checkpoints (`eyas.loader.eagle3`), which it tells apart by their names."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
 
 
-def load_draft(path: str | Path, target: LlamaForCausalLM, device=None, dtype=None) -> EagleDraft:
+def load_draft(path: str | Path, target: LlamaForCausalLM, device=None, dtype=None):
     """An EAGLE checkpoint directory (config.json + safetensors or pytorch_model.bin), checked against the target:
     EAGLE-1's layout (eyas's drafts with feature layers too) or EAGLE-3's (`eyas.loader.eagle3`)."""
     path = Path(path)
