@@ -125,15 +125,19 @@ def eagle3_weights(target_dir: Path, draft_vocab: int | None = None, seed=3, the
     return config, state
 
 
-def write_eagle3_draft(path: Path, target_dir: Path, **kw) -> Path:
-    """`eagle3_weights` written as a checkpoint directory (config.json + model.safetensors)."""
+def write_checkpoint(path: Path, config: dict, state: dict[str, torch.Tensor]) -> Path:
+    """A checkpoint directory: config.json + model.safetensors."""
     from safetensors.torch import save_file
-    config, state = eagle3_weights(target_dir, **kw)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
     return path
+
+
+def write_eagle3_draft(path: Path, target_dir: Path, **kw) -> Path:
+    """`eagle3_weights` written as a checkpoint directory."""
+    return write_checkpoint(path, *eagle3_weights(target_dir, **kw))
 
 
 def write_mirror_and_random(tmp_path_factory) -> dict[str, tuple[Path, Path]]:

@@ -13,7 +13,7 @@ from eyas import LLM, SamplingParams
 from eyas.loader.eagle import load_draft
 from eyas.loader.resolve import load_target
 from eyas.spec.draft_vocab import draft_topk
-from helpers import eagle3_weights, interpreted_only, write_eagle3_draft, write_tiny_llama
+from helpers import eagle3_weights, interpreted_only, write_checkpoint, write_eagle3_draft, write_tiny_llama
 
 V, L = 48, 8  # vocabulary, target layers: features from the inputs of layers 2, 4 and 5
 
@@ -94,19 +94,14 @@ def test_forward_equals_hf_modules(pair):
 def _speculators_layout(tmp_path, target_dir, prefix=""):
     """The same draft as `pair`'s in vllm-project/speculators' layout: layers.0.*, the Llama config nested, the
     target's embedding copied in, and vLLM's convention for the feature layers stated."""
-    from safetensors.torch import save_file
     config, state = eagle3_weights(target_dir, draft_vocab=20, theta=5000.0)
     state = {prefix + k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
     hf_state = load_target(str(target_dir), device="cpu", dtype=torch.float32)[0].model.embed_tokens.weight
     state[prefix + "embed_tokens.weight"] = hf_state.detach().clone()
-    out = tmp_path / "spec"
-    out.mkdir()
-    (out / "config.json").write_text(json.dumps({
+    return write_checkpoint(tmp_path / "spec", {
         "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], "transformer_layer_config": config,
         "draft_vocab_size": 20, "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
-        "speculators_config": {"algorithm": "eagle3"}}))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
-    return out
+        "speculators_config": {"algorithm": "eagle3"}}, state)
 
 
 @pytest.mark.parametrize("prefix", ["", "model."])
@@ -168,9 +163,10 @@ def test_quantized_eagle3_drafts(pair, quant):
 
 def test_rank_paths_of_an_eagle3_draft_predict_the_engines_steps(pair):
     """`eyas make-tree`'s rank paths (the draft's chains unrolled over a whole text, `unrolled_streams`, with the
-    first layer read as EAGLE-3's) replayed with a tree give the engine's target calls and committed tokens exactly:
-    two independent computations of every draft step along the accepted paths (the engine: catch-up, the target's raw
-    taps through fc, the draft's own outputs fed back, its head and d2t map)."""
+    first layer read as EAGLE-3's) replayed with tree:16 give the engine's target calls and committed tokens exactly.
+    The two run the draft's steps along the accepted paths apart: the engine's paged catch-up, features committed
+    through fc and tree levels fed the draft's own outputs, against masked streams over the whole text. They share
+    the layer's input (`Eagle3Layer.attention_input`), which test_forward_equals_hf_modules holds to HF."""
     import numpy as np
 
     from eyas.spec.tree import resolve_tree
@@ -209,7 +205,6 @@ def test_the_fast_path_with_an_eagle3_draft_equals_plain(pair):
 
 
 def test_what_is_not_served_is_refused(pair, tmp_path):
-    from safetensors.torch import save_file
     target_dir, _ = pair
     target, _ = load_target(str(target_dir), device="cpu", dtype=torch.float32)
 
@@ -217,11 +212,7 @@ def test_what_is_not_served_is_refused(pair, tmp_path):
         config, state = eagle3_weights(target_dir, draft_vocab=20)
         config.update(config_change or {})
         (state_change or (lambda s: None))(state)
-        out = tmp_path / name
-        out.mkdir()
-        (out / "config.json").write_text(json.dumps(config))
-        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
-        return out
+        return write_checkpoint(tmp_path / name, config, state)
 
     cases = [
         ("wide", {"target_hidden_size": 64}, None, "another width"),

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from eyas import LLM, SamplingParams
-from eyas.engine.runner import StepHandle, all_greedy
+from eyas.engine.runner import StepHandle
+from eyas.layers.sampler import sampling_mode
 from eyas.spec.carry import carry_inputs
 from eyas.spec.step import DecodeInputs, DecodeOutputs, spec_step
 from helpers import write_mirror_pair, write_random_draft, write_tiny_llama
@@ -62,7 +63,8 @@ def test_carried_inputs_equal_the_packed_ones(mirror_pair, spec, temperature):
         assert engine.scheduler.reserve_ahead(seqs)
         inp = runner.decode_inputs(seqs, B)
         out = spec_step(runner.target, runner.draft, tree, runner.cache, runner.draft_cache, inp, runner.block_size,
-                        runner.use_triton, None, all_greedy(seqs), runner.draft_hidden)
+                        runner.use_triton, None, sampling_mode([s.params for s in seqs]) == "greedy",
+                        runner.draft_hidden)
         carried = dataclasses.replace(inp, **{k: v.clone() for k, v in _tensors(inp).items()})
         carry_inputs(carried, out, runner.block_size, runner.num_slots)
         new_tokens, m = runner.collect(StepHandle(seqs, B, tree, False, out, out.packed, None))

@@ -154,10 +154,6 @@ def _entries(lps, i: int, k: int, n: int):
     return entries(chosen[i], top_lp[i, ..., :k], top_ids[i, ..., :k], n)
 
 
-def all_greedy(seqs: list[Sequence]) -> bool:
-    return all(s.params.temperature == 0.0 for s in seqs)
-
-
 def _is_chain(tree) -> bool:
     """A static tree whose nodes form one path (`chain:K`)."""
     return isinstance(tree, Tree) and all(set(p) == {0} for p in tree.paths) and len(tree.paths) == tree.max_depth

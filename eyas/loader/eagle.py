@@ -31,9 +31,7 @@ def load_draft(path: str | Path, target: LlamaForCausalLM, device=None, dtype=No
     if is_eagle3(raw, state):  # SafeAILab's or speculators' EAGLE-3 layout
         draft = load_eagle3(path, raw, state, target)
         p = next(target.parameters())
-        draft = draft.to(device=device or p.device, dtype=dtype or p.dtype).eval().requires_grad_(False)
-        draft.attach_head()
-        return draft
+        return draft.to(device=device or p.device, dtype=dtype or p.dtype).eval().requires_grad_(False)
     cfg = ModelConfig.from_hf(raw)
     tcfg = target.config
     if cfg.hidden_size != tcfg.hidden_size:

@@ -17,6 +17,7 @@ import torch
 
 from eyas.config import ModelConfig
 from eyas.layers.rotary import RotaryEmbedding
+from eyas.loader.resolve import _load_state
 from eyas.models.eagle3 import Eagle3Draft, eagle3_feature_layers
 
 
@@ -47,7 +48,7 @@ def _rename(name: str) -> str:
 
 def load_eagle3(path: Path, raw: dict, state: dict[str, torch.Tensor], target) -> Eagle3Draft:
     """The draft of an EAGLE-3 checkpoint (`raw`: its config.json, `state`: its weights), checked against `target`,
-    in float32 on the CPU (the caller moves it)."""
+    in float32 on the CPU (the caller moves it), its head attached (`Eagle3Draft.attach_head`)."""
     raw = flat_config(raw)
     tcfg = target.config
     cfg = ModelConfig.from_hf(raw)
@@ -89,9 +90,6 @@ def load_eagle3(path: Path, raw: dict, state: dict[str, torch.Tensor], target) -
             raise ValueError(f"{where}: a draft vocabulary of {vd} tokens needs its d2t map")
         state["d2t"] = torch.zeros(vd, dtype=torch.long)
     state["d2t"] = state["d2t"].long()
-    ids = torch.arange(vd) + state["d2t"]
-    if int(ids.min()) < 0 or int(ids.max()) >= tcfg.vocab_size or ids.unique().numel() != vd:
-        raise ValueError(f"{where}: d2t maps its draft tokens outside the target's vocabulary, or two onto one")
     fc = state["fuse.weight"]
     if tuple(fc.shape) != (cfg.hidden_size, len(layers) * cfg.hidden_size):
         raise ValueError(f"{where}: fc.weight is {list(fc.shape)}, not [{cfg.hidden_size}, "
@@ -102,6 +100,9 @@ def load_eagle3(path: Path, raw: dict, state: dict[str, torch.Tensor], target) -
     extra = sorted(set(state) - set(draft.state_dict()))
     if extra:
         raise ValueError(f"{where}: weights this draft has no place for: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
-    from eyas.loader.resolve import _load_state
     _load_state(draft, state, where)
+    draft.attach_head()
+    ids = draft.vocab_ids
+    if int(ids.min()) < 0 or int(ids.max()) >= tcfg.vocab_size or ids.unique().numel() != vd:
+        raise ValueError(f"{where}: d2t maps its draft tokens outside the target's vocabulary, or two onto one")
     return draft

@@ -61,10 +61,14 @@ class Eagle3Layer(nn.Module):
         self.mlp = MLP(cfg)
         self.norm_before_residual = norm_before_residual
 
-    def forward(self, embeds, hidden, positions, rope, meta, cache):
+    def attention_input(self, embeds, hidden):
+        """(what the attention reads: [input_layernorm(embeds) ; hidden_norm(hidden)], the residual it adds to:
+        hidden, or its norm with `norm_before_residual`)."""
         h = self.hidden_norm(hidden)
-        residual = h if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), h], dim=-1)
+        return torch.cat([self.input_layernorm(embeds), h], dim=-1), h if self.norm_before_residual else hidden
+
+    def forward(self, embeds, hidden, positions, rope, meta, cache):
+        x, residual = self.attention_input(embeds, hidden)
         x = residual + self.self_attn(x, positions, rope, meta, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -96,7 +100,8 @@ class Eagle3Draft(nn.Module):
 
     def attach_head(self) -> None:
         """The draft's head as a draft vocabulary (`eyas.spec.draft_vocab.draft_logits`): logits over Vd tokens of
-        `head_norm(h)`, token j proposing target id j + d2t[j] (`vocab_ids`). Call after loading d2t."""
+        `head_norm(h)`, token j proposing target id j + d2t[j] (`vocab_ids`, a buffer: it moves with the draft).
+        Call after loading d2t."""
         ids = torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
         self.register_buffer("vocab_ids", ids, persistent=False)
 

@@ -685,10 +685,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
 
     @app.delete("/v1/responses/{rid}")
     async def delete_response(rid: str):
-        running = server.background.pop(rid, None)
-        if running is not None:  # a background response still at work: stopped, its blocks freed
-            running[0].cancel()
-            server.async_engine.abort(running[1])
+        _stop_background(server, rid)
         return server.responses.delete(rid)
 
     @app.post("/v1/responses/{rid}/cancel")
@@ -698,10 +695,7 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
         resp = server.responses.get(rid)[0]
         if not resp.get("background"):
             raise APIError("only background responses can be cancelled", param="response_id")
-        running = server.background.pop(rid, None)
-        if running is not None:
-            running[0].cancel()
-            server.async_engine.abort(running[1])
+        if _stop_background(server, rid):
             resp["status"] = "cancelled"
         return resp
 
@@ -750,6 +744,18 @@ async def _submit_chat(server: Server, req, arrival: float, prefix: str):
 def _thought_tokens(server: Server, ids: list[int], thinking: bool | None) -> int:
     """How many of an output's tokens are a reasoning model's thinking (0 without a reasoning parser)."""
     return 0 if thinking is None else server.reasoning.reasoning_tokens(list(ids), thinking)
+
+
+def _stop_background(server: Server, rid: str) -> bool:
+    """Stop a background response still at work (its task cancelled, its request aborted: its blocks freed);
+    whether one was."""
+    running = server.background.pop(rid, None)
+    if running is None:
+        return False
+    task, rids = running
+    task.cancel()
+    server.async_engine.abort(rids)
+    return True
 
 
 async def _background(server: Server, resp: dict, queue, rids: list[str], made, messages: list[dict]) -> None:

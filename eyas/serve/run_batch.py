@@ -93,10 +93,11 @@ async def answer_batch(app, requests: list[dict], write, concurrency: int = 64, 
         raise ValueError(f"the concurrency must be >= 1, got {concurrency}")
     done: list[dict | None] = [None] * len(requests)
     counts = dict(requests=len(requests), succeeded=0, failed=0, completion_tokens=0)
-    state = dict(next=0)
+    written = 0  # the lines written: the first ones, in order
     gate = asyncio.Semaphore(concurrency)
 
     def finish(i: int, line: dict) -> None:
+        nonlocal written
         done[i] = line
         ok = line["error"] is None and line["response"]["status_code"] == 200
         counts["succeeded" if ok else "failed"] += 1
@@ -106,10 +107,10 @@ async def answer_batch(app, requests: list[dict], write, concurrency: int = 64, 
         if progress is not None:
             progress.update(1)
             progress.set_postfix(failed=counts["failed"], tokens=counts["completion_tokens"], refresh=False)
-        while state["next"] < len(done) and done[state["next"]] is not None:
-            write(done[state["next"]])
-            done[state["next"]] = {}  # written; nothing kept but the mark
-            state["next"] += 1
+        while written < len(done) and done[written] is not None:
+            write(done[written])
+            done[written] = {}  # written; nothing kept but the mark
+            written += 1
 
     async def one(i: int, req: dict, client) -> None:
         async with gate:

@@ -181,8 +181,8 @@ def init_from_checkpoint(draft: EagleDraft, path: Path) -> None:
     from eyas.config import ModelConfig
     from eyas.loader.eagle3 import is_eagle3
     from eyas.loader.hf import load_weights, read_config
-    raw = read_config(path)
-    if is_eagle3(raw, load_weights(path, allow_bin=True)):
+    raw, weights = read_config(path), load_weights(path, allow_bin=True)
+    if is_eagle3(raw, weights):
         raise ValueError(f"--init {path}: an EAGLE-3 checkpoint (its draft is served, not trained, by eyas)")
     icfg = ModelConfig.from_hf(raw)
     L, fl = len(draft.layers), draft.feature_layers
@@ -192,7 +192,7 @@ def init_from_checkpoint(draft: EagleDraft, path: Path) -> None:
     if fl0 is not None and (fl is None or not set(fl0) <= set(fl)):
         raise ValueError(f"--init {path} reads feature layers {list(fl0)}, --feature-layers says "
                          f"{None if fl is None else list(fl)} (it may add layers, not drop them)")
-    st = {k.removeprefix("model."): v.float() for k, v in load_weights(path, True).items()}
+    st = {k.removeprefix("model."): v.float() for k, v in weights.items()}
     if fl0 is not None and fl0 != fl:  # more feature layers (or another order): the checkpoint's columns moved
         H = draft.config.hidden_size
         w0, w = st["fuse.weight"], torch.zeros_like(draft.fuse.weight, dtype=torch.float32)
@@ -309,22 +309,13 @@ def _layer_stream(layer, x, positions, rope, kv: list, mask):
     """One decoder layer for the newest stream: its queries attend to the keys of all streams so far (`kv` holds the
     earlier streams' K/V of this layer, and gets this stream's appended), under `mask` [T, S*T]. A stream's values
     never depend on later streams, so the earlier streams' K/V are exactly those of the whole masked pass."""
-    x = _attention_stream(layer.self_attn, layer.input_layernorm(x), x, positions, rope, kv, mask)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return _stream(layer, layer.input_layernorm(x), x, positions, rope, kv, mask)
 
 
-def _eagle3_stream(layer, emb, feat, positions, rope, kv: list, mask):
-    """`_layer_stream` for an EAGLE-3 checkpoint's first layer (`eyas.models.eagle3.Eagle3Layer`): attention over
-    [input_layernorm(emb) ; hidden_norm(feat)], the residual feat (or its norm)."""
-    h = layer.hidden_norm(feat)
-    residual = h if layer.norm_before_residual else feat
-    x = _attention_stream(layer.self_attn, torch.cat([layer.input_layernorm(emb), h], -1), residual, positions, rope,
-                          kv, mask)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
-
-
-def _attention_stream(a, h, residual, positions, rope, kv: list, mask):
-    """residual + the attention of `h` (a stream's normed input) over every stream so far (see `_layer_stream`)."""
+def _stream(layer, h, residual, positions, rope, kv: list, mask):
+    """`_layer_stream` from the layer's attention input `h` (its input norm applied; an EAGLE-3 checkpoint's first
+    layer: `Eagle3Layer.attention_input`) and the residual it adds to."""
+    a = layer.self_attn
     B, Q, _ = h.shape
     q, k, v = a.project(h, positions, rope)
     G = a.n_heads // a.n_kv
@@ -336,7 +327,8 @@ def _attention_stream(a, h, residual, positions, rope, kv: list, mask):
         o = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, is_causal=True, scale=a.scale)
     else:
         o = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, attn_mask=mask, scale=a.scale)
-    return residual + a.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
+    x = residual + a.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 def unrolled_streams(draft: EagleDraft, emb: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
@@ -356,7 +348,8 @@ def unrolled_streams(draft: EagleDraft, emb: torch.Tensor, feats: torch.Tensor, 
     for S in range(1, depth + 1):
         mask = stream_mask(S, T, emb.device)
         if eagle3:
-            x = _eagle3_stream(draft.layers[0], emb, feat, positions, draft.rope, kv[0], mask)
+            x = _stream(draft.layers[0], *draft.layers[0].attention_input(emb, feat), positions, draft.rope, kv[0],
+                        mask)
         else:
             x = _layer_stream(draft.layers[0], draft.fc(torch.cat([emb, feat], -1)), positions, draft.rope, kv[0],
                               mask)
