@@ -88,6 +88,30 @@ def test_bench_latency_writes_json_markdown_and_plot(tmp_path):
     assert (out / "latency.png").stat().st_size > 1000
 
 
+def test_bench_latency_times_sampled_decoding(tmp_path, monkeypatch):
+    """--temperature / --top-p: every request, warm-up and timed, asks for them (the steps take the multi-round
+    acceptance and the sampler); the JSON and the table say so."""
+    from eyas.bench.latency import GREEDY, Sampling
+    from eyas.engine.engine import LLMEngine
+    target, draft = write_mirror_pair(tmp_path / "pair", vocab=24, layers=2)
+    asked = []
+    add = LLMEngine.add_request
+    monkeypatch.setattr(LLMEngine, "add_request", lambda self, p, params, *a, **k: (
+        asked.append(params), add(self, p, params, *a, **k))[1])
+    out = tmp_path / "lat"
+    assert main(["bench", "latency", "--model", str(target), "--draft", str(draft), "--modes", "plain,chain:4",
+                 "--batch-sizes", "2", "--max-tokens", "8", "--context", "5", "--num-prompts", "2", "--device", "cpu",
+                 "--temperature", "0.8", "--top-p", "0.9", "--out", str(out)]) == 0
+    assert len(asked) == 8  # per mode: 2 warm-up requests and 2 timed
+    assert {(p.temperature, p.top_p, p.top_k) for p in asked} == {(0.8, 0.9, -1)}
+    assert sorted(p.max_tokens for p in asked) == [4] * 4 + [8] * 4
+    res = json.loads((out / "latency.json").read_text())
+    assert (res["meta"]["temperature"], res["meta"]["top_p"], res["meta"]["sampling_mode"]) == (0.8, 0.9, "filtered")
+    assert {r["mode"] for r in res["results"]} == {"plain", "chain:4"}
+    assert "sampled at temperature 0.8, top-p 0.9," in (out / "latency.md").read_text()
+    assert (GREEDY.mode, Sampling(1.0).mode, Sampling(1.0, top_k=5).mode) == ("greedy", "sampled", "filtered")
+
+
 def _row(mode, batch, ttit, tpot=None):
     return {"mode": mode, "batch": batch, "ttit_ms": ttit, "tpot_ms": tpot}
 
@@ -219,10 +243,19 @@ def test_speedup_over_plain_is_the_median_of_the_rounds_ratios():
 @pytest.mark.parametrize("bad", [["--modes", "tree:nope"], ["--modes", "dispatch:4=chain:3,2=plain"],
                                  ["--batch-sizes", "0"], ["--batch-sizes", "x"], ["--accept-rates", "high"],
                                  ["--num-prompts", "0"], ["--draft-vocab", "-1"], ["--repeat", "0"],
-                                 ["--max-model-len", "1"]])
+                                 ["--max-model-len", "1"], ["--temperature", "-1"], ["--top-p", "0"],
+                                 ["--top-k", "-2"]])
 def test_bench_latency_refuses_bad_input(bad, tmp_path):
     with pytest.raises(SystemExit, match="eyas bench latency"):
         main(["bench", "latency", "--model", "no-such-model", "--out", str(tmp_path)] + bad)
+
+
+def test_bench_latency_refuses_sampling_with_simulated_acceptance(tmp_path):
+    """A random-weight shape's speculative rows replay greedy acceptance: sampled timing there is refused before
+    anything loads; its plain rows may sample."""
+    with pytest.raises(SystemExit, match="simulated"):
+        main(["bench", "latency", "--model", "smollm2-shape", "--modes", "plain,chain:3", "--temperature", "1",
+              "--out", str(tmp_path)])
 
 
 def test_accept_ranks_replays_a_recording_on_any_tree(tmp_path):

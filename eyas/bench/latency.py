@@ -10,6 +10,10 @@ Each batch size runs waves of `batch` requests that start together. Two per-toke
   wave, what a request sees when a finished request's slot would be taken by a new one. Equal to TTIT at batch 1
   and for plain decoding, where a wave's requests finish together.
 
+Requests are greedy unless `--temperature` (with `--top-p`, `--top-k`) asks for sampled decoding: its steps take the
+multi-round acceptance and the sampler (a softmax, or with a top-p or top-k filter a sort of the vocabulary), the
+setting most services run at.
+
 Writes latency.json, latency.md and latency.png (ms/token against batch size) to --out.
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import platform
 import re
 import time
+from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
@@ -27,9 +32,33 @@ import torch
 
 from eyas.engine.engine import EngineConfig, LLMEngine
 from eyas.engine.sequence import Status
+from eyas.layers.sampler import sampling_mode
 from eyas.sampling_params import SamplingParams
 from eyas.spec.draft_quant import apply_draft_quant, asks_quant
 from eyas.spec.tree import resolve_tree
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What every timed request asks for: greedy by default (issue #5's rows), or sampled at `temperature` with
+    `top_p` / `top_k` filters."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    def params(self, i: int, n: int) -> SamplingParams:
+        # explicit seeds: simulated acceptance and sampling draw from (seed, position), so the rows are reproducible,
+        # and under tensor parallelism every rank draws the same (a per-rank random seed would make the ranks diverge)
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=n,
+                              ignore_eos=True, seed=i)
+
+    @property
+    def mode(self) -> str:
+        """The steps' sampling mode (`eyas.layers.sampler.sampling_mode`), whose graphs the warm-up captures."""
+        return sampling_mode([self.params(0, 1)])
+
+
+GREEDY = Sampling()
 
 
 def load_models(model: str, draft: str | None, device, dtype, rank: int = 0, world_size: int = 1,
@@ -191,7 +220,8 @@ def check_max_model_len(max_model_len: int | None, prompts, max_tokens: int) -> 
 
 def build_engine(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
                  graphs: bool, block_size: int = 16, one_row: bool = True, few_rows: bool = True,
-                 fold_norms: bool = True, overlap: bool = True, max_model_len: int | None = None) -> LLMEngine:
+                 fold_norms: bool = True, overlap: bool = True, max_model_len: int | None = None,
+                 sampling: Sampling = GREEDY) -> LLMEngine:
     """An engine for one (mode, batch) row, warmed up: kernels compiled and, with `graphs`, the graphs of every batch
     bucket it will pass through captured. `max_model_len`: the engine's context bound (default: the longest prompt
     plus max_tokens plus 64, the least that fits; a server keeps the model's whole context, which widens the block
@@ -211,13 +241,13 @@ def build_engine(target, tokenizer, draft, mode: str, batch: int, prompts, max_t
         simulate_acceptance(engine, simulated_rates)
     # warm-up: captures the graph of this batch size and compiles the kernels
     for i, p in enumerate(prompts[:batch]):
-        engine.add_request(p, _params(i, 4))
+        engine.add_request(p, sampling.params(i, 4))
     while engine.has_unfinished():
         engine.step()
     if engine.runner.graphs is not None:
         # every bucket the batch shrinks through as sequences finish (simulated acceptance finishes them at
         # different steps): captured here, not inside the timed decode
-        engine.runner.graphs.capture_all(batch, modes=("greedy",))
+        engine.runner.graphs.capture_all(batch, modes=(sampling.mode,))
     # the objects built so far (model, graphs, caches) live as long as the engine: collected once and frozen, so
     # that no full collection has to scan them during a timed run. Hygiene, not a measured fix: session 17 saw the
     # first of two interleaved rounds 5-20% slower in every mode after 14 engines were built, and with this in place
@@ -225,12 +255,6 @@ def build_engine(target, tokenizer, draft, mode: str, batch: int, prompts, max_t
     gc.collect()
     gc.freeze()
     return engine
-
-
-def _params(i: int, n: int) -> SamplingParams:
-    # explicit seeds: simulated acceptance draws from (seed, position), so the rows are reproducible, and under
-    # tensor parallelism every rank draws the same acceptance (a per-rank random seed would make the ranks diverge)
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, seed=i)
 
 
 def replay_seeds(prompt_lens: list[int], rows: int) -> list[int]:
@@ -250,7 +274,7 @@ def _sync() -> None:
 
 
 def time_row(engine: LLMEngine, mode: str, batch: int, prompts, max_tokens: int, num_prompts: int = 1,
-             simulated: bool = False) -> dict:
+             simulated: bool = False, sampling: Sampling = GREEDY) -> dict:
     """One measured row on a warmed-up engine (`build_engine`): waves of `batch` requests until `num_prompts` prompts
     ran (one wave when the batch is larger; at batch 1 a single prompt would make the row the acceptance of that one
     prompt). `simulated`: the row's model has random weights (acceptance simulated)."""
@@ -268,7 +292,7 @@ def time_row(engine: LLMEngine, mode: str, batch: int, prompts, max_tokens: int,
         _sync()
         steps0 = engine.step_counts["decode"]
         t0 = time.perf_counter()
-        seqs = [engine.add_request(p, _params(seeds[w * batch + i], max_tokens)) for i, p in enumerate(wave)]
+        seqs = [engine.add_request(p, sampling.params(seeds[w * batch + i], max_tokens)) for i, p in enumerate(wave)]
         first = None
         # each request's own finish time (the host knows it once the step that finished it returns), for its time
         # per output token (TPOT): a request that finishes early is not charged the steps its batch-mates still
@@ -311,14 +335,14 @@ def time_row(engine: LLMEngine, mode: str, batch: int, prompts, max_tokens: int,
 
 
 def profile_steps(engine: LLMEngine, mode: str, batch: int, prompts, verbose: bool = True,
-                  kernels_out: str | None = None) -> None:
+                  kernels_out: str | None = None, sampling: Sampling = GREEDY) -> None:
     """Print where the GPU time of the decode steps of 3 `step()` calls goes, by kernel (torch.profiler).
     `kernels_out`: also write every kernel of those steps in launch order (start and gap before it in us, duration
     in us, name), a TSV, to read a step's sequence (which launch belongs to the draft, which to the verify pass)
     where the table only sums."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     for i, p in enumerate(prompts[:batch]):
-        engine.add_request(p, _params(i, 12))
+        engine.add_request(p, sampling.params(i, 12))
     while any(s.in_prefill or s.status.value == "waiting" for s in engine.scheduler.running) or \
             engine.scheduler.waiting:
         engine.step()
@@ -359,13 +383,14 @@ def write_kernel_timeline(kernels, path: str) -> None:
 def run_mode(target, tokenizer, draft, mode: str, batch: int, prompts, max_tokens: int, simulated_rates,
              graphs: bool, block_size: int = 16, profile: bool = False, num_prompts: int = 1,
              verbose: bool = True, one_row: bool = True, few_rows: bool = True, fold_norms: bool = True,
-             kernels_out: str | None = None, overlap: bool = True, max_model_len: int | None = None) -> dict:
+             kernels_out: str | None = None, overlap: bool = True, max_model_len: int | None = None,
+             sampling: Sampling = GREEDY) -> dict:
     """One (mode, batch) row: `build_engine`, `time_row`, and with `profile` `profile_steps`."""
     engine = build_engine(target, tokenizer, draft, mode, batch, prompts, max_tokens, simulated_rates, graphs,
-                          block_size, one_row, few_rows, fold_norms, overlap, max_model_len)
-    row = time_row(engine, mode, batch, prompts, max_tokens, num_prompts, simulates(mode, simulated_rates))
+                          block_size, one_row, few_rows, fold_norms, overlap, max_model_len, sampling)
+    row = time_row(engine, mode, batch, prompts, max_tokens, num_prompts, simulates(mode, simulated_rates), sampling)
     if profile:
-        profile_steps(engine, mode, batch, prompts, verbose, kernels_out)
+        profile_steps(engine, mode, batch, prompts, verbose, kernels_out, sampling)
     return row
 
 
@@ -425,7 +450,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
         tp += " (draft sharded)"
     elif tp:
         tp += " (draft replicated)"
-    out = [f"model `{meta['model']}`{sim}{tp}, {meta['device_name']}, {meta['dtype']}, {meta['date']}"]
+    t = meta.get("temperature", 0.0)
+    samp = "" if not t else (f", sampled at temperature {t:g}" + (f", top-p {meta['top_p']:g}" if meta.get("top_p", 1) < 1
+                                                                 else "")
+                             + (f", top-k {meta['top_k']}" if meta.get("top_k", -1) > 0 else ""))
+    out = [f"model `{meta['model']}`{sim}{tp}{samp}, {meta['device_name']}, {meta['dtype']}, {meta['date']}"]
     floor = meta.get("weight_read_floor_ms")
     if floor:
         out.append(f"weight-read floor {floor:.3f} ms per step: {meta['linear_weight_bytes'] / 1e9:.2f} GB of linear "
@@ -498,6 +527,11 @@ def _parse(args):
             raise ValueError("--num-prompts must be >= 1")
         if args.repeat < 1:
             raise ValueError("--repeat must be >= 1")
+        Sampling(args.temperature, args.top_p, args.top_k).params(0, 1)  # SamplingParams' own checks
+        from eyas.bench.shapes import SHAPES
+        if args.temperature > 0 and args.model in SHAPES and any(simulates(m, [0.0]) for m in modes):
+            raise ValueError("--temperature > 0 times the sampled acceptance, which a random-weight shape's simulated "
+                             "acceptance replaces: use a real model and draft, or --modes plain")
         if args.max_model_len is not None and args.max_model_len < 2:
             raise ValueError("--max-model-len must be >= 2")
         if args.draft_vocab < 0:
@@ -551,8 +585,9 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
         raise SystemExit(f"eyas bench latency: {e}") from None
     graphs = args.cuda_graphs and device.type == "cuda"
     rows = []
+    sampling = Sampling(args.temperature, args.top_p, args.top_k)
     paths = dict(one_row=args.one_row, few_rows=args.few_rows, fold_norms=args.fold_norms, overlap=args.overlap,
-                 max_model_len=args.max_model_len)
+                 max_model_len=args.max_model_len, sampling=sampling)
 
     def timeline(mode: str, b: int) -> str | None:  # --profile's kernel list, beside the outputs
         if not (args.profile and args.out and rank == 0):
@@ -573,11 +608,11 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
             for _ in tqdm(range(args.repeat), desc=f"batch {b}, {len(modes)} modes", disable=rank != 0):
                 for m in modes:
                     runs[m].append(time_row(engines[m], m, b, prompts, args.max_tokens, args.num_prompts,
-                                            simulates(m, rates)))
+                                            simulates(m, rates), sampling))
             for m in modes:
                 by_mode.setdefault(m, []).append(median_row(runs[m]))
                 if args.profile:
-                    profile_steps(engines[m], m, b, prompts, rank == 0, timeline(m, b))
+                    profile_steps(engines[m], m, b, prompts, rank == 0, timeline(m, b), sampling)
             del engines
         rows = [r for m in modes for r in by_mode[m]]
     add_speedups(rows)
@@ -595,7 +630,8 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
             "overlap": args.overlap and graphs,
             "attention_pdl": attention_pdl(device) and (args.one_row or args.few_rows),
             "tensor_parallel": world_size, "draft_sharded": args.tp_draft == "sharded" and world_size > 1,
-            "repeat": args.repeat}
+            "repeat": args.repeat, "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "top_k": sampling.top_k, "sampling_mode": sampling.mode}
     if simulated:
         from eyas.bench.shapes import linear_weight_bytes
         meta["linear_weight_bytes"] = linear_weight_bytes(target)  # of one rank's shard under TP
@@ -658,6 +694,11 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                         "of one process move by several percent run to run on a GPU, and interleaving spreads that "
                         "over the modes compared")
     p.add_argument("--context", type=int, default=1024, help="prompt length for random-weight models")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample every request at this temperature (default 0: greedy); the acceptance is then the "
+                        "multi-round rule, and each step samples (real models only for speculative modes)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus filter (the vocabulary's sort)")
+    p.add_argument("--top-k", type=int, default=-1, help="with --temperature: top-k filter (-1: off)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the engine's context bound, as a server sets it (default: the longest prompt + "
                         "--max-tokens + 64; the model's own context at most)")
