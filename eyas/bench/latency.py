@@ -617,7 +617,8 @@ def measure(args, modes, batches, accept, device, rank: int = 0, world_size: int
         rows = [r for m in modes for r in by_mode[m]]
     add_speedups(rows)
     meta = {"model": args.model, "draft": args.draft, "device": str(device),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+            "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                            else platform.processor() or platform.machine()),  # processor() may be empty (Linux)
             "dtype": str(dtype), "date": str(date.today()), "simulated": simulated,
             "accept_rates": None if isinstance(rates, torch.Tensor) else rates,
             "accept_ranks": args.accept_ranks if simulated and args.accept_ranks else None,
