@@ -173,11 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
                          ("eyas.spec.tree_builder", "add_parser"),
                          ("eyas.spec.draft_vocab", "add_parser"),
                          ("eyas.bench.cli", "add_parser")):
-        try:
-            mod = __import__(module, fromlist=[attr])
+        try:  # a subcommand whose optional dependencies are missing (the server's fastapi, say) is left out
+            getattr(__import__(module, fromlist=[attr]), attr)(sub)
         except ImportError:
             continue
-        getattr(mod, attr)(sub)
     return parser
 
 
