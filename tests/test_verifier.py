@@ -1,5 +1,7 @@
 """Greedy acceptance without a walk (`accept_tree_greedy`) equals the multi-round speculative sampler (`accept_tree`)
-at one-hot target distributions, on random trees and on the shipped presets: same path, same count, same bonus."""
+at one-hot target distributions, on random trees and on the shipped presets: same path, same count, same bonus. The
+sampler itself (every node's rounds at once) equals the walk that tries one child at a time
+(`accept_tree_reference`) at any distributions."""
 import os
 
 import torch
@@ -10,8 +12,8 @@ if not torch.cuda.is_available():  # before Triton is first imported: its kernel
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from eyas.spec.tree import PRESETS, Tree  # noqa: E402
-from eyas.spec.verifier import accept_tree, accept_tree_greedy  # noqa: E402
+from eyas.spec.tree import PRESETS, Tree, resolve_tree  # noqa: E402
+from eyas.spec.verifier import accept_tree, accept_tree_greedy, accept_tree_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -182,6 +184,65 @@ def test_a_tree_per_sequence_equals_each_sequence_on_its_own(max_nodes, max_widt
                      (accept_tree_greedy_triton(target.to(DEV), nodes.to(DEV), on_dev)[:3], "triton")]:
         for w, g, name in zip(want, got, ("path", "num_accepted", "bonus")):
             assert torch.equal(w, g.cpu()), (how, name, w, g)
+
+
+def check_sampler(tree, nodes: torch.Tensor, target: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
+    """`accept_tree` == `accept_tree_reference` at soft distributions drawn around `target` (mostly a draft token:
+    deep paths), some tokens at probability 0, and the node tokens as given (siblings may repeat a token)."""
+    B, N1 = nodes.shape
+    soft = torch.softmax(torch.randn(B, N1, V, generator=rng) * 2, -1)
+    mix = torch.rand(B, N1, 1, generator=rng)
+    probs = mix * soft + (1 - mix) * torch.nn.functional.one_hot(target, V).float()
+    probs = probs.masked_fill(torch.rand(B, N1, V, generator=rng) < 0.2, 0.0)
+    seeds, counters = torch.randint(0, 10**6, (B,), generator=rng), torch.randint(0, 10**4, (B,), generator=rng)
+    want = accept_tree_reference(probs, nodes, tree, seeds, counters)
+    for triton in (False, True):  # the uniforms in torch ops, or in one Triton launch
+        got = accept_tree(probs.to(DEV), nodes.to(DEV), tree.to(DEV) if isinstance(tree, Tree) else tree,
+                          seeds.to(DEV), counters.to(DEV), use_triton=triton)
+        for w, g, name in zip(want, got, ("path", "num_accepted", "bonus")):
+            assert torch.equal(w, g.cpu()), (triton, name, w, g)
+    return want[1]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 700), st.booleans(), st.integers(0, 10**6))
+def test_triton_uniforms_are_the_reference_bits(B, M, shared, seed):
+    """`uniform_triton` == `uniform` bit for bit: any int64 seeds (negative too), counters and indices, an index
+    per row or one for all rows."""
+    from eyas.kernels.uniform import uniform_triton
+    from eyas.layers.sampler import uniform
+    g = torch.Generator().manual_seed(seed)
+    seeds = torch.randint(-2**63, 2**63 - 1, (B,), generator=g)
+    counters = torch.randint(0, 2**40, (B,), generator=g)
+    index = torch.randint(0, 2**31, (M,) if shared else (B, M), generator=g)
+    want = uniform(seeds[:, None], counters[:, None], index)
+    got = uniform_triton(seeds.to(DEV), counters.to(DEV), index.to(DEV)).cpu()
+    assert got.shape == (B, M) and torch.equal(got, want.expand(B, M))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 40), st.integers(1, 4), st.integers(1, 6), st.booleans(), st.integers(0, 10**6))
+def test_the_sampler_equals_the_walk(max_nodes, max_width, B, repeats, seed):
+    rng = torch.Generator().manual_seed(seed)
+    tree = random_tree(rng, max_nodes, max_width)
+    nodes, target = case(tree, B, rng)
+    if repeats:  # tokens drawn anew, siblings' too: a repeated sibling token is worth nothing the second time
+        nodes = torch.randint(4, (B, tree.num_nodes + 1), generator=rng)
+    check_sampler(tree, nodes, target, rng)
+
+
+def test_the_sampler_equals_the_walk_on_the_presets_and_dynamic_trees():
+    rng = torch.Generator().manual_seed(0)
+    deepest = {}
+    for name in ("chain:0", "chain:3", "tree:8", "tree:smollm2_48d5", "tree:mc_sim_7b_63"):
+        tree = resolve_tree(name) if name != "chain:0" else Tree.chain(0)  # chain:0: plain sampled decoding
+        nodes, target = case(tree, 64, rng)
+        deepest[name] = int(check_sampler(tree, nodes, target, rng).max())
+    assert deepest["tree:smollm2_48d5"] >= 3 and deepest["chain:3"] == 3  # deep paths were walked
+    trees = [random_tree(rng, 12, 3) for _ in range(40)]
+    trees = [t for t in trees if t.num_nodes == 12][:4]
+    rows = [case(t, 1, rng) for t in trees]
+    check_sampler(step_tree_of(trees), torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]), rng)
 
 
 def check_replay(tree: Tree, B: int, seed: int, R: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ _EXPORTS = {
     "swiglu_triton": "swiglu",
     "topk_indices_triton": "chunk_topk",
     "accept_tree_greedy_triton": "accept_greedy",
+    "uniform_triton": "uniform",
     "carry_inputs_triton": "carry",
     "draft_pairs_triton": "draft_pairs",
     "draft_pairs_reference": "draft_pairs",

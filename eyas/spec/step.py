@@ -286,7 +286,7 @@ def accept_phase(draft, d: Drafted, v: Verified, cache, inp: DecodeInputs, use_t
         probs = logits_to_probs(logits.view(B * N1, V), inp.temperature.repeat_interleave(N1),
                                 inp.top_k.repeat_interleave(N1), inp.top_p.repeat_interleave(N1),
                                 inp.min_p.repeat_interleave(N1), filters).view(B, N1, V)
-        path, num_accepted, bonus = accept_tree(probs, node_tokens, tree, inp.seeds, n)
+        path, num_accepted, bonus = accept_tree(probs, node_tokens, tree, inp.seeds, n, use_triton)
 
     # commit: the accepted path's K/V go to positions n..n+m, every layer at once (a bare root's are there already)
     D1 = path.shape[1]

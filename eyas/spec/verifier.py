@@ -1,6 +1,8 @@
 """Acceptance: which draft tokens of a verified tree are committed, and the bonus token after them.
 
-`accept_tree` walks the tree from the root, one depth at a time, for all sequences at once, with no host sync.
+`accept_tree` is where a sampled step accepts its tokens: it decides, for every node of every sequence at once,
+which child the walk would take from there, then follows those choices from the root (a few dozen kernels for any
+tree, with no host sync). `accept_tree_reference` is the walk itself, one round at a time; the two are held equal.
 
 Multi-round speculative sampling (SpecInfer; EAGLE's tree sampling). At the current node the target distribution is
 p (after temperature, top-k, top-p). The draft proposed its children greedily, so each child c_j is a point mass
@@ -35,13 +37,71 @@ def batched(tree, B: int, device):
 
 
 def accept_tree(probs: torch.Tensor, node_tokens: torch.Tensor, tree: Tree, seeds: torch.Tensor,
-                counters: torch.Tensor):
+                counters: torch.Tensor, use_triton: bool = False):
     """probs [B, N+1, V] target distribution at every node; node_tokens [B, N+1] (node 0 = root, the last committed
     token); seeds, counters [B] (counter = the root's position). `tree`: a static `Tree` or a step's dynamic trees.
 
     Returns path [B, D+1] (accepted node indices, root first, -1 padded), num_accepted [B] (draft tokens accepted),
-    bonus [B] (the token sampled after the last accepted node).
-    """
+    bonus [B] (the token sampled after the last accepted node). `use_triton`: the uniforms in one launch
+    (`eyas.kernels.uniform`, the same bits).
+
+    The rounds at a node need no vocabulary-wide work: child j's token has probability p_j under the node's
+    distribution, and the residual after rounds 1..j-1 rejected their tokens has the mass total - (p_1 + ... +
+    p_{j-1}) (siblings' tokens are distinct; a repeated one is worth 0, as in the walk). So round j accepts iff
+    u_j * (total - p_1 - ... - p_{j-1}) < p_j, for every node at once ([B, N+1, W] tensors, the uniforms drawn
+    with the walk's indices), and the walk follows the first accepted child from the root, D gathers. Only the
+    bonus needs a whole distribution: the stop node's, with its children's tokens removed. The same law and the
+    same draws as `accept_tree_reference`; the residual's mass is a difference here where the walk sums it, so a
+    draw within float rounding of a threshold could fall the other way."""
+    B, N1, V = probs.shape
+    device = probs.device
+
+    def draws(index: torch.Tensor) -> torch.Tensor:  # the uniforms at the walk's indices, index [B, ...]
+        if use_triton:
+            from eyas.kernels.uniform import uniform_triton
+            return uniform_triton(seeds, counters, index.reshape(B, -1)).view(index.shape)
+        shape = (B,) + (1,) * (index.dim() - 1)
+        return uniform(seeds.view(shape), counters.view(shape), index)
+
+    if N1 == 1:  # plain sampled decoding: no rounds; the bonus, the walk's draw at index W of depth 0
+        none = torch.zeros(B, dtype=torch.long, device=device)
+        u = draws(torch.full((B, 1), tree.children.shape[-1], dtype=torch.long, device=device))[:, 0]
+        return none[:, None], none, sample_from(probs[:, 0], u)
+    _, depth, _, children = batched(tree, B, device)  # [B, N+1], [B, N+1, W]
+    W = children.shape[2]
+    D = tree.max_depth
+    cols = torch.arange(W, device=device)
+    valid = children >= 0  # the walk's rounds at a node of depth d stop at topk_per_level[d]: its children are fewer
+    tok = node_tokens.gather(1, children.clamp(min=0).reshape(B, N1 * W)).view(B, N1, W)
+    repeat = ((tok[..., :, None] == tok[..., None, :]) & valid[..., None, :]
+              & (cols[None, :] < cols[:, None])).any(-1)  # [b, n, j]: an earlier tried sibling has j's token
+    p = torch.where(valid & ~repeat, probs.gather(2, tok), 0.0)  # [B, N+1, W]
+    left = probs.sum(-1, keepdim=True) - (p.cumsum(-1) - p)  # the residual's mass when round j begins
+    u = draws(depth[..., None] * (W + 1) + torch.arange(W + 1, device=device))  # [B, N+1, W+1]
+    ok = valid & (u[..., :W] * left < p)
+    step = torch.where(ok.any(-1), children.gather(2, ok.long().argmax(-1, keepdim=True)).squeeze(-1), -1)
+    rows = torch.arange(B, device=device)
+    cur = torch.zeros(B, dtype=torch.long, device=device)
+    path = torch.full((B, D + 1), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    alive = torch.ones(B, dtype=torch.bool, device=device)
+    for d in range(D):
+        nxt = step[rows, cur]
+        alive &= nxt >= 0
+        cur = torch.where(alive, nxt, cur)
+        path[:, d + 1] = torch.where(alive, nxt, -1)
+    # the bonus: the stop node's distribution without its children's tokens (each was tried and rejected)
+    removed = torch.zeros(B, V + 1, dtype=torch.bool, device=device)
+    removed.scatter_(1, torch.where(valid[rows, cur], tok[rows, cur], V), True)
+    residual = probs[rows, cur].masked_fill(removed[:, :V], 0.0)
+    bonus = sample_from(residual, u[rows, cur, W])
+    return path, depth[rows, cur], bonus
+
+
+def accept_tree_reference(probs: torch.Tensor, node_tokens: torch.Tensor, tree: Tree, seeds: torch.Tensor,
+                          counters: torch.Tensor):
+    """`accept_tree` as the walk: one round at a time down the accepted path, each round on the whole residual
+    distribution (depth x width rounds of several kernels each)."""
     B, _, V = probs.shape
     device = probs.device
     children = batched(tree, B, device)[3]
