@@ -87,3 +87,19 @@ def test_generate_tensor_parallel_2_equals_1(tmp_path, capfd, monkeypatch):
             m.setenv(k, v)
         assert main(common + ["--tensor-parallel", "3"]) != 0
     assert "torchrun started 2 processes" in capfd.readouterr().err
+
+
+def test_commands_without_the_servers_dependencies():
+    """Where fastapi is missing (a GPU machine with torch alone), `eyas serve` and `eyas run-batch` are left out and
+    every other command still parses; before, run-batch's parser imported the server and took the whole CLI down."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['fastapi'] = None\n"  # `import fastapi` now raises ImportError
+            "from eyas.cli import build_parser\n"
+            "p = build_parser()\n"
+            "names = set(p._subparsers._group_actions[0].choices)\n"
+            "assert {'generate', 'bench', 'train-draft'} <= names and not names & {'serve', 'run-batch'}, names\n"
+            "a = p.parse_args(['bench', 'latency', '--temperature', '1'])\n"
+            "assert a.temperature == 1.0\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
