@@ -23,6 +23,35 @@ def mt_bench_first_turns(n: int | None = None) -> list[str]:
     return qs[:n] if n else qs
 
 
+# ---- KV pools of CPU engines -----------------------------------------------------------------------------------------
+# Without num_blocks or kv_cache_bytes an engine sizes its KV pool from a 1 GiB budget on the CPU
+# (`LLMEngine._blocks_from_memory`): ~170k blocks for a tiny test model, whose zeroing took 0.3-0.6 s an engine, 340 s
+# of the suite's summed time in its ~1,000 pools. Here such a CPU engine gets at most CPU_POOL_BLOCKS blocks (64k
+# tokens at block_size 16, 16k at 4: more than any test holds); SmolLM2's pools (1,409 blocks with its draft, 1,456
+# without) are below that and keep their size. Engines in other processes (tensor-parallel ranks, subprocesses) keep
+# the budget's pool.
+CPU_POOL_BLOCKS = 4096
+
+
+def _cap_cpu_pools():
+    from eyas.engine.engine import LLMEngine
+    sized = LLMEngine._blocks_from_memory
+    if getattr(sized, "_eyas_capped", False):
+        return
+
+    def capped(self, target, draft):
+        n = sized(self, target, draft)
+        if self.config.kv_cache_bytes is None and next(target.parameters()).device.type == "cpu":
+            return min(n, CPU_POOL_BLOCKS)
+        return n
+
+    capped._eyas_capped = True
+    LLMEngine._blocks_from_memory = capped
+
+
+_cap_cpu_pools()
+
+
 # ---- memory: engines that tests leave in reference cycles ----------------------------------------------------------
 # An LLM is freed by reference counting once dropped, but a test that patches one of its engine's methods with a
 # closure over the LLM (to count steps, say) makes a cycle, which only the cycle collector frees; it runs by object
@@ -63,15 +92,23 @@ def smollm2():
     return LLM("smollm2", device="cpu", dtype="float32")
 
 
+_SMOLLM2_TOKENIZER: list = []
+
+
 def smollm2_tokenizer():
-    """SmolLM2's tokenizer alone (skips when the model package is absent)."""
+    """SmolLM2's tokenizer alone (skips when the model package is absent): read from the GGUF file once per process
+    (~4 s, the reader walks the file's metadata fields one by one), a copy of it (~0.2 s) for each caller."""
+    import copy
+
     from eyas.loader.gguf import load_gguf_tokenizer
     from eyas.loader.resolve import smollm2_path
-    try:
-        path = smollm2_path()
-    except ValueError as e:
-        pytest.skip(str(e))
-    return load_gguf_tokenizer(path)
+    if not _SMOLLM2_TOKENIZER:
+        try:
+            path = smollm2_path()
+        except ValueError as e:
+            pytest.skip(str(e))
+        _SMOLLM2_TOKENIZER.append(load_gguf_tokenizer(path))
+    return copy.deepcopy(_SMOLLM2_TOKENIZER[0])
 
 
 # ---- every interpreted Triton launch, recorded for tests/test_zz_sm90.py ------------------------------------------
