@@ -23,6 +23,13 @@ INTERPRETED_ONLY_REASON = ("runs Triton on CPU tensors, which only the interpret
                            "conftest.py where there is no GPU); the compiled kernels have their own GPU tests")
 interpreted_only = pytest.mark.skipif(NO_CPU_TRITON, reason=INTERPRETED_ONLY_REASON)
 
+# `max_model_len` of the tiny models' engines on the interpreted Triton path, whose cost is per program launched. The
+# attention's prefix split count follows the context bucket (`ModelRunner.context_bound`): 512 at the tiny models'
+# 512 positions, cut into 8 splits of which these short contexts fill one. At 128 the block table is 144 tokens wide,
+# cut into 2 splits: still a prefix in several splits that the reduction merges, with a third of the split tree
+# kernel's programs (9 to 3 a kv head: the splits and the suffix) and a quarter of the prefix kernel's.
+SHORT_CONTEXT = 128
+
 
 def tiny_llama_config(vocab=40, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=None, tie=False,
                       rope_scaling=None, max_pos=512, **kw):

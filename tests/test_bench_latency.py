@@ -9,7 +9,7 @@ import torch
 from eyas.bench.latency import rates_from_tpc_report, split_modes, spread, suggest_dispatch
 from eyas.cli import main
 from eyas.spec.dispatch import compose_dispatch, parse_dispatch
-from helpers import interpreted_only, write_mirror_pair
+from helpers import SHORT_CONTEXT, interpreted_only, write_mirror_pair
 
 
 def test_split_modes_keeps_a_dispatch_together():
@@ -315,7 +315,8 @@ def test_replayed_acceptance_on_the_triton_path_equals_the_torch_path(tmp_path):
     ranks = torch.where(torch.rand(64, 6, generator=g) < 0.8, 0, torch.randint(1, 3, (64, 6), generator=g))
     outs = []
     for triton in (False, True):
-        llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation="tree:8")
+        llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation="tree:8",
+                  max_model_len=SHORT_CONTEXT)
         llm.engine.runner.use_triton = triton
         simulate_acceptance(llm.engine, ranks)
         got = llm.generate([[1, 2, 3], [4, 5]], [SamplingParams(max_tokens=10, ignore_eos=True, seed=s)

@@ -24,7 +24,7 @@ from eyas.kernels.decode_linear import (DecodeLinearConfig, TileConfig, decode_l
                                         default_decode_config, default_tile_config, k_parts)
 from eyas.layers.rotary import RotaryEmbedding  # noqa: E402
 from eyas.models.fused import enable_fast_path  # noqa: E402
-from helpers import write_random_draft, write_tiny_llama  # noqa: E402
+from helpers import SHORT_CONTEXT, write_random_draft, write_tiny_llama  # noqa: E402
 
 DEV = "cpu" if INTERPRET else "cuda"
 gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
@@ -458,7 +458,8 @@ def tiny(tmp_path_factory):
 
 
 def _llm(paths, one_row, draft=None, spec=None, dtype="float32", few_rows=False, triton_attention=True):
-    llm = LLM(str(paths[0]), device=DEV, dtype=dtype, draft=str(draft) if draft else None, speculation=spec)
+    llm = LLM(str(paths[0]), device=DEV, dtype=dtype, draft=str(draft) if draft else None, speculation=spec,
+              max_model_len=SHORT_CONTEXT)
     for m in (llm.target, llm.draft):
         if m is not None:
             enable_fast_path(m, one_row=one_row, few_rows=bool(few_rows))

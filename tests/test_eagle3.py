@@ -13,7 +13,8 @@ from eyas import LLM, SamplingParams
 from eyas.loader.eagle import load_draft
 from eyas.loader.resolve import load_target
 from eyas.spec.draft_vocab import draft_topk
-from helpers import eagle3_weights, interpreted_only, write_checkpoint, write_eagle3_draft, write_tiny_llama
+from helpers import (SHORT_CONTEXT, eagle3_weights, interpreted_only, write_checkpoint, write_eagle3_draft,
+                     write_tiny_llama)
 
 V, L = 48, 8  # vocabulary, target layers: features from the inputs of layers 2, 4 and 5
 
@@ -197,7 +198,8 @@ def test_the_fast_path_with_an_eagle3_draft_equals_plain(pair):
     target_dir, draft_dir = pair
     prompts, params = [[1, 5, 9, 13]], SamplingParams(max_tokens=3, ignore_eos=True)  # (the interpreter is slow)
     want = [o.token_ids for o in LLM(str(target_dir), device="cpu", dtype="float32").generate(prompts, params)]
-    llm = LLM(str(target_dir), device="cpu", dtype="float32", draft=str(draft_dir), speculation="chain:2")
+    llm = LLM(str(target_dir), device="cpu", dtype="float32", draft=str(draft_dir), speculation="chain:2",
+              max_model_len=SHORT_CONTEXT)
     for model in (llm.target, llm.draft):
         enable_fast_path(model)
     llm.engine.runner.use_triton = True

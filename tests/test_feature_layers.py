@@ -17,8 +17,8 @@ from eyas.loader.eagle import load_draft
 from eyas.loader.resolve import load_target
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
-from helpers import (assert_draft_state, feature_draft_from, interpreted_only, write_distill_setup, write_mirror_pair,
-                     write_random_draft, write_tiny_llama)
+from helpers import (SHORT_CONTEXT, assert_draft_state, feature_draft_from, interpreted_only, write_distill_setup,
+                     write_mirror_pair, write_random_draft, write_tiny_llama)
 
 
 def rms(x, eps):
@@ -203,7 +203,7 @@ def test_fast_path_with_a_feature_layer_draft_equals_reference(mirror):
     tdir, _, _, noisy = mirror
     prompts, params = prompts5()[:2], SamplingParams(max_tokens=6, ignore_eos=True)
     ref = plain(tdir, prompts, params)
-    m = llm(tdir, noisy, "tree:8")
+    m = llm(tdir, noisy, "tree:8", max_model_len=SHORT_CONTEXT)
     for model in (m.target, m.draft):
         enable_fast_path(model)
     m.engine.runner.use_triton = True

@@ -28,7 +28,7 @@ from eyas.layers.rotary import RotaryEmbedding  # noqa: E402
 from eyas.models.eagle import EagleDraft  # noqa: E402
 from eyas.models.fused import enable_fast_path, fuse_projections, hf_state_dict, use_fused_ops  # noqa: E402
 from eyas.models.llama import LlamaForCausalLM  # noqa: E402
-from helpers import write_random_draft, write_tiny_llama  # noqa: E402
+from helpers import SHORT_CONTEXT, write_random_draft, write_tiny_llama  # noqa: E402
 
 DEV = "cpu" if INTERPRET else "cuda"
 gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
@@ -436,7 +436,8 @@ def test_greedy_generation_with_the_fast_path_equals_reference(pair, spec):
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [7]]
     # 4 tokens: tree:8's verify passes run at batch 3 (27 rows) twice, then at batch 2 (18) after a row finishes
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    kw = dict(device=DEV, dtype="float32", draft=str(draft) if spec else None, speculation=spec)
+    kw = dict(device=DEV, dtype="float32", draft=str(draft) if spec else None, speculation=spec,
+              max_model_len=SHORT_CONTEXT)
     ref_llm = LLM(str(target), **kw)
     ref_llm.engine.runner.use_triton = False
     for m in (ref_llm.target, ref_llm.draft):
@@ -461,7 +462,7 @@ def test_greedy_generation_with_folded_norms_equals_reference(pair):
     target, _ = pair
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [7]]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    kw = dict(device=DEV, dtype="float32")
+    kw = dict(device=DEV, dtype="float32", max_model_len=SHORT_CONTEXT)
     ref_llm = LLM(str(target), **kw)
     ref_llm.engine.runner.use_triton = False
     use_fused_ops(ref_llm.target, False)

@@ -16,7 +16,7 @@ from eyas import LLM, SamplingParams  # noqa: E402
 from eyas.kernels.spec_prologue import (root_row_reference, root_row_triton, step_indices_reference,  # noqa: E402
                                         step_indices_triton)
 from eyas.spec.tree import resolve_tree  # noqa: E402
-from helpers import write_mirror_pair  # noqa: E402
+from helpers import SHORT_CONTEXT, write_mirror_pair  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -81,7 +81,8 @@ def test_engine_with_the_fused_prologue_equals_plain_decoding(tiny, monkeypatch,
     runs = {}
     for fused in (False, True):  # the unfused run on the PyTorch path: the interpreted kernels are CI's slowest part
         monkeypatch.setattr(step, "FUSED_PROLOGUE", fused)
-        llm = LLM(str(target), device=DEV, dtype="float32", draft=str(draft), speculation=spec)
+        llm = LLM(str(target), device=DEV, dtype="float32", draft=str(draft), speculation=spec,
+                  max_model_len=SHORT_CONTEXT)
         llm.engine.runner.use_triton = fused
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == want
