@@ -970,11 +970,12 @@ def test_small_linears_let_the_next_launch_in_before_their_wait():
 def test_catch_up_on_the_rows_path_equals_the_torch_path(tiny, monkeypatch, prompts, spec):
     """`eyas.spec.drafter.CATCHUP_ROWS` (on by default): the draft's catch-up on the tile kernels through a stash,
     committed to the draft cache in one launch, gives the tokens and the target logits of the PyTorch path (the
-    draft's later proposals read the K/V it committed); the catch-ups took it (forward_draft_rows at stash row 0,
-    where a tree level's rows start at 1 or later)."""
+    draft's later proposals read the K/V it committed: three tokens, two verify passes, each tree drafted over the
+    K/V the catch-ups before it committed); the catch-ups took it (forward_draft_rows at stash row 0, where a tree
+    level's rows start at 1 or later)."""
     from eyas.models import one_row as mod
     from eyas.spec import drafter
-    ref = _run_recording(tiny, False, prompts, 4, tiny[1], spec, triton_attention=False)
+    ref = _run_recording(tiny, False, prompts, 3, tiny[1], spec, triton_attention=False)
     catch_ups = []
     rows = mod.forward_draft_rows
 
@@ -983,6 +984,6 @@ def test_catch_up_on_the_rows_path_equals_the_torch_path(tiny, monkeypatch, prom
         return rows(draft, pairs, positions, meta, *a, **k)
     monkeypatch.setattr(mod, "forward_draft_rows", counting)
     monkeypatch.setattr(drafter, "CATCHUP_ROWS", True)
-    got = _run_recording(tiny, True, prompts, 4, tiny[1], spec, few_rows=64)
+    got = _run_recording(tiny, True, prompts, 3, tiny[1], spec, few_rows=64)
     assert sum(catch_ups) >= 2
     _same(got, ref)
