@@ -552,7 +552,10 @@ def test_server_rejects_bad_guides_with_400(guided_server):
 @pytest.mark.slow
 def test_smollm2_json_schema_with_its_draft(smollm2):
     """SmolLM2 asked for JSON under a schema: the shipped draft's chain and tree give the plain guided tokens, the
-    outputs parse and hold the schema's keys, and the draft still gets tokens accepted."""
+    outputs parse and hold the schema's keys, and the draft still gets tokens accepted. (The tree's engine is built
+    on the chain's loaded target and draft, as `LLM` builds one: the GGUF file is read once.)"""
+    from eyas.engine.llm import build_engine
+    from eyas.spec.tree import resolve_tree
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                                "colour": {"type": "string"}}, "required": ["name", "age", "colour"]}
     conv = [[{"role": "user", "content": "Describe a cat as JSON with its name, age and colour."}],
@@ -562,8 +565,10 @@ def test_smollm2_json_schema_with_its_draft(smollm2):
     plain = smollm2.chat(conv, params)
     for o in plain:
         assert o.finish_reason == "stop" and set(json.loads(o.text)) == {"name", "age", "colour"}, o.text
+    llm = LLM("smollm2", device="cpu", dtype="float32", draft="default", speculation="chain:3")
     for spec in ("chain:3", "tree:8"):
-        llm = LLM("smollm2", device="cpu", dtype="float32", draft="default", speculation=spec)
+        if spec == "tree:8":
+            llm.engine = build_engine(llm.target, llm.tokenizer, llm.draft, resolve_tree(spec), spec)
         out = llm.chat(conv, params)
         assert [o.token_ids for o in out] == [o.token_ids for o in plain], spec
         assert sum(o.stats.committed for o in out) > 1.5 * sum(o.stats.target_calls for o in out), spec
