@@ -85,7 +85,10 @@ def test_min_admit_batches_admissions_and_changes_no_token(tiny_dir, alone_greed
 
 def test_seeded_sampling_reproducible_and_batch_independent(tiny_dir):
     llm = LLM(str(tiny_dir), device="cpu", dtype="float32")
-    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=s, ignore_eos=True) for s in range(8)]
+    # half of them filter (top-p), half do not: alone, those take the softmax's path (`accept_tree_logits`), in the
+    # batch the filters' (`accept_tree` on the filtered probabilities), and must sample the same tokens
+    params = [SamplingParams(temperature=1.0, top_p=0.9 if s % 2 else 1.0, max_tokens=20, seed=s, ignore_eos=True)
+              for s in range(8)]
     together = [o.token_ids for o in llm.generate(prompts8(), params)]
     again = [o.token_ids for o in llm.generate(prompts8()[::-1], params[::-1])][::-1]
     alone = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts8(), params)]

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from eyas.spec.tree import PRESETS, Tree, resolve_tree  # noqa: E402
-from eyas.spec.verifier import accept_tree, accept_tree_greedy, accept_tree_reference  # noqa: E402
+from eyas.layers.sampler import logits_to_probs, race_sample, row_stats  # noqa: E402
+from eyas.spec.verifier import accept_tree, accept_tree_greedy, accept_tree_logits, accept_tree_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -186,7 +187,7 @@ def test_a_tree_per_sequence_equals_each_sequence_on_its_own(max_nodes, max_widt
             assert torch.equal(w, g.cpu()), (how, name, w, g)
 
 
-def check_sampler(tree, nodes: torch.Tensor, target: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
+def check_sampler(tree, nodes: torch.Tensor, target: torch.Tensor, rng: torch.Generator, dev_tree=None) -> torch.Tensor:
     """`accept_tree` == `accept_tree_reference` at soft distributions drawn around `target` (mostly a draft token:
     deep paths), some tokens at probability 0, and the node tokens as given (siblings may repeat a token)."""
     B, N1 = nodes.shape
@@ -196,11 +197,16 @@ def check_sampler(tree, nodes: torch.Tensor, target: torch.Tensor, rng: torch.Ge
     probs = probs.masked_fill(torch.rand(B, N1, V, generator=rng) < 0.2, 0.0)
     seeds, counters = torch.randint(0, 10**6, (B,), generator=rng), torch.randint(0, 10**4, (B,), generator=rng)
     want = accept_tree_reference(probs, nodes, tree, seeds, counters)
+    # the bonus raced on logits whose softmax is probs (the filtered steps' way: `race`)
+    race = (probs.log(), torch.ones(B))
+    want_race = accept_tree_reference(probs, nodes, tree, seeds, counters, race=race)
+    assert torch.equal(want[0], want_race[0]) and torch.equal(want[1], want_race[1])
     for triton in (False, True):  # the uniforms in torch ops, or in one Triton launch
-        got = accept_tree(probs.to(DEV), nodes.to(DEV), tree.to(DEV) if isinstance(tree, Tree) else tree,
-                          seeds.to(DEV), counters.to(DEV), use_triton=triton)
-        for w, g, name in zip(want, got, ("path", "num_accepted", "bonus")):
-            assert torch.equal(w, g.cpu()), (triton, name, w, g)
+        for r, w_all in ((None, want), (race, want_race)):
+            got = accept_tree(probs.to(DEV), nodes.to(DEV), dev_tree or tree.to(DEV), seeds.to(DEV),
+                              counters.to(DEV), use_triton=triton, race=r and tuple(x.to(DEV) for x in r))
+            for w, g, name in zip(w_all, got, ("path", "num_accepted", "bonus")):
+                assert torch.equal(w, g.cpu()), (triton, r is None, name, w, g)
     return want[1]
 
 
@@ -242,7 +248,86 @@ def test_the_sampler_equals_the_walk_on_the_presets_and_dynamic_trees():
     trees = [random_tree(rng, 12, 3) for _ in range(40)]
     trees = [t for t in trees if t.num_nodes == 12][:4]
     rows = [case(t, 1, rng) for t in trees]
-    check_sampler(step_tree_of(trees), torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]), rng)
+    check_sampler(step_tree_of(trees), torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]), rng,
+                  step_tree_of([t.to(DEV) for t in trees]))
+
+
+def check_logits_sampler(tree, nodes: torch.Tensor, target: torch.Tensor, rng: torch.Generator,
+                         dev_tree=None) -> torch.Tensor:
+    """`accept_tree_logits` (torch, and Triton) == the walk on softmax(logits / t) with the race's bonus
+    (`accept_tree_reference(..., race=)`): bf16 logits peaked at `target` (deep paths), a greedy row or more, tokens
+    masked to -inf as a grammar masks them (never a whole row), the node tokens as given."""
+    B, N1 = nodes.shape
+    logits = torch.randn(B, N1, V, generator=rng) * 2
+    logits += torch.nn.functional.one_hot(target, V) * 6 * torch.rand(B, N1, 1, generator=rng)
+    masked = (torch.rand(B, N1, V, generator=rng) < 0.2) & (torch.nn.functional.one_hot(target, V) == 0)
+    logits = logits.masked_fill(masked, float("-inf")).bfloat16()
+    temp = torch.tensor([0.0, 0.5, 1.0, 2.0])[torch.randint(4, (B,), generator=rng)]
+    seeds, counters = torch.randint(0, 10**6, (B,), generator=rng), torch.randint(0, 10**4, (B,), generator=rng)
+    flat = B * N1
+    probs = logits_to_probs(logits.view(flat, V), temp.repeat_interleave(N1), torch.zeros(flat, dtype=torch.long),
+                            torch.ones(flat), filters=False).view(B, N1, V)
+    want = accept_tree_reference(probs, nodes, tree, seeds, counters, race=(logits, temp))
+    on = [x.to(DEV) for x in (logits, temp, nodes)]
+    for triton in (False, True):  # every pass in torch ops, or the Triton passes (`eyas.kernels.race`)
+        got = accept_tree_logits(*on, dev_tree or tree.to(DEV), seeds.to(DEV), counters.to(DEV), use_triton=triton)
+        for w, g, name in zip(want, got, ("path", "num_accepted", "bonus")):
+            assert torch.equal(w, g.cpu()), (triton, name, temp, w, g)
+    return want[1]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 40), st.integers(1, 4), st.integers(1, 6), st.booleans(), st.integers(0, 10**6))
+def test_the_logits_sampler_equals_the_walk(max_nodes, max_width, B, repeats, seed):
+    rng = torch.Generator().manual_seed(seed)
+    tree = random_tree(rng, max_nodes, max_width)
+    nodes, target = case(tree, B, rng)
+    if repeats:
+        nodes = torch.randint(4, (B, tree.num_nodes + 1), generator=rng)
+    check_logits_sampler(tree, nodes, target, rng)
+
+
+def test_the_logits_sampler_equals_the_walk_on_the_presets_and_dynamic_trees():
+    rng = torch.Generator().manual_seed(1)
+    deepest = {}
+    for name in ("chain:0", "chain:3", "tree:8", "tree:smollm2_48d5"):
+        tree = resolve_tree(name) if name != "chain:0" else Tree.chain(0)
+        nodes, target = case(tree, 32, rng)
+        deepest[name] = int(check_logits_sampler(tree, nodes, target, rng).max())
+    assert deepest["tree:smollm2_48d5"] >= 3 and deepest["chain:3"] == 3
+    trees = [t for t in (random_tree(rng, 12, 3) for _ in range(40)) if t.num_nodes == 12][:4]
+    rows = [case(t, 1, rng) for t in trees]
+    check_logits_sampler(step_tree_of(trees), torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]), rng,
+                         step_tree_of([t.to(DEV) for t in trees]))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 4), st.sampled_from([7, 2048, 4100]), st.integers(0, 3), st.booleans(), st.integers(0, 10**6))
+def test_triton_race_and_row_stats_equal_their_references(R, vocab, W, picked_rows, seed):
+    """`race_sample_triton` == `race_sample` and `row_stats_triton` == `row_stats`: one chunk, exactly one, and
+    several with a partial last one; greedy rows; -inf tokens; excluded tokens (the max among them too, and
+    repeats); the race's rows picked out of a larger logits tensor as a step's stop nodes are."""
+    from eyas.kernels.race import race_sample_triton, row_stats_triton
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(R + 2, vocab, generator=g) * 3).masked_fill(
+        torch.rand(R + 2, vocab, generator=g) < 0.1, float("-inf")).bfloat16()
+    rows = torch.randperm(R + 2, generator=g)[:R] if picked_rows else torch.arange(R)
+    temp = torch.tensor([0.0, 0.7, 1.0, 1.5])[torch.randint(4, (R,), generator=g)]
+    seeds = torch.randint(-2**62, 2**62, (R,), generator=g)
+    counters, base = torch.randint(0, 2**20, (R,), generator=g), torch.randint(0, 2**41, (R,), generator=g)
+    exclude = torch.randint(-1, vocab, (R, W), generator=g)
+    if W:
+        exclude[:, 0] = logits[rows].float().argmax(-1)
+    want = race_sample(logits[rows], temp, seeds, counters, base, exclude if W else None)
+    args = [x.to(DEV) for x in (logits, temp, seeds, counters, base)]
+    got = race_sample_triton(*args, exclude.to(DEV) if W else None, rows=rows.to(DEV) if picked_rows else None)
+    assert torch.equal(got.cpu(), want)
+    if W:
+        assert not (want[:, None] == exclude).any()
+    M, Z, top = row_stats(logits[rows], temp)
+    tM, tZ, ttop = (x.cpu() for x in row_stats_triton(logits[rows].to(DEV), temp.to(DEV)))
+    assert torch.equal(ttop, top) and torch.equal(tM, M)
+    torch.testing.assert_close(tZ, Z, rtol=1e-5, atol=0)
 
 
 def check_replay(tree: Tree, B: int, seed: int, R: int) -> torch.Tensor:

@@ -4,8 +4,12 @@ Randomness is a pure function of (request seed, position, stream index): `unifor
 three with splitmix64. A request's draws therefore depend only on its own seed and positions, never on what else is
 in the batch, and the same ops run inside a CUDA graph.
 
-Sampling from a distribution p uses the inverse CDF with one uniform: the first token whose cumulative mass exceeds
-u * sum(p). Greedy rows (temperature 0) become one-hot distributions, so the same code serves them exactly.
+A decode step's tokens (plain sampled decoding's, and the bonus after a speculative step's accepted path) are drawn
+by an exponential race (`race_sample`): the token with the largest logit / t - log(E), E ~ Exp(1) hashed per token,
+which is a draw of softmax(logits / t) in one pass over the logits, no normalised copy and no cumulative sum (the
+filters' rows race among the tokens their filtered distribution keeps). The first token after a prompt uses the
+inverse CDF with one uniform: the first token whose cumulative mass exceeds u * sum(p). Greedy rows (temperature 0)
+take the argmax (one-hot distributions), so the same code serves them exactly.
 
 Cumulative sums are taken in integers (`fixed_point_cumsum`): a float cumsum on CUDA is not reproducible bit for bit.
 A one-row cumsum goes through CUB's decoupled look-back scan, whose float additions associate as the tiles happen to
@@ -49,6 +53,56 @@ def uniform(seeds: torch.Tensor, counters: torch.Tensor, index: torch.Tensor | i
     h = splitmix64(h + (index if isinstance(index, int) else index.long()))
     bits = _shr(h, 40)  # 24 random bits
     return (bits.float() + 0.5) / float(1 << 24)
+
+
+# The race's uniforms: token i of a draw at `index_base` takes index index_base + i, far above the acceptance rounds'
+# indices (depth * (W + 1) + j) of the same (seed, counter).
+RACE_BASE = 1 << 40
+
+
+def race_exponentials(seeds: torch.Tensor, counters: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Exp(1) float32 draws, one per broadcast element of (seeds, counters, index): E = -log(1 - v), v = (k + 1) / 2^24
+    for the same 24 hashed bits k as `uniform` (log1p: a small E, the likely winner of a race, keeps its precision;
+    v <= 1 - 2^-24, so E is finite)."""
+    h = splitmix64(splitmix64(seeds.long()) ^ counters.long())
+    h = splitmix64(h + index.long())
+    v = (_shr(h, 40) + 1).clamp(max=(1 << 24) - 1).float() / float(1 << 24)
+    return -torch.log1p(-v)
+
+
+def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
+                index_base: torch.Tensor, exclude: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of softmax(logits / t), sampled by an exponential race: the token with the largest
+    x_i - log(E_i) (x = logits / t, E_i ~ Exp(1) independent), i.e. the first to arrive when token i arrives at time
+    E_i / p_i. P(i wins) = p_i exactly, with no sum over the vocabulary: the maximum of a row does not depend on the
+    order of its comparisons, so every device, stream and rank gets the same token, and a GPU needs one pass over the
+    row. Rows with t <= 0 take the argmax (the first maximum). logits [R, V]; temperature, seeds, counters,
+    index_base [R] (token i draws at index_base + i); exclude [R, W] token ids never drawn (-1: none), the tokens a
+    speculative step tried and rejected. `eyas.kernels.race.race_sample_triton` is the GPU's one pass."""
+    x = logits.float()
+    V = x.shape[-1]
+    t = temperature.float()
+    greedy = (t <= 0)[:, None]
+    x = x / torch.where(greedy[:, 0], torch.ones_like(t), t)[:, None]
+    E = race_exponentials(seeds[:, None], counters[:, None], index_base[:, None] + torch.arange(V, device=x.device))
+    score = torch.where(greedy, x, x - torch.log(E))
+    if exclude is not None:
+        hit = torch.zeros(x.shape[0], V + 1, dtype=torch.bool, device=x.device)
+        hit.scatter_(1, torch.where(exclude >= 0, exclude, V), True)
+        score = score.masked_fill(hit[:, :V], float("-inf"))
+    return score.argmax(-1)
+
+
+def row_stats(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(M, Z, top) of each row of x = logits / t (t <= 0: t = 1): M = max x, Z = sum exp(x - M) (so softmax(x)_i =
+    exp(x_i - M) / Z) and top = the argmax (its first maximum). logits [R, V], temperature [R]. What a sampled step's
+    acceptance needs of the vocabulary at every node; `eyas.kernels.race.row_stats_triton` is the GPU's pass."""
+    x = logits.float()
+    t = temperature.float()
+    x = x / torch.where(t <= 0, torch.ones_like(t), t)[:, None]
+    M = x.amax(-1)
+    shift = torch.where(M == float("-inf"), torch.zeros_like(M), M)
+    return M, torch.exp(x - shift[:, None]).sum(-1), logits.argmax(-1)
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

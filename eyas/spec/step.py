@@ -16,7 +16,7 @@ from eyas.layers.topk import argmax
 from eyas.spec.drafter import catch_up, causal_mask, expand_tree
 from eyas.spec.dynamic_tree import DynamicTree, StepTree, expand_dynamic
 from eyas.spec.tree import Tree
-from eyas.spec.verifier import accept_tree, accept_tree_greedy, simulate_accept, simulate_replay
+from eyas.spec.verifier import accept_tree, accept_tree_greedy, accept_tree_logits, simulate_accept, simulate_replay
 
 
 # The step's index work around the draft's catch-up in two Triton launches (`eyas.kernels.spec_prologue`): the root
@@ -126,7 +126,8 @@ def spec_step(target, draft, tree: Tree | DynamicTree, cache, draft_cache, inp: 
     rows 0..n-d-1 of `draft_hidden[slots]` ([num_slots, D+1, H], one row per running sequence, kept on the device).
     `all_greedy`: every request has temperature 0, so acceptance needs only the target's argmax (no sort over the
     vocabulary); the result is the same as the general path's. `filters=False`: no sampled request asks for top-k,
-    top-p or min-p, so the sampler's distribution is a softmax without a sort (`logits_to_probs`).
+    top-p or min-p, so the sampler's distribution is a softmax, accepted from the logits without a sort or a
+    normalised copy (`accept_tree_logits`).
     `simulated_accept` (benchmarks of random-weight models): per-depth acceptance rates (float [D]) or a real
     draft's recorded rank paths (integer [T, R], `simulate_replay`) replace the real acceptance.
 
@@ -282,11 +283,15 @@ def accept_phase(draft, d: Drafted, v: Verified, cache, inp: DecodeInputs, use_t
             path, num_accepted, bonus, packed = accept_tree_greedy_triton(argmax(logits), node_tokens, tree)
         else:
             path, num_accepted, bonus = accept_tree_greedy(argmax(logits), node_tokens, tree)
-    else:
+    elif not filters:  # sampled: the softmax's statistics, the children's probabilities and one race a sequence
+        path, num_accepted, bonus = accept_tree_logits(logits, inp.temperature, node_tokens, tree, inp.seeds, n,
+                                                       use_triton)
+    else:  # top-k, top-p or min-p: the filtered distributions, whole (the filters sort the vocabulary)
         probs = logits_to_probs(logits.view(B * N1, V), inp.temperature.repeat_interleave(N1),
                                 inp.top_k.repeat_interleave(N1), inp.top_p.repeat_interleave(N1),
                                 inp.min_p.repeat_interleave(N1), filters).view(B, N1, V)
-        path, num_accepted, bonus = accept_tree(probs, node_tokens, tree, inp.seeds, n, use_triton)
+        path, num_accepted, bonus = accept_tree(probs, node_tokens, tree, inp.seeds, n, use_triton,
+                                                race=(logits, inp.temperature))
 
     # commit: the accepted path's K/V go to positions n..n+m, every layer at once (a bare root's are there already)
     D1 = path.shape[1]

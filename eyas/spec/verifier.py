@@ -37,13 +37,16 @@ def batched(tree, B: int, device):
 
 
 def accept_tree(probs: torch.Tensor, node_tokens: torch.Tensor, tree: Tree, seeds: torch.Tensor,
-                counters: torch.Tensor, use_triton: bool = False):
+                counters: torch.Tensor, use_triton: bool = False, race: tuple | None = None):
     """probs [B, N+1, V] target distribution at every node; node_tokens [B, N+1] (node 0 = root, the last committed
     token); seeds, counters [B] (counter = the root's position). `tree`: a static `Tree` or a step's dynamic trees.
 
     Returns path [B, D+1] (accepted node indices, root first, -1 padded), num_accepted [B] (draft tokens accepted),
     bonus [B] (the token sampled after the last accepted node). `use_triton`: the uniforms in one launch
-    (`eyas.kernels.uniform`, the same bits).
+    (`eyas.kernels.uniform`, the same bits). `race` (logits [B, N+1, V], temperature [B]; probs their filtered
+    softmax): the bonus is raced on the stop node's logits among the tokens its residual keeps (`race_sample`), as
+    `accept_tree_logits` draws it, so that a request's tokens do not depend on whether another request in its batch
+    filters; without it, the residual's inverse CDF.
 
     The rounds at a node need no vocabulary-wide work: child j's token has probability p_j under the node's
     distribution, and the residual after rounds 1..j-1 rejected their tokens has the mass total - (p_1 + ... +
@@ -55,28 +58,123 @@ def accept_tree(probs: torch.Tensor, node_tokens: torch.Tensor, tree: Tree, seed
     draw within float rounding of a threshold could fall the other way."""
     B, N1, V = probs.shape
     device = probs.device
+    draws = _draws(seeds, counters, use_triton)
+    if N1 == 1:  # plain sampled decoding: no rounds; the bonus, the walk's draw at index W of depth 0
+        none = torch.zeros(B, dtype=torch.long, device=device)
+        if race is not None:
+            return none[:, None], none, _race_kept(race, probs[:, 0], none, none, seeds, counters, use_triton)
+        u = draws(torch.full((B, 1), tree.children.shape[-1], dtype=torch.long, device=device))[:, 0]
+        return none[:, None], none, sample_from(probs[:, 0], u)
+    tok, valid, repeat, depth, W = _children(node_tokens, tree, B)
+    p = torch.where(valid & ~repeat, probs.gather(2, tok), 0.0)  # [B, N+1, W]
+    path, cur, u = _rounds(p, probs.sum(-1, keepdim=True), tok, valid, depth, tree, draws)
+    # the bonus: the stop node's distribution without its children's tokens (each was tried and rejected)
+    rows = torch.arange(B, device=device)
+    removed = torch.zeros(B, V + 1, dtype=torch.bool, device=device)
+    removed.scatter_(1, torch.where(valid[rows, cur], tok[rows, cur], V), True)
+    residual = probs[rows, cur].masked_fill(removed[:, :V], 0.0)
+    if race is not None:
+        return path, depth[rows, cur], _race_kept(race, residual, cur, depth[rows, cur], seeds, counters, use_triton)
+    bonus = sample_from(residual, u[rows, cur, W])
+    return path, depth[rows, cur], bonus
 
-    def draws(index: torch.Tensor) -> torch.Tensor:  # the uniforms at the walk's indices, index [B, ...]
+
+def _race_kept(race: tuple, residual: torch.Tensor, cur: torch.Tensor, depth: torch.Tensor, seeds: torch.Tensor,
+               counters: torch.Tensor, use_triton: bool) -> torch.Tensor:
+    """The race at the stop nodes `cur` (depth [B]) among the tokens their residual [B, V] keeps."""
+    from eyas.layers.sampler import RACE_BASE, race_sample
+    logits, temperature = race
+    B, _, V = logits.shape
+    rows = torch.arange(B, device=logits.device)
+    x = logits[rows, cur].masked_fill(residual == 0, float("-inf"))
+    base = RACE_BASE + V * depth
+    if use_triton:
+        from eyas.kernels.race import race_sample_triton
+        return race_sample_triton(x, temperature.float(), seeds, counters, base)
+    return race_sample(x, temperature.float(), seeds, counters, base)
+
+
+def accept_tree_logits(logits: torch.Tensor, temperature: torch.Tensor, node_tokens: torch.Tensor, tree: Tree,
+                       seeds: torch.Tensor, counters: torch.Tensor, use_triton: bool = False):
+    """`accept_tree` for target distributions softmax(logits / t) with no top-k, top-p or min-p (a "sampled" step,
+    `eyas.layers.sampler.sampling_mode`; rows with t <= 0 are greedy), without the [B, N+1, V] probabilities: logits
+    [B, N+1, V] (any float dtype), temperature [B]; the rest and the outputs as `accept_tree`.
+
+    The rounds need p at the children's tokens only: p_j = exp(x_j - M) / Z with x = logits / t, and each node's
+    M = max x and Z = sum exp(x - M) come from one pass over the logits (`row_stats`; greedy rows: p_j = 1 at the
+    argmax, else 0). The bonus is drawn from the stop node's row by an exponential race with the rejected children
+    excluded (`race_sample`), so no row is ever normalised. `use_triton`: both passes and the uniforms in Triton
+    (`eyas.kernels.race`, `eyas.kernels.uniform`). The reference is `accept_tree_reference` with `race`."""
+    from eyas.layers.sampler import RACE_BASE, race_sample, row_stats
+    B, N1, V = logits.shape
+    device = logits.device
+    t = temperature.float()
+    if use_triton:
+        from eyas.kernels.race import race_sample_triton, row_stats_triton
+    bases = RACE_BASE + V * torch.arange(tree.max_depth + 1, device=device)  # a race's indices at each depth
+    if N1 == 1:  # plain sampled decoding: one race over the root's row
+        none = torch.zeros(B, dtype=torch.long, device=device)
+        base = bases[:1].expand(B)
+        if use_triton:
+            bonus = race_sample_triton(logits.view(B, V), t, seeds, counters, base)
+        else:
+            bonus = race_sample(logits.view(B, V), t, seeds, counters, base)
+        return none[:, None], none, bonus
+    tok, valid, repeat, depth, W = _children(node_tokens, tree, B)
+    flat_t = t.repeat_interleave(N1)
+    M, Z, top = (row_stats_triton if use_triton else row_stats)(logits.view(B * N1, V), flat_t)
+    M, Z, top = M.view(B, N1, 1), Z.view(B, N1, 1), top.view(B, N1, 1)
+    greedy = (t <= 0)[:, None, None]
+    x = logits.gather(2, tok).float() / torch.where(greedy, 1.0, t[:, None, None])
+    p = torch.where(greedy, (tok == top).float(), torch.exp(x - M) / Z)
+    p = torch.where(valid & ~repeat, p, 0.0)
+    path, cur, _ = _rounds(p, torch.ones_like(M), tok, valid, depth, tree, _draws(seeds, counters, use_triton))
+    rows = torch.arange(B, device=device)
+    exclude = torch.where(valid[rows, cur], tok[rows, cur], -1)  # the stop node's children, each tried and rejected
+    base = bases[depth[rows, cur]]
+    if use_triton:
+        bonus = race_sample_triton(logits.view(B * N1, V), t, seeds, counters, base, exclude, rows * N1 + cur)
+    else:
+        bonus = race_sample(logits[rows, cur], t, seeds, counters, base, exclude)
+    return path, depth[rows, cur], bonus
+
+
+def _draws(seeds: torch.Tensor, counters: torch.Tensor, use_triton: bool):
+    """index [B, ...] -> the uniforms at those indices of each row's (seed, counter)."""
+    B = seeds.shape[0]
+
+    def draws(index: torch.Tensor) -> torch.Tensor:
         if use_triton:
             from eyas.kernels.uniform import uniform_triton
             return uniform_triton(seeds, counters, index.reshape(B, -1)).view(index.shape)
         shape = (B,) + (1,) * (index.dim() - 1)
         return uniform(seeds.view(shape), counters.view(shape), index)
+    return draws
 
-    if N1 == 1:  # plain sampled decoding: no rounds; the bonus, the walk's draw at index W of depth 0
-        none = torch.zeros(B, dtype=torch.long, device=device)
-        u = draws(torch.full((B, 1), tree.children.shape[-1], dtype=torch.long, device=device))[:, 0]
-        return none[:, None], none, sample_from(probs[:, 0], u)
-    _, depth, _, children = batched(tree, B, device)  # [B, N+1], [B, N+1, W]
-    W = children.shape[2]
-    D = tree.max_depth
-    cols = torch.arange(W, device=device)
+
+def _children(node_tokens: torch.Tensor, tree, B: int):
+    """Every node's children's tokens tok [B, N+1, W], valid (a child there), repeat (an earlier sibling has its
+    token), the nodes' depths [B, N+1] and W."""
+    _, depth, _, children = batched(tree, B, node_tokens.device)  # [B, N+1], [B, N+1, W]
+    N1, W = children.shape[1], children.shape[2]
+    cols = torch.arange(W, device=node_tokens.device)
     valid = children >= 0  # the walk's rounds at a node of depth d stop at topk_per_level[d]: its children are fewer
     tok = node_tokens.gather(1, children.clamp(min=0).reshape(B, N1 * W)).view(B, N1, W)
     repeat = ((tok[..., :, None] == tok[..., None, :]) & valid[..., None, :]
               & (cols[None, :] < cols[:, None])).any(-1)  # [b, n, j]: an earlier tried sibling has j's token
-    p = torch.where(valid & ~repeat, probs.gather(2, tok), 0.0)  # [B, N+1, W]
-    left = probs.sum(-1, keepdim=True) - (p.cumsum(-1) - p)  # the residual's mass when round j begins
+    return tok, valid, repeat, depth, W
+
+
+def _rounds(p: torch.Tensor, total: torch.Tensor, tok: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor,
+            tree, draws):
+    """Every node's rounds at once (p [B, N+1, W] the children's probabilities, 0 where invalid or repeated; total
+    [B, N+1, 1] each node's mass), then the walk along the first accepted children: (path [B, D+1], the stop node
+    [B], the uniforms [B, N+1, W+1])."""
+    B, N1, W = p.shape
+    device = p.device
+    children = batched(tree, B, device)[3]
+    D = tree.max_depth
+    left = total - (p.cumsum(-1) - p)  # the residual's mass when round j begins
     u = draws(depth[..., None] * (W + 1) + torch.arange(W + 1, device=device))  # [B, N+1, W+1]
     ok = valid & (u[..., :W] * left < p)
     step = torch.where(ok.any(-1), children.gather(2, ok.long().argmax(-1, keepdim=True)).squeeze(-1), -1)
@@ -90,18 +188,16 @@ def accept_tree(probs: torch.Tensor, node_tokens: torch.Tensor, tree: Tree, seed
         alive &= nxt >= 0
         cur = torch.where(alive, nxt, cur)
         path[:, d + 1] = torch.where(alive, nxt, -1)
-    # the bonus: the stop node's distribution without its children's tokens (each was tried and rejected)
-    removed = torch.zeros(B, V + 1, dtype=torch.bool, device=device)
-    removed.scatter_(1, torch.where(valid[rows, cur], tok[rows, cur], V), True)
-    residual = probs[rows, cur].masked_fill(removed[:, :V], 0.0)
-    bonus = sample_from(residual, u[rows, cur, W])
-    return path, depth[rows, cur], bonus
+    return path, cur, u
 
 
 def accept_tree_reference(probs: torch.Tensor, node_tokens: torch.Tensor, tree: Tree, seeds: torch.Tensor,
-                          counters: torch.Tensor):
+                          counters: torch.Tensor, race: tuple[torch.Tensor, torch.Tensor] | None = None):
     """`accept_tree` as the walk: one round at a time down the accepted path, each round on the whole residual
-    distribution (depth x width rounds of several kernels each)."""
+    distribution (depth x width rounds of several kernels each). `race` (logits [B, N+1, V], temperature [B]; probs
+    their softmax, filtered or not): the bonus is raced on the stop node's logits among the tokens the residual
+    keeps (`accept_tree_logits`' reference, and `accept_tree`'s with `race`), where without it the residual is
+    sampled by its inverse CDF."""
     B, _, V = probs.shape
     device = probs.device
     children = batched(tree, B, device)[3]
@@ -132,8 +228,14 @@ def accept_tree_reference(probs: torch.Tensor, node_tokens: torch.Tensor, tree: 
             rejected = tried & ~ok
             residual[rows, tok] = torch.where(rejected, torch.zeros_like(p_tok), p_tok)
         stop_here = ~done & ~found
-        u = uniform(seeds, counters, d * (W + 1) + W)
-        bonus = torch.where(stop_here, sample_from(residual, u), bonus)
+        if race is None:
+            u = uniform(seeds, counters, d * (W + 1) + W)
+            drawn = sample_from(residual, u)
+        else:  # among the tokens the residual keeps (the rejected ones and any the filters removed are at 0)
+            from eyas.layers.sampler import RACE_BASE, race_sample
+            drawn = race_sample(race[0][rows, cur].masked_fill(residual == 0, float("-inf")), race[1], seeds,
+                                counters, torch.full_like(seeds, RACE_BASE + d * V))
+        bonus = torch.where(stop_here, drawn, bonus)
         done |= stop_here
         cur = torch.where(found, nxt, cur)
         if d + 1 <= D:
