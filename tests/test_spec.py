@@ -331,6 +331,51 @@ def test_dispatch_picks_the_tree_by_batch_size():
             resolve_tree(bad)
 
 
+BANDS = "dispatch:2=tree:8,64=chain:2|0.5=chain:5|0.9=dispatch:1=chain:1,4=plain"
+
+
+def test_temperature_bands_pick_the_tree():
+    """`SPEC|T=SPEC...`: a step whose hottest request has temperature t takes the last band with T <= t (greedy
+    steps and t < the first T: the first SPEC); the KV reservation follows the deepest tree of any band."""
+    from eyas.spec.tree import resolve_tree
+    d = resolve_tree(BANDS)
+    picks = {(n, t): d.tree_for(n, t).name for n in (1, 3, 8) for t in (0.0, 0.49, 0.5, 0.89, 0.9, 2.0)}
+    assert picks == {
+        (1, 0.0): "tree:8", (3, 0.0): "chain:2", (8, 0.0): "chain:2",
+        (1, 0.49): "tree:8", (3, 0.49): "chain:2", (8, 0.49): "chain:2",
+        (1, 0.5): "chain:5", (3, 0.5): "chain:5", (8, 0.5): "chain:5",
+        (1, 0.89): "chain:5", (3, 0.89): "chain:5", (8, 0.89): "chain:5",
+        (1, 0.9): "chain:1", (3, 0.9): "chain:0", (8, 0.9): "chain:0",
+        (1, 2.0): "chain:1", (3, 2.0): "chain:0", (8, 2.0): "chain:0"}
+    assert d.max_depth == 5 and d.temperatures == [0.0, 0.5, 0.9] and d.name == BANDS
+    assert resolve_tree("chain:3|1=plain").tree_for(1, 1.0).name == "chain:0"
+    assert resolve_tree("plain|0.5=tree:8").tree_for(1, 0.7).name == "tree:8"
+    for bad in ["chain:3|0.5", "chain:3|x=plain", "chain:3|0=plain", "chain:3|-1=plain", "chain:3|0.9=plain|0.5=chain:1",
+                "chain:3|0.5=plain|0.5=chain:1", "plain|0.5=plain", "chain:3|0.5=tree:nope", "chain:3|nan=plain"]:
+        with pytest.raises(ValueError):
+            resolve_tree(bad)
+
+
+def test_temperature_bands_switch_trees_and_greedy_requests_stay_exact(mirror_pair):
+    """Greedy requests alone take the first band's trees; with a hot sampled request in the batch the step takes
+    the hot band's (greedy rows then accepted by the sampler), and the greedy requests' output is still plain
+    decoding's, token for token; the sampled requests finish."""
+    target, draft = mirror_pair
+    greedy = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (10, 30, 45)]
+    hot = [SamplingParams(max_tokens=m, temperature=1.0, seed=7, ignore_eos=True) for m in (20, 25, 60)]
+    prompts = prompts6()
+    ref = [o.token_ids for o in LLM(str(target), device="cpu", dtype="float32").generate(prompts[:3], greedy)]
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=BANDS)
+    outs = llm.generate(prompts, greedy + hot)
+    assert [o.token_ids for o in outs[:3]] == ref
+    assert [len(o.token_ids) for o in outs[3:]] == [20, 25, 60]
+    used = llm.engine.runner.tree_steps
+    assert set(used) == {"chain:0", "chain:1"}, used  # the 0.9 band: plain, then chain:1 for the last request
+    alone = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=BANDS)
+    assert [o.token_ids for o in alone.generate(prompts[:3], greedy)] == ref
+    assert set(alone.engine.runner.tree_steps) <= {"tree:8", "chain:2"}, alone.engine.runner.tree_steps
+
+
 @pytest.mark.parametrize("pair", ["random_pair", "mirror_pair"])
 def test_dispatch_switches_trees_between_steps_and_stays_exact(request, pair):
     """Six requests with different lengths: the batch shrinks from 6 to 1, so the steps go plain (with the draft

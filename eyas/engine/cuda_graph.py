@@ -117,7 +117,7 @@ class GraphedStep:
     def capture_all(self, max_batch: int, modes: tuple[str, ...] = SAMPLING_MODES) -> int:
         """Capture, ahead of time, every graph a batch of up to `max_batch` sequences can need: one per bucket (as
         sequences finish, a batch shrinks through the smaller buckets), per tree the dispatcher picks inside that
-        bucket, per sampling mode (`modes`), per context bucket. Otherwise the first step at each new bucket pays
+        bucket (at the temperatures of its bands, for sampled modes), per sampling mode (`modes`), per context bucket. Otherwise the first step at each new bucket pays
         for a capture (two eager warm-up steps plus the capture itself) in the middle of decoding. Returns how many
         graphs were captured."""
         top = self.bucket(min(max_batch, BUCKETS[-1]))
@@ -125,16 +125,18 @@ class GraphedStep:
         for b in BUCKETS:
             if b > top:
                 break
-            trees = {}
-            for n in range(lo, b + 1):
-                t = self.runner.tree_for(n)
-                trees[t.name] = t
-            if self.runner.proposer is not None:  # n-gram steps where no sequence has a proposal are plain steps
-                trees[self.runner.plain_tree.name] = self.runner.plain_tree
-            lo = b + 1
+            temps = getattr(self.runner.tree, "temperatures", [0.0])  # a greedy step takes the first band only
             for m in modes:
+                trees = {}
+                for n in range(lo, b + 1):
+                    for temp in (temps[:1] if m == "greedy" else temps):
+                        t = self.runner.tree_for(n, temp)
+                        trees[t.name] = t
+                if self.runner.proposer is not None:  # n-gram steps where no sequence has a proposal: plain steps
+                    trees[self.runner.plain_tree.name] = self.runner.plain_tree
                 for t in trees.values():
                     new += self._capture_buckets(b, m, t)
+            lo = b + 1
         return new
 
     def _capture_buckets(self, B: int, mode: str, tree) -> int:

@@ -179,7 +179,7 @@ class ModelRunner:
         if draft is not None:  # a dynamic tree's top-k must fit the vocabulary the draft proposes from
             ids = getattr(draft, "vocab_ids", None)
             vocab = target.config.vocab_size if ids is None else len(ids)
-            for t in getattr(self.tree, "trees", [self.tree]):
+            for t in getattr(self.tree, "all_trees", [self.tree]):
                 if getattr(t, "topk", 0) > vocab:
                     raise ValueError(f"{t.name}: top-{t.topk} of a draft that proposes from {vocab} tokens")
         self.block_size = block_size
@@ -214,10 +214,11 @@ class ModelRunner:
             from eyas.engine.cuda_graph import GraphedStep
             self.graphs = GraphedStep(self, max_model_len)
 
-    def tree_for(self, batch_size: int) -> Tree:
-        """The tree a decode step of `batch_size` sequences uses (a `TreeDispatch` picks by batch size)."""
+    def tree_for(self, batch_size: int, temperature: float = 0.0) -> Tree:
+        """The tree a decode step of `batch_size` sequences uses (a `TreeDispatch` picks by batch size and, where it
+        has temperature bands, by the step's highest temperature)."""
         t = self.tree
-        return t.tree_for(batch_size) if hasattr(t, "tree_for") else t
+        return t.tree_for(batch_size, temperature) if hasattr(t, "tree_for") else t
 
     @property
     def lookahead(self) -> int:
@@ -534,7 +535,7 @@ class ModelRunner:
         derived on the device from its outputs (`eyas.spec.carry.carry_inputs`) instead of packed from the host's
         state, which does not know yet what that step accepted. The caller must have reserved KV blocks for two
         steps ahead (`Scheduler.reserve_ahead`)."""
-        tree = self.tree_for(len(seqs))
+        tree = self.tree_for(len(seqs), max(s.params.temperature for s in seqs))
         if self.proposer is not None:  # n-gram proposals from the committed tokens; none at all: a plain step
             if after is not None:
                 raise ValueError("an n-gram step cannot be overlapped: its proposals need the step before's tokens")

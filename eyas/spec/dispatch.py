@@ -10,12 +10,19 @@ with n <= B, and the last entry beyond the largest bound. SPEC is `chain:K`, `tr
 `plain` (the bare root: no draft tokens; the draft still reads the committed pairs, so a later step can speculate).
 Example: `dispatch:1=tree:mc_sim_7b_63,4=tree:8,16=chain:3,256=plain`.
 
+Sampled requests accept less: at temperature 1 the shipped SmolLM2 draft's trees commit ~2 tokens a step where
+greedy ones commit ~3.8, and every speculative mode lost to plain decoding (H100, session 59), while at 0.3 the
+greedy choices still won. So a speculation may add temperature bands: `SPEC|T1=SPEC1|T2=SPEC2` with increasing
+T: a step whose hottest request has temperature t >= T_k (the largest such k) uses SPEC_k, a step below T1 (greedy
+ones included) uses SPEC. Each SPEC is a dispatch, a single tree or `plain`. Example:
+`dispatch:2=tree:smollm2_48d5,256=chain:3|0.5=dispatch:2=tree:smollm2_48d5,256=plain|0.85=plain`.
+
 The step keeps every cache exact whichever tree it uses (`eyas.spec.step.spec_step`): switching trees between steps
 changes nothing of the committed history, only how many tokens a step may commit.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,28 +36,74 @@ class TreeDispatch:
     bounds: list[int]  # increasing batch-size bounds
     trees: list[Tree]  # trees[i] serves batches up to bounds[i] (the last one also beyond)
     name: str
+    # temperature bands: (T, the dispatch of steps whose hottest request has temperature >= T), T increasing
+    bands: list[tuple[float, "TreeDispatch"]] = field(default_factory=list)
 
-    def tree_for(self, batch_size: int) -> Tree:
-        for bound, tree in zip(self.bounds, self.trees):
+    def tree_for(self, batch_size: int, temperature: float = 0.0) -> Tree:
+        d = self
+        for t, band in self.bands:
+            if temperature >= t:
+                d = band
+        for bound, tree in zip(d.bounds, d.trees):
             if batch_size <= bound:
                 return tree
-        return self.trees[-1]
+        return d.trees[-1]
+
+    @property
+    def temperatures(self) -> list[float]:
+        """The lowest temperature of each band (0 for the first): one per dispatch a step can take."""
+        return [0.0] + [t for t, _ in self.bands]
+
+    @property
+    def all_trees(self) -> list[Tree]:
+        return self.trees + [t for _, band in self.bands for t in band.trees]
 
     @property
     def max_depth(self) -> int:
         """The deepest tree's depth: what the KV reservation and the draft's catch-up window must allow for."""
-        return max(t.max_depth for t in self.trees)
+        return max(t.max_depth for t in self.all_trees)
 
     @property
     def num_nodes(self) -> int:
-        return max(t.num_nodes for t in self.trees)
+        return max(t.num_nodes for t in self.all_trees)
 
     def to(self, device) -> "TreeDispatch":
-        return TreeDispatch(list(self.bounds), [t.to(device) for t in self.trees], self.name)
+        return TreeDispatch(list(self.bounds), [t.to(device) for t in self.trees], self.name,
+                            [(t, band.to(device)) for t, band in self.bands])
 
 
-def parse_dispatch(spec: str) -> TreeDispatch:
-    """`dispatch:B1=SPEC1,B2=SPEC2,...` -> TreeDispatch (see the module docstring)."""
+def parse_bands(spec: str) -> TreeDispatch:
+    """`SPEC|T1=SPEC1|T2=SPEC2...` -> a TreeDispatch with temperature bands (see the module docstring); each SPEC a
+    dispatch, a tree (`chain:K`, `tree:NAME`, `dyn:...`, a JSON file) or `plain`."""
+    parts = spec.split("|")
+
+    def one(s: str) -> TreeDispatch:
+        s = s.strip()
+        return parse_dispatch(s, allow_plain=True) if s.startswith(PREFIX) else parse_dispatch(f"{PREFIX}1={s}",
+                                                                                                   allow_plain=True)
+    base = one(parts[0])
+    for item in parts[1:]:
+        t, eq, s = item.partition("=")
+        try:
+            temp = float(t)
+        except ValueError:
+            temp = float("nan")
+        if not eq or not temp > 0 or temp != temp:
+            raise ValueError(f"bad speculation {spec!r}: a temperature band is T=SPEC with T > 0 (got {item!r})")
+        if base.bands and temp <= base.bands[-1][0]:
+            raise ValueError(f"bad speculation {spec!r}: temperature bands must be increasing")
+        base.bands.append((temp, one(s)))
+    if all(t.num_nodes == 0 for t in base.all_trees):
+        raise ValueError(f"bad speculation {spec!r}: every entry is plain")
+    base.name = spec
+    return base
+
+
+def parse_dispatch(spec: str, allow_plain: bool = False) -> TreeDispatch:
+    """`dispatch:B1=SPEC1,B2=SPEC2,...` -> TreeDispatch (see the module docstring). `allow_plain`: every entry may
+    be plain (a temperature band's, `parse_bands`)."""
+    if "|" in spec:
+        return parse_bands(spec)
     from eyas.spec.tree import resolve_tree
 
     body = spec[len(PREFIX):] if spec.startswith(PREFIX) else spec
@@ -73,7 +126,7 @@ def parse_dispatch(spec: str) -> TreeDispatch:
             tree = resolve_tree(s)
         bounds.append(bound)
         trees.append(tree)
-    if all(t.num_nodes == 0 for t in trees):
+    if all(t.num_nodes == 0 for t in trees) and not allow_plain:
         raise ValueError(f"bad speculation {spec!r}: every entry is plain")
     return TreeDispatch(bounds, trees, spec)
 

@@ -127,10 +127,13 @@ class Tree:
 def resolve_tree(spec: str | None):
     """`None`, `chain:K`, `tree:NAME` (mc_sim_7b_63, 8, 16), the path of a JSON list of paths (bare or as
     `tree:PATH`), `dyn:kKdDnN` (a tree grown per step from the draft's confidence: `eyas.spec.dynamic_tree`), or
-    `dispatch:B1=SPEC1,...` (a tree per batch size: `eyas.spec.dispatch`). -> Tree | DynamicTree | TreeDispatch |
-    None"""
+    `dispatch:B1=SPEC1,...` (a tree per batch size: `eyas.spec.dispatch`), and any of them with temperature bands
+    (`SPEC|T=SPEC...`, `eyas.spec.dispatch.parse_bands`). -> Tree | DynamicTree | TreeDispatch | None"""
     if spec is None:
         return None
+    if "|" in spec:  # temperature bands
+        from eyas.spec.dispatch import parse_bands
+        return parse_bands(spec)
     if spec.startswith("dyn:"):
         from eyas.spec.dynamic_tree import DynamicTree
         return DynamicTree.parse(spec)
