@@ -428,3 +428,9 @@ def test_the_draft_chooses_the_default_speculation(tmp_path):
     # sessions 21 and 29 on the H200)
     assert [shipped_dispatch.tree_for(b).name for b in (1, 2, 3, 16, 17, 32, 33, 512)] == [
         "tree:smollm2_48d5", "tree:smollm2_48d5", "dyn:k4d3n8", "dyn:k4d3n8", "tree:8", "tree:8", "chain:3", "chain:3"]
+    # sampled steps (session 59, H100, MT-Bench): at temperature 0.7 the fitted tree still won at batch 1 and chain:3
+    # was the best beyond; at 1 every speculative mode lost to plain decoding, so plain steps (the draft reading along)
+    assert [shipped_dispatch.tree_for(b, 0.3).name for b in (1, 16)] == ["tree:smollm2_48d5", "dyn:k4d3n8"]
+    assert [shipped_dispatch.tree_for(b, 0.7).name for b in (1, 2, 3, 16)] == [
+        "tree:smollm2_48d5", "tree:smollm2_48d5", "chain:3", "chain:3"]
+    assert {shipped_dispatch.tree_for(b, 1.0).name for b in (1, 16, 64)} == {"chain:0"}
