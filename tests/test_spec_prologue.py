@@ -90,3 +90,29 @@ def test_engine_with_the_fused_prologue_equals_plain_decoding(tiny, monkeypatch,
         assert sum(o.stats.committed for o in outs) > sum(runs[fused])  # the draft was heard
         assert calls.count("step_indices_triton") == calls.count("root_row_triton") >= (3 if fused else 0)
     assert runs[True] == runs[False]
+
+
+def test_engine_with_the_fused_sampled_rounds_samples_the_same_tokens(tiny, monkeypatch):
+    """`eyas.spec.step.FUSED_SAMPLED_ROUNDS` on (the Triton path, interpreted on the CPU): seeded requests at
+    temperatures 1 and 0.6, and a greedy one, beside each other, sample the tokens of the same path with the rounds
+    in PyTorch ops, and every step took the fused launch."""
+    import eyas.kernels.accept_sampled as acc
+    from eyas.spec import step
+    target, draft = tiny
+    prompts = [[1, 2, 3, 4, 5], [9, 8], [7, 7, 7]]
+    params = [SamplingParams(max_tokens=5, temperature=1.0, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=5, temperature=0.6, seed=4, ignore_eos=True),
+              SamplingParams(max_tokens=5, ignore_eos=True)]
+    calls = []
+    f = acc.accept_rounds_triton
+    monkeypatch.setattr(acc, "accept_rounds_triton", lambda *a, **k: calls.append(1) or f(*a, **k))
+    runs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(step, "FUSED_SAMPLED_ROUNDS", fused)
+        llm = LLM(str(target), device=DEV, dtype="float32", draft=str(draft), speculation="chain:3",
+                  max_model_len=SHORT_CONTEXT)
+        llm.engine.runner.use_triton = True
+        outs = llm.generate(prompts, params)
+        runs[fused] = ([o.token_ids for o in outs], [o.stats.target_calls for o in outs])
+        assert len(calls) >= (2 if fused else 0)
+    assert runs[True] == runs[False]

@@ -273,6 +273,16 @@ def check_logits_sampler(tree, nodes: torch.Tensor, target: torch.Tensor, rng: t
         got = accept_tree_logits(*on, dev_tree or tree.to(DEV), seeds.to(DEV), counters.to(DEV), use_triton=triton)
         for w, g, name in zip(want, got, ("path", "num_accepted", "bonus")):
             assert torch.equal(w, g.cpu()), (triton, name, temp, w, g)
+    # the rounds and the walk in one launch (`eyas.kernels.accept_sampled`), and the packed output the host reads:
+    # (num_accepted, the path's tokens, bonus)
+    from eyas.kernels.accept_sampled import accept_tree_logits_triton
+    fused = accept_tree_logits_triton(*on, dev_tree or tree.to(DEV), seeds.to(DEV), counters.to(DEV))
+    for w, g, name in zip(want, fused, ("path", "num_accepted", "bonus")):
+        assert torch.equal(w, g.cpu()), ("fused", name, temp, w, g)
+    if N1 > 1:
+        path, m, bonus = want
+        packed = torch.cat([m[:, None], nodes.gather(1, path.clamp(min=0)), bonus[:, None]], 1)
+        assert torch.equal(fused[3].cpu(), packed)
     return want[1]
 
 
@@ -282,8 +292,9 @@ def test_the_logits_sampler_equals_the_walk(max_nodes, max_width, B, repeats, se
     rng = torch.Generator().manual_seed(seed)
     tree = random_tree(rng, max_nodes, max_width)
     nodes, target = case(tree, B, rng)
-    if repeats:
+    if repeats:  # siblings repeat tokens, and the target likes those tokens: a repeat's second round matters
         nodes = torch.randint(4, (B, tree.num_nodes + 1), generator=rng)
+        target = torch.randint(4, (B, tree.num_nodes + 1), generator=rng)
     check_logits_sampler(tree, nodes, target, rng)
 
 

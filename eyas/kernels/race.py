@@ -111,7 +111,7 @@ def _race_kernel(X, ROWS, T, SEEDS, CNT, BASE, EXCL, SCORE, IDX, V, n_chunks, st
 
 
 @triton.jit
-def _race_merge_kernel(SCORE, IDX, OUT, n_chunks, BLOCK_C: tl.constexpr, USE_GDC: tl.constexpr = False):
+def _race_merge_kernel(SCORE, IDX, OUT, n_chunks, stride_out, BLOCK_C: tl.constexpr, USE_GDC: tl.constexpr = False):
     gdc_prologue(USE_GDC)
     r = tl.program_id(0).to(tl.int64)
     oc = tl.arange(0, BLOCK_C)
@@ -120,7 +120,8 @@ def _race_merge_kernel(SCORE, IDX, OUT, n_chunks, BLOCK_C: tl.constexpr, USE_GDC
     ci = tl.load(IDX + r * n_chunks + oc, mask=okc, other=_BIG)
     best = tl.max(s, axis=0)
     tok = tl.min(tl.where((s == best) & okc, ci, _BIG), axis=0)
-    tl.store(OUT + r, tl.where(tok == _BIG, 0, tok).to(tl.int64))  # every token excluded: token 0, as the reference
+    # every token excluded: token 0, as the reference
+    tl.store(OUT + r * stride_out, tl.where(tok == _BIG, 0, tok).to(tl.int64))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -152,15 +153,16 @@ def row_stats_triton(logits: torch.Tensor, temperature: torch.Tensor):
 
 def race_sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                        counters: torch.Tensor, index_base: torch.Tensor, exclude: torch.Tensor | None = None,
-                       rows: torch.Tensor | None = None) -> torch.Tensor:
+                       rows: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`eyas.layers.sampler.race_sample` in two launches: tokens int64 [R]. logits [R, V], or [N, V] with `rows` [R]
     (int64) picking the R rows to draw from (a step's stop nodes, without copying them out); the other inputs [R],
-    exclude [R, W] (-1: none)."""
+    exclude [R, W] (-1: none). `out`: an int64 [R] view (any stride) to write the tokens into."""
     x = _rows(logits)
     V = x.shape[-1]
     R = temperature.shape[0]
     dev = x.device
-    out = torch.empty(R, dtype=torch.long, device=dev)
+    if out is None:
+        out = torch.empty(R, dtype=torch.long, device=dev)
     if R:
         temperature, seeds, counters, index_base = (x.contiguous() for x in (temperature, seeds, counters, index_base))
         n = triton.cdiv(V, BLOCK)
@@ -172,6 +174,6 @@ def race_sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: t
         _race_kernel[(R, n)](x, rows if rows is not None else out, temperature, seeds, counters, index_base, excl,
                              score, idx, V, n, x.stride(0), W, BLOCK=BLOCK, HAS_ROWS=rows is not None,
                              PRECISE=not interpreting(), USE_GDC=use_gdc, num_warps=4, **pdl)
-        _race_merge_kernel[(R,)](score, idx, out, n, BLOCK_C=triton.next_power_of_2(n), USE_GDC=use_gdc,
-                                 num_warps=1, **pdl)
+        _race_merge_kernel[(R,)](score, idx, out, n, out.stride(0), BLOCK_C=triton.next_power_of_2(n),
+                                 USE_GDC=use_gdc, num_warps=1, **pdl)
     return out

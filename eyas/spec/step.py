@@ -26,6 +26,11 @@ from eyas.spec.verifier import accept_tree, accept_tree_greedy, accept_tree_logi
 # default tree's step 1.044 ms against 1.063, `chain:3`'s 0.778 against 0.791; at batch 8 1.539 against 1.554-1.578).
 FUSED_PROLOGUE = True
 
+# A sampled step's acceptance rounds and walk in one Triton launch (`eyas.kernels.accept_sampled`) instead of ~25
+# PyTorch ops (~0.11 ms of a sampled step on an H100, session 59's `tools/diag/accept_cost.py`). Off until it has
+# run on a GPU: written after session 59's last device call; equal to its reference under the interpreter.
+FUSED_SAMPLED_ROUNDS = False
+
 # Not kept: the step's last write (`commit_features`) in one Triton launch, the features through the draft's `fuse`
 # inside it (session 41, ff27ad5). It lost on the H200 in session 42 (with the prologue, two runs each way: the
 # default tree's step 1.054 ms against 1.039, `chain:3`'s 0.778 against 0.774) and was removed after 8ff1daa.
@@ -283,6 +288,10 @@ def accept_phase(draft, d: Drafted, v: Verified, cache, inp: DecodeInputs, use_t
             path, num_accepted, bonus, packed = accept_tree_greedy_triton(argmax(logits), node_tokens, tree)
         else:
             path, num_accepted, bonus = accept_tree_greedy(argmax(logits), node_tokens, tree)
+    elif not filters and use_triton and FUSED_SAMPLED_ROUNDS:  # sampled, in five launches
+        from eyas.kernels.accept_sampled import accept_tree_logits_triton
+        path, num_accepted, bonus, packed = accept_tree_logits_triton(logits, inp.temperature, node_tokens, tree,
+                                                                      inp.seeds, n)
     elif not filters:  # sampled: the softmax's statistics, the children's probabilities and one race a sequence
         path, num_accepted, bonus = accept_tree_logits(logits, inp.temperature, node_tokens, tree, inp.seeds, n,
                                                        use_triton)
