@@ -60,10 +60,10 @@ def main() -> None:
     how = "eager" if args.eager or dev.type != "cuda" else "CUDA graph"
     print(f"From bf16 logits at temperature 1, ms a call ({dev}, {how}): the walk on the softmax "
           "(accept_tree_reference); every node at once on the softmax (accept_tree, uniforms in Triton); from the "
-          "logits (accept_tree_logits) in torch ops and with the Triton passes; greedy acceptance (argmax + "
+          "logits (accept_tree_logits) in torch ops, with the Triton passes, and with the rounds fused too; greedy acceptance (argmax + "
           "accept_tree_greedy_triton) for scale.")
-    print("| tree | batch | walk | accept_tree | logits, torch | logits, Triton | greedy | same |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| tree | batch | walk | accept_tree | logits, torch | logits, Triton | logits, fused rounds | greedy | same |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.trees:
         tree = (Tree.chain(0) if name == "chain:0" else resolve_tree(name)).to(dev)
         for B in args.batch:
@@ -90,6 +90,10 @@ def main() -> None:
             def from_logits(lg, triton=False):
                 return accept_tree_logits(lg, temp, nodes, tree, seeds, counters, use_triton=triton)
 
+            def fused(lg):  # the rounds and walk in one launch too (`eyas.kernels.accept_sampled`)
+                from eyas.kernels.accept_sampled import accept_tree_logits_triton
+                return accept_tree_logits_triton(lg, temp, nodes, tree, seeds, counters)[:3]
+
             def greedy(lg):
                 if dev.type != "cuda":
                     return accept_tree_greedy(lg.argmax(-1), nodes, tree)
@@ -100,15 +104,20 @@ def main() -> None:
             ms = {}
             outs = {}
             for key, fn in (("walk", walk), ("rounds", rounds), ("logits", from_logits),
-                            ("logits_triton", lambda lg: from_logits(lg, dev.type == "cuda")), ("greedy", greedy)):
+                            ("logits_triton", lambda lg: from_logits(lg, dev.type == "cuda")),
+                            ("fused", fused), ("greedy", greedy)):
+                if key == "fused" and dev.type != "cuda":  # interpreted: slow, and timed nothing
+                    continue
                 if key == "walk" and args.no_walk:
                     continue
                 ms[key], outs[key] = timed(fn, (logits,), args.repeat, not args.eager)
             same_probs = "walk" not in outs or all(torch.equal(a, b) for a, b in zip(outs["walk"], outs["rounds"]))
             same_logits = all(torch.equal(a, b) for a, b in zip(outs["logits"], outs["logits_triton"]))
+            if "fused" in outs:
+                same_logits &= all(torch.equal(a, b) for a, b in zip(outs["logits"], outs["fused"]))
             cell = lambda k: f"{ms[k]:.3f}" if k in ms else "-"  # noqa: E731
             print(f"| {name} | {B} | {cell('walk')} | {cell('rounds')} | {cell('logits')} | {cell('logits_triton')} "
-                  f"| {cell('greedy')} | {'yes' if same_probs and same_logits else 'NO'} |")
+                  f"| {cell('fused')} | {cell('greedy')} | {'yes' if same_probs and same_logits else 'NO'} |")
 
 
 if __name__ == "__main__":
