@@ -229,12 +229,21 @@ def test_triton_uniforms_are_the_reference_bits(B, M, shared, seed):
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 40), st.integers(1, 4), st.integers(1, 6), st.booleans(), st.integers(0, 10**6))
 def test_the_sampler_equals_the_walk(max_nodes, max_width, B, repeats, seed):
+    check_sampler(*random_case(max_nodes, max_width, B, repeats, seed))
+
+
+def random_case(max_nodes: int, max_width: int, B: int, repeats: bool, seed: int, liked: bool = False):
+    """(tree, node tokens, target tokens, rng) of a random tree. `repeats`: tokens drawn anew from 4, siblings' too
+    (a repeated sibling token is worth nothing the second time); `liked`: the targets too, so that the target likes
+    the repeated tokens and a repeat's second round matters."""
     rng = torch.Generator().manual_seed(seed)
     tree = random_tree(rng, max_nodes, max_width)
     nodes, target = case(tree, B, rng)
-    if repeats:  # tokens drawn anew, siblings' too: a repeated sibling token is worth nothing the second time
+    if repeats:
         nodes = torch.randint(4, (B, tree.num_nodes + 1), generator=rng)
-    check_sampler(tree, nodes, target, rng)
+        if liked:
+            target = torch.randint(4, (B, tree.num_nodes + 1), generator=rng)
+    return tree, nodes, target, rng
 
 
 def test_the_sampler_equals_the_walk_on_the_presets_and_dynamic_trees():
@@ -289,13 +298,7 @@ def check_logits_sampler(tree, nodes: torch.Tensor, target: torch.Tensor, rng: t
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 40), st.integers(1, 4), st.integers(1, 6), st.booleans(), st.integers(0, 10**6))
 def test_the_logits_sampler_equals_the_walk(max_nodes, max_width, B, repeats, seed):
-    rng = torch.Generator().manual_seed(seed)
-    tree = random_tree(rng, max_nodes, max_width)
-    nodes, target = case(tree, B, rng)
-    if repeats:  # siblings repeat tokens, and the target likes those tokens: a repeat's second round matters
-        nodes = torch.randint(4, (B, tree.num_nodes + 1), generator=rng)
-        target = torch.randint(4, (B, tree.num_nodes + 1), generator=rng)
-    check_logits_sampler(tree, nodes, target, rng)
+    check_logits_sampler(*random_case(max_nodes, max_width, B, repeats, seed, liked=True))
 
 
 def test_the_logits_sampler_equals_the_walk_on_the_presets_and_dynamic_trees():

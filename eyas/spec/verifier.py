@@ -2,7 +2,9 @@
 
 `accept_tree` is where a sampled step accepts its tokens: it decides, for every node of every sequence at once,
 which child the walk would take from there, then follows those choices from the root (a few dozen kernels for any
-tree, with no host sync). `accept_tree_reference` is the walk itself, one round at a time; the two are held equal.
+tree, with no host sync). `accept_tree_logits` does the same from the logits when no request filters (top-k, top-p,
+min-p), without ever making the [B, N+1, V] probabilities. `accept_tree_reference` is the walk itself, one round at a
+time; the others are held equal to it.
 
 Multi-round speculative sampling (SpecInfer; EAGLE's tree sampling). At the current node the target distribution is
 p (after temperature, top-k, top-p). The draft proposed its children greedily, so each child c_j is a point mass
