@@ -2,6 +2,7 @@
 tree dispatcher, and refuses bad input before loading anything."""
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -483,3 +484,42 @@ def test_profile_counts_the_steps_it_covers(tmp_path, capsys):
         profile_steps(engine, "chain:2", 1, [[1, 2, 3]])
         assert f"chain:2, batch 1, {steps} decode steps" in capsys.readouterr().out
         assert engine.blocks.num_used == 0
+
+
+def test_suggest_bands_from_session_59s_runs(tmp_path, capsys):
+    """`eyas bench bands` on session 59's SmolLM2 runs on an H100 (docs/bench: greedy, T=0.3, 0.7 and 1): the fitted
+    tree at batch 1 and chain:3 at 16 up to 0.3, plain decoding at 16 from 0.7 and everywhere at 1; bands begin
+    halfway between measured temperatures and neighbours with the same dispatch merge."""
+    from eyas.bench.bands import read_run, suggest_bands
+    from eyas.cli import main
+    from eyas.spec.tree import resolve_tree
+    bench = Path(__file__).parents[1] / "docs/bench"
+    files = [str(bench / f"session59_{n}_h100.json") for n in ("race_t1", "greedy", "race_t07", "race_t03")]
+    runs = [read_run(f) for f in files]
+    assert sorted(t for t, _ in runs) == [0.0, 0.3, 0.7, 1.0]
+    out = suggest_bands(runs)
+    assert out["per_temperature"] == {"0": "dispatch:1=tree:smollm2_48d5,16=chain:3",
+                                      "0.3": "dispatch:1=tree:smollm2_48d5,16=chain:3",
+                                      "0.7": "dispatch:1=tree:smollm2_48d5,16=plain", "1": "plain"}
+    spec = "dispatch:1=tree:smollm2_48d5,16=chain:3|0.5=dispatch:1=tree:smollm2_48d5,16=plain|0.85=plain"
+    assert out["spec"] == spec
+    d = resolve_tree(spec)
+    assert [d.tree_for(b, t).name for b, t in ((1, 0.0), (16, 0.4), (1, 0.6), (16, 0.6), (1, 0.9))] == [
+        "tree:smollm2_48d5", "chain:3", "tree:smollm2_48d5", "chain:0", "chain:0"]
+    assert main(["bench", "bands", *files]) == 0
+    assert f'--speculation "{spec}"' in capsys.readouterr().out
+    # a single temperature: its dispatch alone; plain at every temperature: no speculation
+    assert suggest_bands(runs[1:2])["spec"] == "dispatch:1=tree:smollm2_48d5,16=chain:3"
+    assert suggest_bands([(1.0, [_row("plain", 1, 1.0), _row("chain:3", 1, 2.0)])]) is None
+    for bad in ([], [(0.5, []), (0.5, [])], [(-1.0, [])]):
+        with pytest.raises(ValueError):
+            suggest_bands(bad)
+    junk = tmp_path / "junk.json"
+    junk.write_text("{}")
+    sim = tmp_path / "sim.json"
+    sim.write_text(json.dumps({"meta": {"simulated": True, "temperature": 0}, "results": [_row("plain", 1, 1.0)]}))
+    for f in (junk, sim, tmp_path / "missing.json"):
+        with pytest.raises(ValueError):
+            read_run(str(f))
+    assert main(["bench", "bands", str(junk)]) != 0
+    assert "no `meta` and `results`" in capsys.readouterr().err
