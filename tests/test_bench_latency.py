@@ -508,6 +508,11 @@ def test_suggest_bands_from_session_59s_runs(tmp_path, capsys):
         "tree:smollm2_48d5", "chain:3", "tree:smollm2_48d5", "chain:0", "chain:0"]
     assert main(["bench", "bands", *files]) == 0
     assert f'--speculation "{spec}"' in capsys.readouterr().out
+    # charged for the draft's catch-up a plain entry runs (session 59: 8%), plain loses batch 16 at 0.7 to chain:3
+    # (0.751 ms against 0.717 x 1.08), as the shipped draft's bands have it
+    assert suggest_bands(runs, plain_entry_cost=1.08)["spec"] == (
+        "dispatch:1=tree:smollm2_48d5,16=chain:3|0.85=plain")
+    assert main(["bench", "bands", *files, "--plain-entry-cost", "0.5"]) != 0
     # a single temperature: its dispatch alone; plain at every temperature: no speculation
     assert suggest_bands(runs[1:2])["spec"] == "dispatch:1=tree:smollm2_48d5,16=chain:3"
     assert suggest_bands([(1.0, [_row("plain", 1, 1.0), _row("chain:3", 1, 2.0)])]) is None
