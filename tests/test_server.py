@@ -443,7 +443,8 @@ def test_metrics_parse_and_move(spec):
                        ("eyas:num_requests_running", "gauge"), ("eyas:num_requests_waiting", "gauge"),
                        ("eyas:kv_cache_usage_perc", "gauge"), ("eyas:spec_tokens_per_call", "gauge"),
                        ("eyas:spec_accepted_tokens_by_depth", "counter"), ("eyas:spec_verify_steps", "counter"),
-                       ("eyas:spec_draft_forwards", "counter"), ("eyas:request_tokens_per_call", "histogram")]:
+                       ("eyas:spec_draft_forwards", "counter"), ("eyas:request_tokens_per_call", "histogram"),
+                       ("eyas:spec_decode_steps_by_tree", "counter")]:
         assert name in families and families[name].type == kind, name
     depth = spec.engine.tree.max_depth
     assert {s.labels["depth"] for s in families["eyas:spec_accepted_tokens_by_depth"].samples
@@ -475,6 +476,7 @@ def test_metrics_parse_and_move(spec):
     verify = moved("eyas:spec_verify_steps_total{}")
     assert verify >= 1 and moved("eyas:engine_steps_total{kind=decode}") == verify
     assert moved("eyas:spec_draft_forwards_total{}") == verify * depth
+    assert moved(f"eyas:spec_decode_steps_by_tree_total{{tree={spec.engine.runner.tree_for(1).name}}}") == verify
     assert moved("eyas:spec_target_calls_total{}") == ref.stats.target_calls
     assert moved("eyas:spec_committed_tokens_total{}") == ref.stats.committed
     for d in range(depth):

@@ -116,10 +116,14 @@ class AsyncEngine:
         self._stopping = False
         self._dead: str | None = None
         self._steps_seen = dict(engine.step_counts)
+        self._trees_seen = dict(getattr(getattr(engine, "runner", None), "tree_steps", None) or {})
         self._preempted_seen = engine.scheduler.num_preemptions  # metrics: preemptions already counted
         self.spec_depth = engine.tree.max_depth if engine.draft is not None else 0
         if metrics is not None:
             metrics.set_tree_depth(self.spec_depth)
+            if engine.draft is not None:  # every tree a step can take, at 0 from the start
+                for t in getattr(engine.tree, "all_trees", [engine.tree]):
+                    metrics.tree_steps(t.name)
             metrics.kv_total.set(engine.blocks.num_usable)
             self._update_gauges()
 
@@ -356,6 +360,11 @@ class AsyncEngine:
                         m.verify_steps.inc(d)
                         m.draft_forwards.inc(d * self.spec_depth)
             self._steps_seen = dict(counts)
+            trees = getattr(getattr(self.engine, "runner", None), "tree_steps", None) or {}
+            for name, n in trees.items():
+                if n > self._trees_seen.get(name, 0):
+                    m.tree_steps(name).inc(n - self._trees_seen.get(name, 0))
+            self._trees_seen = dict(trees)
             preempted = self.engine.scheduler.num_preemptions
             if preempted > self._preempted_seen:
                 m.preemptions.inc(preempted - self._preempted_seen)

@@ -129,6 +129,9 @@ class Metrics:
                                  "Verify calls whose accepted draft path reached this depth.",
                                  lab + ["depth"], registry=r)
         self.tree_depth = gauge("eyas:spec_tree_depth", "Depth of the speculation tree (0: speculation off).")
+        self._tree_steps = Counter("eyas:spec_decode_steps_by_tree",
+                                   "Decode steps by the speculation tree they ran (a dispatcher picks it by batch "
+                                   "size and temperature; chain:0 is a plain step).", lab + ["tree"], registry=r)
         self._depth_children: dict[int, Counter] = {}
         self._calls_total = 0
         self._committed_total = 0
@@ -143,6 +146,9 @@ class Metrics:
         if c is None:
             c = self._depth_children[depth] = self._accepted.labels(self.model_name, str(depth))
         return c
+
+    def tree_steps(self, tree: str):
+        return self._tree_steps.labels(self.model_name, tree)
 
     def finished(self, reason: str):
         return self._success.labels(self.model_name, reason)
