@@ -116,3 +116,29 @@ def test_engine_with_the_fused_sampled_rounds_samples_the_same_tokens(tiny, monk
         runs[fused] = ([o.token_ids for o in outs], [o.stats.target_calls for o in outs])
         assert len(calls) >= (2 if fused else 0)
     assert runs[True] == runs[False]
+
+
+def test_engine_with_sort_free_filters_samples_the_same_tokens(tiny, monkeypatch):
+    """`eyas.spec.step.SORT_FREE_FILTERS` on (the Triton path, interpreted on the CPU): seeded requests with top-k,
+    top-p and min-p (float32 logits: no ties at a boundary, where the two rules could differ) sample the tokens of the
+    sorting path, and every step found its thresholds by bisection."""
+    import eyas.kernels.filter_threshold as ft
+    from eyas.spec import step
+    target, draft = tiny
+    prompts = [[1, 2, 3, 4, 5], [9, 8], [7, 7, 7]]
+    params = [SamplingParams(max_tokens=5, temperature=1.0, top_p=0.8, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=5, temperature=0.7, top_k=5, seed=4, ignore_eos=True),
+              SamplingParams(max_tokens=5, temperature=1.2, min_p=0.05, seed=5, ignore_eos=True)]
+    calls = []
+    f = ft.filter_threshold_triton
+    monkeypatch.setattr(ft, "filter_threshold_triton", lambda *a, **k: calls.append(1) or f(*a, **k))
+    runs = {}
+    for sort_free in (False, True):
+        monkeypatch.setattr(step, "SORT_FREE_FILTERS", sort_free)
+        llm = LLM(str(target), device=DEV, dtype="float32", draft=str(draft), speculation="chain:3",
+                  max_model_len=SHORT_CONTEXT)
+        llm.engine.runner.use_triton = True
+        outs = llm.generate(prompts, params)
+        runs[sort_free] = ([o.token_ids for o in outs], [o.stats.target_calls for o in outs])
+        assert len(calls) >= (2 if sort_free else 0)
+    assert runs[True] == runs[False]

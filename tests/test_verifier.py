@@ -261,6 +261,79 @@ def test_the_sampler_equals_the_walk_on_the_presets_and_dynamic_trees():
                   step_tree_of([t.to(DEV) for t in trees]))
 
 
+def check_filtered_sampler(tree, nodes: torch.Tensor, target: torch.Tensor, rng: torch.Generator,
+                           dev_tree=None) -> torch.Tensor:
+    """`accept_tree_logits(filters=...)` (torch, and the Triton bisection and race) == the walk on the filtered
+    softmaxes as `filter_threshold` states them, with the race's bonus: bf16 logits (ties at the boundaries), top-k,
+    top-p and min-p per sequence, some greedy rows and some without a filter."""
+    from eyas.layers.sampler import filter_threshold
+    B, N1 = nodes.shape
+    logits = torch.randn(B, N1, V, generator=rng) * 2
+    logits += torch.nn.functional.one_hot(target, V) * 4 * torch.rand(B, N1, 1, generator=rng)
+    logits = logits.bfloat16()
+    temp = torch.tensor([0.0, 0.5, 1.0, 2.0])[torch.randint(4, (B,), generator=rng)]
+    top_k = torch.tensor([-1, 1, 3, V])[torch.randint(4, (B,), generator=rng)]
+    top_p = torch.tensor([1.0, 0.3, 0.8, 0.95])[torch.randint(4, (B,), generator=rng)]
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.3])[torch.randint(4, (B,), generator=rng)]
+    seeds, counters = torch.randint(0, 10**6, (B,), generator=rng), torch.randint(0, 10**4, (B,), generator=rng)
+    flat = B * N1
+    tau, M, Z, _ = filter_threshold(logits.view(flat, V), temp.repeat_interleave(N1), top_k.repeat_interleave(N1),
+                                    top_p.repeat_interleave(N1), min_p.repeat_interleave(N1))
+    x = logits.view(flat, V).float() / torch.where(temp > 0, temp, 1.0).repeat_interleave(N1)[:, None]
+    probs = torch.where(x >= tau[:, None], torch.exp(x - M[:, None]) / Z[:, None], 0.0).view(B, N1, V)
+    want = accept_tree_reference(probs, nodes, tree, seeds, counters, race=(logits, temp))
+    on = [x.to(DEV) for x in (logits, temp, nodes)]
+    filters = tuple(f.to(DEV) for f in (top_k, top_p, min_p))
+    for triton in (False, True):
+        got = accept_tree_logits(*on, dev_tree or tree.to(DEV), seeds.to(DEV), counters.to(DEV), use_triton=triton,
+                                 filters=filters)
+        for w, g, name in zip(want, got, ("path", "num_accepted", "bonus")):
+            assert torch.equal(w, g.cpu()), (triton, name, temp, top_k, top_p, min_p, w, g)
+    return want[1]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 30), st.integers(1, 4), st.integers(1, 5), st.booleans(), st.integers(0, 10**6))
+def test_the_filtered_logits_sampler_equals_the_walk(max_nodes, max_width, B, repeats, seed):
+    check_filtered_sampler(*random_case(max_nodes, max_width, B, repeats, seed, liked=True))
+
+
+def test_the_filtered_logits_sampler_on_a_preset_and_plain_steps():
+    rng = torch.Generator().manual_seed(2)
+    for name in ("chain:0", "tree:smollm2_48d5"):
+        tree = resolve_tree(name) if name != "chain:0" else Tree.chain(0)
+        nodes, target = case(tree, 16, rng)
+        check_filtered_sampler(tree, nodes, target, rng)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 6), st.sampled_from([5, 64, 300, 2100]), st.booleans(), st.integers(0, 10**6))
+def test_filter_thresholds_by_bisection_equal_the_sort(R, vocab, bf16, seed):
+    """`filter_threshold_triton` (bisection) == `filter_threshold` (a sort): the same threshold, maximum and argmax,
+    the kept mass to float rounding; bf16 logits tie often at the boundaries, -inf tokens, k at 1, V - 1 and V,
+    greedy rows. And on float32 logits (no ties) the kept sets are `logits_to_probs`' own."""
+    from eyas.kernels.filter_threshold import filter_threshold_triton
+    from eyas.layers.sampler import filter_threshold
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(R, vocab, generator=g) * 3).masked_fill(torch.rand(R, vocab, generator=g) < 0.05,
+                                                                   float("-inf"))
+    logits[:, 0] = logits[:, 0].clamp(min=0)  # never a row of -inf alone
+    if bf16:
+        logits = logits.bfloat16()
+    temp = torch.tensor([0.0, 0.3, 1.0, 1.7])[torch.randint(4, (R,), generator=g)]
+    top_k = torch.tensor([-1, 0, 1, 2, 7, vocab - 1, vocab, vocab + 5])[torch.randint(8, (R,), generator=g)]
+    top_p = torch.tensor([1.0, 0.05, 0.5, 0.9, 0.999])[torch.randint(5, (R,), generator=g)]
+    min_p = torch.tensor([0.0, 0.0, 0.01, 0.2, 0.9])[torch.randint(5, (R,), generator=g)]
+    want = filter_threshold(logits, temp, top_k, top_p, min_p)
+    got = [x.cpu() for x in filter_threshold_triton(*(x.to(DEV) for x in (logits, temp, top_k, top_p, min_p)))]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[3], want[3])
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=0)
+    if not bf16:
+        probs = logits_to_probs(logits, temp, top_k, top_p, min_p)
+        x = logits / torch.where(temp > 0, temp, 1.0)[:, None]
+        assert torch.equal(probs > 0, (x >= want[0][:, None]) & (x > float("-inf")))
+
+
 def check_logits_sampler(tree, nodes: torch.Tensor, target: torch.Tensor, rng: torch.Generator,
                          dev_tree=None) -> torch.Tensor:
     """`accept_tree_logits` (torch, and Triton) == the walk on softmax(logits / t) with the race's bonus

@@ -79,8 +79,9 @@ def _stats_merge_kernel(STATS, IDX, M, Z, TOP, n_chunks, BLOCK_C: tl.constexpr, 
 
 
 @triton.jit
-def _race_kernel(X, ROWS, T, SEEDS, CNT, BASE, EXCL, SCORE, IDX, V, n_chunks, stride_xr, W,
-                 BLOCK: tl.constexpr, HAS_ROWS: tl.constexpr, PRECISE: tl.constexpr, USE_GDC: tl.constexpr = False):
+def _race_kernel(X, ROWS, T, SEEDS, CNT, BASE, EXCL, TAU, SCORE, IDX, V, n_chunks, stride_xr, W,
+                 BLOCK: tl.constexpr, HAS_ROWS: tl.constexpr, PRECISE: tl.constexpr, HAS_TAU: tl.constexpr = False,
+                 USE_GDC: tl.constexpr = False):
     gdc_prologue(USE_GDC)
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -89,6 +90,7 @@ def _race_kernel(X, ROWS, T, SEEDS, CNT, BASE, EXCL, SCORE, IDX, V, n_chunks, st
     row = tl.load(ROWS + r) if HAS_ROWS else r
     t, greedy = _temperature(T, r)
     x = _div(tl.load(X + row * stride_xr + offs, mask=ok, other=float("-inf")).to(tl.float32), t, PRECISE)
+    x0 = x
     if not greedy:
         seed = tl.load(SEEDS + r).to(tl.int64).to(tl.uint64, bitcast=True)
         cnt = tl.load(CNT + r).to(tl.int64).to(tl.uint64, bitcast=True)
@@ -101,6 +103,8 @@ def _race_kernel(X, ROWS, T, SEEDS, CNT, BASE, EXCL, SCORE, IDX, V, n_chunks, st
             x = x - libdevice.log(-libdevice.log1p(-v))  # far larger than a small E itself
         else:  # the interpreter (numpy's log is exact to an ulp; it has no libdevice)
             x = x - tl.log(-tl.log(1.0 - v))
+    if HAS_TAU:  # the filters' threshold: only x >= tau takes part
+        x = tl.where(x0 >= tl.load(TAU + r), x, float("-inf"))
     for j in range(W):
         e = tl.load(EXCL + r * W + j)
         x = tl.where(offs == e, float("-inf"), x)
@@ -153,10 +157,12 @@ def row_stats_triton(logits: torch.Tensor, temperature: torch.Tensor):
 
 def race_sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                        counters: torch.Tensor, index_base: torch.Tensor, exclude: torch.Tensor | None = None,
-                       rows: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                       rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                       tau: torch.Tensor | None = None) -> torch.Tensor:
     """`eyas.layers.sampler.race_sample` in two launches: tokens int64 [R]. logits [R, V], or [N, V] with `rows` [R]
     (int64) picking the R rows to draw from (a step's stop nodes, without copying them out); the other inputs [R],
-    exclude [R, W] (-1: none). `out`: an int64 [R] view (any stride) to write the tokens into."""
+    exclude [R, W] (-1: none). `out`: an int64 [R] view (any stride) to write the tokens into. `tau` [R]: the
+    filters' threshold (`eyas.layers.sampler.filter_threshold`)."""
     x = _rows(logits)
     V = x.shape[-1]
     R = temperature.shape[0]
@@ -171,9 +177,11 @@ def race_sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: t
         W = 0 if exclude is None else exclude.shape[1]
         excl = exclude.contiguous() if W else out  # (never read when W = 0)
         use_gdc, pdl = pdl_on(PDL, dev)
+        taus = tau.float().contiguous() if tau is not None else score  # (never read without tau)
         _race_kernel[(R, n)](x, rows if rows is not None else out, temperature, seeds, counters, index_base, excl,
-                             score, idx, V, n, x.stride(0), W, BLOCK=BLOCK, HAS_ROWS=rows is not None,
-                             PRECISE=not interpreting(), USE_GDC=use_gdc, num_warps=4, **pdl)
+                             taus, score, idx, V, n, x.stride(0), W, BLOCK=BLOCK, HAS_ROWS=rows is not None,
+                             PRECISE=not interpreting(), HAS_TAU=tau is not None, USE_GDC=use_gdc, num_warps=4,
+                             **pdl)
         _race_merge_kernel[(R,)](score, idx, out, n, out.stride(0), BLOCK_C=triton.next_power_of_2(n),
                                  USE_GDC=use_gdc, num_warps=1, **pdl)
     return out

@@ -71,14 +71,16 @@ def race_exponentials(seeds: torch.Tensor, counters: torch.Tensor, index: torch.
 
 
 def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
-                index_base: torch.Tensor, exclude: torch.Tensor | None = None) -> torch.Tensor:
+                index_base: torch.Tensor, exclude: torch.Tensor | None = None,
+                tau: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of softmax(logits / t), sampled by an exponential race: the token with the largest
     x_i - log(E_i) (x = logits / t, E_i ~ Exp(1) independent), i.e. the first to arrive when token i arrives at time
     E_i / p_i. P(i wins) = p_i exactly, with no sum over the vocabulary: the maximum of a row does not depend on the
     order of its comparisons, so every device, stream and rank gets the same token, and a GPU needs one pass over the
     row. Rows with t <= 0 take the argmax (the first maximum). logits [R, V]; temperature, seeds, counters,
     index_base [R] (token i draws at index_base + i); exclude [R, W] token ids never drawn (-1: none), the tokens a
-    speculative step tried and rejected. `eyas.kernels.race.race_sample_triton` is the GPU's one pass."""
+    speculative step tried and rejected; tau [R]: only tokens with x >= tau take part (the filters' threshold,
+    `filter_threshold`). `eyas.kernels.race.race_sample_triton` is the GPU's one pass."""
     x = logits.float()
     V = x.shape[-1]
     t = temperature.float()
@@ -86,6 +88,8 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     x = x / torch.where(greedy[:, 0], torch.ones_like(t), t)[:, None]
     E = race_exponentials(seeds[:, None], counters[:, None], index_base[:, None] + torch.arange(V, device=x.device))
     score = torch.where(greedy, x, x - torch.log(E))
+    if tau is not None:
+        score = score.masked_fill(x < tau[:, None], float("-inf"))
     if exclude is not None:
         hit = torch.zeros(x.shape[0], V + 1, dtype=torch.bool, device=x.device)
         hit.scatter_(1, torch.where(exclude >= 0, exclude, V), True)
@@ -103,6 +107,48 @@ def row_stats(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Te
     M = x.amax(-1)
     shift = torch.where(M == float("-inf"), torch.zeros_like(M), M)
     return M, torch.exp(x - shift[:, None]).sum(-1), logits.argmax(-1)
+
+
+def filter_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The filters (top-k, min-p, then top-p, as `logits_to_probs` orders them) as one threshold on x = logits / t:
+    token i stays iff x_i >= tau. Returns (tau, M, Z, top) per row: M = max x, Z = sum of exp(x - M) over the
+    tokens that stay (their softmax is exp(x - M) / Z), top the argmax. logits [R, V]; the settings [R].
+
+    Order-independent rules (ties at a boundary all stay, where `logits_to_probs`' sort keeps some of them): top-k
+    keeps i iff fewer than k tokens have a larger x; min-p iff x_i - M >= log(min_p); top-p keeps i iff the tokens
+    still kept with a larger x hold less than top_p of their mass (the first token always stays). Greedy rows
+    (t <= 0): tau = M (their argmax). The reference sorts; `eyas.kernels.filter_threshold` bisects instead."""
+    x = logits.float()
+    R, V = x.shape
+    t = temperature.float()
+    greedy = t <= 0
+    x = x / torch.where(greedy, torch.ones_like(t), t)[:, None]
+    xs = x.sort(dim=-1, descending=True).values
+    M = xs[:, 0]
+    shift = torch.where(M == float("-inf"), torch.zeros_like(M), M)
+    k = top_k.long()
+    tau_k = torch.where((k > 0) & (k < V), xs.gather(1, (k.clamp(1, V) - 1)[:, None])[:, 0],
+                        torch.full_like(M, float("-inf")))
+    mp = min_p.float()
+    tau_m = torch.where(mp > 0, M + torch.log(mp.clamp(min=1e-30)), torch.full_like(M, float("-inf")))
+    tau = torch.maximum(tau_k, tau_m)
+    e = torch.where(xs >= tau[:, None], torch.exp(xs - shift[:, None]), 0.0)
+    Zk = e.sum(-1)
+    # the mass of the kept tokens strictly larger than each: the exclusive cumsum at the start of its tie group
+    before = e.cumsum(-1) - e
+    pos = torch.arange(V, device=x.device).expand(R, V)
+    new = torch.ones_like(xs, dtype=torch.bool)
+    new[:, 1:] = xs[:, 1:] != xs[:, :-1]
+    start = torch.where(new, pos, 0).cummax(-1).values
+    above = before.gather(1, start)
+    keep_p = (above < top_p.float()[:, None] * Zk[:, None]) | (top_p[:, None] >= 1.0)
+    kept = (xs >= tau[:, None]) & keep_p
+    kept[:, 0] = True
+    tau = torch.where(kept, xs, float("inf")).amin(-1)
+    tau = torch.where(greedy, M, tau)
+    Z = torch.where(xs >= tau[:, None], torch.exp(xs - shift[:, None]), 0.0).sum(-1)
+    return tau, M, Z, logits.argmax(-1)
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -97,7 +97,8 @@ def _race_kept(race: tuple, residual: torch.Tensor, cur: torch.Tensor, depth: to
 
 
 def accept_tree_logits(logits: torch.Tensor, temperature: torch.Tensor, node_tokens: torch.Tensor, tree: Tree,
-                       seeds: torch.Tensor, counters: torch.Tensor, use_triton: bool = False):
+                       seeds: torch.Tensor, counters: torch.Tensor, use_triton: bool = False,
+                       filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """`accept_tree` for target distributions softmax(logits / t) with no top-k, top-p or min-p (a "sampled" step,
     `eyas.layers.sampler.sampling_mode`; rows with t <= 0 are greedy), without the [B, N+1, V] probabilities: logits
     [B, N+1, V] (any float dtype), temperature [B]; the rest and the outputs as `accept_tree`.
@@ -106,38 +107,54 @@ def accept_tree_logits(logits: torch.Tensor, temperature: torch.Tensor, node_tok
     M = max x and Z = sum exp(x - M) come from one pass over the logits (`row_stats`; greedy rows: p_j = 1 at the
     argmax, else 0). The bonus is drawn from the stop node's row by an exponential race with the rejected children
     excluded (`race_sample`), so no row is ever normalised. `use_triton`: both passes and the uniforms in Triton
-    (`eyas.kernels.race`, `eyas.kernels.uniform`). The reference is `accept_tree_reference` with `race`."""
-    from eyas.layers.sampler import RACE_BASE, race_sample, row_stats
+    (`eyas.kernels.race`, `eyas.kernels.uniform`). The reference is `accept_tree_reference` with `race`.
+
+    `filters` (top_k, top_p, min_p [B]): the filtered softmaxes, as one threshold per node (`filter_threshold`, found
+    by bisection on the GPU: `eyas.kernels.filter_threshold`; no sort): p_j = 0 below it, Z the kept tokens' mass,
+    and the race runs above it. Ties at a filter's boundary all stay, where `logits_to_probs` keeps some."""
+    from eyas.layers.sampler import RACE_BASE, filter_threshold, race_sample, row_stats
     B, N1, V = logits.shape
     device = logits.device
     t = temperature.float()
     if use_triton:
         from eyas.kernels.race import race_sample_triton, row_stats_triton
     bases = RACE_BASE + V * torch.arange(tree.max_depth + 1, device=device)  # a race's indices at each depth
+    flat_t = t.repeat_interleave(N1)
+    tau = None
+    if filters is not None:
+        if use_triton:
+            from eyas.kernels.filter_threshold import filter_threshold_triton as threshold
+        else:
+            threshold = filter_threshold
+        tau, M, Z, top = threshold(logits.view(B * N1, V), flat_t, *(f.repeat_interleave(N1) for f in filters))
     if N1 == 1:  # plain sampled decoding: one race over the root's row
         none = torch.zeros(B, dtype=torch.long, device=device)
         base = bases[:1].expand(B)
         if use_triton:
-            bonus = race_sample_triton(logits.view(B, V), t, seeds, counters, base)
+            bonus = race_sample_triton(logits.view(B, V), t, seeds, counters, base, tau=tau)
         else:
-            bonus = race_sample(logits.view(B, V), t, seeds, counters, base)
+            bonus = race_sample(logits.view(B, V), t, seeds, counters, base, tau=tau)
         return none[:, None], none, bonus
     tok, valid, repeat, depth, W = _children(node_tokens, tree, B)
-    flat_t = t.repeat_interleave(N1)
-    M, Z, top = (row_stats_triton if use_triton else row_stats)(logits.view(B * N1, V), flat_t)
+    if filters is None:
+        M, Z, top = (row_stats_triton if use_triton else row_stats)(logits.view(B * N1, V), flat_t)
     M, Z, top = M.view(B, N1, 1), Z.view(B, N1, 1), top.view(B, N1, 1)
     greedy = (t <= 0)[:, None, None]
     x = logits.gather(2, tok).float() / torch.where(greedy, 1.0, t[:, None, None])
     p = torch.where(greedy, (tok == top).float(), torch.exp(x - M) / Z)
+    if tau is not None:
+        p = torch.where(x >= tau.view(B, N1, 1), p, 0.0)
     p = torch.where(valid & ~repeat, p, 0.0)
     path, cur, _ = _rounds(p, torch.ones_like(M), tok, valid, depth, tree, _draws(seeds, counters, use_triton))
     rows = torch.arange(B, device=device)
     exclude = torch.where(valid[rows, cur], tok[rows, cur], -1)  # the stop node's children, each tried and rejected
     base = bases[depth[rows, cur]]
+    stop_tau = None if tau is None else tau.view(B, N1)[rows, cur]
     if use_triton:
-        bonus = race_sample_triton(logits.view(B * N1, V), t, seeds, counters, base, exclude, rows * N1 + cur)
+        bonus = race_sample_triton(logits.view(B * N1, V), t, seeds, counters, base, exclude, rows * N1 + cur,
+                                   tau=stop_tau)
     else:
-        bonus = race_sample(logits[rows, cur], t, seeds, counters, base, exclude)
+        bonus = race_sample(logits[rows, cur], t, seeds, counters, base, exclude, tau=stop_tau)
     return path, depth[rows, cur], bonus
 
 
