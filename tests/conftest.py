@@ -176,15 +176,20 @@ def _note_launch(fn, args, kwargs):
     if constexprs.get("USE_GDC") is False and _admits(TRITON_LAUNCHES, key + ("gdc",)):
         gdc = dict(constexprs, USE_GDC=True)
         TRITON_LAUNCHES[key + ("gdc",)] = (fn.fn.__module__, fn.fn.__qualname__, sig, gdc, options)
+    # nor libdevice's IEEE division, exp and log (PRECISE: the interpreter has no libdevice), the GPU does
+    if constexprs.get("PRECISE") is False and _admits(TRITON_LAUNCHES, key + ("precise",)):
+        precise = dict(constexprs, PRECISE=True, **({"USE_GDC": True} if "USE_GDC" in constexprs else {}))
+        TRITON_LAUNCHES[key + ("precise",)] = (fn.fn.__module__, fn.fn.__qualname__, sig, precise, options)
 
 
 def _admits(launches: dict, key: tuple) -> bool:
-    """The recording's bound: a few variants per kernel (3, its PDL variant among them), and one PDL variant."""
+    """The recording's bound: a few variants per kernel (3, its PDL variant among them), one PDL variant and one
+    with libdevice (PRECISE)."""
     if key in launches:
         return False
     same = [k for k in launches if k[0] == key[0]]
-    if key[3:] == ("gdc",):
-        return not any(k[3:] == ("gdc",) for k in same)
+    if key[3:] in (("gdc",), ("precise",)):
+        return not any(k[3:] == key[3:] for k in same)
     return len(same) < 3
 
 
