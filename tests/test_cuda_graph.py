@@ -154,6 +154,30 @@ def test_capture_all_covers_every_bucket_a_shrinking_batch_needs(pair):
     assert len(g.graphs) == 4 * 2  # nothing was captured while decoding
 
 
+def test_temperature_bands_on_graphs_equal_eager(pair):
+    """A dispatch with temperature bands under graphs: greedy and seeded hot requests together take the hot bands'
+    trees (plain steps at 1, chain:3 at 0.6), the greedy request alone at the end the first band's; the tokens are
+    eager decoding's, and `capture_all` captured every graph those steps needed beforehand."""
+    target, draft = pair
+    spec = "dispatch:2=tree:8,64=chain:2|0.5=chain:3|0.9=plain"
+    params = [SamplingParams(max_tokens=45, ignore_eos=True),
+              SamplingParams(max_tokens=25, temperature=1.0, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=35, temperature=0.6, seed=2, ignore_eos=True),
+              SamplingParams(max_tokens=20, ignore_eos=True)]
+    kw = dict(device="cuda", dtype="float32", draft=str(draft), speculation=spec)
+    eager = LLM(str(target), **kw)
+    eager.engine.runner.use_triton = False
+    reference_ops(eager)
+    ref = [o.token_ids for o in eager.generate(PROMPTS, params)]
+    assert {"chain:0", "chain:3", "tree:8"} <= set(eager.engine.runner.tree_steps), eager.engine.runner.tree_steps
+    graphed = LLM(str(target), cuda_graphs=True, **kw)
+    g = graphed.engine.runner.graphs
+    n = g.capture_all(4, modes=("greedy", "sampled"))
+    assert n > 0
+    assert [o.token_ids for o in graphed.generate(PROMPTS, params)] == ref
+    assert len(g.graphs) == n  # nothing was captured while decoding
+
+
 @pytest.mark.parametrize("spec", [None, "tree:8"])
 def test_graphs_across_context_buckets_equal_eager(pair, spec, monkeypatch):
     """Context buckets of 16 and 32 tokens, which the prompts' contexts cross while decoding: each step replays its
