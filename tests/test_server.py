@@ -1126,6 +1126,33 @@ def test_step_accounting_sums_every_requests_part(tmp_path):
     assert value("eyas:request_success_total", finish_reason="length") == len(prompts)
 
 
+def test_decode_steps_by_tree_and_their_draft_forwards(tmp_path):
+    """A dispatch with temperature bands: /metrics counts each tree's decode steps (every tree listed from the start)
+    and the draft forwards as each step's tree has levels (a plain step none)."""
+    from helpers import write_mirror_pair
+    from eyas.serve.async_engine import AsyncEngine, _Tracker
+    from eyas.serve.metrics import Metrics
+    target, draft = write_mirror_pair(tmp_path, vocab=24, layers=2)
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft),
+              speculation="dispatch:1=chain:4,64=chain:2|0.9=plain")
+    engine, metrics = llm.engine, Metrics("m")
+    ae = AsyncEngine(engine, metrics)
+    for i in range(3):
+        engine.add_request([i + 1, 5, 7], SamplingParams(max_tokens=10 + 8 * i, ignore_eos=True,
+                                                         temperature=1.0 if i == 0 else 0.0, seed=i),
+                           request_id=f"r{i}")
+        ae._trackers[f"r{i}"] = _Tracker(None, 0, time.perf_counter())
+    while engine.has_unfinished():
+        ae._dispatch(engine.step())
+    got = {(f.name, tuple(sorted(f.labels.items()))): f.value
+           for fam in text_string_to_metric_families(metrics.render().decode()) for f in fam.samples}
+    steps = {t: got[("eyas:spec_decode_steps_by_tree_total", (("model_name", "m"), ("tree", t)))]
+             for t in ("chain:0", "chain:2", "chain:4")}
+    assert steps == {t: engine.runner.tree_steps.get(t, 0) for t in steps} and min(steps.values()) > 0
+    assert got[("eyas:spec_draft_forwards_total", (("model_name", "m"),))] == 2 * steps["chain:2"] + 4 * steps["chain:4"]
+    assert got[("eyas:spec_verify_steps_total", (("model_name", "m"),))] == sum(steps.values())
+
+
 @settings(max_examples=200, deadline=None)
 @given(text=st.text(), model=st.sampled_from(["smollm2", 'a "quoted" model', "\ue000eyas-text\ue000"]),
        chat=st.booleans(), usage=st.booleans())

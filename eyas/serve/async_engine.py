@@ -117,6 +117,7 @@ class AsyncEngine:
         self._dead: str | None = None
         self._steps_seen = dict(engine.step_counts)
         self._trees_seen = dict(getattr(getattr(engine, "runner", None), "tree_steps", None) or {})
+        self._tree_depths = {t.name: t.max_depth for t in getattr(engine.tree, "all_trees", [engine.tree])}
         self._preempted_seen = engine.scheduler.num_preemptions  # metrics: preemptions already counted
         self.spec_depth = engine.tree.max_depth if engine.draft is not None else 0
         if metrics is not None:
@@ -352,18 +353,22 @@ class AsyncEngine:
         if m is not None:
             step.publish(m)
             counts = self.engine.step_counts
+            trees = getattr(getattr(self.engine, "runner", None), "tree_steps", None) or {}
             for kind in ("prefill", "decode"):
                 d = counts[kind] - self._steps_seen.get(kind, 0)
                 if d > 0:
                     m.steps[kind].inc(d)
                     if kind == "decode" and self.spec_depth:
                         m.verify_steps.inc(d)
-                        m.draft_forwards.inc(d * self.spec_depth)
+                        if not trees:  # no per-tree counts (a disaggregated engine): the deepest tree's
+                            m.draft_forwards.inc(d * self.spec_depth)
             self._steps_seen = dict(counts)
-            trees = getattr(getattr(self.engine, "runner", None), "tree_steps", None) or {}
-            for name, n in trees.items():
-                if n > self._trees_seen.get(name, 0):
-                    m.tree_steps(name).inc(n - self._trees_seen.get(name, 0))
+            for name, n in trees.items():  # decode steps by tree, and each tree's draft levels
+                d = n - self._trees_seen.get(name, 0)
+                if d > 0:
+                    m.tree_steps(name).inc(d)
+                    if self.spec_depth:
+                        m.draft_forwards.inc(d * self._tree_depths.get(name, self.spec_depth))
             self._trees_seen = dict(trees)
             preempted = self.engine.scheduler.num_preemptions
             if preempted > self._preempted_seen:
