@@ -92,53 +92,38 @@ def test_engine_with_the_fused_prologue_equals_plain_decoding(tiny, monkeypatch,
     assert runs[True] == runs[False]
 
 
-def test_engine_with_the_fused_sampled_rounds_samples_the_same_tokens(tiny, monkeypatch):
-    """`eyas.spec.step.FUSED_SAMPLED_ROUNDS` on (the Triton path, interpreted on the CPU): seeded requests at
-    temperatures 1 and 0.6, and a greedy one, beside each other, sample the tokens of the same path with the rounds
-    in PyTorch ops, and every step took the fused launch."""
+
+@pytest.mark.parametrize("switch", ["FUSED_SAMPLED_ROUNDS", "SORT_FREE_FILTERS"])
+def test_engine_with_a_sampling_switch_samples_the_same_tokens(tiny, monkeypatch, switch):
+    """The Triton path (interpreted on the CPU) with `eyas.spec.step.FUSED_SAMPLED_ROUNDS` (the rounds and walk in
+    one launch) or `SORT_FREE_FILTERS` (the filters' thresholds by bisection) on: seeded sampled requests, and a
+    greedy one, beside each other, sample the tokens of the same path with it off (float32 logits: no ties at a
+    filter's boundary, where the two filter rules could differ), and every step took the new launch."""
     import eyas.kernels.accept_sampled as acc
-    from eyas.spec import step
-    target, draft = tiny
-    prompts = [[1, 2, 3, 4, 5], [9, 8], [7, 7, 7]]
-    params = [SamplingParams(max_tokens=5, temperature=1.0, seed=3, ignore_eos=True),
-              SamplingParams(max_tokens=5, temperature=0.6, seed=4, ignore_eos=True),
-              SamplingParams(max_tokens=5, ignore_eos=True)]
-    calls = []
-    f = acc.accept_rounds_triton
-    monkeypatch.setattr(acc, "accept_rounds_triton", lambda *a, **k: calls.append(1) or f(*a, **k))
-    runs = {}
-    for fused in (False, True):
-        monkeypatch.setattr(step, "FUSED_SAMPLED_ROUNDS", fused)
-        llm = LLM(str(target), device=DEV, dtype="float32", draft=str(draft), speculation="chain:3",
-                  max_model_len=SHORT_CONTEXT)
-        llm.engine.runner.use_triton = True
-        outs = llm.generate(prompts, params)
-        runs[fused] = ([o.token_ids for o in outs], [o.stats.target_calls for o in outs])
-        assert len(calls) >= (2 if fused else 0)
-    assert runs[True] == runs[False]
-
-
-def test_engine_with_sort_free_filters_samples_the_same_tokens(tiny, monkeypatch):
-    """`eyas.spec.step.SORT_FREE_FILTERS` on (the Triton path, interpreted on the CPU): seeded requests with top-k,
-    top-p and min-p (float32 logits: no ties at a boundary, where the two rules could differ) sample the tokens of the
-    sorting path, and every step found its thresholds by bisection."""
     import eyas.kernels.filter_threshold as ft
     from eyas.spec import step
     target, draft = tiny
     prompts = [[1, 2, 3, 4, 5], [9, 8], [7, 7, 7]]
-    params = [SamplingParams(max_tokens=5, temperature=1.0, top_p=0.8, seed=3, ignore_eos=True),
-              SamplingParams(max_tokens=5, temperature=0.7, top_k=5, seed=4, ignore_eos=True),
-              SamplingParams(max_tokens=5, temperature=1.2, min_p=0.05, seed=5, ignore_eos=True)]
+    if switch == "FUSED_SAMPLED_ROUNDS":
+        mod, fn = acc, "accept_rounds_triton"
+        params = [SamplingParams(max_tokens=5, temperature=1.0, seed=3, ignore_eos=True),
+                  SamplingParams(max_tokens=5, temperature=0.6, seed=4, ignore_eos=True),
+                  SamplingParams(max_tokens=5, ignore_eos=True)]
+    else:
+        mod, fn = ft, "filter_threshold_triton"
+        params = [SamplingParams(max_tokens=5, temperature=1.0, top_p=0.8, seed=3, ignore_eos=True),
+                  SamplingParams(max_tokens=5, temperature=0.7, top_k=5, seed=4, ignore_eos=True),
+                  SamplingParams(max_tokens=5, temperature=1.2, min_p=0.05, seed=5, ignore_eos=True)]
     calls = []
-    f = ft.filter_threshold_triton
-    monkeypatch.setattr(ft, "filter_threshold_triton", lambda *a, **k: calls.append(1) or f(*a, **k))
+    f = getattr(mod, fn)
+    monkeypatch.setattr(mod, fn, lambda *a, **k: calls.append(1) or f(*a, **k))
     runs = {}
-    for sort_free in (False, True):
-        monkeypatch.setattr(step, "SORT_FREE_FILTERS", sort_free)
+    for on in (False, True):
+        monkeypatch.setattr(step, switch, on)
         llm = LLM(str(target), device=DEV, dtype="float32", draft=str(draft), speculation="chain:3",
                   max_model_len=SHORT_CONTEXT)
         llm.engine.runner.use_triton = True
         outs = llm.generate(prompts, params)
-        runs[sort_free] = ([o.token_ids for o in outs], [o.stats.target_calls for o in outs])
-        assert len(calls) >= (2 if sort_free else 0)
+        runs[on] = ([o.token_ids for o in outs], [o.stats.target_calls for o in outs])
+        assert len(calls) >= (2 if on else 0)
     assert runs[True] == runs[False]

@@ -292,12 +292,6 @@ def check_filtered_sampler(tree, nodes: torch.Tensor, target: torch.Tensor, rng:
     return want[1]
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(1, 30), st.integers(1, 4), st.integers(1, 5), st.booleans(), st.integers(0, 10**6))
-def test_the_filtered_logits_sampler_equals_the_walk(max_nodes, max_width, B, repeats, seed):
-    check_filtered_sampler(*random_case(max_nodes, max_width, B, repeats, seed, liked=True))
-
-
 def test_the_filtered_logits_sampler_on_a_preset_and_plain_steps():
     rng = torch.Generator().manual_seed(2)
     for name in ("chain:0", "tree:smollm2_48d5"):
@@ -368,10 +362,12 @@ def check_logits_sampler(tree, nodes: torch.Tensor, target: torch.Tensor, rng: t
     return want[1]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(1, 40), st.integers(1, 4), st.integers(1, 6), st.booleans(), st.integers(0, 10**6))
-def test_the_logits_sampler_equals_the_walk(max_nodes, max_width, B, repeats, seed):
-    check_logits_sampler(*random_case(max_nodes, max_width, B, repeats, seed, liked=True))
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 40), st.integers(1, 4), st.integers(1, 6), st.booleans(), st.booleans(), st.integers(0, 10**6))
+def test_the_logits_sampler_equals_the_walk(max_nodes, max_width, B, repeats, filtered, seed):
+    """Unfiltered (`check_logits_sampler`) or with top-k, top-p and min-p (`check_filtered_sampler`)."""
+    check = check_filtered_sampler if filtered else check_logits_sampler
+    check(*random_case(max_nodes, max_width, B, repeats, seed, liked=True))
 
 
 def test_the_logits_sampler_equals_the_walk_on_the_presets_and_dynamic_trees():

@@ -21,9 +21,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from eyas.kernels.interpret import interpreting
+from eyas.kernels.interpret import div_rn, exp_rn, interpreting
 from eyas.kernels.uniform import _splitmix64
 
 BIG = tl.constexpr(2147483647)
@@ -55,10 +54,8 @@ def _rounds_kernel(LOGITS, T, M, Z, TOP, NODE, CHILD, DEP, SEEDS, CNT, PATH, PAC
     top = tl.load(TOP + row, mask=okn, other=-1)
     lg = tl.load(LOGITS + b * stride_lb + n[:, None] * stride_ln + tl.maximum(tok, 0), mask=valid,
                  other=0.0).to(tl.float32)
-    if PRECISE:  # IEEE division and libdevice's exp, as PyTorch computes them (Triton's own are approximations)
-        p = libdevice.div_rn(libdevice.exp(libdevice.div_rn(lg, t) - m[:, None]), z[:, None])
-    else:
-        p = tl.exp(lg / t - m[:, None]) / z[:, None]
+    # IEEE division and libdevice's exp, as PyTorch computes them (Triton's own are approximations)
+    p = div_rn(exp_rn(div_rn(lg, t, PRECISE) - m[:, None], PRECISE), z[:, None], PRECISE)
     p = tl.where(greedy, tl.where(tok == top[:, None], 1.0, 0.0), p)
     p = tl.where(valid & (~repeat), p, 0.0)
     left = 1.0 - (tl.cumsum(p, axis=1) - p)  # the residual's mass when round j begins

@@ -7,7 +7,9 @@ reference, defines it; ties at a boundary all stay):
 
 * top-k: the k-th largest x, the largest float key v with count(x >= v) >= k (32 halvings of the float keys);
 * min-p: M + log(min_p);
-* top-p: the smallest key v with sum(exp(x - M) over the kept tokens above v) < top_p * their mass (32 more).
+* top-p: the smallest key v with sum(exp(x - M) over the kept tokens above v) < top_p * their mass (32 more), the
+  masses in fixed point (floor(exp(x - M) * 2^32): integer sums agree in any order, so the boundary does not move
+  with the order of a sum, as it did between a chunked and a sorted float sum at top-p 0.999).
 
 One program per row walks its row in chunks: ~70 passes over 49,152 bf16 logits (L2-resident) where the sort moved
 every row through global memory several times. It returns the threshold, the maximum, the kept tokens' mass and the
@@ -20,9 +22,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from eyas.kernels.interpret import interpreting
+from eyas.kernels.interpret import div_rn, exp_rn, interpreting, log_rn
 
 
 @triton.jit
@@ -42,28 +43,14 @@ def _unkey(k):
 def _row(X, r, stride, c, V, t, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
     offs = c + tl.arange(0, BLOCK)
     ok = offs < V
-    x = tl.load(X + r * stride + offs, mask=ok, other=float("-inf")).to(tl.float32)
-    if PRECISE:
-        x = libdevice.div_rn(x, t)
-    else:
-        x = x / t
+    x = div_rn(tl.load(X + r * stride + offs, mask=ok, other=float("-inf")).to(tl.float32), t, PRECISE)
     return tl.where(ok, x, float("-inf")), offs, ok
 
 
 @triton.jit
-def _exp(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
-def _log(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        return libdevice.log(x)
-    else:
-        return tl.log(x)
+def _fixed(d, PRECISE: tl.constexpr):
+    """exp(d) for d <= 0 in fixed point: floor(exp(d) * 2^32) as int64 (exact; sums agree in any order)."""
+    return tl.floor(exp_rn(d, PRECISE) * 4294967296.0).to(tl.int64)
 
 
 @triton.jit
@@ -100,23 +87,23 @@ def _threshold_kernel(X, T, K, P, MINP, TAU, M_OUT, Z_OUT, TOP, V, stride,
         tau = _unkey(lo)
     mp = tl.load(MINP + r).to(tl.float32)
     if (mp > 0.0) & (~greedy):  # min-p
-        tau = tl.maximum(tau, m + _log(mp, PRECISE))
+        tau = tl.maximum(tau, m + log_rn(mp, PRECISE))
     p = tl.load(P + r).to(tl.float32)
     if (p < 1.0) & (~greedy):  # top-p among the tokens kept so far: the smallest key v whose mass above < p * mass
-        z = 0.0
+        z = tl.zeros([], dtype=tl.int64)  # masses in fixed point, as the reference's: sums in any order agree
         for c in range(0, V, BLOCK):
             x, offs, ok = _row(X, r, stride, c, V, t, BLOCK, PRECISE)
-            z += tl.sum(tl.where(ok & (x >= tau), _exp(x - shift, PRECISE), 0.0), axis=0)
-        target = p * z
+            z += tl.sum(tl.where(ok & (x >= tau), _fixed(x - shift, PRECISE), 0), axis=0)
+        target = p.to(tl.float64) * z.to(tl.float64)
         lo = _key(tau) - 1  # the mass above lo (every kept token) is z >= target
         hi = _key(m)  # nothing above the maximum: 0 < target
         while hi - lo > 1:
             mid = lo + (hi - lo) // 2
-            above = 0.0
+            above = tl.zeros([], dtype=tl.int64)
             for c in range(0, V, BLOCK):
                 x, offs, ok = _row(X, r, stride, c, V, t, BLOCK, PRECISE)
-                above += tl.sum(tl.where(ok & (x >= tau) & (_key(x) > mid), _exp(x - shift, PRECISE), 0.0), axis=0)
-            small = above < target
+                above += tl.sum(tl.where(ok & (x >= tau) & (_key(x) > mid), _fixed(x - shift, PRECISE), 0), axis=0)
+            small = above.to(tl.float64) < target
             hi = tl.where(small, mid, hi)
             lo = tl.where(small, lo, mid)
         tau = tl.maximum(tau, _unkey(hi))
@@ -128,7 +115,7 @@ def _threshold_kernel(X, T, K, P, MINP, TAU, M_OUT, Z_OUT, TOP, V, stride,
         x, offs, ok = _row(X, r, stride, c, V, t, BLOCK, PRECISE)
         keep = ok & (x >= tau)
         lowest = tl.minimum(lowest, tl.min(tl.where(keep, x, float("inf")), axis=0))
-        z += tl.sum(tl.where(keep, _exp(x - shift, PRECISE), 0.0), axis=0)
+        z += tl.sum(tl.where(keep, exp_rn(x - shift, PRECISE), 0.0), axis=0)
     tl.store(TAU + r, lowest)
     tl.store(M_OUT + r, m)
     tl.store(Z_OUT + r, z)

@@ -1,9 +1,13 @@
 """Whether the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1: on the CPU, as in CI).
 
 The kernels ask it where the interpreter differs from a GPU: its bf16 `tl.dot` is wrong (numpy has no bf16), so
-tiles are upcast to float32 first; programmatic dependent launch is skipped (`pdl_launch`, `gdc_prologue`)."""
+tiles are upcast to float32 first; programmatic dependent launch is skipped (`pdl_launch`, `gdc_prologue`); and it
+has no libdevice, where the GPU's own float32 `/`, `exp` and `log` are approximations: kernels that must round as
+PyTorch does take `PRECISE=not interpreting()` and the `*_rn` helpers below (libdevice on the GPU, numpy's correctly
+rounded operations in the interpreter)."""
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 def interpreting() -> bool:
@@ -32,3 +36,38 @@ def gdc_prologue(USE_GDC: tl.constexpr):
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def div_rn(x, y, PRECISE: tl.constexpr):
+    """x / y rounded as IEEE rounds it (Triton's float32 `/` is an approximate division on the GPU)."""
+    if PRECISE:
+        return libdevice.div_rn(x, y)
+    else:
+        return x / y
+
+
+@triton.jit
+def exp_rn(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def log_rn(x, PRECISE: tl.constexpr):
+    """log(x) to an ulp: `tl.log`'s error is absolute (2^-22 near 1), far above a small result's ulp."""
+    if PRECISE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def neg_log1p_neg_rn(v, PRECISE: tl.constexpr):
+    """-log(1 - v) to an ulp, for v whose 1 - v is exact (the interpreter computes it so)."""
+    if PRECISE:
+        return -libdevice.log1p(-v)
+    else:
+        return -tl.log(1.0 - v)

@@ -19,9 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from eyas.kernels.interpret import gdc_prologue, interpreting, pdl_on
+from eyas.kernels.interpret import div_rn, exp_rn, gdc_prologue, interpreting, log_rn, neg_log1p_neg_rn, pdl_on
 from eyas.kernels.uniform import _splitmix64
 
 BLOCK = 2048  # entries per chunk (pass 1)
@@ -30,18 +29,15 @@ _BIG = tl.constexpr(2147483647)
 
 
 @triton.jit
-def _temperature(T, r):
+def _chunk(X, row, T, r, stride_xr, V, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+    """Chunk program_id(1) of logits row `row` as x = logits / t (t <= 0: 1), -inf past V: (x, offsets, in range,
+    greedy)."""
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < V
     t = tl.load(T + r).to(tl.float32)
-    return tl.where(t <= 0.0, 1.0, t), t <= 0.0
-
-
-@triton.jit
-def _div(x, t, PRECISE: tl.constexpr):
-    """x / t rounded as IEEE (and as PyTorch) rounds it: Triton's float32 `/` is an approximate division."""
-    if PRECISE:
-        return libdevice.div_rn(x, t)
-    else:
-        return x / t
+    greedy = t <= 0.0
+    x = tl.load(X + row * stride_xr + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    return div_rn(x, tl.where(greedy, 1.0, t), PRECISE), offs, ok, greedy
 
 
 @triton.jit
@@ -49,16 +45,12 @@ def _stats_kernel(X, T, STATS, IDX, V, n_chunks, stride_xr, BLOCK: tl.constexpr,
                   USE_GDC: tl.constexpr = False):
     gdc_prologue(USE_GDC)
     r = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    offs = c * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < V
-    t, _ = _temperature(T, r)
-    x = _div(tl.load(X + r * stride_xr + offs, mask=ok, other=float("-inf")).to(tl.float32), t, PRECISE)
+    x, offs, ok, _ = _chunk(X, r, T, r, stride_xr, V, BLOCK, PRECISE)
     cm = tl.max(x, axis=0)
     shift = tl.where(cm == float("-inf"), 0.0, cm)
-    o = r * n_chunks + c
+    o = r * n_chunks + tl.program_id(1)
     tl.store(STATS + o * 2, cm)
-    tl.store(STATS + o * 2 + 1, tl.sum(tl.where(ok, tl.exp(x - shift), 0.0), axis=0))
+    tl.store(STATS + o * 2 + 1, tl.sum(tl.where(ok, exp_rn(x - shift, PRECISE), 0.0), axis=0))
     tl.store(IDX + o, tl.min(tl.where((x == cm) & ok, offs, _BIG), axis=0))
 
 
@@ -84,12 +76,8 @@ def _race_kernel(X, ROWS, T, SEEDS, CNT, BASE, EXCL, TAU, SCORE, IDX, V, n_chunk
                  USE_GDC: tl.constexpr = False):
     gdc_prologue(USE_GDC)
     r = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    offs = c * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < V
     row = tl.load(ROWS + r) if HAS_ROWS else r
-    t, greedy = _temperature(T, r)
-    x = _div(tl.load(X + row * stride_xr + offs, mask=ok, other=float("-inf")).to(tl.float32), t, PRECISE)
+    x, offs, ok, greedy = _chunk(X, row, T, r, stride_xr, V, BLOCK, PRECISE)
     x0 = x
     if not greedy:
         seed = tl.load(SEEDS + r).to(tl.int64).to(tl.uint64, bitcast=True)
@@ -98,18 +86,15 @@ def _race_kernel(X, ROWS, T, SEEDS, CNT, BASE, EXCL, TAU, SCORE, IDX, V, n_chunk
         h = _splitmix64(_splitmix64(seed) ^ cnt)
         h = _splitmix64(h + (base + offs.to(tl.uint64)))
         k = tl.minimum((h >> 40) + 1, 16777215)
-        v = k.to(tl.float32) / 16777216.0
-        if PRECISE:  # libdevice's log1p and log: tl.log is an approximation whose error near 1 is absolute,
-            x = x - libdevice.log(-libdevice.log1p(-v))  # far larger than a small E itself
-        else:  # the interpreter (numpy's log is exact to an ulp; it has no libdevice)
-            x = x - tl.log(-tl.log(1.0 - v))
+        v = k.to(tl.float32) * (1.0 / 16777216.0)  # exact: a power of two
+        x = x - log_rn(neg_log1p_neg_rn(v, PRECISE), PRECISE)  # E = -log(1 - v), to an ulp even where E is small
     if HAS_TAU:  # the filters' threshold: only x >= tau takes part
         x = tl.where(x0 >= tl.load(TAU + r), x, float("-inf"))
     for j in range(W):
         e = tl.load(EXCL + r * W + j)
         x = tl.where(offs == e, float("-inf"), x)
     best = tl.max(x, axis=0)
-    o = r * n_chunks + c
+    o = r * n_chunks + tl.program_id(1)
     tl.store(SCORE + o, best)
     tl.store(IDX + o, tl.min(tl.where((x == best) & ok, offs, _BIG), axis=0))
 

@@ -117,8 +117,8 @@ def filter_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
 
     Order-independent rules (ties at a boundary all stay, where `logits_to_probs`' sort keeps some of them): top-k
     keeps i iff fewer than k tokens have a larger x; min-p iff x_i - M >= log(min_p); top-p keeps i iff the tokens
-    still kept with a larger x hold less than top_p of their mass (the first token always stays). Greedy rows
-    (t <= 0): tau = M (their argmax). The reference sorts; `eyas.kernels.filter_threshold` bisects instead."""
+    still kept with a larger x hold less than top_p of their mass (the first token always stays; the masses in
+    fixed point, so that the boundary does not depend on the order of a sum). Greedy rows (t <= 0): tau = M. The reference sorts; `eyas.kernels.filter_threshold` bisects instead."""
     x = logits.float()
     R, V = x.shape
     t = temperature.float()
@@ -133,7 +133,9 @@ def filter_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
     mp = min_p.float()
     tau_m = torch.where(mp > 0, M + torch.log(mp.clamp(min=1e-30)), torch.full_like(M, float("-inf")))
     tau = torch.maximum(tau_k, tau_m)
-    e = torch.where(xs >= tau[:, None], torch.exp(xs - shift[:, None]), 0.0)
+    # the masses in fixed point (exp(x - M) <= 1, times 2^32, floored: exact integers, summed in any order to the
+    # same bits, as `fixed_point_cumsum`'s): a float sum's order would move the top-p boundary in a long tail
+    e = torch.where(xs >= tau[:, None], torch.floor(torch.exp(xs - shift[:, None]) * float(1 << 32)), 0.0).long()
     Zk = e.sum(-1)
     # the mass of the kept tokens strictly larger than each: the exclusive cumsum at the start of its tie group
     before = e.cumsum(-1) - e
@@ -142,7 +144,7 @@ def filter_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
     new[:, 1:] = xs[:, 1:] != xs[:, :-1]
     start = torch.where(new, pos, 0).cummax(-1).values
     above = before.gather(1, start)
-    keep_p = (above < top_p.float()[:, None] * Zk[:, None]) | (top_p[:, None] >= 1.0)
+    keep_p = (above.double() < top_p.double()[:, None] * Zk.double()[:, None]) | (top_p[:, None] >= 1.0)
     kept = (xs >= tau[:, None]) & keep_p
     kept[:, 0] = True
     tau = torch.where(kept, xs, float("inf")).amin(-1)
