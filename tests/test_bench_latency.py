@@ -128,7 +128,8 @@ def test_suggest_dispatch_takes_the_fastest_mode_per_batch_size():
              _row("tree:smollm2_48d5", 1, .329, .328), _row("tree:smollm2_48d5", 2, .374, .352),
              _row("tree:smollm2_48d5", 4, .440, .389), _row("tree:smollm2_48d5", 8, .544, .455),
              _row("tree:smollm2_48d5", 64, 1.556, 1.240),
-             _row("dispatch:1=tree:8,64=plain", 8, .100, .100)]  # the fastest row, but a dispatcher
+             _row("dispatch:1=tree:8,64=plain", 8, .100, .100),  # the fastest row, but a dispatcher
+             _row("chain:3|0.5=plain", 8, .090, .090)]  # and temperature bands
     sd = suggest_dispatch(rows, "ttit")
     assert sd["spec"] == "dispatch:4=tree:smollm2_48d5,8=tree:8,64=chain:3"
     assert sd["per_batch"] == {"1": "tree:smollm2_48d5", "2": "tree:smollm2_48d5", "4": "tree:smollm2_48d5",

@@ -424,7 +424,7 @@ def add_speedups(rows: list[dict]) -> None:
 
 def suggest_dispatch(rows: list[dict], metric: str = "ttit") -> dict | None:
     """The tree dispatcher these rows argue for: at each batch size the mode (plain, a chain or a tree; measured
-    dispatchers are not candidates) with the least TTIT or TPOT (`metric`; TPOT falls back to TTIT where a row has
+    dispatchers and temperature bands are not candidates) with the least TTIT or TPOT (`metric`; TPOT falls back to TTIT where a row has
     none), composed by `eyas.spec.dispatch.compose_dispatch`. None when no batch size has a speculative candidate
     (a dispatcher of plain entries only is no dispatcher). Ties go to the mode measured first."""
     from eyas.spec.dispatch import compose_dispatch
@@ -432,7 +432,7 @@ def suggest_dispatch(rows: list[dict], metric: str = "ttit") -> dict | None:
         raise ValueError(f"suggest_dispatch: metric must be 'ttit' or 'tpot', got {metric!r}")
     best: dict[int, tuple[float, str]] = {}
     for r in rows:
-        if r["mode"].startswith("dispatch:"):
+        if r["mode"].startswith("dispatch:") or "|" in r["mode"]:  # a dispatcher, or temperature bands
             continue
         v = r["tpot_ms"] if metric == "tpot" and r.get("tpot_ms") is not None else r["ttit_ms"]
         if r["batch"] not in best or v < best[r["batch"]][0]:
