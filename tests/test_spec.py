@@ -350,7 +350,8 @@ def test_temperature_bands_pick_the_tree():
     assert d.max_depth == 5 and d.temperatures == [0.0, 0.5, 0.9] and d.name == BANDS
     assert resolve_tree("chain:3|1=plain").tree_for(1, 1.0).name == "chain:0"
     assert resolve_tree("plain|0.5=tree:8").tree_for(1, 0.7).name == "tree:8"
-    for bad in ["chain:3|0.5", "chain:3|x=plain", "chain:3|0=plain", "chain:3|-1=plain", "chain:3|0.9=plain|0.5=chain:1",
+    for bad in ["chain:3|0.5", "chain:3|x=plain", "chain:3|0=plain", "chain:3|-1=plain",
+                "chain:3|0.9=plain|0.5=chain:1",
                 "chain:3|0.5=plain|0.5=chain:1", "plain|0.5=plain", "chain:3|0.5=tree:nope", "chain:3|nan=plain"]:
         with pytest.raises(ValueError):
             resolve_tree(bad)

@@ -424,8 +424,8 @@ def add_speedups(rows: list[dict]) -> None:
 
 def suggest_dispatch(rows: list[dict], metric: str = "ttit") -> dict | None:
     """The tree dispatcher these rows argue for: at each batch size the mode (plain, a chain or a tree; measured
-    dispatchers and temperature bands are not candidates) with the least TTIT or TPOT (`metric`; TPOT falls back to TTIT where a row has
-    none), composed by `eyas.spec.dispatch.compose_dispatch`. None when no batch size has a speculative candidate
+    dispatchers and temperature bands are not candidates) with the least TTIT or TPOT (`metric`; TPOT falls back to
+    TTIT where a row has none), composed by `eyas.spec.dispatch.compose_dispatch`. None when no batch size has a speculative candidate
     (a dispatcher of plain entries only is no dispatcher). Ties go to the mode measured first."""
     from eyas.spec.dispatch import compose_dispatch
     if metric not in ("ttit", "tpot"):

@@ -117,9 +117,9 @@ class GraphedStep:
     def capture_all(self, max_batch: int, modes: tuple[str, ...] = SAMPLING_MODES) -> int:
         """Capture, ahead of time, every graph a batch of up to `max_batch` sequences can need: one per bucket (as
         sequences finish, a batch shrinks through the smaller buckets), per tree the dispatcher picks inside that
-        bucket (at the temperatures of its bands, for sampled modes), per sampling mode (`modes`), per context bucket. Otherwise the first step at each new bucket pays
-        for a capture (two eager warm-up steps plus the capture itself) in the middle of decoding. Returns how many
-        graphs were captured."""
+        bucket (at the temperatures of its bands, for sampled modes), per sampling mode (`modes`), per context
+        bucket. Otherwise the first step at each new bucket pays for a capture (two eager warm-up steps plus the
+        capture itself) in the middle of decoding. Returns how many graphs were captured."""
         top = self.bucket(min(max_batch, BUCKETS[-1]))
         new, lo = 0, 1
         for b in BUCKETS:

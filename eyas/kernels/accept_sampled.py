@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from eyas.kernels.interpret import div_rn, exp_rn, interpreting
-from eyas.kernels.uniform import _splitmix64
+from eyas.kernels.race import temperature_of
+from eyas.kernels.uniform import hash24
 
 BIG = tl.constexpr(2147483647)
 
@@ -45,9 +46,7 @@ def _rounds_kernel(LOGITS, T, M, Z, TOP, NODE, CHILD, DEP, SEEDS, CNT, PATH, PAC
         tj = tl.sum(tl.where(w[None, :] == j, tok, 0), axis=1)
         vj = tl.sum(tl.where((w[None, :] == j) & valid, 1, 0), axis=1) > 0
         repeat = repeat | ((tok == tj[:, None]) & vj[:, None] & (w[None, :] > j))
-    t = tl.load(T + b).to(tl.float32)
-    greedy = t <= 0.0
-    t = tl.where(greedy, 1.0, t)
+    t, greedy = temperature_of(T, b)
     row = b * N1 + n
     m = tl.load(M + row, mask=okn, other=0.0)
     z = tl.load(Z + row, mask=okn, other=1.0)
@@ -60,11 +59,8 @@ def _rounds_kernel(LOGITS, T, M, Z, TOP, NODE, CHILD, DEP, SEEDS, CNT, PATH, PAC
     p = tl.where(valid & (~repeat), p, 0.0)
     left = 1.0 - (tl.cumsum(p, axis=1) - p)  # the residual's mass when round j begins
     dep = tl.load(DEP + b * stride_dt + n, mask=okn, other=0)
-    seed = tl.load(SEEDS + b).to(tl.int64).to(tl.uint64, bitcast=True)
-    cnt = tl.load(CNT + b).to(tl.int64).to(tl.uint64, bitcast=True)
-    idx = (dep[:, None] * (W + 1) + w[None, :]).to(tl.int64).to(tl.uint64, bitcast=True)
-    h = _splitmix64(_splitmix64(_splitmix64(seed) ^ cnt) + idx)
-    u = ((h >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # exact: a power of two
+    bits = hash24(SEEDS, CNT, b, (dep[:, None] * (W + 1) + w[None, :]).to(tl.int64))
+    u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # exact: a power of two
     ok = valid & (u * left < p)
     first = tl.min(tl.where(ok, w[None, :], BIG), axis=1)  # the first accepted child of each node
     step = tl.where(first < BIG, tl.sum(tl.where(w[None, :] == first[:, None], ch, 0), axis=1), -1)

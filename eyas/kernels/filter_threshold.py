@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from eyas.kernels.interpret import div_rn, exp_rn, interpreting, log_rn
+from eyas.kernels.interpret import exp_rn, interpreting, log_rn
+from eyas.kernels.race import temperature_of, tempered_chunk
 
 
 @triton.jit
@@ -40,14 +41,6 @@ def _unkey(k):
 
 
 @triton.jit
-def _row(X, r, stride, c, V, t, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
-    offs = c + tl.arange(0, BLOCK)
-    ok = offs < V
-    x = div_rn(tl.load(X + r * stride + offs, mask=ok, other=float("-inf")).to(tl.float32), t, PRECISE)
-    return tl.where(ok, x, float("-inf")), offs, ok
-
-
-@triton.jit
 def _fixed(d, PRECISE: tl.constexpr):
     """exp(d) for d <= 0 in fixed point: floor(exp(d) * 2^32) as int64 (exact; sums agree in any order)."""
     return tl.floor(exp_rn(d, PRECISE) * 4294967296.0).to(tl.int64)
@@ -57,14 +50,12 @@ def _fixed(d, PRECISE: tl.constexpr):
 def _threshold_kernel(X, T, K, P, MINP, TAU, M_OUT, Z_OUT, TOP, V, stride,
                       BLOCK: tl.constexpr, PRECISE: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
-    t = tl.load(T + r).to(tl.float32)
-    greedy = t <= 0.0
-    t = tl.where(greedy, 1.0, t)
+    t, greedy = temperature_of(T, r)
     # the maximum and the first argmax
     m = float("-inf")
     top = 0
     for c in range(0, V, BLOCK):
-        x, offs, ok = _row(X, r, stride, c, V, t, BLOCK, PRECISE)
+        x, offs, ok = tempered_chunk(X, r, c, stride, V, t, BLOCK, PRECISE)
         cm = tl.max(x, axis=0)
         ci = tl.min(tl.where((x == cm) & ok, offs, 2147483647), axis=0)
         top = tl.where(cm > m, ci, top)
@@ -79,7 +70,7 @@ def _threshold_kernel(X, T, K, P, MINP, TAU, M_OUT, Z_OUT, TOP, V, stride,
             mid = lo + (hi - lo) // 2
             cnt = 0
             for c in range(0, V, BLOCK):
-                x, offs, ok = _row(X, r, stride, c, V, t, BLOCK, PRECISE)
+                x, offs, ok = tempered_chunk(X, r, c, stride, V, t, BLOCK, PRECISE)
                 cnt += tl.sum(tl.where(ok & (_key(x) >= mid), 1, 0), axis=0)
             big = cnt >= k
             lo = tl.where(big, mid, lo)
@@ -92,7 +83,7 @@ def _threshold_kernel(X, T, K, P, MINP, TAU, M_OUT, Z_OUT, TOP, V, stride,
     if (p < 1.0) & (~greedy):  # top-p among the tokens kept so far: the smallest key v whose mass above < p * mass
         z = tl.zeros([], dtype=tl.int64)  # masses in fixed point, as the reference's: sums in any order agree
         for c in range(0, V, BLOCK):
-            x, offs, ok = _row(X, r, stride, c, V, t, BLOCK, PRECISE)
+            x, offs, ok = tempered_chunk(X, r, c, stride, V, t, BLOCK, PRECISE)
             z += tl.sum(tl.where(ok & (x >= tau), _fixed(x - shift, PRECISE), 0), axis=0)
         target = p.to(tl.float64) * z.to(tl.float64)
         lo = _key(tau) - 1  # the mass above lo (every kept token) is z >= target
@@ -101,7 +92,7 @@ def _threshold_kernel(X, T, K, P, MINP, TAU, M_OUT, Z_OUT, TOP, V, stride,
             mid = lo + (hi - lo) // 2
             above = tl.zeros([], dtype=tl.int64)
             for c in range(0, V, BLOCK):
-                x, offs, ok = _row(X, r, stride, c, V, t, BLOCK, PRECISE)
+                x, offs, ok = tempered_chunk(X, r, c, stride, V, t, BLOCK, PRECISE)
                 above += tl.sum(tl.where(ok & (x >= tau) & (_key(x) > mid), _fixed(x - shift, PRECISE), 0), axis=0)
             small = above.to(tl.float64) < target
             hi = tl.where(small, mid, hi)
@@ -112,7 +103,7 @@ def _threshold_kernel(X, T, K, P, MINP, TAU, M_OUT, Z_OUT, TOP, V, stride,
     lowest = float("inf")
     z = 0.0
     for c in range(0, V, BLOCK):
-        x, offs, ok = _row(X, r, stride, c, V, t, BLOCK, PRECISE)
+        x, offs, ok = tempered_chunk(X, r, c, stride, V, t, BLOCK, PRECISE)
         keep = ok & (x >= tau)
         lowest = tl.minimum(lowest, tl.min(tl.where(keep, x, float("inf")), axis=0))
         z += tl.sum(tl.where(keep, exp_rn(x - shift, PRECISE), 0.0), axis=0)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from eyas.kernels.interpret import div_rn, exp_rn, gdc_prologue, interpreting, log_rn, neg_log1p_neg_rn, pdl_on
-from eyas.kernels.uniform import _splitmix64
+from eyas.kernels.uniform import hash24
 
 BLOCK = 2048  # entries per chunk (pass 1)
 PDL = True  # programmatic dependent launch, as `eyas.kernels.chunk_topk`
@@ -29,15 +29,20 @@ _BIG = tl.constexpr(2147483647)
 
 
 @triton.jit
-def _chunk(X, row, T, r, stride_xr, V, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
-    """Chunk program_id(1) of logits row `row` as x = logits / t (t <= 0: 1), -inf past V: (x, offsets, in range,
-    greedy)."""
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < V
+def temperature_of(T, r):
+    """(t, greedy) of row r's temperature: a greedy row (t <= 0) divides by 1."""
     t = tl.load(T + r).to(tl.float32)
-    greedy = t <= 0.0
+    return tl.where(t <= 0.0, 1.0, t), t <= 0.0
+
+
+@triton.jit
+def tempered_chunk(X, row, start, stride_xr, V, t, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+    """Entries start .. start + BLOCK of logits row `row` as x = logits / t (IEEE-rounded), -inf past V: (x, offsets,
+    in range)."""
+    offs = start + tl.arange(0, BLOCK)
+    ok = offs < V
     x = tl.load(X + row * stride_xr + offs, mask=ok, other=float("-inf")).to(tl.float32)
-    return div_rn(x, tl.where(greedy, 1.0, t), PRECISE), offs, ok, greedy
+    return div_rn(x, t, PRECISE), offs, ok
 
 
 @triton.jit
@@ -45,7 +50,8 @@ def _stats_kernel(X, T, STATS, IDX, V, n_chunks, stride_xr, BLOCK: tl.constexpr,
                   USE_GDC: tl.constexpr = False):
     gdc_prologue(USE_GDC)
     r = tl.program_id(0).to(tl.int64)
-    x, offs, ok, _ = _chunk(X, r, T, r, stride_xr, V, BLOCK, PRECISE)
+    t, _ = temperature_of(T, r)
+    x, offs, ok = tempered_chunk(X, r, tl.program_id(1) * BLOCK, stride_xr, V, t, BLOCK, PRECISE)
     cm = tl.max(x, axis=0)
     shift = tl.where(cm == float("-inf"), 0.0, cm)
     o = r * n_chunks + tl.program_id(1)
@@ -77,15 +83,11 @@ def _race_kernel(X, ROWS, T, SEEDS, CNT, BASE, EXCL, TAU, SCORE, IDX, V, n_chunk
     gdc_prologue(USE_GDC)
     r = tl.program_id(0).to(tl.int64)
     row = tl.load(ROWS + r) if HAS_ROWS else r
-    x, offs, ok, greedy = _chunk(X, row, T, r, stride_xr, V, BLOCK, PRECISE)
+    t, greedy = temperature_of(T, r)
+    x, offs, ok = tempered_chunk(X, row, tl.program_id(1) * BLOCK, stride_xr, V, t, BLOCK, PRECISE)
     x0 = x
     if not greedy:
-        seed = tl.load(SEEDS + r).to(tl.int64).to(tl.uint64, bitcast=True)
-        cnt = tl.load(CNT + r).to(tl.int64).to(tl.uint64, bitcast=True)
-        base = tl.load(BASE + r).to(tl.int64).to(tl.uint64, bitcast=True)
-        h = _splitmix64(_splitmix64(seed) ^ cnt)
-        h = _splitmix64(h + (base + offs.to(tl.uint64)))
-        k = tl.minimum((h >> 40) + 1, 16777215)
+        k = tl.minimum(hash24(SEEDS, CNT, r, tl.load(BASE + r).to(tl.int64) + offs) + 1, 16777215)
         v = k.to(tl.float32) * (1.0 / 16777216.0)  # exact: a power of two
         x = x - log_rn(neg_log1p_neg_rn(v, PRECISE), PRECISE)  # E = -log(1 - v), to an ulp even where E is small
     if HAS_TAU:  # the filters' threshold: only x >= tau takes part

@@ -21,16 +21,21 @@ def _splitmix64(x):
 
 
 @triton.jit
+def hash24(SEEDS, CNT, b, index):
+    """The 24 random bits (uint64) of (seed, counter) of row b and int64 `index` (any shape), as
+    `eyas.layers.sampler.hash24`: what the uniforms, the race's exponentials and the acceptance rounds draw from."""
+    seed = tl.load(SEEDS + b).to(tl.int64).to(tl.uint64, bitcast=True)
+    cnt = tl.load(CNT + b).to(tl.int64).to(tl.uint64, bitcast=True)
+    return _splitmix64(_splitmix64(_splitmix64(seed) ^ cnt) + index.to(tl.uint64, bitcast=True)) >> 40
+
+
+@triton.jit
 def _uniform_kernel(SEEDS, CNT, INDEX, OUT, m, stride_ib, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < m
-    seed = tl.load(SEEDS + b).to(tl.int64).to(tl.uint64, bitcast=True)
-    cnt = tl.load(CNT + b).to(tl.int64).to(tl.uint64, bitcast=True)
-    idx = tl.load(INDEX + b * stride_ib + offs, mask=ok, other=0).to(tl.int64).to(tl.uint64, bitcast=True)
-    h = _splitmix64(_splitmix64(seed) ^ cnt)
-    h = _splitmix64(h + idx)
-    bits = (h >> 40).to(tl.float32)
+    idx = tl.load(INDEX + b * stride_ib + offs, mask=ok, other=0).to(tl.int64)
+    bits = hash24(SEEDS, CNT, b, idx).to(tl.float32)
     tl.store(OUT + b * m + offs, (bits + 0.5) / 16777216.0, mask=ok)
 
 

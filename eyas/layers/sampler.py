@@ -46,13 +46,24 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
-def uniform(seeds: torch.Tensor, counters: torch.Tensor, index: torch.Tensor | int) -> torch.Tensor:
-    """U[0, 1) float32, one per broadcast element of (seeds, counters, index); strictly inside (0, 1)."""
+def hash24(seeds: torch.Tensor, counters: torch.Tensor, index: torch.Tensor | int) -> torch.Tensor:
+    """24 random bits (int64), one per broadcast element of (seeds, counters, index): what the uniforms and the
+    race's exponentials are made of (`eyas.kernels.uniform.hash24` on the GPU)."""
     h = splitmix64(splitmix64(seeds.long()) ^ counters.long())
     # a Python int is added as a scalar (no host->device copy, so this runs inside CUDA graph capture)
-    h = splitmix64(h + (index if isinstance(index, int) else index.long()))
-    bits = _shr(h, 40)  # 24 random bits
-    return (bits.float() + 0.5) / float(1 << 24)
+    return _shr(splitmix64(h + (index if isinstance(index, int) else index.long())), 40)
+
+
+def uniform(seeds: torch.Tensor, counters: torch.Tensor, index: torch.Tensor | int) -> torch.Tensor:
+    """U[0, 1) float32, one per broadcast element of (seeds, counters, index); strictly inside (0, 1)."""
+    return (hash24(seeds, counters, index).float() + 0.5) / float(1 << 24)
+
+
+def tempered(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x = logits / t in float32 [R, V], greedy [R]: t <= 0, where x = logits) for logits [R, V], temperature [R]."""
+    t = temperature.float()
+    greedy = t <= 0
+    return logits.float() / torch.where(greedy, torch.ones_like(t), t)[:, None], greedy
 
 
 # The race's uniforms: token i of a draw at `index_base` takes index index_base + i, far above the acceptance rounds'
@@ -64,9 +75,7 @@ def race_exponentials(seeds: torch.Tensor, counters: torch.Tensor, index: torch.
     """Exp(1) float32 draws, one per broadcast element of (seeds, counters, index): E = -log(1 - v), v = (k + 1) / 2^24
     for the same 24 hashed bits k as `uniform` (log1p: a small E, the likely winner of a race, keeps its precision;
     v <= 1 - 2^-24, so E is finite)."""
-    h = splitmix64(splitmix64(seeds.long()) ^ counters.long())
-    h = splitmix64(h + index.long())
-    v = (_shr(h, 40) + 1).clamp(max=(1 << 24) - 1).float() / float(1 << 24)
+    v = (hash24(seeds, counters, index) + 1).clamp(max=(1 << 24) - 1).float() / float(1 << 24)
     return -torch.log1p(-v)
 
 
@@ -81,13 +90,10 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     index_base [R] (token i draws at index_base + i); exclude [R, W] token ids never drawn (-1: none), the tokens a
     speculative step tried and rejected; tau [R]: only tokens with x >= tau take part (the filters' threshold,
     `filter_threshold`). `eyas.kernels.race.race_sample_triton` is the GPU's one pass."""
-    x = logits.float()
+    x, greedy = tempered(logits, temperature)
     V = x.shape[-1]
-    t = temperature.float()
-    greedy = (t <= 0)[:, None]
-    x = x / torch.where(greedy[:, 0], torch.ones_like(t), t)[:, None]
     E = race_exponentials(seeds[:, None], counters[:, None], index_base[:, None] + torch.arange(V, device=x.device))
-    score = torch.where(greedy, x, x - torch.log(E))
+    score = torch.where(greedy[:, None], x, x - torch.log(E))
     if tau is not None:
         score = score.masked_fill(x < tau[:, None], float("-inf"))
     if exclude is not None:
@@ -101,9 +107,7 @@ def row_stats(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Te
     """(M, Z, top) of each row of x = logits / t (t <= 0: t = 1): M = max x, Z = sum exp(x - M) (so softmax(x)_i =
     exp(x_i - M) / Z) and top = the argmax (its first maximum). logits [R, V], temperature [R]. What a sampled step's
     acceptance needs of the vocabulary at every node; `eyas.kernels.race.row_stats_triton` is the GPU's pass."""
-    x = logits.float()
-    t = temperature.float()
-    x = x / torch.where(t <= 0, torch.ones_like(t), t)[:, None]
+    x, _ = tempered(logits, temperature)
     M = x.amax(-1)
     shift = torch.where(M == float("-inf"), torch.zeros_like(M), M)
     return M, torch.exp(x - shift[:, None]).sum(-1), logits.argmax(-1)
@@ -118,12 +122,10 @@ def filter_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
     Order-independent rules (ties at a boundary all stay, where `logits_to_probs`' sort keeps some of them): top-k
     keeps i iff fewer than k tokens have a larger x; min-p iff x_i - M >= log(min_p); top-p keeps i iff the tokens
     still kept with a larger x hold less than top_p of their mass (the first token always stays; the masses in
-    fixed point, so that the boundary does not depend on the order of a sum). Greedy rows (t <= 0): tau = M. The reference sorts; `eyas.kernels.filter_threshold` bisects instead."""
-    x = logits.float()
+    fixed point, so that the boundary does not depend on the order of a sum). Greedy rows (t <= 0): tau = M. The
+    reference sorts; `eyas.kernels.filter_threshold` bisects instead."""
+    x, greedy = tempered(logits, temperature)
     R, V = x.shape
-    t = temperature.float()
-    greedy = t <= 0
-    x = x / torch.where(greedy, torch.ones_like(t), t)[:, None]
     xs = x.sort(dim=-1, descending=True).values
     M = xs[:, 0]
     shift = torch.where(M == float("-inf"), torch.zeros_like(M), M)
@@ -164,11 +166,8 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     without the sort over the vocabulary that the filters need (vLLM skips its top-k/top-p so); the general path
     with every filter off is its reference (equal up to the order of the softmax's additions).
     """
-    logits = logits.float()
-    V = logits.shape[-1]
-    greedy = temperature <= 0
-    t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
-    x = logits / t[:, None]
+    x, greedy = tempered(logits, temperature)
+    V = x.shape[-1]
     onehot = torch.zeros_like(x).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     if not filters:
         return torch.where(greedy[:, None], onehot, torch.softmax(x, dim=-1))

@@ -123,8 +123,8 @@ class AsyncEngine:
         if metrics is not None:
             metrics.set_tree_depth(self.spec_depth)
             if engine.draft is not None:  # every tree a step can take, at 0 from the start
-                for t in getattr(engine.tree, "all_trees", [engine.tree]):
-                    metrics.tree_steps(t.name)
+                for name in self._tree_depths:
+                    metrics.tree_steps(name)
             metrics.kv_total.set(engine.blocks.num_usable)
             self._update_gauges()
 

@@ -87,8 +87,8 @@ def parse_bands(spec: str) -> TreeDispatch:
         try:
             temp = float(t)
         except ValueError:
-            temp = float("nan")
-        if not eq or not temp > 0 or temp != temp:
+            temp = float("nan")  # refused below, as nan itself is
+        if not eq or not temp > 0:
             raise ValueError(f"bad speculation {spec!r}: a temperature band is T=SPEC with T > 0 (got {item!r})")
         if base.bands and temp <= base.bands[-1][0]:
             raise ValueError(f"bad speculation {spec!r}: temperature bands must be increasing")
@@ -102,8 +102,6 @@ def parse_bands(spec: str) -> TreeDispatch:
 def parse_dispatch(spec: str, allow_plain: bool = False) -> TreeDispatch:
     """`dispatch:B1=SPEC1,B2=SPEC2,...` -> TreeDispatch (see the module docstring). `allow_plain`: every entry may
     be plain (a temperature band's, `parse_bands`)."""
-    if "|" in spec:
-        return parse_bands(spec)
     from eyas.spec.tree import resolve_tree
 
     body = spec[len(PREFIX):] if spec.startswith(PREFIX) else spec

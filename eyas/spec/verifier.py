@@ -67,9 +67,10 @@ def accept_tree(probs: torch.Tensor, node_tokens: torch.Tensor, tree: Tree, seed
             return none[:, None], none, _race_kept(race, probs[:, 0], none, none, seeds, counters, use_triton)
         u = draws(torch.full((B, 1), tree.children.shape[-1], dtype=torch.long, device=device))[:, 0]
         return none[:, None], none, sample_from(probs[:, 0], u)
-    tok, valid, repeat, depth, W = _children(node_tokens, tree, B)
+    tok, valid, repeat, depth, children = _children(node_tokens, tree, B)
+    W = children.shape[2]
     p = torch.where(valid & ~repeat, probs.gather(2, tok), 0.0)  # [B, N+1, W]
-    path, cur, u = _rounds(p, probs.sum(-1, keepdim=True), tok, valid, depth, tree, draws)
+    path, cur, u = _rounds(p, probs.sum(-1, keepdim=True), valid, depth, children, tree.max_depth, draws)
     # the bonus: the stop node's distribution without its children's tokens (each was tried and rejected)
     rows = torch.arange(B, device=device)
     removed = torch.zeros(B, V + 1, dtype=torch.bool, device=device)
@@ -118,7 +119,6 @@ def accept_tree_logits(logits: torch.Tensor, temperature: torch.Tensor, node_tok
     t = temperature.float()
     if use_triton:
         from eyas.kernels.race import race_sample_triton, row_stats_triton
-    bases = RACE_BASE + V * torch.arange(tree.max_depth + 1, device=device)  # a race's indices at each depth
     flat_t = t.repeat_interleave(N1)
     tau = None
     if filters is not None:
@@ -129,13 +129,13 @@ def accept_tree_logits(logits: torch.Tensor, temperature: torch.Tensor, node_tok
         tau, M, Z, top = threshold(logits.view(B * N1, V), flat_t, *(f.repeat_interleave(N1) for f in filters))
     if N1 == 1:  # plain sampled decoding: one race over the root's row
         none = torch.zeros(B, dtype=torch.long, device=device)
-        base = bases[:1].expand(B)
+        base = torch.full((B,), RACE_BASE, device=device)  # depth 0's (a race at depth d: RACE_BASE + V * d)
         if use_triton:
             bonus = race_sample_triton(logits.view(B, V), t, seeds, counters, base, tau=tau)
         else:
             bonus = race_sample(logits.view(B, V), t, seeds, counters, base, tau=tau)
         return none[:, None], none, bonus
-    tok, valid, repeat, depth, W = _children(node_tokens, tree, B)
+    tok, valid, repeat, depth, children = _children(node_tokens, tree, B)
     if filters is None:
         M, Z, top = (row_stats_triton if use_triton else row_stats)(logits.view(B * N1, V), flat_t)
     M, Z, top = M.view(B, N1, 1), Z.view(B, N1, 1), top.view(B, N1, 1)
@@ -145,10 +145,11 @@ def accept_tree_logits(logits: torch.Tensor, temperature: torch.Tensor, node_tok
     if tau is not None:
         p = torch.where(x >= tau.view(B, N1, 1), p, 0.0)
     p = torch.where(valid & ~repeat, p, 0.0)
-    path, cur, _ = _rounds(p, torch.ones_like(M), tok, valid, depth, tree, _draws(seeds, counters, use_triton))
+    path, cur, _ = _rounds(p, torch.ones_like(M), valid, depth, children, tree.max_depth,
+                           _draws(seeds, counters, use_triton))
     rows = torch.arange(B, device=device)
     exclude = torch.where(valid[rows, cur], tok[rows, cur], -1)  # the stop node's children, each tried and rejected
-    base = bases[depth[rows, cur]]
+    base = RACE_BASE + V * depth[rows, cur]
     stop_tau = None if tau is None else tau.view(B, N1)[rows, cur]
     if use_triton:
         bonus = race_sample_triton(logits.view(B * N1, V), t, seeds, counters, base, exclude, rows * N1 + cur,
@@ -173,7 +174,7 @@ def _draws(seeds: torch.Tensor, counters: torch.Tensor, use_triton: bool):
 
 def _children(node_tokens: torch.Tensor, tree, B: int):
     """Every node's children's tokens tok [B, N+1, W], valid (a child there), repeat (an earlier sibling has its
-    token), the nodes' depths [B, N+1] and W."""
+    token), the nodes' depths [B, N+1] and their children [B, N+1, W]."""
     _, depth, _, children = batched(tree, B, node_tokens.device)  # [B, N+1], [B, N+1, W]
     N1, W = children.shape[1], children.shape[2]
     cols = torch.arange(W, device=node_tokens.device)
@@ -181,18 +182,16 @@ def _children(node_tokens: torch.Tensor, tree, B: int):
     tok = node_tokens.gather(1, children.clamp(min=0).reshape(B, N1 * W)).view(B, N1, W)
     repeat = ((tok[..., :, None] == tok[..., None, :]) & valid[..., None, :]
               & (cols[None, :] < cols[:, None])).any(-1)  # [b, n, j]: an earlier tried sibling has j's token
-    return tok, valid, repeat, depth, W
+    return tok, valid, repeat, depth, children
 
 
-def _rounds(p: torch.Tensor, total: torch.Tensor, tok: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor,
-            tree, draws):
+def _rounds(p: torch.Tensor, total: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor, children: torch.Tensor,
+            D: int, draws):
     """Every node's rounds at once (p [B, N+1, W] the children's probabilities, 0 where invalid or repeated; total
-    [B, N+1, 1] each node's mass), then the walk along the first accepted children: (path [B, D+1], the stop node
-    [B], the uniforms [B, N+1, W+1])."""
+    [B, N+1, 1] each node's mass; `_children`' valid, depth and children), then the walk along the first accepted
+    children, D deep: (path [B, D+1], the stop node [B], the uniforms [B, N+1, W+1])."""
     B, N1, W = p.shape
     device = p.device
-    children = batched(tree, B, device)[3]
-    D = tree.max_depth
     left = total - (p.cumsum(-1) - p)  # the residual's mass when round j begins
     u = draws(depth[..., None] * (W + 1) + torch.arange(W + 1, device=device))  # [B, N+1, W+1]
     ok = valid & (u[..., :W] * left < p)

@@ -60,9 +60,10 @@ def main() -> None:
     how = "eager" if args.eager or dev.type != "cuda" else "CUDA graph"
     print(f"From bf16 logits at temperature 1, ms a call ({dev}, {how}): the walk on the softmax "
           "(accept_tree_reference); every node at once on the softmax (accept_tree, uniforms in Triton); from the "
-          "logits (accept_tree_logits) in torch ops, with the Triton passes, and with the rounds fused too; greedy acceptance (argmax + "
-          "accept_tree_greedy_triton) for scale.")
-    print("| tree | batch | walk | accept_tree | logits, torch | logits, Triton | logits, fused rounds | greedy | same |")
+          "logits (accept_tree_logits) in torch ops, with the Triton passes, and with the rounds fused too; greedy "
+          "acceptance (argmax + accept_tree_greedy_triton) for scale.")
+    print("| tree | batch | walk | accept_tree | logits, torch | logits, Triton | logits, fused rounds | greedy "
+          "| same |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.trees:
         tree = (Tree.chain(0) if name == "chain:0" else resolve_tree(name)).to(dev)
