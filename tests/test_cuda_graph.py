@@ -156,8 +156,9 @@ def test_capture_all_covers_every_bucket_a_shrinking_batch_needs(pair):
 
 def test_temperature_bands_on_graphs_equal_eager(pair):
     """A dispatch with temperature bands under graphs: greedy and seeded hot requests together take the hot bands'
-    trees (plain steps at 1, chain:3 at 0.6), the greedy request alone at the end the first band's; the tokens are
-    eager decoding's, and `capture_all` captured every graph those steps needed beforehand."""
+    trees (plain steps at 1, chain:3 at 0.6), the greedy request alone at the end the first band's, and hot requests
+    alone plain steps without the draft; the tokens are eager decoding's, and `capture_all` captured every graph
+    those steps needed beforehand."""
     target, draft = pair
     spec = "dispatch:2=tree:8,64=chain:2|0.5=chain:3|0.9=plain"
     params = [SamplingParams(max_tokens=45, ignore_eos=True),
@@ -176,6 +177,12 @@ def test_temperature_bands_on_graphs_equal_eager(pair):
     assert n > 0
     assert [o.token_ids for o in graphed.generate(PROMPTS, params)] == ref
     assert len(g.graphs) == n  # nothing was captured while decoding
+    # requests at or above 0.9 alone: plain steps without the draft (the bare tree, "plain"), captured beforehand
+    hot = [SamplingParams(max_tokens=20, temperature=1.0, seed=5, ignore_eos=True),
+           SamplingParams(max_tokens=15, temperature=0.95, seed=6, ignore_eos=True)]
+    ref = [o.token_ids for o in eager.generate(PROMPTS[:2], hot)]
+    assert [o.token_ids for o in graphed.generate(PROMPTS[:2], hot)] == ref
+    assert "plain" in graphed.engine.runner.tree_steps and len(g.graphs) == n
 
 
 @pytest.mark.parametrize("spec", [None, "tree:8"])

@@ -377,6 +377,65 @@ def test_temperature_bands_switch_trees_and_greedy_requests_stay_exact(mirror_pa
     assert set(alone.engine.runner.tree_steps) <= {"tree:8", "chain:2"}, alone.engine.runner.tree_steps
 
 
+def test_bands_that_end_in_plain_decoding_know_where_they_start():
+    """`plain_from`: the lowest band temperature from which every band, at every batch size, is plain (a request that
+    hot never speculates, in any batch); None where some hotter band still drafts."""
+    from eyas.spec.tree import resolve_tree
+    assert resolve_tree("dispatch:2=tree:8,64=chain:2|0.5=chain:3|0.9=plain").plain_from == 0.9
+    assert resolve_tree("chain:3|0.5=dispatch:2=plain,8=plain|0.9=plain").plain_from == 0.5
+    assert resolve_tree("chain:1|0.5=plain|0.9=plain").plain_from == 0.5
+    for spec in [BANDS, "chain:3|0.5=plain|0.9=chain:1", "dispatch:2=tree:8,64=plain", "chain:3|0.5=chain:1"]:
+        assert resolve_tree(spec).plain_from is None, spec
+
+
+HOT_PLAIN = "dispatch:2=tree:8,64=chain:2|0.5=chain:3|0.9=plain"
+
+
+def test_requests_that_never_speculate_decode_without_the_draft(mirror_pair, monkeypatch):
+    """Bands that end in plain decoding (at 0.9): steps of hot requests alone run the bare root without the draft
+    ("plain": no catch-up), steps with a cooler request beside them read along ("chain:0"), and cooler requests
+    that arrive after the hot ones' draftless steps still speculate, with long accepted paths. Every token is
+    that of the same engine without the shortcut; the hot requests' are plain decoding's, and the greedy one's."""
+    import eyas.spec.step as step
+    target, draft = mirror_pair
+    prompts = prompts6()
+    hot = [SamplingParams(max_tokens=m, temperature=t, seed=s, ignore_eos=True) for m, t, s in
+           ((16, 1.0, 1), (12, 0.9, 2))]
+    late = [SamplingParams(max_tokens=40, ignore_eos=True),
+            SamplingParams(max_tokens=40, temperature=0.6, seed=3, ignore_eos=True)]
+    calls = []
+    f = step.catch_up
+    monkeypatch.setattr(step, "catch_up", lambda *a, **k: calls.append(1) or f(*a, **k))
+
+    def run(shortcut: bool):
+        llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=HOT_PLAIN)
+        engine, runner = llm.engine, llm.engine.runner
+        assert runner.bare_tree is not None and runner.plain_from == 0.9
+        if not shortcut:
+            runner.bare_tree = None
+        calls.clear()
+        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts[2:4], hot)]
+        for _ in range(6):  # the hot pair alone
+            engine.step()
+        seqs += [engine.add_request(p, sp) for p, sp in zip(prompts[4:6], late)]
+        while engine.has_unfinished():
+            engine.step()
+        steps = dict(runner.tree_steps)
+        assert len(calls) == sum(steps.values()) - steps.get("plain", 0)  # a draftless step reads nothing
+        return [s.output_ids for s in seqs], steps, seqs
+
+    toks, steps, seqs = run(True)
+    assert steps.get("plain", 0) >= 5 and steps.get("chain:0", 0) >= 1 and steps.get("chain:3", 0) >= 1, steps
+    assert [len(t) for t in toks] == [16, 12, 40, 40]
+    assert min(s.stats.committed / s.stats.target_calls for s in seqs[2:]) > 1.5  # the late ones speculate
+    off_toks, off_steps, _ = run(False)
+    assert "plain" not in off_steps
+    assert toks == off_toks
+    ref = [o.token_ids for o in LLM(str(target), device="cpu", dtype="float32").generate(
+        [prompts[2], prompts[3], prompts[4]], hot + late[:1])]
+    assert toks[:3] == ref
+
+
 @pytest.mark.parametrize("pair", ["random_pair", "mirror_pair"])
 def test_dispatch_switches_trees_between_steps_and_stays_exact(request, pair):
     """Six requests with different lengths: the batch shrinks from 6 to 1, so the steps go plain (with the draft

@@ -81,7 +81,7 @@ class GraphedStep:
     def _step(self, inp: DecodeInputs, mode: str, tree, logprobs: int | None = None,
               penalties: Penalties | None = None) -> DecodeOutputs:
         r = self.runner
-        return spec_step(r.target, r.draft, tree, r.cache, r.draft_cache, inp, r.block_size, r.use_triton,
+        return spec_step(r.target, r.draft_for(tree), tree, r.cache, r.draft_cache, inp, r.block_size, r.use_triton,
                          r.simulated_accept, mode == "greedy", r.draft_hidden, None, logprobs, penalties,
                          filters=mode == "filtered")
 
@@ -134,6 +134,9 @@ class GraphedStep:
                         trees[t.name] = t
                 if self.runner.proposer is not None:  # n-gram steps where no sequence has a proposal: plain steps
                     trees[self.runner.plain_tree.name] = self.runner.plain_tree
+                bare = self.runner.bare_tree  # plain steps without the draft, of requests that never speculate
+                if bare is not None and (m != "greedy" or self.runner.plain_from <= 0):
+                    trees[bare.name] = bare
                 for t in trees.values():
                     new += self._capture_buckets(b, m, t)
             lo = b + 1
@@ -261,23 +264,23 @@ class GraphedStep:
         device = static.root_tokens.device
         pen = Penalties.neutral(B, r.target.config.vocab_size, device, words=with_penalties == 2) \
             if with_penalties else None
-        root_masks = None if r.draft is None else torch.full((B, words), -1, dtype=torch.int32, device=device)
+        root_masks = None if r.draft_for(tree) is None else torch.full((B, words), -1, dtype=torch.int32, device=device)
         # every node's mask ([B, N1, words]: root and the N tree tokens, a dynamic tree's too); all allowed to warm up
         masks = torch.full((B, tree.num_nodes + 1, words), -1, dtype=torch.int32, device=device)
         from eyas.spec.grammar import apply_bitmask
 
         def drafted():
-            return draft_phase(r.target, r.draft, tree, r.draft_cache, static, r.block_size, r.use_triton,
+            return draft_phase(r.target, r.draft_for(tree), tree, r.draft_cache, static, r.block_size, r.use_triton,
                                r.simulated_accept, r.draft_hidden, root_masks, pen)
 
         def verified(d):
-            return verify_phase(r.target, r.draft, d, r.cache, static)
+            return verify_phase(r.target, r.draft_for(tree), d, r.cache, static)
 
         def accepted(d, v):
             apply_bitmask(v.logits, masks)
             if pen is not None:
                 pen.apply_to_tree(v.logits, d.node_tokens, d.tree.ancestor_mask)
-            return accept_phase(r.draft, d, v, r.cache, static, r.use_triton, r.simulated_accept, mode == "greedy",
+            return accept_phase(r.draft_for(tree), d, v, r.cache, static, r.use_triton, r.simulated_accept, mode == "greedy",
                                 r.draft_hidden, MAX_LOGPROBS if with_logprobs else None, mode == "filtered")
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

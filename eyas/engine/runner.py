@@ -15,6 +15,7 @@ pending hidden states stay on the device, in `draft_hidden[slot]`.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -175,6 +176,12 @@ class ModelRunner:
         speculates = draft is not None or proposer is not None
         self.tree = (tree if (tree is not None and speculates) else Tree.chain(0)).to(self.device)
         self.plain_tree = Tree.chain(0).to(self.device)  # n-gram steps where no sequence has a proposal
+        # temperature bands that end in plain decoding (`TreeDispatch.plain_from`): a step whose requests are all at
+        # least that hot runs this bare root without the draft, as an engine without one would: none of them will
+        # ever speculate, so the draft need not read their tokens (it cost ~10% of a plain step, session 60)
+        self.plain_from = getattr(self.tree, "plain_from", None) if draft is not None else None
+        self.bare_tree = (None if self.plain_from is None
+                          else dataclasses.replace(Tree.chain(0), name="plain").to(self.device))
         self._proposals: list[list[int] | None] | None = None  # this step's, made by `launch`
         if draft is not None:  # a dynamic tree's top-k must fit the vocabulary the draft proposes from
             ids = getattr(draft, "vocab_ids", None)
@@ -219,6 +226,13 @@ class ModelRunner:
         has temperature bands, by the step's highest temperature)."""
         t = self.tree
         return t.tree_for(batch_size, temperature) if hasattr(t, "tree_for") else t
+
+    def draft_for(self, tree) -> EagleDraft | None:
+        """The draft a step of `tree` runs: none for the bare tree of requests that never speculate (`bare_tree`).
+        Its sequences' draft caches then fall behind; `collect` counts them as read all the same, so that a later
+        step of theirs beside a cooler request, which reads along, has at most `lookahead` pairs to read. Its
+        output for them is never used: every step they take is plain."""
+        return None if tree is self.bare_tree else self.draft
 
     @property
     def lookahead(self) -> int:
@@ -536,6 +550,8 @@ class ModelRunner:
         state, which does not know yet what that step accepted. The caller must have reserved KV blocks for two
         steps ahead (`Scheduler.reserve_ahead`)."""
         tree = self.tree_for(len(seqs), max(s.params.temperature for s in seqs))
+        if self.bare_tree is not None and min(s.params.temperature for s in seqs) >= self.plain_from:
+            tree = self.bare_tree  # plain decoding without the draft (`draft_for`)
         if self.proposer is not None:  # n-gram proposals from the committed tokens; none at all: a plain step
             if after is not None:
                 raise ValueError("an n-gram step cannot be overlapped: its proposals need the step before's tokens")
@@ -576,7 +592,7 @@ class ModelRunner:
                 inp.max_context_len = (self.context_bound(seqs) if self.use_triton
                                        else max(s.num_cached for s in seqs) + self.lookahead)
             mode = sampling_mode([s.params for s in seqs])
-            out = spec_step(self.target, self.draft, tree, self.cache, self.draft_cache, inp, self.block_size,
+            out = spec_step(self.target, self.draft_for(tree), tree, self.cache, self.draft_cache, inp, self.block_size,
                             self.use_triton, self.simulated_accept, mode == "greedy", self.draft_hidden, guide,
                             logprobs, penalties, filters=mode == "filtered")
         if penalties is not None:  # the counts gain this step's tokens on the device (`PenaltyState`)

@@ -118,6 +118,9 @@ class AsyncEngine:
         self._steps_seen = dict(engine.step_counts)
         self._trees_seen = dict(getattr(getattr(engine, "runner", None), "tree_steps", None) or {})
         self._tree_depths = {t.name: t.max_depth for t in getattr(engine.tree, "all_trees", [engine.tree])}
+        bare = getattr(getattr(engine, "runner", None), "bare_tree", None)
+        if bare is not None:  # plain steps of requests that never speculate: no draft forward
+            self._tree_depths[bare.name] = 0
         self._preempted_seen = engine.scheduler.num_preemptions  # metrics: preemptions already counted
         self.spec_depth = engine.tree.max_depth if engine.draft is not None else 0
         if metrics is not None:

@@ -55,6 +55,18 @@ class TreeDispatch:
         return [0.0] + [t for t, _ in self.bands]
 
     @property
+    def plain_from(self) -> float | None:
+        """The lowest band temperature from which every band is plain (no tree of any batch size drafts), or None.
+        A step takes its hottest request's band, so a request at least this hot takes only plain steps, in any
+        batch: its draft need not read along (`eyas.engine.runner.ModelRunner.launch`)."""
+        out = None
+        for t, trees in reversed([(0.0, self.trees)] + [(t, band.trees) for t, band in self.bands]):
+            if any(tree.num_nodes for tree in trees):
+                break
+            out = t
+        return out
+
+    @property
     def all_trees(self) -> list[Tree]:
         return self.trees + [t for _, band in self.bands for t in band.trees]
 
