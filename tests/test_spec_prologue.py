@@ -111,6 +111,7 @@ def test_engine_with_a_sampling_switch_samples_the_same_tokens(tiny, monkeypatch
                   SamplingParams(max_tokens=5, ignore_eos=True)]
     else:
         mod, fn = ft, "filter_threshold_triton"
+        monkeypatch.setattr(step, "SORT_FREE_MIN_ROWS", 0)  # this batch's 12 rows take the search too
         params = [SamplingParams(max_tokens=5, temperature=1.0, top_p=0.8, seed=3, ignore_eos=True),
                   SamplingParams(max_tokens=5, temperature=0.7, top_k=5, seed=4, ignore_eos=True),
                   SamplingParams(max_tokens=5, temperature=1.2, min_p=0.05, seed=5, ignore_eos=True)]
@@ -125,5 +126,16 @@ def test_engine_with_a_sampling_switch_samples_the_same_tokens(tiny, monkeypatch
         llm.engine.runner.use_triton = True
         outs = llm.generate(prompts, params)
         runs[on] = ([o.token_ids for o in outs], [o.stats.target_calls for o in outs])
-        assert len(calls) >= (2 if on else 0)
+        assert len(calls) >= 2 if on else not calls
     assert runs[True] == runs[False]
+    if switch == "SORT_FREE_FILTERS":  # steps of fewer than SORT_FREE_MIN_ROWS rows (here at most 3 x 4) find the
+        import eyas.layers.sampler as sampler  # same thresholds by the reference's sort
+        monkeypatch.setattr(step, "SORT_FREE_MIN_ROWS", 13)
+        calls.clear()
+        ref = sampler.filter_threshold
+        monkeypatch.setattr(sampler, "filter_threshold", lambda *a, **k: calls.append(0) or ref(*a, **k))
+        llm = LLM(str(target), device=DEV, dtype="float32", draft=str(draft), speculation="chain:3",
+                  max_model_len=SHORT_CONTEXT)
+        llm.engine.runner.use_triton = True
+        assert [o.token_ids for o in llm.generate(prompts, params)] == runs[False][0]
+        assert len(calls) >= 2 and set(calls) == {0}

@@ -301,12 +301,12 @@ def test_the_filtered_logits_sampler_on_a_preset_and_plain_steps():
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(1, 6), st.sampled_from([5, 64, 300, 2100]), st.booleans(), st.booleans(), st.integers(0, 10**6))
-def test_filter_thresholds_by_bisection_equal_the_sort(R, vocab, bf16, whole_row, seed):
-    """`filter_threshold_triton` (bisection; the whole row in registers or walked in chunks) == `filter_threshold` (a
-    sort): the same threshold, maximum and argmax, the kept mass to float rounding; bf16 logits tie often at the
-    boundaries, -inf tokens, k at 1, V - 1 and V, greedy rows. And on float32 logits (no ties) the kept sets are
-    `logits_to_probs`' own."""
+@given(st.integers(1, 6), st.sampled_from([5, 64, 300, 2100]), st.booleans(), st.integers(0, 10**6))
+def test_filter_thresholds_by_bisection_equal_the_sort(R, vocab, bf16, seed):
+    """`filter_threshold_triton` (bisection) == `filter_threshold` (a sort): the same threshold, maximum and argmax
+    (the first of tied maxima), the kept mass to float rounding; bf16 logits tie often at the boundaries, -inf
+    tokens, k at 1, V - 1 and V, greedy rows. And on float32 logits (no ties) the kept sets are `logits_to_probs`'
+    own."""
     from eyas.kernels.filter_threshold import filter_threshold_triton
     from eyas.layers.sampler import filter_threshold
     g = torch.Generator().manual_seed(seed)
@@ -321,8 +321,7 @@ def test_filter_thresholds_by_bisection_equal_the_sort(R, vocab, bf16, whole_row
     top_p = torch.tensor([1.0, 0.05, 0.5, 0.9, 0.999])[torch.randint(5, (R,), generator=g)]
     min_p = torch.tensor([0.0, 0.0, 0.01, 0.2, 0.9])[torch.randint(5, (R,), generator=g)]
     want = filter_threshold(logits, temp, top_k, top_p, min_p)
-    got = [x.cpu() for x in filter_threshold_triton(*(x.to(DEV) for x in (logits, temp, top_k, top_p, min_p)),
-                                                    whole_row=whole_row)]
+    got = [x.cpu() for x in filter_threshold_triton(*(x.to(DEV) for x in (logits, temp, top_k, top_p, min_p)))]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[3], want[3])
     torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=0)
     if not bf16:

@@ -11,12 +11,18 @@ reference, defines it; ties at a boundary all stay):
   masses in fixed point (floor(exp(x - M) * 2^32): integer sums agree in any order, so the boundary does not move
   with the order of a sum, as it did between a chunked and a sorted float sum at top-p 0.999).
 
-One program per row. Up to `ROW_MAX` entries it holds the whole row in registers (`_threshold_row_kernel`) and
-reads the logits once; past that it walks the row in chunks, ~70 passes over the logits (`_threshold_kernel`; on an
-H100 that took ~1 ms a row at any batch below ~100 rows, slower than the sort there: session 60). It returns the
-threshold, the maximum, the kept tokens' mass and the argmax; the acceptance then reads the children's
-probabilities and races the bonus among x >= tau. Off in the step (`eyas.spec.step.SORT_FREE_FILTERS`) until it
-wins on a GPU.
+One program per row walks its row in chunks: ~70 passes over 49,152 bf16 logits (L2-resident) where the sort moved
+every row through global memory several times. It returns the threshold, the maximum, the kept tokens' mass and the
+argmax; the acceptance then reads the children's probabilities and races the bonus among x >= tau.
+
+On an H100 (`tools/diag/sampler_cost.py --device cuda`, session 60) a pass costs ~15 us whatever the row count, its
+chunks' latency: ~1 ms for one row or 49 (the sort: 0.53, 0.71), 1.22 ms for 192 rows (2.22) and 5.86 for 1,568
+(14.9). So the step sorts below `eyas.spec.step.SORT_FREE_MIN_ROWS` rows. Tried in session 60, not kept:
+* the whole row in registers (one read of the logits, 16 warps): 0.52 ms for one row, 0.95 for 49, but 2.96 for
+  192 and 23.2 for 1,568;
+* searches of 4 or 16 candidates a pass, counted per lane and summed after the pass (fewer passes): 4-way 0.88,
+  0.87, 1.11 and 6.19 ms; 16-way 0.99, 0.91, 1.89 and 11.1 (each pass then bound by its 512-entry chunks' latency
+  or by the NWAY compares of each entry).
 """
 from __future__ import annotations
 
@@ -114,60 +120,8 @@ def _threshold_kernel(X, T, K, P, MINP, TAU, M_OUT, Z_OUT, TOP, V, stride,
     tl.store(TOP + r, top.to(tl.int64))
 
 
-@triton.jit
-def _threshold_row_kernel(X, T, K, P, MINP, TAU, M_OUT, Z_OUT, TOP, V, stride,
-                          VB: tl.constexpr, PRECISE: tl.constexpr):
-    """`_threshold_kernel` with the whole row in registers (VB >= V): one read of the logits, then each halving is a
-    pass over registers, not over L2."""
-    r = tl.program_id(0).to(tl.int64)
-    t, greedy = temperature_of(T, r)
-    x, offs, ok = tempered_chunk(X, r, 0, stride, V, t, VB, PRECISE)
-    m = tl.max(x, axis=0)
-    top = tl.min(tl.where((x == m) & ok, offs, 2147483647), axis=0)
-    shift = tl.where(m == float("-inf"), 0.0, m)
-    keys = _key(x)
-    tau = float("-inf")
-    k = tl.load(K + r).to(tl.int64)
-    if (k > 0) & (k < V) & (~greedy):  # top-k: the largest key v with count(x >= v) >= k
-        lo = _key(tl.full([], float("-inf"), tl.float32))
-        hi = _key(m) + 1
-        while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            big = tl.sum(tl.where(ok & (keys >= mid), 1, 0), axis=0) >= k
-            lo = tl.where(big, mid, lo)
-            hi = tl.where(big, hi, mid)
-        tau = _unkey(lo)
-    mp = tl.load(MINP + r).to(tl.float32)
-    if (mp > 0.0) & (~greedy):  # min-p
-        tau = tl.maximum(tau, m + log_rn(mp, PRECISE))
-    p = tl.load(P + r).to(tl.float32)
-    if (p < 1.0) & (~greedy):  # top-p among the tokens kept so far, the masses in fixed point
-        mass = tl.where(ok & (x >= tau), _fixed(x - shift, PRECISE), 0)
-        target = p.to(tl.float64) * tl.sum(mass, axis=0).to(tl.float64)
-        lo = _key(tau) - 1
-        hi = _key(m)
-        while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            small = tl.sum(tl.where(keys > mid, mass, 0), axis=0).to(tl.float64) < target
-            hi = tl.where(small, mid, hi)
-            lo = tl.where(small, lo, mid)
-        tau = tl.maximum(tau, _unkey(hi))
-    tau = tl.where(greedy, m, tau)
-    keep = ok & (x >= tau)
-    tl.store(TAU + r, tl.min(tl.where(keep, x, float("inf")), axis=0))
-    tl.store(M_OUT + r, m)
-    tl.store(Z_OUT + r, tl.sum(tl.where(keep, exp_rn(x - shift, PRECISE), 0.0), axis=0))
-    tl.store(TOP + r, top.to(tl.int64))
-
-
-# The whole row in registers up to this many entries (a power of two; SmolLM2's and Llama 2's vocabularies fit),
-# one program of ROW_WARPS warps a row; past it the row is walked in chunks, once per halving.
-ROW_MAX = 65536
-ROW_WARPS = 16
-
-
 def filter_threshold_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                            top_p: torch.Tensor, min_p: torch.Tensor, whole_row: bool | None = None):
+                            top_p: torch.Tensor, min_p: torch.Tensor):
     """`eyas.layers.sampler.filter_threshold` in one launch: (tau, M, Z) float32 [R], top int64 [R]."""
     x = logits.reshape(-1, logits.shape[-1])
     if x.stride(-1) != 1:
@@ -176,15 +130,8 @@ def filter_threshold_triton(logits: torch.Tensor, temperature: torch.Tensor, top
     dev = x.device
     tau, M, Z = (torch.empty(R, dtype=torch.float32, device=dev) for _ in range(3))
     top = torch.empty(R, dtype=torch.long, device=dev)
-    settings = (temperature.float().contiguous(), top_k.contiguous(), top_p.float().contiguous(),
-                min_p.float().contiguous())
-    VB = triton.next_power_of_2(V)
-    if whole_row is None:
-        whole_row = VB <= ROW_MAX
-    if R and whole_row:
-        _threshold_row_kernel[(R,)](x, *settings, tau, M, Z, top, V, x.stride(0), VB=VB, PRECISE=not interpreting(),
-                                    num_warps=ROW_WARPS)
-    elif R:
-        _threshold_kernel[(R,)](x, *settings, tau, M, Z, top, V, x.stride(0), BLOCK=min(2048, VB),
-                                PRECISE=not interpreting(), num_warps=8)
+    if R:
+        _threshold_kernel[(R,)](x, temperature.float().contiguous(), top_k.contiguous(), top_p.float().contiguous(),
+                                min_p.float().contiguous(), tau, M, Z, top, V, x.stride(0),
+                                BLOCK=min(2048, triton.next_power_of_2(V)), PRECISE=not interpreting(), num_warps=8)
     return tau, M, Z, top

@@ -3,8 +3,7 @@
 (the softmax alone, what a step takes when no sampled request asks for a filter). Rows are a step's tree nodes
 (batch x (tree nodes + 1)); random logits of SmolLM2's 49,152-token vocabulary, temperature 0.8, filters off.
 On CUDA also the filters' thresholds found by bisection (`eyas.kernels.filter_threshold`, no sort; session 59) at
-top-p 0.9 and top-k 50, what a filtered step takes with `eyas.spec.step.SORT_FREE_FILTERS`: the row walked in chunks
-at every halving, and the row held in registers (session 60).
+top-p 0.9 and top-k 50, what a filtered step takes with `eyas.spec.step.SORT_FREE_FILTERS`.
 
     python tools/diag/sampler_cost.py [--rows 1 49 192 1568] [--repeat 20] [--device cpu|cuda] [--threads N]
 """
@@ -52,15 +51,13 @@ def main() -> None:
             from eyas.kernels.filter_threshold import filter_threshold_triton
             bf = logits.bfloat16()
             args_ft = (bf, t, torch.full((n,), 50, device=dev), torch.full((n,), 0.9, device=dev), m)
-            for whole in (False, True):
-                filter_threshold_triton(*args_ft, whole_row=whole)
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(args.repeat):
-                    filter_threshold_triton(*args_ft, whole_row=whole)
-                sync()
-                line += (f" bisection (top-p 0.9, top-k 50), {'the row in registers' if whole else 'in chunks'}: "
-                         f"{(time.perf_counter() - t0) / args.repeat * 1e3:.3f} ms |")
+            filter_threshold_triton(*args_ft)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.repeat):
+                filter_threshold_triton(*args_ft)
+            sync()
+            line += f" bisection (top-p 0.9, top-k 50): {(time.perf_counter() - t0) / args.repeat * 1e3:.3f} ms |"
         print(line)
 
 
