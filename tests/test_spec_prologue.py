@@ -128,14 +128,10 @@ def test_engine_with_a_sampling_switch_samples_the_same_tokens(tiny, monkeypatch
         runs[on] = ([o.token_ids for o in outs], [o.stats.target_calls for o in outs])
         assert len(calls) >= 2 if on else not calls
     assert runs[True] == runs[False]
-    if switch == "SORT_FREE_FILTERS":  # steps of fewer than SORT_FREE_MIN_ROWS rows (here at most 3 x 4) find the
-        import eyas.layers.sampler as sampler  # same thresholds by the reference's sort
+    if switch == "SORT_FREE_FILTERS":  # steps of fewer than SORT_FREE_MIN_ROWS rows (here at most 3 x 4) sort
         monkeypatch.setattr(step, "SORT_FREE_MIN_ROWS", 13)
         calls.clear()
-        ref = sampler.filter_threshold
-        monkeypatch.setattr(sampler, "filter_threshold", lambda *a, **k: calls.append(0) or ref(*a, **k))
         llm = LLM(str(target), device=DEV, dtype="float32", draft=str(draft), speculation="chain:3",
                   max_model_len=SHORT_CONTEXT)
         llm.engine.runner.use_triton = True
-        assert [o.token_ids for o in llm.generate(prompts, params)] == runs[False][0]
-        assert len(calls) >= 2 and set(calls) == {0}
+        assert [o.token_ids for o in llm.generate(prompts, params)] == runs[False][0] and not calls

@@ -33,15 +33,15 @@ FUSED_PROLOGUE = True
 # against 0.894 and 1.024 against 1.151).
 FUSED_SAMPLED_ROUNDS = True
 
-# Filtered steps (top-k, top-p, min-p) as one threshold per node (`eyas.layers.sampler.filter_threshold`; ties at a
-# filter's boundary all stay), then the acceptance from the logits as for unfiltered steps, instead of the filtered
-# probabilities whole (`logits_to_probs`, `accept_tree`). From SORT_FREE_MIN_ROWS rows (batch x tree nodes) the
-# thresholds are found by bisection (`eyas.kernels.filter_threshold`, no sort), below by the reference's sort. The
-# bisection takes ~1 ms whatever the rows; the sort 0.53 ms for one row, 0.71 for 49, 2.22 for 192 (H100, session
-# 60, `tools/diag/sampler_cost.py`). On an H100 at top-p 0.9, T=1 (SmolLM2 with its draft, MT-Bench 80 x 128,
-# session 60), the bisection at every row count: the default tree's step at batch 16 (784 rows) 4.00 ms against
-# 8.42 on the probabilities; at 64 rows or fewer it lost (plain decoding at batch 1 1.143 ms a step against 0.647,
-# the tree at batch 1 1.881 against 1.800).
+# Filtered steps (top-k, top-p, min-p) of at least SORT_FREE_MIN_ROWS rows (batch x tree nodes) without the
+# vocabulary's sort: one threshold per node found by bisection (`eyas.kernels.filter_threshold`), then the acceptance
+# from the logits as for unfiltered steps. Smaller steps accept on the filtered probabilities (`logits_to_probs`,
+# which sorts). The two differ only at ties on a filter's boundary (the bisection keeps them all, the sort some), as
+# a GPU's bf16 logits already differ between batch sizes. H100, session 60: the bisection takes ~1 ms whatever the
+# rows, the sort 0.53 ms for one row, 0.71 for 49, 2.22 for 192 (`tools/diag/sampler_cost.py`); at top-p 0.9, T=1
+# (SmolLM2 with its draft, MT-Bench 80 x 128) the default tree's step at batch 16 (784 rows) took 4.00-4.05 ms
+# against 8.42-8.43, while at 64 rows or fewer the bisection lost (plain decoding at batch 1: 1.143 ms a step
+# against 0.647), and so did the sort's thresholds (`filter_threshold`, the reference: 0.763 against 0.646).
 SORT_FREE_FILTERS = True
 SORT_FREE_MIN_ROWS = 128
 
@@ -309,11 +309,10 @@ def accept_phase(draft, d: Drafted, v: Verified, cache, inp: DecodeInputs, use_t
     elif not filters:  # sampled: the softmax's statistics, the children's probabilities and one race a sequence
         path, num_accepted, bonus = accept_tree_logits(logits, inp.temperature, node_tokens, tree, inp.seeds, n,
                                                        use_triton)
-    elif use_triton and SORT_FREE_FILTERS:  # top-k, top-p or min-p as one threshold a node (by bisection from
-        # SORT_FREE_MIN_ROWS rows, below by a sort: the same thresholds, so a request's tokens do not depend on its batch)
+    elif use_triton and SORT_FREE_FILTERS and B * N1 >= SORT_FREE_MIN_ROWS:  # top-k, top-p or min-p as one
+        # threshold a node, found by bisection
         path, num_accepted, bonus = accept_tree_logits(logits, inp.temperature, node_tokens, tree, inp.seeds, n,
-                                                       True, filters=(inp.top_k, inp.top_p, inp.min_p),
-                                                       sort_filters=B * N1 < SORT_FREE_MIN_ROWS)
+                                                       True, filters=(inp.top_k, inp.top_p, inp.min_p))
     else:  # top-k, top-p or min-p: the filtered distributions, whole (the filters sort the vocabulary)
         probs = logits_to_probs(logits.view(B * N1, V), inp.temperature.repeat_interleave(N1),
                                 inp.top_k.repeat_interleave(N1), inp.top_p.repeat_interleave(N1),

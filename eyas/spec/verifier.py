@@ -99,8 +99,7 @@ def _race_kept(race: tuple, residual: torch.Tensor, cur: torch.Tensor, depth: to
 
 def accept_tree_logits(logits: torch.Tensor, temperature: torch.Tensor, node_tokens: torch.Tensor, tree: Tree,
                        seeds: torch.Tensor, counters: torch.Tensor, use_triton: bool = False,
-                       filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                       sort_filters: bool = False):
+                       filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """`accept_tree` for target distributions softmax(logits / t) with no top-k, top-p or min-p (a "sampled" step,
     `eyas.layers.sampler.sampling_mode`; rows with t <= 0 are greedy), without the [B, N+1, V] probabilities: logits
     [B, N+1, V] (any float dtype), temperature [B]; the rest and the outputs as `accept_tree`.
@@ -113,9 +112,7 @@ def accept_tree_logits(logits: torch.Tensor, temperature: torch.Tensor, node_tok
 
     `filters` (top_k, top_p, min_p [B]): the filtered softmaxes, as one threshold per node (`filter_threshold`, found
     by bisection on the GPU: `eyas.kernels.filter_threshold`; no sort): p_j = 0 below it, Z the kept tokens' mass,
-    and the race runs above it. Ties at a filter's boundary all stay, where `logits_to_probs` keeps some.
-    `sort_filters`: the thresholds by the reference's sort even with `use_triton` (the same thresholds; faster than
-    the bisection for few rows, `eyas.spec.step.SORT_FREE_MIN_ROWS`)."""
+    and the race runs above it. Ties at a filter's boundary all stay, where `logits_to_probs` keeps some."""
     from eyas.layers.sampler import RACE_BASE, filter_threshold, race_sample, row_stats
     B, N1, V = logits.shape
     device = logits.device
@@ -125,7 +122,7 @@ def accept_tree_logits(logits: torch.Tensor, temperature: torch.Tensor, node_tok
     flat_t = t.repeat_interleave(N1)
     tau = None
     if filters is not None:
-        if use_triton and not sort_filters:
+        if use_triton:
             from eyas.kernels.filter_threshold import filter_threshold_triton as threshold
         else:
             threshold = filter_threshold
