@@ -15,7 +15,9 @@ greedy ones commit ~3.8, and every speculative mode lost to plain decoding (H100
 greedy choices still won. So a speculation may add temperature bands: `SPEC|T1=SPEC1|T2=SPEC2` with increasing
 T: a step whose hottest request has temperature t >= T_k (the largest such k) uses SPEC_k, a step below T1 (greedy
 ones included) uses SPEC. Each SPEC is a dispatch, a single tree or `plain`. Example:
-`dispatch:2=tree:smollm2_48d5,256=chain:3|0.5=dispatch:2=tree:smollm2_48d5,256=plain|0.85=plain`.
+`dispatch:2=tree:smollm2_48d5,256=chain:3|0.5=dispatch:2=tree:smollm2_48d5,256=plain|0.85=plain`. A request at
+least as hot as the bands' last plain temperature (`plain_from`, 0.85 here) never speculates, so a step of such
+requests alone runs without the draft (`eyas.engine.runner.ModelRunner.bare_tree`).
 
 The step keeps every cache exact whichever tree it uses (`eyas.spec.step.spec_step`): switching trees between steps
 changes nothing of the committed history, only how many tokens a step may commit.
