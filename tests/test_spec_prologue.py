@@ -96,7 +96,7 @@ def test_engine_with_the_fused_prologue_equals_plain_decoding(tiny, monkeypatch,
 @pytest.mark.parametrize("switch", ["FUSED_SAMPLED_ROUNDS", "SORT_FREE_FILTERS"])
 def test_engine_with_a_sampling_switch_samples_the_same_tokens(tiny, monkeypatch, switch):
     """The Triton path (interpreted on the CPU) with `eyas.spec.step.FUSED_SAMPLED_ROUNDS` (the rounds and walk in
-    one launch) or `SORT_FREE_FILTERS` (the filters' thresholds by bisection) on: seeded sampled requests, and a
+    one launch) or `SORT_FREE_FILTERS` (the filters' thresholds by radix selection) on: seeded sampled requests, and a
     greedy one, beside each other, sample the tokens of the same path with it off (float32 logits: no ties at a
     filter's boundary, where the two filter rules could differ), and every step took the new launch."""
     import eyas.kernels.accept_sampled as acc
@@ -111,7 +111,6 @@ def test_engine_with_a_sampling_switch_samples_the_same_tokens(tiny, monkeypatch
                   SamplingParams(max_tokens=5, ignore_eos=True)]
     else:
         mod, fn = ft, "filter_threshold_triton"
-        monkeypatch.setattr(step, "SORT_FREE_MIN_ROWS", 0)  # this batch's 12 rows take the search too
         params = [SamplingParams(max_tokens=5, temperature=1.0, top_p=0.8, seed=3, ignore_eos=True),
                   SamplingParams(max_tokens=5, temperature=0.7, top_k=5, seed=4, ignore_eos=True),
                   SamplingParams(max_tokens=5, temperature=1.2, min_p=0.05, seed=5, ignore_eos=True)]
@@ -128,10 +127,3 @@ def test_engine_with_a_sampling_switch_samples_the_same_tokens(tiny, monkeypatch
         runs[on] = ([o.token_ids for o in outs], [o.stats.target_calls for o in outs])
         assert len(calls) >= 2 if on else not calls
     assert runs[True] == runs[False]
-    if switch == "SORT_FREE_FILTERS":  # steps of fewer than SORT_FREE_MIN_ROWS rows (here at most 3 x 4) sort
-        monkeypatch.setattr(step, "SORT_FREE_MIN_ROWS", 13)
-        calls.clear()
-        llm = LLM(str(target), device=DEV, dtype="float32", draft=str(draft), speculation="chain:3",
-                  max_model_len=SHORT_CONTEXT)
-        llm.engine.runner.use_triton = True
-        assert [o.token_ids for o in llm.generate(prompts, params)] == runs[False][0] and not calls

@@ -263,7 +263,7 @@ def test_the_sampler_equals_the_walk_on_the_presets_and_dynamic_trees():
 
 def check_filtered_sampler(tree, nodes: torch.Tensor, target: torch.Tensor, rng: torch.Generator,
                            dev_tree=None) -> torch.Tensor:
-    """`accept_tree_logits(filters=...)` (torch, and the Triton bisection and race) == the walk on the filtered
+    """`accept_tree_logits(filters=...)` (torch, and the Triton radix selection and race) == the walk on the filtered
     softmaxes as `filter_threshold` states them, with the race's bonus: bf16 logits (ties at the boundaries), top-k,
     top-p and min-p per sequence, some greedy rows and some without a filter."""
     from eyas.layers.sampler import filter_threshold
@@ -301,12 +301,12 @@ def test_the_filtered_logits_sampler_on_a_preset_and_plain_steps():
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(1, 6), st.sampled_from([5, 64, 300, 2100]), st.booleans(), st.integers(0, 10**6))
-def test_filter_thresholds_by_bisection_equal_the_sort(R, vocab, bf16, seed):
-    """`filter_threshold_triton` (bisection) == `filter_threshold` (a sort): the same threshold, maximum and argmax
-    (the first of tied maxima), the kept mass to float rounding; bf16 logits tie often at the boundaries, -inf
-    tokens, k at 1, V - 1 and V, greedy rows. And on float32 logits (no ties) the kept sets are `logits_to_probs`'
-    own."""
+@given(st.integers(1, 6), st.sampled_from([5, 64, 300, 2100, 4099]), st.booleans(), st.integers(0, 10**6))
+def test_filter_thresholds_by_radix_selection_equal_the_sort(R, vocab, bf16, seed):
+    """`filter_threshold_triton` (radix selection) == `filter_threshold` (a sort): the same threshold, maximum and
+    argmax (the first of tied maxima), the kept mass to float rounding; bf16 logits tie often at the
+    boundaries, -inf tokens, k at 1, V - 1 and V, greedy rows, rows of more than one histogram chunk. And on float32
+    logits (no ties) the kept sets are `logits_to_probs`' own."""
     from eyas.kernels.filter_threshold import filter_threshold_triton
     from eyas.layers.sampler import filter_threshold
     g = torch.Generator().manual_seed(seed)

@@ -123,7 +123,7 @@ def filter_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
     keeps i iff fewer than k tokens have a larger x; min-p iff x_i - M >= log(min_p); top-p keeps i iff the tokens
     still kept with a larger x hold less than top_p of their mass (the first token always stays; the masses in
     fixed point, so that the boundary does not depend on the order of a sum). Greedy rows (t <= 0): tau = M. The
-    reference sorts; `eyas.kernels.filter_threshold` bisects instead."""
+    reference sorts; `eyas.kernels.filter_threshold` selects by radix instead."""
     x, greedy = tempered(logits, temperature)
     R, V = x.shape
     xs = x.sort(dim=-1, descending=True).values

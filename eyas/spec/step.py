@@ -33,17 +33,14 @@ FUSED_PROLOGUE = True
 # against 0.894 and 1.024 against 1.151).
 FUSED_SAMPLED_ROUNDS = True
 
-# Filtered steps (top-k, top-p, min-p) of at least SORT_FREE_MIN_ROWS rows (batch x tree nodes) without the
-# vocabulary's sort: one threshold per node found by bisection (`eyas.kernels.filter_threshold`), then the acceptance
-# from the logits as for unfiltered steps. Smaller steps accept on the filtered probabilities (`logits_to_probs`,
-# which sorts). The two differ only at ties on a filter's boundary (the bisection keeps them all, the sort some), as
-# a GPU's bf16 logits already differ between batch sizes. H100, session 60: the bisection takes ~1 ms whatever the
-# rows, the sort 0.53 ms for one row, 0.71 for 49, 2.22 for 192 (`tools/diag/sampler_cost.py`); at top-p 0.9, T=1
-# (SmolLM2 with its draft, MT-Bench 80 x 128) the default tree's step at batch 16 (784 rows) took 4.00-4.05 ms
-# against 8.42-8.43, while at 64 rows or fewer the bisection lost (plain decoding at batch 1: 1.143 ms a step
-# against 0.647), and so did the sort's thresholds (`filter_threshold`, the reference: 0.763 against 0.646).
+# Filtered steps (top-k, top-p, min-p) without the vocabulary's sort: one threshold per node found by radix selection
+# (`eyas.kernels.filter_threshold`), then the acceptance from the logits as for unfiltered steps, instead of the
+# filtered probabilities whole (`logits_to_probs`, which sorts). Ties at a filter's boundary then all stay (the sort
+# keeps some). On since session 60 (H100, top-p 0.9 at T=1, SmolLM2 with its draft, MT-Bench 80 x 128, against the
+# probabilities in the same call): plain decoding 0.497 ms a token against 0.649 at batch 1 and 0.808 against 1.130
+# at 16; the default tree's step 1.303 ms against 1.805 at batch 1 and 2.856 against 8.432 at 16; `chain:3`'s
+# 0.963 against 1.197 and 1.270 against 1.829.
 SORT_FREE_FILTERS = True
-SORT_FREE_MIN_ROWS = 128
 
 # Not kept: the step's last write (`commit_features`) in one Triton launch, the features through the draft's `fuse`
 # inside it (session 41, ff27ad5). It lost on the H200 in session 42 (with the prologue, two runs each way: the
@@ -309,8 +306,7 @@ def accept_phase(draft, d: Drafted, v: Verified, cache, inp: DecodeInputs, use_t
     elif not filters:  # sampled: the softmax's statistics, the children's probabilities and one race a sequence
         path, num_accepted, bonus = accept_tree_logits(logits, inp.temperature, node_tokens, tree, inp.seeds, n,
                                                        use_triton)
-    elif use_triton and SORT_FREE_FILTERS and B * N1 >= SORT_FREE_MIN_ROWS:  # top-k, top-p or min-p as one
-        # threshold a node, found by bisection
+    elif use_triton and SORT_FREE_FILTERS:  # top-k, top-p or min-p as one threshold a node, no sort
         path, num_accepted, bonus = accept_tree_logits(logits, inp.temperature, node_tokens, tree, inp.seeds, n,
                                                        True, filters=(inp.top_k, inp.top_p, inp.min_p))
     else:  # top-k, top-p or min-p: the filtered distributions, whole (the filters sort the vocabulary)

@@ -111,7 +111,7 @@ def accept_tree_logits(logits: torch.Tensor, temperature: torch.Tensor, node_tok
     (`eyas.kernels.race`, `eyas.kernels.uniform`). The reference is `accept_tree_reference` with `race`.
 
     `filters` (top_k, top_p, min_p [B]): the filtered softmaxes, as one threshold per node (`filter_threshold`, found
-    by bisection on the GPU: `eyas.kernels.filter_threshold`; no sort): p_j = 0 below it, Z the kept tokens' mass,
+    by radix selection on the GPU: `eyas.kernels.filter_threshold`; no sort): p_j = 0 below it, Z the kept mass,
     and the race runs above it. Ties at a filter's boundary all stay, where `logits_to_probs` keeps some."""
     from eyas.layers.sampler import RACE_BASE, filter_threshold, race_sample, row_stats
     B, N1, V = logits.shape

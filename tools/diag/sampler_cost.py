@@ -2,10 +2,12 @@
 `filters=True` (the general path: temperature, min-p, top-k, top-p; a sort of every row) against `filters=False`
 (the softmax alone, what a step takes when no sampled request asks for a filter). Rows are a step's tree nodes
 (batch x (tree nodes + 1)); random logits of SmolLM2's 49,152-token vocabulary, temperature 0.8, filters off.
-On CUDA also the filters' thresholds found by bisection (`eyas.kernels.filter_threshold`, no sort; session 59) at
-top-p 0.9 and top-k 50, what a filtered step takes with `eyas.spec.step.SORT_FREE_FILTERS`.
+On CUDA also the filters' thresholds found without a sort (`eyas.kernels.filter_threshold`) at top-p 0.9 and top-k
+50 by radix selection, what a filtered step takes (`eyas.spec.step.SORT_FREE_FILTERS`); `--graph` times them as a
+graph's replay.
 
     python tools/diag/sampler_cost.py [--rows 1 49 192 1568] [--repeat 20] [--device cpu|cuda] [--threads N]
+        [--graph]
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch's CPU threads (default: torch's)")
+    ap.add_argument("--graph", action="store_true", help="on CUDA: time the thresholds as a CUDA graph's replay")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -51,13 +54,19 @@ def main() -> None:
             from eyas.kernels.filter_threshold import filter_threshold_triton
             bf = logits.bfloat16()
             args_ft = (bf, t, torch.full((n,), 50, device=dev), torch.full((n,), 0.9, device=dev), m)
-            filter_threshold_triton(*args_ft)
+            run = (lambda: filter_threshold_triton(*args_ft))
+            run()
             sync()
+            if args.graph:  # the launches as one graph's replay, as a captured step runs them
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+                run = graph.replay
             t0 = time.perf_counter()
             for _ in range(args.repeat):
-                filter_threshold_triton(*args_ft)
+                run()
             sync()
-            line += f" bisection (top-p 0.9, top-k 50): {(time.perf_counter() - t0) / args.repeat * 1e3:.3f} ms |"
+            line += f" radix selection (top-p 0.9, top-k 50): {(time.perf_counter() - t0) / args.repeat * 1e3:.3f} ms |"
         print(line)
 
 
