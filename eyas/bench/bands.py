@@ -8,10 +8,12 @@ won at 0.7). Given one `latency.json` per temperature (`eyas bench latency --tem
 (`eyas.spec.dispatch.parse_bands`): a band begins halfway between two measured temperatures, neighbours with the
 same dispatch merge, and the coldest run's dispatch serves every temperature below the first boundary.
 
-A dispatch's `plain` entry is not quite plain decoding: the draft still reads the committed tokens so that a later
-step can speculate (session 59: 0.92-0.93x of plain decoding, `smollm2-shape` on an H100). `--plain-entry-cost 1.08`
-charges the plain rows that much more when they compete, so that a mode a few percent slower than plain decoding,
-but faster than the entry, keeps its place.
+A dispatch's `plain` entry below the hottest band is not quite plain decoding: the draft still reads the committed
+tokens so that a later step can speculate (session 59: 0.92-0.93x of plain decoding, `smollm2-shape` on an H100).
+`--plain-entry-cost 1.08` charges the plain rows that much more when they compete, so that a mode a few percent
+slower than plain decoding, but faster than the entry, keeps its place. Plain bands from some temperature up (the
+suggestion's last) cost no more than plain decoding where a step's requests are all that hot: such steps skip the
+draft (`eyas.spec.dispatch.TreeDispatch.plain_from`; session 60: 1.01x / 0.96x at batch 1 / 16 on an H100).
 
     eyas bench bands DIR_T0/latency.json DIR_T07/latency.json DIR_T1/latency.json [--metric ttit|tpot]
         [--plain-entry-cost F]
