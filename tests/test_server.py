@@ -1127,8 +1127,9 @@ def test_step_accounting_sums_every_requests_part(tmp_path):
 
 
 def test_decode_steps_by_tree_and_their_draft_forwards(tmp_path):
-    """A dispatch with temperature bands: /metrics counts each tree's decode steps (every tree listed from the start)
-    and the draft forwards as each step's tree has levels (a plain step none)."""
+    """A dispatch with temperature bands: /metrics counts each tree's decode steps (every tree listed from the start,
+    "plain" too: the draftless steps of requests that never speculate) and the draft forwards as each step's tree
+    has levels (a plain step none)."""
     from helpers import write_mirror_pair
     from eyas.serve.async_engine import AsyncEngine, _Tracker
     from eyas.serve.metrics import Metrics
@@ -1142,12 +1143,24 @@ def test_decode_steps_by_tree_and_their_draft_forwards(tmp_path):
                                                          temperature=1.0 if i == 0 else 0.0, seed=i),
                            request_id=f"r{i}")
         ae._trackers[f"r{i}"] = _Tracker(None, 0, time.perf_counter())
+
+    def scrape():
+        return {(f.name, tuple(sorted(f.labels.items()))): f.value
+                for fam in text_string_to_metric_families(metrics.render().decode()) for f in fam.samples}
+
+    key = ("eyas:spec_decode_steps_by_tree_total", (("model_name", "m"), ("tree", "plain")))
+    assert scrape()[key] == 0
     while engine.has_unfinished():
         ae._dispatch(engine.step())
-    got = {(f.name, tuple(sorted(f.labels.items()))): f.value
-           for fam in text_string_to_metric_families(metrics.render().decode()) for f in fam.samples}
+    assert scrape()[key] == 0  # the hot request always had a greedy one beside it
+    engine.add_request([9, 5, 7], SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.95, seed=3),
+                       request_id="r3")  # alone: draftless plain steps
+    ae._trackers["r3"] = _Tracker(None, 0, time.perf_counter())
+    while engine.has_unfinished():
+        ae._dispatch(engine.step())
+    got = scrape()
     steps = {t: got[("eyas:spec_decode_steps_by_tree_total", (("model_name", "m"), ("tree", t)))]
-             for t in ("chain:0", "chain:2", "chain:4")}
+             for t in ("chain:0", "chain:2", "chain:4", "plain")}
     assert steps == {t: engine.runner.tree_steps.get(t, 0) for t in steps} and min(steps.values()) > 0
     assert got[("eyas:spec_draft_forwards_total", (("model_name", "m"),))] == 2 * steps["chain:2"] + 4 * steps["chain:4"]
     assert got[("eyas:spec_verify_steps_total", (("model_name", "m"),))] == sum(steps.values())
