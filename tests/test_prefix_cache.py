@@ -168,6 +168,29 @@ def test_a_hit_holds_exactly_the_committed_history(request, pair, spec):
     assert engine.blocks.num_used == 0
 
 
+def test_draftless_steps_leave_their_blocks_out_of_the_cache(mirror_pair):
+    """A request hot enough never to speculate (bands that end in plain decoding) decodes without the draft, whose
+    KV of the positions it generates is then never written: none of those blocks is offered to the prefix cache. A
+    later turn that starts with the prompt and that answer takes the prompt's blocks only, and its caches, the
+    draft's included, are exact."""
+    target_dir, draft_dir = mirror_pair
+    llm = LLM(str(target_dir), device="cpu", dtype="float32", draft=str(draft_dir), speculation="chain:4|0.9=plain",
+              block_size=BS)
+    engine = llm.engine
+    base = _ids(11, 1)
+    hot = llm.generate([base], SamplingParams(max_tokens=20, temperature=1.0, seed=1, ignore_eos=True))[0]
+    assert engine.runner.tree_steps.get("plain", 0) > 0
+    seq = engine.add_request(base + hot.token_ids + _ids(5, 2), SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()  # the prefill step
+    assert seq.prefix_hit == 8  # blocks 0 and 1: the draft read the prompt's pairs up to position 9
+    for _ in range(4):
+        engine.step()
+    assert not seq.finished and seq.stats.committed > 4 * seq.stats.target_calls - 4  # mirror: long paths
+    _assert_caches_exact(llm, seq)
+    engine.abort(seq.request_id)
+    assert engine.blocks.num_used == 0
+
+
 def _workload():
     """Prompts sharing a 14-token system prefix, then second turns (a prompt, its answer and more)."""
     system = _ids(14, 5)

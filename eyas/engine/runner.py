@@ -230,8 +230,9 @@ class ModelRunner:
     def draft_for(self, tree) -> EagleDraft | None:
         """The draft a step of `tree` runs: none for the bare tree of requests that never speculate (`bare_tree`).
         Its sequences' draft caches then fall behind; `collect` counts them as read all the same, so that a later
-        step of theirs beside a cooler request, which reads along, has at most `lookahead` pairs to read. Its
-        output for them is never used: every step they take is plain."""
+        step of theirs beside a cooler request, which reads along, has at most `lookahead` pairs to read (its output
+        for them is never used: every step they take is plain), and marks where they stop holding the history
+        (`Sequence.draft_valid`), past which no block of theirs is prefix-cached."""
         return None if tree is self.bare_tree else self.draft
 
     @property
@@ -670,6 +671,7 @@ class ModelRunner:
         m_host = []
         new_tokens = []
         with_draft = self.draft is not None
+        draftless = with_draft and h.tree is self.bare_tree
         for s, row in zip(h.seqs, host):
             if s.finished:
                 m_host.append(0)
@@ -680,6 +682,8 @@ class ModelRunner:
             new_tokens.append(row[2: m + 2] + [row[-1]])
             if lps is not None and s.params.logprobs is not None:
                 s.new_logprobs = _entries(lps, len(new_tokens) - 1, s.params.logprobs, m + 1)
+            if draftless and s.draft_valid is None:  # its draft cache is not written from here on
+                s.draft_valid = s.num_draft_cached
             s.num_draft_cached = s.num_cached if with_draft else 0
             s.num_cached += m + 1
         if h.penalised:

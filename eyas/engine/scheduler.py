@@ -257,12 +257,14 @@ class Scheduler:
 
     def cache_blocks(self, seq: Sequence) -> None:
         """Offer `seq`'s full blocks to the prefix cache: those whose positions both caches hold (the target's,
-        and the draft's where there is one), once the token after them is known (the key's last token)."""
+        and the draft's where there is one; not past `draft_valid`), once the token after them is known (the key's
+        last token)."""
         cache = self.blocks.prefix
         if cache is None:
             return
         B, ids = self.blocks.block_size, seq.token_ids
-        done = min(seq.num_cached, seq.num_draft_cached) if self.with_draft else seq.num_cached
+        drafted = seq.num_draft_cached if seq.draft_valid is None else seq.draft_valid
+        done = min(seq.num_cached, drafted) if self.with_draft else seq.num_cached
         full = min(done, len(ids) - 1, len(seq.block_table) * B) // B
         parent = seq.prefix_entries[-1] if seq.prefix_entries else 0
         for b in range(len(seq.prefix_entries), full):

@@ -60,6 +60,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
     num_draft_cached: int = 0
+    # where the draft cache stops holding the committed history: the draft skipped the pairs from here on (a plain
+    # step without it, `ModelRunner.bare_tree`), though `num_draft_cached` counts them read; None: it holds them all
+    draft_valid: int | None = None
     slot: int = -1
     stats: SpecStats = field(default_factory=SpecStats)
     first_token_time: float | None = None
@@ -123,6 +126,7 @@ class Sequence:
         """Preemption by recompute: forget every cached state; the committed tokens stay."""
         self.num_cached = 0
         self.num_draft_cached = 0
+        self.draft_valid = None
         self.prefix_entries.clear()
         self.prefix_memo = None
         self.num_preemptions += 1
