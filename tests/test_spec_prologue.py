@@ -127,3 +127,29 @@ def test_engine_with_a_sampling_switch_samples_the_same_tokens(tiny, monkeypatch
         runs[on] = ([o.token_ids for o in outs], [o.stats.target_calls for o in outs])
         assert len(calls) >= 2 if on else not calls
     assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_the_first_tokens_race_alike_on_triton_and_torch(filtered):
+    """The token after a prompt (`ModelRunner._first_tokens`: an exponential race on the logits, among the tokens
+    the filters keep): the Triton path (the race and radix-selection kernels) draws the torch path's tokens, greedy
+    rows take the argmax, and filtered rows draw only kept tokens."""
+    from types import SimpleNamespace
+    from eyas.engine.runner import ModelRunner
+    from eyas.layers.sampler import filter_threshold
+    g = torch.Generator().manual_seed(int(filtered))
+    logits = (torch.randn(6, 300, generator=g) * 3).to(DEV)
+    temps = [0.0, 0.5, 1.0, 1.0, 1.5, 0.7]
+    params = [SamplingParams(temperature=t, seed=i, top_p=0.6 if filtered and i % 2 else 1.0,
+                             top_k=4 if filtered and i == 4 else -1) for i, t in enumerate(temps)]
+    seeds, counters = torch.arange(6, device=DEV), torch.tensor([3, 9, 27, 4, 4, 100], device=DEV)
+    got = [ModelRunner._first_tokens(SimpleNamespace(use_triton=u), logits, params, seeds, counters).cpu()
+           for u in (False, True)]
+    assert torch.equal(got[0], got[1])
+    assert got[0][0] == logits[0].argmax().cpu()
+    p = [torch.tensor([getattr(x, f) for x in params]) for f in ("temperature", "top_k", "top_p", "min_p")]
+    tau = filter_threshold(logits.cpu(), *p)[0]
+    x = logits.cpu() / torch.tensor(temps).clamp(min=1e-9)[:, None]
+    assert bool((x[torch.arange(1, 6), got[0][1:]] >= tau[1:]).all())
+    if filtered:  # the filters bit: some row kept fewer tokens than it has
+        assert bool(((x >= tau[:, None]).sum(-1)[1:] < 300).any())

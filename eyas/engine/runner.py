@@ -25,7 +25,7 @@ from eyas.cache.kv_cache import KVCache
 from eyas.engine.sequence import Sequence
 from eyas.layers.attention import MetaBuilder
 from eyas.layers.penalties import Penalties, PenaltyState
-from eyas.layers.sampler import filters_of, logits_to_probs, sample_from, sampling_mode, uniform
+from eyas.layers.sampler import RACE_BASE, filter_threshold, filters_of, race_sample, sampling_mode
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
 from eyas.spec.drafter import catch_up, causal_mask
@@ -328,12 +328,7 @@ class ModelRunner:
         lps = None
         if any(x.logprobs is not None for x in p):  # before the sampler's temperature, top-k and top-p
             lps = logits.float()
-        probs = logits_to_probs(logits, torch.tensor([x.temperature for x in p], device=dev),
-                                torch.tensor([x.top_k for x in p], device=dev),
-                                torch.tensor([x.top_p for x in p], device=dev),
-                                torch.tensor([x.min_p for x in p], device=dev), filters_of(p))
-        seeds = torch.tensor([s.seed for s in seqs], device=dev)
-        sampled = sample_from(probs, uniform(seeds, start + lens - 1, 0))
+        sampled = self._first_tokens(logits, p, torch.tensor([s.seed for s in seqs], device=dev), start + lens - 1)
         if self.draft is not None:
             self._draft_prefill(seqs, chunk_lens, self.draft.read_features(feats), meta)
         if lps is not None:
@@ -347,6 +342,22 @@ class ModelRunner:
             if out[-1] is not None and s.params.logprobs is not None:
                 s.new_logprobs = _entries(lps, i, s.params.logprobs, 1)
         return out
+
+    def _first_tokens(self, logits: torch.Tensor, params, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+        """The tokens after the prompts, as a decode step draws its bonus: an exponential race on the logits
+        (`race_sample`; greedy rows the argmax), among the tokens that top-k, top-p and min-p keep (one threshold a
+        row, `filter_threshold`; radix selection on the Triton path), at the prompt's last position's counter."""
+        dev = logits.device
+        t = torch.tensor([x.temperature for x in params], device=dev)
+        tau = None
+        threshold, race = filter_threshold, race_sample
+        if self.use_triton:
+            from eyas.kernels.filter_threshold import filter_threshold_triton as threshold
+            from eyas.kernels.race import race_sample_triton as race
+        if filters_of(params):
+            settings = [torch.tensor([getattr(x, f) for x in params], device=dev) for f in ("top_k", "top_p", "min_p")]
+            tau = threshold(logits, t, *settings)[0]
+        return race(logits, t, seeds, counters, torch.full_like(counters, RACE_BASE), tau=tau)
 
     def _prompt_logprobs(self, seqs, chunk_lens, hidden, rows_at_once: int = 512) -> None:
         """`params.prompt_logprobs`: the log-probabilities of the prompt tokens this chunk's positions predict

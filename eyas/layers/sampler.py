@@ -4,12 +4,13 @@ Randomness is a pure function of (request seed, position, stream index): `unifor
 three with splitmix64. A request's draws therefore depend only on its own seed and positions, never on what else is
 in the batch, and the same ops run inside a CUDA graph.
 
-A decode step's tokens (plain sampled decoding's, and the bonus after a speculative step's accepted path) are drawn
-by an exponential race (`race_sample`): the token with the largest logit / t - log(E), E ~ Exp(1) hashed per token,
-which is a draw of softmax(logits / t) in one pass over the logits, no normalised copy and no cumulative sum (the
-filters' rows race among the tokens their filtered distribution keeps). The first token after a prompt uses the
-inverse CDF with one uniform: the first token whose cumulative mass exceeds u * sum(p). Greedy rows (temperature 0)
-take the argmax (one-hot distributions), so the same code serves them exactly.
+A step's new tokens (the first after a prompt, plain sampled decoding's, and the bonus after a speculative step's
+accepted path) are drawn by an exponential race (`race_sample`): the token with the largest logit / t - log(E),
+E ~ Exp(1) hashed per token, which is a draw of softmax(logits / t) in one pass over the logits, no normalised copy
+and no cumulative sum (the filters' rows race among the tokens their filtered distribution keeps). The residuals of
+the walk (`eyas.spec.verifier.accept_tree` without a race, and its reference) use the inverse CDF with one uniform:
+the first token whose cumulative mass exceeds u * sum(p). Greedy rows (temperature 0) take the argmax (one-hot distributions), so the same code
+serves them exactly.
 
 Cumulative sums are taken in integers (`fixed_point_cumsum`): a float cumsum on CUDA is not reproducible bit for bit.
 A one-row cumsum goes through CUB's decoupled look-back scan, whose float additions associate as the tiles happen to
