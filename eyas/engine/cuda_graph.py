@@ -280,8 +280,9 @@ class GraphedStep:
             apply_bitmask(v.logits, masks)
             if pen is not None:
                 pen.apply_to_tree(v.logits, d.node_tokens, d.tree.ancestor_mask)
-            return accept_phase(r.draft_for(tree), d, v, r.cache, static, r.use_triton, r.simulated_accept, mode == "greedy",
-                                r.draft_hidden, MAX_LOGPROBS if with_logprobs else None, mode == "filtered")
+            return accept_phase(r.draft_for(tree), d, v, r.cache, static, r.use_triton, r.simulated_accept,
+                                mode == "greedy", r.draft_hidden, MAX_LOGPROBS if with_logprobs else None,
+                                mode == "filtered")
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

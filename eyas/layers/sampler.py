@@ -9,8 +9,8 @@ accepted path) are drawn by an exponential race (`race_sample`): the token with 
 E ~ Exp(1) hashed per token, which is a draw of softmax(logits / t) in one pass over the logits, no normalised copy
 and no cumulative sum (the filters' rows race among the tokens their filtered distribution keeps). The residuals of
 the walk (`eyas.spec.verifier.accept_tree` without a race, and its reference) use the inverse CDF with one uniform:
-the first token whose cumulative mass exceeds u * sum(p). Greedy rows (temperature 0) take the argmax (one-hot distributions), so the same code
-serves them exactly.
+the first token whose cumulative mass exceeds u * sum(p). Greedy rows (temperature 0) take the argmax (one-hot
+distributions), so the same code serves them exactly.
 
 Cumulative sums are taken in integers (`fixed_point_cumsum`): a float cumsum on CUDA is not reproducible bit for bit.
 A one-row cumsum goes through CUB's decoupled look-back scan, whose float additions associate as the tiles happen to
