@@ -100,7 +100,6 @@ def test_engine_with_a_sampling_switch_samples_the_same_tokens(tiny, monkeypatch
     greedy one, beside each other, sample the tokens of the same path with it off (float32 logits: no ties at a
     filter's boundary, where the two filter rules could differ), and every step took the new launch."""
     import eyas.kernels.accept_sampled as acc
-    import eyas.kernels.filter_threshold as ft
     from eyas.spec import step
     target, draft = tiny
     prompts = [[1, 2, 3, 4, 5], [9, 8], [7, 7, 7]]
@@ -109,14 +108,20 @@ def test_engine_with_a_sampling_switch_samples_the_same_tokens(tiny, monkeypatch
         params = [SamplingParams(max_tokens=5, temperature=1.0, seed=3, ignore_eos=True),
                   SamplingParams(max_tokens=5, temperature=0.6, seed=4, ignore_eos=True),
                   SamplingParams(max_tokens=5, ignore_eos=True)]
-    else:
-        mod, fn = ft, "filter_threshold_triton"
+    else:  # the step's filtered acceptance from the logits (the prefill's first token takes the threshold either way)
+        mod, fn = step, "accept_tree_logits"
         params = [SamplingParams(max_tokens=5, temperature=1.0, top_p=0.8, seed=3, ignore_eos=True),
                   SamplingParams(max_tokens=5, temperature=0.7, top_k=5, seed=4, ignore_eos=True),
                   SamplingParams(max_tokens=5, temperature=1.2, min_p=0.05, seed=5, ignore_eos=True)]
     calls = []
     f = getattr(mod, fn)
-    monkeypatch.setattr(mod, fn, lambda *a, **k: calls.append(1) or f(*a, **k))
+
+    def counted(*a, **k):
+        if mod is acc or k.get("filters") is not None:
+            calls.append(1)
+        return f(*a, **k)
+
+    monkeypatch.setattr(mod, fn, counted)
     runs = {}
     for on in (False, True):
         monkeypatch.setattr(step, switch, on)
