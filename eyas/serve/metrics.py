@@ -131,7 +131,8 @@ class Metrics:
         self.tree_depth = gauge("eyas:spec_tree_depth", "Depth of the speculation tree (0: speculation off).")
         self._tree_steps = Counter("eyas:spec_decode_steps_by_tree",
                                    "Decode steps by the speculation tree they ran (a dispatcher picks it by batch "
-                                   "size and temperature; chain:0 is a plain step).", lab + ["tree"], registry=r)
+                                   "size and temperature; chain:0 is a plain step, plain one without the draft).",
+                                   lab + ["tree"], registry=r)
         self._depth_children: dict[int, Counter] = {}
         self._calls_total = 0
         self._committed_total = 0
