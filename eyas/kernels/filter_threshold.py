@@ -14,8 +14,9 @@ The 32-bit keys of the floats are resolved from the top bits down in three level
 histogram (`_hist_kernel`, programs across the whole row: counts for top-k, fixed-point masses for top-p, integer
 atomics, so the sums do not depend on their order) over the entries whose higher bits match the prefix found so
 far, then one program a row (`_scan_kernel`) takes the bucket where the count or the mass crosses and carries what
-lies above it. Then a pass in chunks gives the smallest kept x and the kept mass, merged in a fixed order. 16
-launches with the row statistics, each across the row: on an H100 (`tools/diag/sampler_cost.py --graph`, session 60)
+lies above it. Then a pass in chunks gives the smallest kept x and the kept mass, merged in a fixed order. 15
+Triton launches (the row statistics' two, six histograms, six scans, the last pass; the histograms and the passes
+spread across the row), then two small reductions: on an H100 (`tools/diag/sampler_cost.py --graph`, session 60)
 0.061 ms for one row of 49,152 bf16 logits, 0.130 for 49, 0.319 for 192, 2.31 for 1,568, against the sort's 0.53,
 0.71, 2.23 and 14.9. The acceptance then reads the children's probabilities and races the bonus among x >= tau.
 
