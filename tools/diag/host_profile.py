@@ -16,13 +16,13 @@ import time
 
 import torch
 
-from eyas.bench.latency import _params, build_engine, load_models, make_prompts
+from eyas.bench.latency import GREEDY, build_engine, load_models, make_prompts
 
 
 def timed_steps(engine, prompts, n_prompts, max_tokens, prof=None):
     steps, t = 0, 0.0
     for i, p in enumerate(prompts[:n_prompts]):
-        engine.add_request(p, _params(i, max_tokens))
+        engine.add_request(p, GREEDY.params(i, max_tokens))
         while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
             engine.step()  # prefill, untimed
         torch.cuda.synchronize()
