@@ -45,6 +45,7 @@ def test_graphs_equal_eager(pair, spec):
     ref, graphed = eager_reference_and_graphed(*pair, spec)
     assert [o.token_ids for o in graphed.generate(PROMPTS, PARAMS)] == ref
     assert graphed.engine.runner.graphs.graphs  # a graph was captured and replayed
+    assert graphed.engine.runner.prefill_graphs.graphs  # and the prefills' too
     assert [graphed.generate([p], PARAMS)[0].token_ids for p in PROMPTS] == ref  # bucket 1
 
 

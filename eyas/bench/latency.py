@@ -248,6 +248,8 @@ def build_engine(target, tokenizer, draft, mode: str, batch: int, prompts, max_t
         # every bucket the batch shrinks through as sequences finish (simulated acceptance finishes them at
         # different steps): captured here, not inside the timed decode
         engine.runner.graphs.capture_all(batch, modes=(sampling.mode,))
+        # and every padded shape its prefills take (`eyas.engine.prefill_graph`): not captured inside a timed TTFT
+        engine.runner.prefill_graphs.capture_all(batch, longest)
     # the objects built so far (model, graphs, caches) live as long as the engine: collected once and frozen, so
     # that no full collection has to scan them during a timed run. Hygiene, not a measured fix: session 17 saw the
     # first of two interleaved rounds 5-20% slower in every mode after 14 engines were built, and with this in place

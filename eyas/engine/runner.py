@@ -1,7 +1,8 @@
 """The model runner: owns the device, the KV caches and the models, and executes scheduled steps.
 
-* `prefill(seqs, chunk_lens)`: runs prompt chunks through the target (writing their KV), lets the draft read the
-  committed pairs the chunk completes, and samples the first token of sequences whose prompt is complete.
+* `prefill(seqs, chunk_lens)`: runs prompt chunks through the target (writing their KV; on a GPU at padded shapes,
+  replayed from CUDA graphs: `eyas.engine.prefill_graph`), lets the draft read the committed pairs the chunk
+  completes, and samples the first token of sequences whose prompt is complete.
 * `decode(seqs)`: one speculative step (`eyas.spec.step.spec_step`: draft -> verify -> accept -> commit), run eagerly
   or replayed from a CUDA graph. With no draft the tree is the bare root: plain decoding. It is `launch` (enqueue
   the step) then `collect` (wait, read it back, apply it to the sequences); overlapped decoding launches the next
@@ -28,7 +29,7 @@ from eyas.layers.penalties import Penalties, PenaltyState
 from eyas.layers.sampler import RACE_BASE, filter_threshold, filters_of, race_sample, sampling_mode
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
-from eyas.spec.drafter import catch_up, causal_mask
+from eyas.spec.drafter import catch_up
 from eyas.spec.step import DecodeInputs, DecodeOutputs, spec_step
 from eyas.spec.tree import Tree
 
@@ -214,12 +215,14 @@ class ModelRunner:
         self.tree_steps: dict[str, int] = {}  # decode steps run with each tree (a dispatcher uses several)
         self.guided_steps = 0  # decode steps that masked some request's logits by its grammar
         self._init_slots(max_num_seqs, max_model_len or cfg.max_position_embeddings)
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         if cuda_graphs:
             if self.device.type != "cuda":
                 raise ValueError("CUDA graphs need device='cuda'")
             from eyas.engine.cuda_graph import GraphedStep
+            from eyas.engine.prefill_graph import PrefillGraphs
             self.graphs = GraphedStep(self, max_model_len)
+            self.prefill_graphs = PrefillGraphs(self)
 
     def tree_for(self, batch_size: int, temperature: float = 0.0) -> Tree:
         """The tree a decode step of `batch_size` sequences uses (a `TreeDispatch` picks by batch size and, where it
@@ -298,20 +301,11 @@ class ModelRunner:
         for s in seqs:
             if s.num_cached == s.prefix_hit:  # admitted (or re-admitted after preemption): the slot is its own now
                 self._claim_slot(s)
-        B, Q = len(seqs), max(chunk_lens)
-        meta = self._meta(seqs, max(s.num_cached for s in seqs))
-        ids = padded([s.token_ids[s.num_cached: s.num_cached + c] for s, c in zip(seqs, chunk_lens)], Q).to(dev)
+        B = len(seqs)
+        meta = self._meta(seqs, max(s.num_cached for s in seqs))  # the draft's catch-up reads the chunk with it
+        hidden, feats = self._prefill_forward(seqs, chunk_lens)
         start = torch.tensor([s.num_cached for s in seqs], device=dev)
         lens = torch.tensor(chunk_lens, device=dev)
-        ar = torch.arange(Q, device=dev)[None, :]
-        valid = ar < lens[:, None]
-        m = meta(start, causal_mask(lens, Q), slot_mapping=meta.slots(start[:, None] + ar, valid))
-        fl = getattr(self.draft, "feature_layers", None)
-        if fl is None:
-            hidden = feats = self.target(ids, torch.where(valid, start[:, None] + ar, 0), m, self.cache)
-        else:  # a draft with feature layers reads lower layers' features too
-            hidden, feats = self.target(ids, torch.where(valid, start[:, None] + ar, 0), m, self.cache,
-                                        feature_layers=fl)
 
         if any(s.params.prompt_logprobs is not None for s in seqs):
             self._prompt_logprobs(seqs, chunk_lens, hidden)
@@ -342,6 +336,32 @@ class ModelRunner:
             if out[-1] is not None and s.params.logprobs is not None:
                 s.new_logprobs = _entries(lps, i, s.params.logprobs, 1)
         return out
+
+    def _prefill_forward(self, seqs, chunk_lens):
+        """The target's forward over the chunks: (hidden, features) [B', Q', ...], B' >= B and Q' >= the longest
+        chunk. On a GPU at the padded shape of `eyas.engine.prefill_graph.prefill_shape`, replayed from a graph where
+        the runner has CUDA graphs (the eager forward pads alike, so the two compute the same)."""
+        from eyas.engine.prefill_graph import pack, prefill_forward, prefill_shape, unpack
+        fl = getattr(self.draft, "feature_layers", None)  # a draft with feature layers reads lower layers' too
+        B, Q = len(seqs), max(chunk_lens)
+        starts = [s.num_cached for s in seqs]
+        shape = prefill_shape(B, Q) if self.device.type == "cuda" else None
+        if shape is None:  # the chunk's own shape, its tables as wide as the longest
+            shape, width, context = (B, Q), max(1, max(len(s.block_table) for s in seqs)), max(starts)
+        else:  # every graph's tables are the runner's width; the split count by the context's bucket
+            from eyas.engine.cuda_graph import context_bucket
+            width = self.width
+            context = 0 if max(starts) == 0 else context_bucket(max(starts), width * self.block_size)
+        rows = [s.token_ids[s.num_cached: s.num_cached + c] for s, c in zip(seqs, chunk_lens)]
+        packed = pack(rows, starts, chunk_lens, [s.block_table for s in seqs], *shape, width)
+        graphs = self.prefill_graphs
+        if graphs is not None and shape == prefill_shape(B, Q):
+            out = graphs.run(packed, (*shape, context))
+            if out is not None:
+                return out
+        ids, start, lens, tables = unpack(packed.to(self.device), *shape)
+        return prefill_forward(self.target, self.cache, ids, start, lens, tables, self.block_size, context,
+                               self.use_triton, fl)
 
     def _first_tokens(self, logits: torch.Tensor, params, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
         """The tokens after the prompts, as a decode step draws its bonus: an exponential race on the logits

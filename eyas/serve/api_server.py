@@ -1080,6 +1080,10 @@ def _capture_graphs(engine, max_num_seqs: int) -> None:
     if graphs is not None:  # every batch size the server can see, before the first request (as vLLM does)
         t0 = time.perf_counter()
         n = graphs.capture_all(max_num_seqs)
+        # and the prefills' padded shapes (a chunk without a cached prefix), so that no first request pays a capture
+        prefills, cfg = getattr(engine.runner, "prefill_graphs", None), getattr(engine, "config", None)
+        if prefills is not None and cfg is not None:
+            n += prefills.capture_all(max_num_seqs, min(cfg.max_num_batched_tokens, engine.max_model_len))
         log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
 
 

@@ -1,0 +1,140 @@
+"""The prefill's padded shapes and graphs (`eyas.engine.prefill_graph`): a padded prefill computes and writes what a
+dense forward does (CPU), and its graph replays what the eager forward computes, to the bit (GPU)."""
+import os
+
+import pytest
+import torch
+
+from eyas.cache.kv_cache import KVCache
+from eyas.engine.prefill_graph import (BATCH_BUCKETS, GRAPH_TOKENS, TOKEN_BUCKETS, PrefillGraphs, pack,
+                                       prefill_forward, prefill_shape, unpack)
+from eyas.loader.resolve import load_target
+from helpers import dense_kv, paged_kv, write_tiny_llama
+
+BS = 4  # block size
+
+
+def test_prefill_shapes_pad_up_by_little():
+    for B in range(1, 20):
+        last = 0
+        for Q in range(1, 2100):
+            s = prefill_shape(B, Q)
+            fits = [(b, q) for b in BATCH_BUCKETS for q in TOKEN_BUCKETS if b >= B and q >= Q and b * q <= GRAPH_TOKENS]
+            if s is None:
+                assert not fits
+                continue
+            b, q = s
+            assert (b, q) == min(fits)  # the smallest buckets that hold the chunk
+            assert b * q <= GRAPH_TOKENS and q >= last
+            assert q - Q < 16 if Q <= 128 else (q - Q) / Q <= 0.25
+            last = q
+    assert prefill_shape(1, 2048) == (1, 2048) and prefill_shape(1, 2049) is None
+    assert prefill_shape(17, 1) is None and prefill_shape(16, 128) == (16, 128) and prefill_shape(16, 129) is None
+
+
+def test_every_graph_writes_its_outputs_into_one_shared_buffer():
+    """A graph's outputs are views [B, Q, ...] of buffers every graph shares (GRAPH_TOKENS rows each), made once: the
+    hidden state's and the features' (one buffer when there are no features: both views are the same)."""
+    for features in (False, True):
+        g = PrefillGraphs(runner=None)
+        h = torch.zeros(1, 16, 8, dtype=torch.bfloat16)
+        like = (h, torch.zeros(1, 16, 24, dtype=torch.bfloat16) if features else h)
+        a, b = g._outputs(like, 1, 16), g._outputs(like, 4, 32)
+        assert [tuple(x.shape) for x in b] == [(4, 32, 8), (4, 32, 24 if features else 8)]
+        assert (a[1] is a[0]) != features and b[0].dtype == torch.bfloat16
+        assert all(x.data_ptr() == y.data_ptr() for x, y in zip(a, b))  # the same memory, from its start
+        assert [tuple(x.shape) for x in g._buffers] == [(GRAPH_TOKENS, 8)] + [(GRAPH_TOKENS, 24)] * features
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    target, _ = load_target(str(write_tiny_llama(tmp_path_factory.mktemp("t"), layers=2, vocab=40)), "cpu",
+                            "float32")
+    return target
+
+
+def dense(target, ids):
+    """(hidden [n, H], per-layer (K, V) [n, ...]) of a plain causal forward over one sequence's tokens."""
+    box = {}
+
+    def run():
+        pos = torch.arange(len(ids))[None]
+        box["h"] = target(torch.tensor([ids]), pos)[0]
+        return pos
+    with torch.no_grad():
+        kv = dense_kv(target.model.layers, target.rope, run)
+    return box["h"], kv
+
+
+@pytest.mark.parametrize("triton", [False, pytest.param(True, marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels on CPU tensors: under the interpreter"))])
+def test_a_padded_prefill_computes_and_writes_what_a_dense_forward_does(tiny, triton):
+    """Two sequences, one with a prefix already cached by an earlier chunk, prefilled at a padded shape (more rows
+    and more tokens than they have, tables as wide as a graph's): the hidden states of their tokens and every cache
+    entry equal a dense forward's, and the padding writes nowhere but the scratch block 0. On the reference
+    attention and on the Triton kernels (interpreted on the CPU)."""
+    cfg = tiny.config
+    cache = KVCache.allocate(cfg, cfg.num_hidden_layers, 12, BS, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(1, 40, (13,), generator=g).tolist()  # 5 tokens cached by a first chunk, then 8
+    b = torch.randint(1, 40, (3,), generator=g).tolist()
+    tables = [[3, 7, 1, 9], [5]]
+    with torch.no_grad():
+        first = pack([a[:5]], [0], [5], tables[:1], 1, 5, 4)  # the first chunk at its own shape
+        prefill_forward(tiny, cache, *unpack(first, 1, 5), BS, 0, triton)
+        packed = pack([a[5:], b], [5, 0], [8, 3], tables, 4, 16, 6)  # 2 padded rows, 8 padded tokens, wide tables
+        hidden, feats = prefill_forward(tiny, cache, *unpack(packed, 4, 16), BS, 16, triton)
+    assert hidden.shape[:2] == (4, 16) and feats is hidden
+    for row, (seq, start, table) in enumerate(((a, 5, tables[0]), (b, 0, tables[1]))):
+        h, kv = dense(tiny, seq)
+        torch.testing.assert_close(hidden[row, : len(seq) - start], h[start:], atol=1e-5, rtol=1e-5)
+        for layer, (k, v) in enumerate(kv):
+            ck, cv = paged_kv(cache, layer, table, len(seq), BS)
+            torch.testing.assert_close(ck, k, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(cv, v, atol=1e-5, rtol=1e-5)
+    used = {0, 3, 7, 1, 9, 5}  # 0: the scratch block; a's 13 tokens fill 3, 7 and 1 and one entry of 9
+    for blk in set(range(12)) - used:
+        assert not cache.k[:, blk].any() and not cache.v[:, blk].any(), blk
+    assert not cache.k[:, 9, 1:].any()  # past a's last token in its last block
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@gpu
+@pytest.mark.parametrize("features", [None, (0,)])
+def test_the_prefill_graph_replays_the_eager_forward(tmp_path, features, monkeypatch):
+    """Graphed and eager prefills (the Triton kernels, bf16) give the same hidden states, features and cache, to the
+    bit, for chunks of several shapes replayed from graphs captured on padding alone."""
+    from eyas.engine.runner import ModelRunner
+    target, _ = load_target(str(write_tiny_llama(tmp_path / "t", layers=2, vocab=40)), "cuda", "bfloat16")
+    runner = ModelRunner(target, None, None, 16, BS, cuda_graphs=True, max_model_len=64, max_num_seqs=4)
+    graphs = runner.prefill_graphs
+    if features is not None:  # the graphs ask the runner's draft for its feature layers
+        monkeypatch.setattr(runner, "draft", type("D", (), {"feature_layers": features})())
+    g = torch.Generator().manual_seed(1)
+    cases = [  # (rows, starts, lens, tables, padded shape, context bound)
+        ([torch.randint(1, 40, (9,), generator=g).tolist()], [0], [9], [[2, 4, 6]], (1, 16), 0),
+        ([torch.randint(1, 40, (5,), generator=g).tolist(), [3, 1, 4]], [6, 0], [5, 3], [[2, 4, 6], [8]], (2, 16),
+         runner.width * BS),
+        ([torch.randint(1, 40, (20,), generator=g).tolist()], [0], [20], [[9, 10, 11, 12, 13]], (1, 32), 0),
+    ]
+    for rows, starts, lens, tables, shape, context in cases:
+        packed = pack(rows, starts, lens, tables, *shape, runner.width)
+        saved = (runner.cache.k.clone(), runner.cache.v.clone())
+        with torch.inference_mode():
+            eager = [x.clone() for x in prefill_forward(target, runner.cache, *unpack(packed.cuda(), *shape), BS,
+                                                        context, True, features)]
+            written = (runner.cache.k.clone(), runner.cache.v.clone())
+            runner.cache.k.copy_(saved[0]), runner.cache.v.copy_(saved[1])
+            graphed = graphs.run(packed, (*shape, context))
+        torch.cuda.synchronize()
+        for x, y in zip(graphed, eager):
+            assert torch.equal(x, y)
+        assert torch.equal(runner.cache.k, written[0]) and torch.equal(runner.cache.v, written[1])
+        assert not torch.equal(written[0], saved[0])  # the chunk did write
+    assert len(graphs.graphs) == 3
+    assert isinstance(graphs, PrefillGraphs)
+    # ahead of time: every shape of chunks of up to 2 sequences of up to 20 tokens without a prefix, once
+    assert graphs.capture_all(2, 20) == 2 and set(graphs.graphs) >= {(1, 16, 0), (1, 32, 0), (2, 16, 0), (2, 32, 0)}
+    assert graphs.capture_all(2, 20) == 0
