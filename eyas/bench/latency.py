@@ -700,7 +700,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample every request at this temperature (default 0: greedy); the acceptance is then the "
                         "multi-round rule, and each step samples (real models only for speculative modes)")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus filter (the vocabulary's sort)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="with --temperature: nucleus filter (radix selection on the Triton path, a sort otherwise)")
     p.add_argument("--top-k", type=int, default=-1, help="with --temperature: top-k filter (-1: off)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the engine's context bound, as a server sets it (default: the longest prompt + "

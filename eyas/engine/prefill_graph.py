@@ -94,7 +94,9 @@ class PrefillGraphs:
         return B * (Q + 2 + self.runner.width)
 
     def run(self, packed: torch.Tensor, key: tuple[int, int, int]):
-        """(hidden, features) of the chunk whose packed inputs (`pack`) are `packed` (on the host), from the graph of `key` (captured now if it is new); None where no graph is kept."""
+        """(hidden, features) of the chunk whose packed inputs (`pack`) are `packed` (on the host), from the graph of
+        `key` (captured now if it is new): views of the shared output buffers, valid until the next replay. None
+        where no graph is kept (MAX_GRAPHS)."""
         g = self.graphs.get(key)
         if g is None:
             if len(self.graphs) >= MAX_GRAPHS:
