@@ -346,6 +346,8 @@ class ModelRunner:
         B, Q = len(seqs), max(chunk_lens)
         starts = [s.num_cached for s in seqs]
         shape = prefill_shape(B, Q) if self.device.type == "cuda" else None
+        if shape is not None and max(len(s.block_table) for s in seqs) > self.width:
+            shape = None  # (a table past the runner's width: no graph's inputs hold it)
         if shape is None:  # the chunk's own shape, its tables as wide as the longest
             shape, width, context = (B, Q), max(1, max(len(s.block_table) for s in seqs)), max(starts)
         else:  # every graph's tables are the runner's width; the split count by the context's bucket

@@ -1,6 +1,7 @@
 """How long `eyas serve` spends at startup capturing its CUDA graphs (`GraphedStep.capture_all`, which the server
-runs before its first request), with the context buckets as shipped (`eyas.engine.cuda_graph.CONTEXT_BUCKETS`) or
-without them (`--buckets none`: one graph per batch bucket, greedy flag and tree, for the whole context).
+runs before its first request, then the prefills' `PrefillGraphs.capture_all`), with the context buckets as shipped
+(`eyas.engine.cuda_graph.CONTEXT_BUCKETS`) or without them (`--buckets none`: one graph per batch bucket, greedy flag
+and tree, for the whole context).
 
 The model is a random-weight shape (`smollm2-shape` by default: SmolLM2's sizes and the shipped draft's
 quantization), its random draft, and the shipped SmolLM2 draft's dispatcher for CUDA; the engine has the server's
@@ -59,11 +60,20 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
     t2 = time.perf_counter()
+    # the prefills' graphs (`eyas.engine.prefill_graph`), as `eyas serve` captures them after the steps'
+    prefills, n_pre = engine.runner.prefill_graphs, 0
+    mid = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    if prefills is not None:
+        n_pre = prefills.capture_all(args.max_num_seqs, min(engine.config.max_num_batched_tokens, engine.max_model_len))
+        torch.cuda.synchronize()
+    t3 = time.perf_counter()
     print(json.dumps({
         "shape": args.shape, "buckets": args.buckets, "context_buckets": list(graphs.context_buckets) if graphs else [],
         "max_num_seqs": args.max_num_seqs, "max_model_len": engine.max_model_len, "speculation": spec,
         "draft_quant": quant, "build_s": round(t1 - t0, 2), "graphs": n, "capture_s": round(t2 - t1, 2),
-        "capture_mib": round(((torch.cuda.memory_reserved(device) if device.type == "cuda" else 0) - before) / 2**20),
+        "capture_mib": round((mid - before) / 2**20), "prefill_graphs": n_pre, "prefill_capture_s": round(t3 - t2, 2),
+        "prefill_capture_mib": round(((torch.cuda.memory_reserved(device) if device.type == "cuda" else 0) - mid)
+                                     / 2**20),
     }))
 
 
