@@ -36,29 +36,44 @@ def ttft(engine, prompt, i):
     return t * 1e3
 
 
-def prefill_only(engine, prompt, i):
-    """ms of `runner.prefill` for the request, the scheduler's admission outside the timer."""
-    r, sch = engine.runner, engine.scheduler
-    acc = {}
+def run_request(engine, prompt, i, hook):
+    """Run one request to its end, its prefill through hook(runner.prefill) (the runner's own method after it)."""
+    r = engine.runner
     orig = r.prefill
-
-    def timed(seqs, lens):
-        sync()
-        t0 = time.perf_counter()
-        out = orig(seqs, lens)
-        sync()
-        acc["ms"] = (time.perf_counter() - t0) * 1e3
-        return out
-    r.prefill = timed
+    r.prefill = hook(orig)
     try:
         s = engine.add_request(prompt, GREEDY.params(i, 2))
         while s.num_output == 0:
             engine.step()
+        r.prefill = orig
         while engine.has_unfinished():
             engine.step()
     finally:
         r.prefill = orig
-    assert sch is engine.scheduler
+
+
+def timer(acc: dict, inside: list | None = None):
+    """A hook for `run_request`: times the prefill into acc["ms"] (synchronised), marking `inside` meanwhile."""
+    def hook(orig):
+        def timed(seqs, lens):
+            sync()
+            if inside is not None:
+                inside.append(1)
+            t0 = time.perf_counter()
+            out = orig(seqs, lens)
+            sync()
+            acc["ms"] = (time.perf_counter() - t0) * 1e3
+            if inside is not None:
+                inside.clear()
+            return out
+        return timed
+    return hook
+
+
+def prefill_only(engine, prompt, i):
+    """ms of `runner.prefill` for the request, the scheduler's admission outside the timer."""
+    acc = {}
+    run_request(engine, prompt, i, timer(acc))
     return acc["ms"]
 
 
@@ -69,11 +84,11 @@ def phases(engine, prompt, i):
     """ms of each phase of one prefill, a synchronisation on either side of each (so they do not overlap)."""
     r = engine.runner
     acc = dict.fromkeys(PHASES, 0.0)
-    saved = {}
+    saved, total, inside = [], {}, []
 
     def wrap(obj, name, key):
         fn = getattr(obj, name)
-        saved[(obj, name)] = fn
+        saved.append((obj, name))
 
         def w(*a, **k):
             if not inside:  # a decode step's eager forward (the CPU), not the prefill's
@@ -85,18 +100,6 @@ def phases(engine, prompt, i):
             acc[key] += (time.perf_counter() - t0) * 1e3
             return out
         setattr(obj, name, w)
-    total, inside = {}, []
-    orig = r.prefill
-
-    def timed(seqs, lens):
-        sync()
-        inside.append(1)
-        t0 = time.perf_counter()
-        out = orig(seqs, lens)
-        sync()
-        total["ms"] = (time.perf_counter() - t0) * 1e3
-        inside.clear()
-        return out
     wrap(r.target, "forward", "forward")
     if r.prefill_graphs is not None:  # a graphed prefill's forward is a replay
         wrap(r.prefill_graphs, "run", "forward")
@@ -104,16 +107,9 @@ def phases(engine, prompt, i):
     wrap(r, "_first_tokens", "first_token")
     if r.draft is not None:
         wrap(r, "_draft_prefill", "draft_prefill")
-    r.prefill = timed
     try:
-        s = engine.add_request(prompt, GREEDY.params(i, 2))
-        while s.num_output == 0:
-            engine.step()
-        r.prefill = orig
-        while engine.has_unfinished():
-            engine.step()
+        run_request(engine, prompt, i, timer(total, inside))
     finally:
-        r.prefill = orig
         for obj, name in saved:  # the wrappers are instance attributes over the class's methods
             delattr(obj, name)
     acc = {k: round(v, 3) for k, v in acc.items()}
@@ -122,30 +118,21 @@ def phases(engine, prompt, i):
 
 
 def profiled(engine, prompt, i):
-    """(kernels launched, GPU busy ms) of one prefill."""
+    """(kernels launched, GPU busy ms, the busiest kernels) of one prefill."""
     from torch.profiler import ProfilerActivity, profile
-    r = engine.runner
-    orig = r.prefill
     box = {}
 
-    def prof(seqs, lens):
-        sync()
-        act = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
-        with profile(activities=[act]) as p:
-            out = orig(seqs, lens)
+    def hook(orig):
+        def prof(seqs, lens):
             sync()
-        box["p"] = p
-        return out
-    r.prefill = prof
-    try:
-        s = engine.add_request(prompt, GREEDY.params(i, 2))
-        while s.num_output == 0:
-            engine.step()
-        r.prefill = orig
-        while engine.has_unfinished():
-            engine.step()
-    finally:
-        r.prefill = orig
+            act = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
+            with profile(activities=[act]) as p:
+                out = orig(seqs, lens)
+                sync()
+            box["p"] = p
+            return out
+        return prof
+    run_request(engine, prompt, i, hook)
     ev = [e for e in box["p"].events() if e.device_type.name == "CUDA"]
     busy_us = sum(e.device_time for e in ev)
     top = {}
