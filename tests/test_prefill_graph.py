@@ -9,7 +9,7 @@ from eyas.cache.kv_cache import KVCache
 from eyas.engine.prefill_graph import (BATCH_BUCKETS, GRAPH_TOKENS, TOKEN_BUCKETS, PrefillGraphs, pack,
                                        prefill_forward, prefill_shape, unpack)
 from eyas.loader.resolve import load_target
-from helpers import dense_kv, paged_kv, write_tiny_llama
+from helpers import dense_kv, paged_kv, write_mirror_pair, write_tiny_llama
 
 BS = 4  # block size
 
@@ -96,6 +96,59 @@ def test_a_padded_prefill_computes_and_writes_what_a_dense_forward_does(tiny, tr
     for blk in set(range(12)) - used:
         assert not cache.k[:, blk].any() and not cache.v[:, blk].any(), blk
     assert not cache.k[:, 9, 1:].any()  # past a's last token in its last block
+
+
+@pytest.fixture(scope="module")
+def mirror(tmp_path_factory):
+    return write_mirror_pair(tmp_path_factory.mktemp("mirror"), vocab=24, layers=2)
+
+
+@pytest.mark.parametrize("spec", [None, "tree:mc_sim_7b_63"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_engine_that_pads_its_prefills_gives_what_one_that_does_not_gives(mirror, spec, temperature):
+    """The runner's padded prefills (`pad_prefill`, a GPU's default) through the whole engine, on the CPU: prompts of
+    several lengths prefilled together and in chunks, a second turn on the prefix cache, prompt and output
+    log-probabilities, the draft reading the padded features. Tokens, acceptance and step counts equal an engine that
+    prefills at the chunks' own shapes, log-probabilities within float32 rounding; no block leaks."""
+    from eyas import LLM, SamplingParams
+    target, draft = mirror
+    kw = dict(device="cpu", dtype="float32", block_size=BS, max_num_batched_tokens=24)
+    if spec is not None:
+        kw.update(draft=str(draft), speculation=spec)
+    g = torch.Generator().manual_seed(2)
+    first = [torch.randint(1, 24, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
+    params = [SamplingParams(temperature=temperature, max_tokens=12, seed=i, ignore_eos=True, logprobs=2,
+                             prompt_logprobs=2 if i % 2 else None) for i in range(4)]
+    runs, padded_steps = {}, []
+    for pad in (False, True):
+        llm = LLM(str(target), **kw)
+        runner = llm.engine.runner
+        runner.pad_prefill = pad
+        orig = runner._prefill_forward
+
+        def note(seqs, lens, _orig=orig):
+            hidden, feats = _orig(seqs, lens)
+            padded_steps.append(pad and tuple(hidden.shape[:2]) != (len(seqs), max(lens)))
+            return hidden, feats
+        runner._prefill_forward = note
+        outs = llm.generate(first, params)
+        turn2 = [p + o.token_ids + [5, 6, 7] for p, o in zip(first, outs)]
+        outs += llm.generate(turn2, params)
+        assert llm.engine.blocks.num_used == 0
+        assert sum(o.num_cached_tokens for o in outs[4:]) > 0  # the second turn found its prefix
+        runs[pad] = outs
+    assert any(padded_steps)
+    for a, b in zip(runs[False], runs[True]):
+        assert (a.token_ids, a.stats.committed, a.stats.target_calls, a.stats.accepted_by_depth) == \
+            (b.token_ids, b.stats.committed, b.stats.target_calls, b.stats.accepted_by_depth)
+        assert len(a.logprobs) == len(b.logprobs) == len(a.token_ids)
+        assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+        for x, y in zip(a.logprobs + (a.prompt_logprobs or []), b.logprobs + (b.prompt_logprobs or [])):
+            assert (x is None) == (y is None)  # (a prompt's first token has no entry)
+            if x is not None:
+                assert [t for t, _ in x.top] == [t for t, _ in y.top] and x.rank == y.rank
+                assert abs(x.logprob - y.logprob) < 1e-4
+                assert all(abs(u - v) < 1e-4 for (_, u), (_, v) in zip(x.top, y.top))
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -215,6 +215,10 @@ class ModelRunner:
         self.tree_steps: dict[str, int] = {}  # decode steps run with each tree (a dispatcher uses several)
         self.guided_steps = 0  # decode steps that masked some request's logits by its grammar
         self._init_slots(max_num_seqs, max_model_len or cfg.max_position_embeddings)
+        # prefill chunks at padded shapes (`eyas.engine.prefill_graph.prefill_shape`): on a GPU, graphed or not, so
+        # that both compute the same; a CPU test may switch it on (the padding then changes what rounds, not what is
+        # computed)
+        self.pad_prefill = self.device.type == "cuda"
         self.graphs = self.prefill_graphs = None
         if cuda_graphs:
             if self.device.type != "cuda":
@@ -345,7 +349,7 @@ class ModelRunner:
         fl = getattr(self.draft, "feature_layers", None)  # a draft with feature layers reads lower layers' too
         B, Q = len(seqs), max(chunk_lens)
         starts = [s.num_cached for s in seqs]
-        shape = prefill_shape(B, Q) if self.device.type == "cuda" else None
+        shape = prefill_shape(B, Q) if self.pad_prefill else None
         if shape is not None and max(len(s.block_table) for s in seqs) > self.width:
             shape = None  # (a table past the runner's width: no graph's inputs hold it)
         if shape is None:  # the chunk's own shape, its tables as wide as the longest
