@@ -7,9 +7,9 @@ import torch
 
 from eyas.cache.kv_cache import KVCache
 from eyas.engine.prefill_graph import (BATCH_BUCKETS, GRAPH_TOKENS, TOKEN_BUCKETS, PrefillGraphs, pack,
-                                       prefill_forward, prefill_shape, unpack)
+                                       prefill_forward, prefill_shape, prefill_step, unpack)
 from eyas.loader.resolve import load_target
-from helpers import dense_kv, paged_kv, write_mirror_pair, write_tiny_llama
+from helpers import dense_kv, paged_kv, write_mirror_and_random, write_mirror_pair, write_tiny_llama
 
 BS = 4  # block size
 
@@ -53,6 +53,12 @@ def tiny(tmp_path_factory):
     return target
 
 
+def target_inputs(packed, B, Q):
+    """(ids, start, lens, block tables) of `pack`'s layout: what `prefill_forward` takes."""
+    ids, start, lens, _, _, tables = unpack(packed, B, Q)
+    return ids, start, lens, tables
+
+
 def dense(target, ids):
     """(hidden [n, H], per-layer (K, V) [n, ...]) of a plain causal forward over one sequence's tokens."""
     box = {}
@@ -81,9 +87,9 @@ def test_a_padded_prefill_computes_and_writes_what_a_dense_forward_does(tiny, tr
     tables = [[3, 7, 1, 9], [5]]
     with torch.no_grad():
         first = pack([a[:5]], [0], [5], tables[:1], 1, 5, 4)  # the first chunk at its own shape
-        prefill_forward(tiny, cache, *unpack(first, 1, 5), BS, 0, triton)
+        prefill_forward(tiny, cache, *target_inputs(first, 1, 5), BS, 0, triton)
         packed = pack([a[5:], b], [5, 0], [8, 3], tables, 4, 16, 6)  # 2 padded rows, 8 padded tokens, wide tables
-        hidden, feats = prefill_forward(tiny, cache, *unpack(packed, 4, 16), BS, 16, triton)
+        hidden, feats = prefill_forward(tiny, cache, *target_inputs(packed, 4, 16), BS, 16, triton)
     assert hidden.shape[:2] == (4, 16) and feats is hidden
     for row, (seq, start, table) in enumerate(((a, 5, tables[0]), (b, 0, tables[1]))):
         h, kv = dense(tiny, seq)
@@ -99,19 +105,21 @@ def test_a_padded_prefill_computes_and_writes_what_a_dense_forward_does(tiny, tr
 
 
 @pytest.fixture(scope="module")
-def mirror(tmp_path_factory):
-    return write_mirror_pair(tmp_path_factory.mktemp("mirror"), vocab=24, layers=2)
+def pairs(tmp_path_factory):
+    return write_mirror_and_random(tmp_path_factory)
 
 
-@pytest.mark.parametrize("spec", [None, "tree:mc_sim_7b_63"])
+# the mirror draft accepts long paths but reads only token embeddings; the random one reads the features it is given
+@pytest.mark.parametrize("pair,spec", [("mirror", None), ("mirror", "tree:mc_sim_7b_63"), ("random", "chain:4")])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_an_engine_that_pads_its_prefills_gives_what_one_that_does_not_gives(mirror, spec, temperature):
+def test_an_engine_that_pads_its_prefills_gives_what_one_that_does_not_gives(pairs, pair, spec, temperature):
     """The runner's padded prefills (`pad_prefill`, a GPU's default) through the whole engine, on the CPU: prompts of
     several lengths prefilled together and in chunks, a second turn on the prefix cache, prompt and output
-    log-probabilities, the draft reading the padded features. Tokens, acceptance and step counts equal an engine that
-    prefills at the chunks' own shapes, log-probabilities within float32 rounding; no block leaks."""
+    log-probabilities, the draft reading the padded features on the device (`draft_read`). Tokens, acceptance and
+    step counts equal an engine that prefills at the chunks' own shapes, log-probabilities within float32 rounding;
+    no block leaks."""
     from eyas import LLM, SamplingParams
-    target, draft = mirror
+    target, draft = pairs[pair]
     kw = dict(device="cpu", dtype="float32", block_size=BS, max_num_batched_tokens=24)
     if spec is not None:
         kw.update(draft=str(draft), speculation=spec)
@@ -119,7 +127,7 @@ def test_an_engine_that_pads_its_prefills_gives_what_one_that_does_not_gives(mir
     first = [torch.randint(1, 24, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
     params = [SamplingParams(temperature=temperature, max_tokens=12, seed=i, ignore_eos=True, logprobs=2,
                              prompt_logprobs=2 if i % 2 else None) for i in range(4)]
-    runs, padded_steps = {}, []
+    runs, padded_steps, drafted = {}, [], []
     for pad in (False, True):
         llm = LLM(str(target), **kw)
         runner = llm.engine.runner
@@ -127,9 +135,10 @@ def test_an_engine_that_pads_its_prefills_gives_what_one_that_does_not_gives(mir
         orig = runner._prefill_forward
 
         def note(seqs, lens, _orig=orig):
-            hidden, feats = _orig(seqs, lens)
-            padded_steps.append(pad and tuple(hidden.shape[:2]) != (len(seqs), max(lens)))
-            return hidden, feats
+            out = _orig(seqs, lens)  # (hidden, features, whether the draft read the chunk in the same step)
+            padded_steps.append(pad and tuple(out[0].shape[:2]) != (len(seqs), max(lens)))
+            drafted.append(out[2])
+            return out
         runner._prefill_forward = note
         outs = llm.generate(first, params)
         turn2 = [p + o.token_ids + [5, 6, 7] for p, o in zip(first, outs)]
@@ -138,6 +147,7 @@ def test_an_engine_that_pads_its_prefills_gives_what_one_that_does_not_gives(mir
         assert sum(o.num_cached_tokens for o in outs[4:]) > 0  # the second turn found its prefix
         runs[pad] = outs
     assert any(padded_steps)
+    assert any(drafted) == (spec is not None)  # the padded steps' draft read the chunks itself (`draft_read`)
     for a, b in zip(runs[False], runs[True]):
         assert (a.token_ids, a.stats.committed, a.stats.target_calls, a.stats.accepted_by_depth) == \
             (b.token_ids, b.stats.committed, b.stats.target_calls, b.stats.accepted_by_depth)
@@ -151,43 +161,84 @@ def test_an_engine_that_pads_its_prefills_gives_what_one_that_does_not_gives(mir
                 assert all(abs(u - v) < 1e-4 for (_, u), (_, v) in zip(x.top, y.top))
 
 
+@pytest.mark.parametrize("pair", ["mirror", "random"])
+def test_padded_prefills_leave_the_caches_and_waiting_features_an_unpadded_one_leaves(pairs, pair):
+    """Prefill alone (one token each), prompts prefilled together and in chunks: the target's and the draft's caches
+    and the draft's waiting features after padded prefills (`pad_prefill`, the draft reading them on the device)
+    equal those after prefills at the chunks' own shapes, within float32 rounding."""
+    from eyas import LLM, SamplingParams
+    target, draft = pairs[pair]
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 24, (n,), generator=g).tolist() for n in (3, 9, 17, 30, 45)]
+    state = {}
+    for pad in (False, True):
+        llm = LLM(str(target), device="cpu", dtype="float32", block_size=BS, max_num_batched_tokens=24,
+                  draft=str(draft), speculation="chain:4", prefix_caching=False)
+        r = llm.engine.runner
+        r.pad_prefill = pad
+        for t in (r.cache.k, r.cache.v, r.draft_cache.k, r.draft_cache.v, r.draft_hidden):
+            t.zero_()
+        llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+        # block 0 is the scratch block, the last slot the scratch slot: padding writes there
+        state[pad] = [r.cache.k[:, 1:], r.cache.v[:, 1:], r.draft_cache.k[:, 1:], r.draft_cache.v[:, 1:],
+                      r.draft_hidden[:-1, 0]]
+    for a, b in zip(state[False], state[True]):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @gpu
-@pytest.mark.parametrize("features", [None, (0,)])
-def test_the_prefill_graph_replays_the_eager_forward(tmp_path, features, monkeypatch):
-    """Graphed and eager prefills (the Triton kernels, bf16) give the same hidden states, features and cache, to the
-    bit, for chunks of several shapes replayed from graphs captured on padding alone."""
+@pytest.mark.parametrize("draft", [None, "eagle1", "features"])
+def test_the_prefill_graph_replays_the_eager_step(tmp_path, draft):
+    """Graphed and eager prefill steps (the Triton kernels, bf16) give the same hidden states, features, target
+    cache and, with a draft, the same draft cache and waiting features, to the bit: chunks of several shapes (a first
+    chunk, a batch of a later chunk and a first one, a longer one) replayed from graphs captured on padding alone."""
     from eyas.engine.runner import ModelRunner
-    target, _ = load_target(str(write_tiny_llama(tmp_path / "t", layers=2, vocab=40)), "cuda", "bfloat16")
-    runner = ModelRunner(target, None, None, 16, BS, cuda_graphs=True, max_model_len=64, max_num_seqs=4)
+    from eyas.loader.eagle import load_draft
+    from helpers import feature_draft_from
+    target_dir, draft_dir = write_mirror_pair(tmp_path / "m", vocab=24, layers=2)
+    target, _ = load_target(str(target_dir), "cuda", "bfloat16")
+    d = None
+    if draft is not None:
+        if draft == "features":
+            cpu_target, _ = load_target(str(target_dir), "cpu", "float32")
+            draft_dir = feature_draft_from(draft_dir, cpu_target, tmp_path / "f", feature_layers=(0,), noise=0.5)
+        d = load_draft(draft_dir, target, device="cuda", dtype=torch.bfloat16)
+    runner = ModelRunner(target, d, None, 16, BS, cuda_graphs=True, max_model_len=64, max_num_seqs=4)
     graphs = runner.prefill_graphs
-    if features is not None:  # the graphs ask the runner's draft for its feature layers
-        monkeypatch.setattr(runner, "draft", type("D", (), {"feature_layers": features})())
     g = torch.Generator().manual_seed(1)
-    cases = [  # (rows, starts, lens, tables, padded shape, context bound)
-        ([torch.randint(1, 40, (9,), generator=g).tolist()], [0], [9], [[2, 4, 6]], (1, 16), 0),
-        ([torch.randint(1, 40, (5,), generator=g).tolist(), [3, 1, 4]], [6, 0], [5, 3], [[2, 4, 6], [8]], (2, 16),
-         runner.width * BS),
-        ([torch.randint(1, 40, (20,), generator=g).tolist()], [0], [20], [[9, 10, 11, 12, 13]], (1, 32), 0),
+    cases = [  # (rows, starts, lens, draft starts, slots, tables, padded shape, context bound)
+        ([torch.randint(1, 24, (9,), generator=g).tolist()], [0], [9], [0], [0], [[2, 4, 6]], (1, 16), 0),
+        ([torch.randint(1, 24, (5,), generator=g).tolist(), [3, 1, 4]], [6, 0], [5, 3], [5, 0], [1, 2],
+         [[2, 4, 6], [8]], (2, 16), runner.width * BS),
+        ([torch.randint(1, 24, (20,), generator=g).tolist()], [0], [20], [0], [3], [[9, 10, 11, 12, 13]], (1, 32),
+         0),
     ]
-    for rows, starts, lens, tables, shape, context in cases:
-        packed = pack(rows, starts, lens, tables, *shape, runner.width)
-        saved = (runner.cache.k.clone(), runner.cache.v.clone())
+    state = [runner.cache.k, runner.cache.v] + ([runner.draft_cache.k, runner.draft_cache.v, runner.draft_hidden]
+                                                 if d is not None else [])
+    for t in state:
+        t.normal_(generator=torch.Generator(device="cuda").manual_seed(3))  # what a later chunk finds
+    for rows, starts, lens, dstarts, slots, tables, shape, context in cases:
+        packed = pack(rows, starts, lens, tables, *shape, runner.width, slots, dstarts, pad_slot=runner.num_slots)
+        saved = [t.clone() for t in state]
         with torch.inference_mode():
-            eager = [x.clone() for x in prefill_forward(target, runner.cache, *unpack(packed.cuda(), *shape), BS,
-                                                        context, True, features)]
-            written = (runner.cache.k.clone(), runner.cache.v.clone())
-            runner.cache.k.copy_(saved[0]), runner.cache.v.copy_(saved[1])
-            graphed = graphs.run(packed, (*shape, context))
+            eager = [x.clone() for x in prefill_step(runner, packed.cuda(), *shape, context, d is not None)]
+            written = [t.clone() for t in state]
+            for t, x in zip(state, saved):
+                t.copy_(x)
+            graphed = graphs.run(packed, (*shape, context, d is not None))
         torch.cuda.synchronize()
         for x, y in zip(graphed, eager):
             assert torch.equal(x, y)
-        assert torch.equal(runner.cache.k, written[0]) and torch.equal(runner.cache.v, written[1])
-        assert not torch.equal(written[0], saved[0])  # the chunk did write
+        for t, w, x in zip(state, written, saved):
+            assert torch.equal(t, w) and not torch.equal(w, x)  # the step wrote each, and the same
     assert len(graphs.graphs) == 3
     assert isinstance(graphs, PrefillGraphs)
     # ahead of time: every shape of chunks of up to 2 sequences of up to 20 tokens without a prefix, once
-    assert graphs.capture_all(2, 20) == 2 and set(graphs.graphs) >= {(1, 16, 0), (1, 32, 0), (2, 16, 0), (2, 32, 0)}
+    drafted = d is not None
+    assert graphs.capture_all(2, 20) == 2
+    assert set(graphs.graphs) >= {(b, q, 0, drafted) for b in (1, 2) for q in (16, 32)}
     assert graphs.capture_all(2, 20) == 0

@@ -1,4 +1,5 @@
-"""CUDA graphs of the prefill's target forward, per (batch bucket, chunk-length bucket, context bucket).
+"""CUDA graphs of the prefill: the target's forward and the draft's reading of the chunk, per (batch bucket,
+chunk-length bucket, context bucket).
 
 A prompt's prefill is one forward of the target over its tokens: some 11 kernels a layer. Run eagerly, the host
 launches them one by one, and on a small model it is the host that sets the pace: SmolLM2's prefill kept the GPU
@@ -13,11 +14,15 @@ so a graphed prefill computes exactly what an eager one does (the kernels' choic
 shapes). Likewise the attention's split count follows a context bucket (`eyas.engine.cuda_graph.context_bucket`) of
 the chunk's longest prefix in both, and 0 for a first chunk without a cached prefix.
 
-`prefill_forward` is the forward from the packed inputs: the eager reference the graphs replay, and what runs where no
-graph is kept (a shape past the buckets, or more than MAX_GRAPHS). The graphs are captured when first needed, into a
-pool of their own (a decode graph's outputs may be awaiting their read-back when a prefill runs), or all at once
-ahead of time (`capture_all`: `eyas serve` and `eyas bench latency` do). tests/test_prefill_graph.py holds a padded
-prefill to a dense forward (CPU) and the graphed prefill to the eager one, to the bit (GPU).
+`prefill_step` is the step from the packed inputs: the target's forward (`prefill_forward`) and the draft's reading
+of the chunk (`draft_read`, on the device: the host's `ModelRunner._draft_prefill` formulated without host loops),
+the eager reference the graphs replay, and what runs where no graph is kept (more than MAX_GRAPHS). A shape past the
+buckets runs eagerly at its own shape, the draft after it on the host. The graphs are captured when first needed,
+into a pool of their own (a decode graph's outputs may be awaiting their read-back when a prefill runs), or all at
+once ahead of time (`capture_all`: `eyas serve` and `eyas bench latency` do). tests/test_prefill_graph.py holds a
+padded prefill to a dense forward, and an engine's padded prefills (`ModelRunner.pad_prefill`) to unpadded ones:
+tokens, acceptance, log-probabilities, caches and the draft's waiting features (CPU); and the graphed step to the
+eager one, to the bit (GPU).
 """
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ TOKEN_BUCKETS = (tuple(range(16, 129, 16)) + tuple(range(160, 257, 32)) + tuple(
                  + tuple(range(640, 1025, 128)) + tuple(range(1280, 2049, 256)))
 GRAPH_TOKENS = 2048  # a graph's padded batch x length at most
 MAX_GRAPHS = 128  # graphs kept; further shapes run eagerly (at the same padded shapes)
+# the draft reads a padded chunk in the prefill's own step (`draft_read`, inside its graph), not after it on the host
+# (`ModelRunner._draft_prefill`: ~1.5-1.9 ms of the default tree's 3-5 ms TTFT on an H100, session 61's call 6)
+DRAFT_IN_PREFILL = True
 
 
 def prefill_shape(B: int, Q: int) -> tuple[int, int] | None:
@@ -60,13 +68,47 @@ def prefill_forward(target, cache, ids, start, lens, block_tables, block_size: i
     return target(ids, positions, m, cache, feature_layers=feature_layers)
 
 
+def draft_read(draft, target, draft_cache, draft_hidden, feats, ids, start, lens, slots, draft_start, block_tables,
+               block_size: int, max_context_len: int, use_triton: bool) -> None:
+    """The draft reads the pairs (x_{t+1}, h_t) a prefill chunk made known, from the target's features [B, Q, ...] of
+    `prefill_forward`, on the device alone (so inside a graph too): `ModelRunner._draft_prefill`'s work for chunks
+    that begin where the draft stands (a first chunk: draft_start == start; it reads lens - 1 pairs, the last
+    position's h waiting) or one behind it (a later chunk: the waiting h of the previous chunk's end first, then
+    lens pairs). Writes the draft's K/V, and each row's last h to draft_hidden[slots, 0]. Padding rows (lens 0) read
+    nothing; their slot is the scratch slot."""
+    from eyas.spec.drafter import catch_up
+    read = draft.read_features(feats)
+    first = draft_start == start
+    waiting = draft_hidden[slots, 0].to(read.dtype)
+    pairs_h = torch.where(first[:, None, None], read, torch.cat([waiting[:, None], read[:, :-1]], 1))
+    tokens = torch.where(first[:, None], torch.roll(ids, -1, 1), ids)
+    n = (lens - first.long()).clamp(min=0)
+    meta = MetaBuilder(block_tables, block_size, max_context_len, use_triton)
+    catch_up(draft, target, draft_cache, tokens, pairs_h, n, draft_start, meta)
+    last = (lens - 1).clamp(min=0)
+    draft_hidden[slots, 0] = read[torch.arange(len(lens), device=read.device), last].to(draft_hidden.dtype)
+
+
+def prefill_step(runner, packed: torch.Tensor, B: int, Q: int, context: int, with_draft: bool):
+    """A chunk's target forward (`prefill_forward`) and, `with_draft`, the draft's reading of it (`draft_read`),
+    from `pack`'s inputs on the device: what a prefill graph replays, and the eager path at the same shapes."""
+    r = runner
+    ids, start, lens, slots, dstart, tables = unpack(packed, B, Q)
+    out = prefill_forward(r.target, r.cache, ids, start, lens, tables, r.block_size, context, r.use_triton,
+                          getattr(r.draft, "feature_layers", None))
+    if with_draft:
+        draft_read(r.draft, r.target, r.draft_cache, r.draft_hidden, out[1], ids, start, lens, slots, dstart, tables,
+                   r.block_size, context, r.use_triton)
+    return out
+
+
 class PrefillGraphs:
-    """The prefill graphs of a runner, keyed (padded batch, padded length, context bound)."""
+    """The prefill graphs of a runner, keyed (padded batch, padded length, context bound, with the draft's reading)."""
 
     def __init__(self, runner):
         self.runner = runner
         # key -> (graph, static packed inputs (`pack`), (hidden, features): views of the shared outputs)
-        self.graphs: dict[tuple[int, int, int], tuple] = {}
+        self.graphs: dict[tuple[int, int, int, bool], tuple] = {}
         self.pool = None
         self._buffers: tuple[torch.Tensor, ...] | None = None  # the outputs' (`_outputs`)
 
@@ -75,25 +117,22 @@ class PrefillGraphs:
         """Capture, ahead of time, the graph of every padded shape that a chunk of up to `max_batch` sequences of up
         to `max_len` tokens each, without a cached prefix, can take (a chunk after a cached prefix is captured when
         first seen). Returns how many were captured."""
+        with_draft = DRAFT_IN_PREFILL and self.runner.draft is not None
         top_b = next((b for b in BATCH_BUCKETS if b >= max_batch), BATCH_BUCKETS[-1])
         top_q = next((q for q in TOKEN_BUCKETS if q >= max_len), TOKEN_BUCKETS[-1])
         new = 0
         for b in BATCH_BUCKETS:
             for q in TOKEN_BUCKETS:
-                key = (b, q, 0)
+                key = (b, q, 0, with_draft)
                 if b > top_b or q > top_q or b * q > GRAPH_TOKENS or key in self.graphs:
                     continue
                 if len(self.graphs) >= MAX_GRAPHS:
                     return new
-                self.graphs[key] = self._capture(key, self.size(b, q))
+                self.graphs[key] = self._capture(key)
                 new += 1
         return new
 
-    def size(self, B: int, Q: int) -> int:
-        """The numel of `pack`'s inputs of B rows of Q tokens with the runner's block-table width."""
-        return B * (Q + 2 + self.runner.width)
-
-    def run(self, packed: torch.Tensor, key: tuple[int, int, int]):
+    def run(self, packed: torch.Tensor, key: tuple[int, int, int, bool]):
         """(hidden, features) of the chunk whose packed inputs (`pack`) are `packed` (on the host), from the graph of
         `key` (captured now if it is new): views of the shared output buffers, valid until the next replay. None
         where no graph is kept (MAX_GRAPHS)."""
@@ -101,25 +140,23 @@ class PrefillGraphs:
         if g is None:
             if len(self.graphs) >= MAX_GRAPHS:
                 return None
-            g = self.graphs[key] = self._capture(key, packed.numel())
+            g = self.graphs[key] = self._capture(key)
         graph, static, out = g
         static.copy_(packed)
         graph.replay()
         return out
 
     def forward(self, static: torch.Tensor, key):
-        r = self.runner
-        B, Q, context = key
-        ids, start, lens, tables = unpack(static, B, Q)
-        return prefill_forward(r.target, r.cache, ids, start, lens, tables, r.block_size, context, r.use_triton,
-                               getattr(r.draft, "feature_layers", None))
+        B, Q, context, with_draft = key
+        return prefill_step(self.runner, static, B, Q, context, with_draft)
 
-    def _capture(self, key, size: int):
-        """Warm up and capture the forward of `key` on inputs of padding alone (no tokens: nothing written but the
-        scratch slot); `size`: the packed inputs' numel. The graph ends by copying its outputs into views of the
-        shared output buffers (`_outputs`), so that its own return its memory to the pool."""
-        B, Q, _ = key
-        static = torch.zeros(size, dtype=torch.long, device=self.runner.device)
+    def _capture(self, key):
+        """Warm up and capture the step of `key` on inputs of padding alone (no tokens, the scratch slot: nothing
+        written but the scratch block and slot). The graph ends by copying its outputs into views of the shared
+        output buffers (`_outputs`), so that its own return their memory to the pool."""
+        r = self.runner
+        B, Q = key[:2]
+        static = pack([], [], [], [], B, Q, r.width, pad_slot=r.num_slots).to(r.device)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -153,21 +190,27 @@ class PrefillGraphs:
 
 
 def pack(rows: list[list[int]], start: list[int], lens: list[int], tables: list[list[int]], B: int, Q: int,
-         width: int) -> torch.Tensor:
+         width: int, slots: list[int] | None = None, draft_start: list[int] | None = None, pad_slot: int = 0
+         ) -> torch.Tensor:
     """One flat int64 host tensor of a chunk's inputs, each part contiguous (kernels take their rows by pointer):
-    tokens [B, Q], start [B], lens [B], block tables [B, width]. Rows past len(rows) are padding: no tokens, an
-    empty table."""
-    out = torch.zeros(B * (Q + 2 + width), dtype=torch.long)
-    ids, st, ln, tb = unpack(out, B, Q)
+    tokens [B, Q], start [B], lens [B], the draft's slots [B] (`ModelRunner.draft_hidden` rows) and starts [B]
+    (`Sequence.num_draft_cached`), block tables [B, width]. Rows past len(rows) are padding: no tokens, an empty
+    table, the slot `pad_slot` (the runner's scratch slot)."""
+    out = torch.zeros(B * (Q + 4 + width), dtype=torch.long)
+    ids, st, ln, sl, ds, tb = unpack(out, B, Q)
+    sl.fill_(pad_slot)
     for i, (r, s, n, t) in enumerate(zip(rows, start, lens, tables)):
         ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         st[i], ln[i] = s, n
         tb[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+    for i, (x, d) in enumerate(zip(slots or [], draft_start or [])):
+        sl[i], ds[i] = x, d
     return out
 
 
 def unpack(packed: torch.Tensor, B: int, Q: int):
-    """(ids [B, Q], start [B], lens [B], block tables [B, width]): contiguous views of `pack`'s layout."""
-    width = packed.numel() // B - Q - 2
-    ids, start, lens, tables = packed.split([B * Q, B, B, B * width])
-    return ids.view(B, Q), start, lens, tables.view(B, width)
+    """(ids [B, Q], start [B], lens [B], slots [B], draft starts [B], block tables [B, width]): contiguous views of
+    `pack`'s layout."""
+    width = packed.numel() // B - Q - 4
+    ids, start, lens, slots, dstart, tables = packed.split([B * Q, B, B, B, B, B * width])
+    return ids.view(B, Q), start, lens, slots, dstart, tables.view(B, width)

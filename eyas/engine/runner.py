@@ -306,8 +306,7 @@ class ModelRunner:
             if s.num_cached == s.prefix_hit:  # admitted (or re-admitted after preemption): the slot is its own now
                 self._claim_slot(s)
         B = len(seqs)
-        meta = self._meta(seqs, max(s.num_cached for s in seqs))  # the draft's catch-up reads the chunk with it
-        hidden, feats = self._prefill_forward(seqs, chunk_lens)
+        hidden, feats, drafted = self._prefill_forward(seqs, chunk_lens)
         start = torch.tensor([s.num_cached for s in seqs], device=dev)
         lens = torch.tensor(chunk_lens, device=dev)
 
@@ -327,8 +326,12 @@ class ModelRunner:
         if any(x.logprobs is not None for x in p):  # before the sampler's temperature, top-k and top-p
             lps = logits.float()
         sampled = self._first_tokens(logits, p, torch.tensor([s.seed for s in seqs], device=dev), start + lens - 1)
-        if self.draft is not None:
-            self._draft_prefill(seqs, chunk_lens, self.draft.read_features(feats), meta)
+        if drafted:  # the draft read the chunk in the prefill's step (`prefill_graph.draft_read`)
+            for s, c in zip(seqs, chunk_lens):
+                s.num_draft_cached += c - 1 if s.num_draft_cached == s.num_cached else c
+        elif self.draft is not None:
+            self._draft_prefill(seqs, chunk_lens, self.draft.read_features(feats),
+                                self._meta(seqs, max(s.num_cached for s in seqs)))
         if lps is not None:
             from eyas.layers.logprobs import token_logprobs
             lps = [t.cpu() for t in token_logprobs(lps[:, None], sampled[:, None], max(x.logprobs or 0 for x in p))]
@@ -342,32 +345,37 @@ class ModelRunner:
         return out
 
     def _prefill_forward(self, seqs, chunk_lens):
-        """The target's forward over the chunks: (hidden, features) [B', Q', ...], B' >= B and Q' >= the longest
-        chunk. On a GPU at the padded shape of `eyas.engine.prefill_graph.prefill_shape`, replayed from a graph where
-        the runner has CUDA graphs (the eager forward pads alike, so the two compute the same)."""
-        from eyas.engine.prefill_graph import pack, prefill_forward, prefill_shape, unpack
-        fl = getattr(self.draft, "feature_layers", None)  # a draft with feature layers reads lower layers' too
+        """The target's forward over the chunks: (hidden, features, drafted), hidden and features [B', Q', ...], B' >=
+        B and Q' >= the longest chunk. On a GPU at the padded shape of `eyas.engine.prefill_graph.prefill_shape`,
+        replayed from a graph where the runner has CUDA graphs (the eager forward pads alike, so the two compute the
+        same); there the draft reads the chunk in the same step (`prefill_graph.draft_read`: `drafted`), where its
+        sequences stand where that expects (else `_draft_prefill` does, after)."""
+        from eyas.engine.prefill_graph import DRAFT_IN_PREFILL, pack, prefill_forward, prefill_shape, prefill_step
         B, Q = len(seqs), max(chunk_lens)
         starts = [s.num_cached for s in seqs]
         shape = prefill_shape(B, Q) if self.pad_prefill else None
-        if shape is not None and max(len(s.block_table) for s in seqs) > self.width:
-            shape = None  # (a table past the runner's width: no graph's inputs hold it)
-        if shape is None:  # the chunk's own shape, its tables as wide as the longest
-            shape, width, context = (B, Q), max(1, max(len(s.block_table) for s in seqs)), max(starts)
-        else:  # every graph's tables are the runner's width; the split count by the context's bucket
-            from eyas.engine.cuda_graph import context_bucket
-            width = self.width
-            context = 0 if max(starts) == 0 else context_bucket(max(starts), width * self.block_size)
+        if shape is None or max(len(s.block_table) for s in seqs) > self.width:  # (no graph's tables hold it)
+            tables = block_tables_of(seqs).to(self.device)  # the chunk's own shape, tables as wide as the longest
+            ids = padded([s.token_ids[s.num_cached: s.num_cached + c] for s, c in zip(seqs, chunk_lens)], Q)
+            hidden, feats = prefill_forward(self.target, self.cache, ids.to(self.device),
+                                            torch.tensor(starts, device=self.device),
+                                            torch.tensor(chunk_lens, device=self.device), tables, self.block_size,
+                                            max(starts), self.use_triton, getattr(self.draft, "feature_layers", None))
+            return hidden, feats, False
+        # every graph's tables are the runner's width; the split count by the context's bucket
+        from eyas.engine.cuda_graph import context_bucket
+        context = 0 if max(starts) == 0 else context_bucket(max(starts), self.width * self.block_size)
+        drafted = (DRAFT_IN_PREFILL and self.draft is not None
+                   and all(s.num_cached - s.num_draft_cached in (0, 1) for s in seqs))
         rows = [s.token_ids[s.num_cached: s.num_cached + c] for s, c in zip(seqs, chunk_lens)]
-        packed = pack(rows, starts, chunk_lens, [s.block_table for s in seqs], *shape, width)
-        graphs = self.prefill_graphs
-        if graphs is not None and shape == prefill_shape(B, Q):
-            out = graphs.run(packed, (*shape, context))
-            if out is not None:
-                return out
-        ids, start, lens, tables = unpack(packed.to(self.device), *shape)
-        return prefill_forward(self.target, self.cache, ids, start, lens, tables, self.block_size, context,
-                               self.use_triton, fl)
+        packed = pack(rows, starts, chunk_lens, [s.block_table for s in seqs], *shape, self.width,
+                      [s.slot for s in seqs], [s.num_draft_cached for s in seqs], pad_slot=self.num_slots)
+        out = None
+        if self.prefill_graphs is not None:
+            out = self.prefill_graphs.run(packed, (*shape, context, drafted))
+        if out is None:
+            out = prefill_step(self, packed.to(self.device), *shape, context, drafted)
+        return (*out, drafted)
 
     def _first_tokens(self, logits: torch.Tensor, params, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
         """The tokens after the prompts, as a decode step draws its bonus: an exponential race on the logits
