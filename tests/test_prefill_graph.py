@@ -112,13 +112,17 @@ def pairs(tmp_path_factory):
 # the mirror draft accepts long paths but reads only token embeddings; the random one reads the features it is given
 @pytest.mark.parametrize("pair,spec", [("mirror", None), ("mirror", "tree:mc_sim_7b_63"), ("random", "chain:4")])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_an_engine_that_pads_its_prefills_gives_what_one_that_does_not_gives(pairs, pair, spec, temperature):
+@pytest.mark.parametrize("in_step", [False, True])
+def test_an_engine_that_pads_its_prefills_gives_what_one_that_does_not_gives(pairs, pair, spec, temperature, in_step,
+                                                                            monkeypatch):
     """The runner's padded prefills (`pad_prefill`, a GPU's default) through the whole engine, on the CPU: prompts of
     several lengths prefilled together and in chunks, a second turn on the prefix cache, prompt and output
     log-probabilities, the draft reading the padded features on the device (`draft_read`). Tokens, acceptance and
     step counts equal an engine that prefills at the chunks' own shapes, log-probabilities within float32 rounding;
     no block leaks."""
+    import eyas.engine.prefill_graph as pg
     from eyas import LLM, SamplingParams
+    monkeypatch.setattr(pg, "DRAFT_IN_PREFILL", in_step)  # the draft reads the chunk in the step, or after it
     target, draft = pairs[pair]
     kw = dict(device="cpu", dtype="float32", block_size=BS, max_num_batched_tokens=24)
     if spec is not None:
@@ -147,7 +151,7 @@ def test_an_engine_that_pads_its_prefills_gives_what_one_that_does_not_gives(pai
         assert sum(o.num_cached_tokens for o in outs[4:]) > 0  # the second turn found its prefix
         runs[pad] = outs
     assert any(padded_steps)
-    assert any(drafted) == (spec is not None)  # the padded steps' draft read the chunks itself (`draft_read`)
+    assert any(drafted) == (spec is not None and in_step)  # the padded steps' draft read the chunks (`draft_read`)
     for a, b in zip(runs[False], runs[True]):
         assert (a.token_ids, a.stats.committed, a.stats.target_calls, a.stats.accepted_by_depth) == \
             (b.token_ids, b.stats.committed, b.stats.target_calls, b.stats.accepted_by_depth)
@@ -162,11 +166,15 @@ def test_an_engine_that_pads_its_prefills_gives_what_one_that_does_not_gives(pai
 
 
 @pytest.mark.parametrize("pair", ["mirror", "random"])
-def test_padded_prefills_leave_the_caches_and_waiting_features_an_unpadded_one_leaves(pairs, pair):
+@pytest.mark.parametrize("in_step", [False, True])
+def test_padded_prefills_leave_the_caches_and_waiting_features_an_unpadded_one_leaves(pairs, pair, in_step,
+                                                                                     monkeypatch):
     """Prefill alone (one token each), prompts prefilled together and in chunks: the target's and the draft's caches
     and the draft's waiting features after padded prefills (`pad_prefill`, the draft reading them on the device)
     equal those after prefills at the chunks' own shapes, within float32 rounding."""
+    import eyas.engine.prefill_graph as pg
     from eyas import LLM, SamplingParams
+    monkeypatch.setattr(pg, "DRAFT_IN_PREFILL", in_step)
     target, draft = pairs[pair]
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(1, 24, (n,), generator=g).tolist() for n in (3, 9, 17, 30, 45)]
@@ -192,10 +200,11 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @gpu
 @pytest.mark.parametrize("draft", [None, "eagle1", "features"])
-def test_the_prefill_graph_replays_the_eager_step(tmp_path, draft):
+def test_the_prefill_graph_replays_the_eager_step(tmp_path, draft, monkeypatch):
     """Graphed and eager prefill steps (the Triton kernels, bf16) give the same hidden states, features, target
     cache and, with a draft, the same draft cache and waiting features, to the bit: chunks of several shapes (a first
     chunk, a batch of a later chunk and a first one, a longer one) replayed from graphs captured on padding alone."""
+    import eyas.engine.prefill_graph as pg
     from eyas.engine.runner import ModelRunner
     from eyas.loader.eagle import load_draft
     from helpers import feature_draft_from
@@ -207,6 +216,7 @@ def test_the_prefill_graph_replays_the_eager_step(tmp_path, draft):
             cpu_target, _ = load_target(str(target_dir), "cpu", "float32")
             draft_dir = feature_draft_from(draft_dir, cpu_target, tmp_path / "f", feature_layers=(0,), noise=0.5)
         d = load_draft(draft_dir, target, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setattr(pg, "DRAFT_IN_PREFILL", True)  # (capture_all's graphs with the draft's reading)
     runner = ModelRunner(target, d, None, 16, BS, cuda_graphs=True, max_model_len=64, max_num_seqs=4)
     graphs = runner.prefill_graphs
     g = torch.Generator().manual_seed(1)
