@@ -1,5 +1,6 @@
-"""The prefill's padded shapes and graphs (`eyas.engine.prefill_graph`): a padded prefill computes and writes what a
-dense forward does (CPU), and its graph replays what the eager forward computes, to the bit (GPU)."""
+"""The prefill's padded shapes and graphs (`eyas.engine.prefill_graph`). CPU: a padded prefill computes and writes what
+a dense forward does, and an engine whose prefills are padded (the draft reading them after the step or inside it)
+gives what one without gives, and leaves the same caches. GPU: a graph replays the eager step, to the bit."""
 import os
 
 import pytest
