@@ -180,8 +180,8 @@ class PrefillGraphs:
     def _outputs(self, like, B: int, Q: int):
         """Views [B, Q, ...] of the output buffers every graph shares (GRAPH_TOKENS rows of the hidden state and of
         the features, made at the first capture, outside the pool): held per graph, the outputs of a server's ~80
-        graphs would take ~0.4 GB on SmolLM2 and gigabytes on an 8B model. One prefill's outputs are read before the
-        next replays."""
+        graphs would take ~0.4 GB on SmolLM2 and gigabytes on an 8B model (by their sizes; not measured). One
+        prefill's outputs are read before the next replays."""
         hidden, feats = like
         if self._buffers is None:
             self._buffers = tuple(torch.empty(GRAPH_TOKENS, x.shape[-1], dtype=x.dtype, device=x.device)

@@ -353,11 +353,11 @@ class ModelRunner:
         from eyas.engine.prefill_graph import DRAFT_IN_PREFILL, pack, prefill_forward, prefill_shape, prefill_step
         B, Q = len(seqs), max(chunk_lens)
         starts = [s.num_cached for s in seqs]
+        rows = [s.token_ids[s.num_cached: s.num_cached + c] for s, c in zip(seqs, chunk_lens)]
         shape = prefill_shape(B, Q) if self.pad_prefill else None
         if shape is None or max(len(s.block_table) for s in seqs) > self.width:  # (no graph's tables hold it)
             tables = block_tables_of(seqs).to(self.device)  # the chunk's own shape, tables as wide as the longest
-            ids = padded([s.token_ids[s.num_cached: s.num_cached + c] for s, c in zip(seqs, chunk_lens)], Q)
-            hidden, feats = prefill_forward(self.target, self.cache, ids.to(self.device),
+            hidden, feats = prefill_forward(self.target, self.cache, padded(rows, Q).to(self.device),
                                             torch.tensor(starts, device=self.device),
                                             torch.tensor(chunk_lens, device=self.device), tables, self.block_size,
                                             max(starts), self.use_triton, getattr(self.draft, "feature_layers", None))
@@ -367,7 +367,6 @@ class ModelRunner:
         context = 0 if max(starts) == 0 else context_bucket(max(starts), self.width * self.block_size)
         drafted = (DRAFT_IN_PREFILL and self.draft is not None
                    and all(s.num_cached - s.num_draft_cached in (0, 1) for s in seqs))
-        rows = [s.token_ids[s.num_cached: s.num_cached + c] for s, c in zip(seqs, chunk_lens)]
         packed = pack(rows, starts, chunk_lens, [s.block_table for s in seqs], *shape, self.width,
                       [s.slot for s in seqs], [s.num_draft_cached for s in seqs], pad_slot=self.num_slots)
         out = None
