@@ -37,9 +37,9 @@ TOKEN_BUCKETS = (tuple(range(16, 129, 16)) + tuple(range(160, 257, 32)) + tuple(
 GRAPH_TOKENS = 2048  # a graph's padded batch x length at most
 MAX_GRAPHS = 128  # graphs kept; further shapes run eagerly (at the same padded shapes)
 # the draft reads a padded chunk in the prefill's own step (`draft_read`, inside its graph), not after it on the host
-# (`ModelRunner._draft_prefill`: ~1.5-1.9 ms of the default tree's 3-5 ms TTFT on an H100, session 61's call 6).
-# Off until a GPU has run tests/test_prefill_graph.py with it (written after session 61's last device call)
-DRAFT_IN_PREFILL = False
+# (`ModelRunner._draft_prefill`, which costs the default tree 1.8-2.7 ms of its 3.9-6.7 ms TTFT on an H100: on in
+# session 62, whose call 1 timed 16-1,024-token prompts at 1.8-3.6 ms with it). False: the host's catch-up after it
+DRAFT_IN_PREFILL = True
 
 
 def prefill_shape(B: int, Q: int) -> tuple[int, int] | None:
