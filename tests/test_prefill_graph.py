@@ -7,37 +7,55 @@ import pytest
 import torch
 
 from eyas.cache.kv_cache import KVCache
-from eyas.engine.prefill_graph import (BATCH_BUCKETS, GRAPH_TOKENS, TOKEN_BUCKETS, PrefillGraphs, pack,
-                                       prefill_forward, prefill_shape, prefill_step, unpack)
+from eyas.engine.prefill_graph import (BATCH_BUCKETS, GRAPH_TOKENS, SMALL_GRAPH_TOKENS, TOKEN_BUCKETS, PrefillGraphs,
+                                       graph_tokens, pack, prefill_forward, prefill_shape, prefill_step, unpack)
 from eyas.loader.resolve import load_target
 from helpers import dense_kv, paged_kv, write_mirror_and_random, write_mirror_pair, write_tiny_llama
 
 BS = 4  # block size
 
 
-def test_prefill_shapes_pad_up_by_little():
+@pytest.mark.parametrize("limit", [GRAPH_TOKENS, SMALL_GRAPH_TOKENS])
+def test_prefill_shapes_pad_up_by_little(limit):
     for B in range(1, 20):
         last = 0
         for Q in range(1, 2100):
-            s = prefill_shape(B, Q)
-            fits = [(b, q) for b in BATCH_BUCKETS for q in TOKEN_BUCKETS if b >= B and q >= Q and b * q <= GRAPH_TOKENS]
+            s = prefill_shape(B, Q, limit)
+            fits = [(b, q) for b in BATCH_BUCKETS for q in TOKEN_BUCKETS if b >= B and q >= Q and b * q <= limit]
             if s is None:
                 assert not fits
                 continue
             b, q = s
             assert (b, q) == min(fits)  # the smallest buckets that hold the chunk
-            assert b * q <= GRAPH_TOKENS and q >= last
+            assert b * q <= limit and q >= last
             assert q - Q < 16 if Q <= 128 else (q - Q) / Q <= 0.25
             last = q
-    assert prefill_shape(1, 2048) == (1, 2048) and prefill_shape(1, 2049) is None
-    assert prefill_shape(17, 1) is None and prefill_shape(16, 128) == (16, 128) and prefill_shape(16, 129) is None
+    assert prefill_shape(1, 2048, limit) == (1, 2048) and prefill_shape(1, 2049, limit) is None
+    assert prefill_shape(17, 1, limit) is None
+    top = 128 if limit == 2048 else 512  # the longest chunk a batch of 16 pads within the limit
+    assert prefill_shape(16, top, limit) == (16, top) and prefill_shape(16, top + 1, limit) is None
+    assert prefill_shape(9, 300, limit) == ((16, 320) if limit == 8192 else None)
+
+
+def test_small_targets_graph_larger_prefill_chunks(monkeypatch):
+    """`graph_tokens`: SMALL_GRAPH_TOKENS below SMALL_MODEL parameters, GRAPH_TOKENS from it on; a runner takes its
+    target's."""
+    import eyas.engine.prefill_graph as pg
+    model = torch.nn.Linear(10, 10)  # 110 parameters
+    assert graph_tokens(model) == SMALL_GRAPH_TOKENS
+    monkeypatch.setattr(pg, "SMALL_MODEL", 110)
+    assert graph_tokens(model) == GRAPH_TOKENS
+    monkeypatch.setattr(pg, "SMALL_MODEL", 111)
+    assert graph_tokens(model) == SMALL_GRAPH_TOKENS
 
 
 def test_every_graph_writes_its_outputs_into_one_shared_buffer():
-    """A graph's outputs are views [B, Q, ...] of buffers every graph shares (GRAPH_TOKENS rows each), made once: the
-    hidden state's and the features' (one buffer when there are no features: both views are the same)."""
+    """A graph's outputs are views [B, Q, ...] of buffers every graph shares (the runner's `prefill_tokens` rows
+    each), made once: the hidden state's and the features' (one buffer when there are no features: both views are
+    the same)."""
+    from types import SimpleNamespace
     for features in (False, True):
-        g = PrefillGraphs(runner=None)
+        g = PrefillGraphs(runner=SimpleNamespace(prefill_tokens=GRAPH_TOKENS))
         h = torch.zeros(1, 16, 8, dtype=torch.bfloat16)
         like = (h, torch.zeros(1, 16, 24, dtype=torch.bfloat16) if features else h)
         a, b = g._outputs(like, 1, 16), g._outputs(like, 4, 32)
@@ -132,16 +150,22 @@ def test_an_engine_that_pads_its_prefills_gives_what_one_that_does_not_gives(pai
     first = [torch.randint(1, 24, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
     params = [SamplingParams(temperature=temperature, max_tokens=12, seed=i, ignore_eos=True, logprobs=2,
                              prompt_logprobs=2 if i % 2 else None) for i in range(4)]
-    runs, padded_steps, drafted = {}, [], []
+    runs, padded_steps, drafted, over_limit = {}, [], [], []
     for pad in (False, True):
         llm = LLM(str(target), **kw)
         runner = llm.engine.runner
         runner.pad_prefill = pad
+        assert runner.prefill_tokens == SMALL_GRAPH_TOKENS  # (`graph_tokens` of a tiny target)
+        runner.prefill_tokens = 32  # chunks of more padded tokens run at their own shape
         orig = runner._prefill_forward
 
         def note(seqs, lens, _orig=orig):
             out = _orig(seqs, lens)  # (hidden, features, whether the draft read the chunk in the same step)
-            padded_steps.append(pad and tuple(out[0].shape[:2]) != (len(seqs), max(lens)))
+            own = (len(seqs), max(lens))
+            padded_steps.append(pad and tuple(out[0].shape[:2]) != own)
+            if pad:
+                assert tuple(out[0].shape[:2]) == (prefill_shape(*own, 32) or own)
+                over_limit.append(prefill_shape(*own, 32) is None and prefill_shape(*own, 64) not in (None, own))
             drafted.append(out[2])
             return out
         runner._prefill_forward = note
@@ -151,7 +175,7 @@ def test_an_engine_that_pads_its_prefills_gives_what_one_that_does_not_gives(pai
         assert llm.engine.blocks.num_used == 0
         assert sum(o.num_cached_tokens for o in outs[4:]) > 0  # the second turn found its prefix
         runs[pad] = outs
-    assert any(padded_steps)
+    assert any(padded_steps) and any(over_limit)  # chunks padded, and some left at their own shape by the limit
     assert any(drafted) == (spec is not None and in_step)  # the padded steps' draft read the chunks (`draft_read`)
     for a, b in zip(runs[False], runs[True]):
         assert (a.token_ids, a.stats.committed, a.stats.target_calls, a.stats.accepted_by_depth) == \

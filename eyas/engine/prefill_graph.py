@@ -9,10 +9,11 @@ the whole forward in one launch: 1.4-3.0 ms.
 Graphs need fixed shapes, so on a GPU a prefill chunk of B sequences and Q tokens runs at a padded shape
 (`prefill_shape`): B up to a batch bucket and Q up to a token bucket (16-token steps up to 128, then about a quarter
 of the length, so at most 25% more rows). Padded rows have no tokens (`lens` 0): their positions write no K/V and no
-real row attends to them. The shape is a function of (B, Q) alone, and the eager forward pads the same way on a GPU,
-so a graphed prefill computes exactly what an eager one does (the kernels' choices, cuBLAS's included, follow the
-shapes). Likewise the attention's split count follows a context bucket (`eyas.engine.cuda_graph.context_bucket`) of
-the chunk's longest prefix in both, and 0 for a first chunk without a cached prefix.
+real row attends to them. The shape is a function of (B, Q) and of the target's limit on padded tokens
+(`graph_tokens`), and the eager forward pads the same way on a GPU, so a graphed prefill computes exactly what an
+eager one does (the kernels' choices, cuBLAS's included, follow the shapes). Likewise the attention's split count
+follows a context bucket (`eyas.engine.cuda_graph.context_bucket`) of the chunk's longest prefix in both, and 0 for a
+first chunk without a cached prefix.
 
 `prefill_step` is the step from the packed inputs: the target's forward (`prefill_forward`) and the draft's reading
 of the chunk (`draft_read`, on the device: the host's `ModelRunner._draft_prefill` formulated without host loops),
@@ -34,7 +35,15 @@ from eyas.spec.drafter import causal_mask
 BATCH_BUCKETS = (1, 2, 4, 8, 16)
 TOKEN_BUCKETS = (tuple(range(16, 129, 16)) + tuple(range(160, 257, 32)) + tuple(range(320, 513, 64))
                  + tuple(range(640, 1025, 128)) + tuple(range(1280, 2049, 256)))
-GRAPH_TOKENS = 2048  # a graph's padded batch x length at most
+# a graph's padded batch x length at most (`graph_tokens`): larger on small models. Padding a chunk to its bucket
+# costs compute (a batch of 9 runs as 16), which a small model's GPU time hardly notices and a large model's would:
+# SmolLM2's MT-Bench waves of 16 (1,200-3,100 tokens) prefilled eagerly at 2,048 and from graphs at 8,192: TTFT
+# 24.7 -> 14.9 ms plain and 31.9 -> 18.1 ms with the default tree (session 62, calls 11-12, H100), for
+# 108 prefill graphs in 10.1 s and 768 MiB where 2,048 had 80 in 5.6 s and 548 MiB (calls 1 and 13). Above a
+# billion parameters it stays 2,048 (not measured: the padding's compute against the launches it saves)
+GRAPH_TOKENS = 2048
+SMALL_GRAPH_TOKENS = 8192
+SMALL_MODEL = 10**9  # parameters
 MAX_GRAPHS = 128  # graphs kept; further shapes run eagerly (at the same padded shapes)
 # the draft reads a padded chunk in the prefill's own step (`draft_read`, inside its graph), not after it on the host
 # (`ModelRunner._draft_prefill`, which costs the default tree 1.8-2.7 ms of its 3.9-6.7 ms TTFT on an H100: on in
@@ -42,12 +51,19 @@ MAX_GRAPHS = 128  # graphs kept; further shapes run eagerly (at the same padded 
 DRAFT_IN_PREFILL = True
 
 
-def prefill_shape(B: int, Q: int) -> tuple[int, int] | None:
+def graph_tokens(model: torch.nn.Module) -> int:
+    """The most padded tokens (batch x length) a prefill graph of this target takes: SMALL_GRAPH_TOKENS under
+    SMALL_MODEL parameters, else GRAPH_TOKENS."""
+    small = sum(p.numel() for p in model.parameters()) < SMALL_MODEL
+    return SMALL_GRAPH_TOKENS if small else GRAPH_TOKENS
+
+
+def prefill_shape(B: int, Q: int, limit: int = GRAPH_TOKENS) -> tuple[int, int] | None:
     """The padded (batch, length) of a prefill chunk of B sequences and at most Q tokens each, or None where it runs
-    at its own shape (past the buckets, or more than GRAPH_TOKENS padded tokens)."""
+    at its own shape (past the buckets, or more than `limit` padded tokens: `graph_tokens`)."""
     b = next((x for x in BATCH_BUCKETS if x >= B), None)
     q = next((x for x in TOKEN_BUCKETS if x >= Q), None)
-    if b is None or q is None or b * q > GRAPH_TOKENS:
+    if b is None or q is None or b * q > limit:
         return None
     return b, q
 
@@ -125,7 +141,7 @@ class PrefillGraphs:
         for b in BATCH_BUCKETS:
             for q in TOKEN_BUCKETS:
                 key = (b, q, 0, with_draft)
-                if b > top_b or q > top_q or b * q > GRAPH_TOKENS or key in self.graphs:
+                if b > top_b or q > top_q or b * q > self.runner.prefill_tokens or key in self.graphs:
                     continue
                 if len(self.graphs) >= MAX_GRAPHS:
                     return new
@@ -178,13 +194,13 @@ class PrefillGraphs:
         return graph, static, outs
 
     def _outputs(self, like, B: int, Q: int):
-        """Views [B, Q, ...] of the output buffers every graph shares (GRAPH_TOKENS rows of the hidden state and of
+        """Views [B, Q, ...] of the output buffers every graph shares (`prefill_tokens` rows of the hidden state and of
         the features, made at the first capture, outside the pool): held per graph, the outputs of a server's ~80
         graphs would take ~0.4 GB on SmolLM2 and gigabytes on an 8B model (by their sizes; not measured). One
         prefill's outputs are read before the next replays."""
         hidden, feats = like
         if self._buffers is None:
-            self._buffers = tuple(torch.empty(GRAPH_TOKENS, x.shape[-1], dtype=x.dtype, device=x.device)
+            self._buffers = tuple(torch.empty(self.runner.prefill_tokens, x.shape[-1], dtype=x.dtype, device=x.device)
                                   for x in ((hidden,) if feats is hidden else (hidden, feats)))
         views = tuple(b[: B * Q].view(B, Q, -1) for b in self._buffers)
         return views if len(views) == 2 else views * 2

@@ -219,6 +219,8 @@ class ModelRunner:
         # that both compute the same; a CPU test may switch it on (the padding then changes what rounds, not what is
         # computed)
         self.pad_prefill = self.device.type == "cuda"
+        from eyas.engine.prefill_graph import graph_tokens
+        self.prefill_tokens = graph_tokens(target)  # the most padded tokens a chunk runs at (`prefill_shape`)
         self.graphs = self.prefill_graphs = None
         if cuda_graphs:
             if self.device.type != "cuda":
@@ -354,7 +356,7 @@ class ModelRunner:
         B, Q = len(seqs), max(chunk_lens)
         starts = [s.num_cached for s in seqs]
         rows = [s.token_ids[s.num_cached: s.num_cached + c] for s, c in zip(seqs, chunk_lens)]
-        shape = prefill_shape(B, Q) if self.pad_prefill else None
+        shape = prefill_shape(B, Q, self.prefill_tokens) if self.pad_prefill else None
         if shape is None or max(len(s.block_table) for s in seqs) > self.width:  # (no graph's tables hold it)
             tables = block_tables_of(seqs).to(self.device)  # the chunk's own shape, tables as wide as the longest
             hidden, feats = prefill_forward(self.target, self.cache, padded(rows, Q).to(self.device),
