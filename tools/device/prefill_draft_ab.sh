@@ -1,6 +1,6 @@
 # The prefill graphs' checks left by session 61, and DRAFT_IN_PREFILL (the draft's catch-up over the prompt inside the
-# prefill's step and graph, off since fdff480) timed off and on. Wheels only (carry .whl), SmolLM2-shape random
-# weights, one call of ~5 min:
+# prefill's step and graph; off from fdff480, on since session 62 ran this) timed off and on. Wheels only (carry
+# .whl), SmolLM2-shape random weights, one call of ~5 min:
 #   1. the prefill graph tests and the graph tests without SmolLM2 (the shared output buffers; the draft's reading in
 #      the graph == eager: tests/test_prefill_graph.py sets the switch itself);
 #   2. the same graph tests with DRAFT_IN_PREFILL on (by a sed);
