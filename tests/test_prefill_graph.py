@@ -50,19 +50,20 @@ def test_small_targets_graph_larger_prefill_chunks(monkeypatch):
 
 
 def test_every_graph_writes_its_outputs_into_one_shared_buffer():
-    """A graph's outputs are views [B, Q, ...] of buffers every graph shares (the runner's `prefill_tokens` rows
-    each), made once: the hidden state's and the features' (one buffer when there are no features: both views are
-    the same)."""
+    """A graph's outputs are views of buffers every graph shares, made once: the hidden state's and the features'
+    [B, Q, ...] (the runner's `prefill_tokens` rows each; one buffer when there are no features: both views are the
+    same), and the logits' [B, V] (the largest batch bucket's rows)."""
     from types import SimpleNamespace
     for features in (False, True):
         g = PrefillGraphs(runner=SimpleNamespace(prefill_tokens=GRAPH_TOKENS))
         h = torch.zeros(1, 16, 8, dtype=torch.bfloat16)
-        like = (h, torch.zeros(1, 16, 24, dtype=torch.bfloat16) if features else h)
+        like = (h, torch.zeros(1, 16, 24, dtype=torch.bfloat16) if features else h, torch.zeros(1, 40))
         a, b = g._outputs(like, 1, 16), g._outputs(like, 4, 32)
-        assert [tuple(x.shape) for x in b] == [(4, 32, 8), (4, 32, 24 if features else 8)]
-        assert (a[1] is a[0]) != features and b[0].dtype == torch.bfloat16
+        assert [tuple(x.shape) for x in b] == [(4, 32, 8), (4, 32, 24 if features else 8), (4, 40)]
+        assert (a[1] is a[0]) != features and b[0].dtype == torch.bfloat16 and b[2].dtype == torch.float32
         assert all(x.data_ptr() == y.data_ptr() for x, y in zip(a, b))  # the same memory, from its start
-        assert [tuple(x.shape) for x in g._buffers] == [(GRAPH_TOKENS, 8)] + [(GRAPH_TOKENS, 24)] * features
+        assert [tuple(x.shape) for x in g._buffers] == \
+            [(GRAPH_TOKENS, 8)] + [(GRAPH_TOKENS, 24)] * features + [(BATCH_BUCKETS[-1], 40)]
 
 
 @pytest.fixture(scope="module")
@@ -160,13 +161,14 @@ def test_an_engine_that_pads_its_prefills_gives_what_one_that_does_not_gives(pai
         orig = runner._prefill_forward
 
         def note(seqs, lens, _orig=orig):
-            out = _orig(seqs, lens)  # (hidden, features, whether the draft read the chunk in the same step)
+            out = _orig(seqs, lens)  # (hidden, features, logits, whether the draft read the chunk in the same step)
             own = (len(seqs), max(lens))
             padded_steps.append(pad and tuple(out[0].shape[:2]) != own)
             if pad:
                 assert tuple(out[0].shape[:2]) == (prefill_shape(*own, 32) or own)
                 over_limit.append(prefill_shape(*own, 32) is None and prefill_shape(*own, 64) not in (None, own))
-            drafted.append(out[2])
+            assert out[2].shape[0] == out[0].shape[0]  # the logits of every row, padding rows' too
+            drafted.append(out[3])
             return out
         runner._prefill_forward = note
         outs = llm.generate(first, params)
@@ -273,7 +275,8 @@ def test_the_prefill_graph_replays_the_eager_step(tmp_path, draft, monkeypatch):
                 t.copy_(x)
             graphed = graphs.run(packed, (*shape, context, d is not None))
         torch.cuda.synchronize()
-        for name, x, y in zip(("hidden", "features"), graphed, eager):
+        assert len(graphed) == len(eager) == 3
+        for name, x, y in zip(("hidden", "features", "logits"), graphed, eager):
             assert torch.equal(x, y), (name, shape, _where(x, y))
         for name, t, w, x in zip(("k", "v", "draft k", "draft v", "draft hidden"), state, written, saved):
             assert torch.equal(t, w), (name, shape, _where(t, w))  # graphed and eager wrote the same

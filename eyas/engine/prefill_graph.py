@@ -1,5 +1,5 @@
-"""CUDA graphs of the prefill: the target's forward and the draft's reading of the chunk, per (batch bucket,
-chunk-length bucket, context bucket).
+"""CUDA graphs of the prefill: the target's forward, its last tokens' logits and the draft's reading of the chunk, per
+(batch bucket, chunk-length bucket, context bucket).
 
 A prompt's prefill is one forward of the target over its tokens: some 11 kernels a layer. Run eagerly, the host
 launches them one by one, and on a small model it is the host that sets the pace: SmolLM2's prefill kept the GPU
@@ -15,15 +15,15 @@ eager one does (the kernels' choices, cuBLAS's included, follow the shapes). Lik
 follows a context bucket (`eyas.engine.cuda_graph.context_bucket`) of the chunk's longest prefix in both, and 0 for a
 first chunk without a cached prefix.
 
-`prefill_step` is the step from the packed inputs: the target's forward (`prefill_forward`) and the draft's reading
-of the chunk (`draft_read`, on the device: the host's `ModelRunner._draft_prefill` formulated without host loops),
-the eager reference the graphs replay, and what runs where no graph is kept (more than MAX_GRAPHS). A shape past the
-buckets runs eagerly at its own shape, the draft after it on the host. The graphs are captured when first needed,
-into a pool of their own (a decode graph's outputs may be awaiting their read-back when a prefill runs), or all at
-once ahead of time (`capture_all`: `eyas serve` and `eyas bench latency` do). tests/test_prefill_graph.py holds a
-padded prefill to a dense forward, and an engine's padded prefills (`ModelRunner.pad_prefill`) to unpadded ones:
-tokens, acceptance, log-probabilities, caches and the draft's waiting features (CPU); and the graphed step to the
-eager one, to the bit (GPU).
+`prefill_step` is the step from the packed inputs: the target's forward (`prefill_forward`), the logits at each row's
+last token (`last_logits`, whence the first token) and the draft's reading of the chunk (`draft_read`, on the device:
+the host's `ModelRunner._draft_prefill` formulated without host loops), the eager reference the graphs replay, and
+what runs where no graph is kept (more than MAX_GRAPHS). A shape past the buckets runs eagerly at its own shape, the
+draft after it on the host. The graphs are captured when first needed, into a pool of their own (a decode graph's
+outputs may be awaiting their read-back when a prefill runs), or all at once ahead of time (`capture_all`: `eyas
+serve` and `eyas bench latency` do). tests/test_prefill_graph.py holds a padded prefill to a dense forward, and an
+engine's padded prefills (`ModelRunner.pad_prefill`) to unpadded ones: tokens, acceptance, log-probabilities, caches
+and the draft's waiting features (CPU); and the graphed step to the eager one, to the bit (GPU).
 """
 from __future__ import annotations
 
@@ -106,17 +106,25 @@ def draft_read(draft, target, draft_cache, draft_hidden, feats, ids, start, lens
     draft_hidden[slots, 0] = read[torch.arange(len(lens), device=read.device), last].to(draft_hidden.dtype)
 
 
+def last_logits(target, hidden: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """[B, V] float32: the target's logits at each row's last token (hidden [B, Q, H]; a padding row, lens 0, reads
+    its first position), from which the prefill draws the first token."""
+    rows = torch.arange(len(lens), device=lens.device)
+    return target.compute_logits(hidden[rows, (lens - 1).clamp(min=0)])
+
+
 def prefill_step(runner, packed: torch.Tensor, B: int, Q: int, context: int, with_draft: bool):
-    """A chunk's target forward (`prefill_forward`) and, `with_draft`, the draft's reading of it (`draft_read`),
-    from `pack`'s inputs on the device: what a prefill graph replays, and the eager path at the same shapes."""
+    """A chunk's target forward (`prefill_forward`), its last tokens' logits (`last_logits`) and, `with_draft`, the
+    draft's reading of it (`draft_read`), from `pack`'s inputs on the device: what a prefill graph replays, and the
+    eager path at the same shapes. Returns (hidden, features, logits)."""
     r = runner
     ids, start, lens, slots, dstart, tables = unpack(packed, B, Q)
-    out = prefill_forward(r.target, r.cache, ids, start, lens, tables, r.block_size, context, r.use_triton,
-                          getattr(r.draft, "feature_layers", None))
+    hidden, feats = prefill_forward(r.target, r.cache, ids, start, lens, tables, r.block_size, context, r.use_triton,
+                                    getattr(r.draft, "feature_layers", None))
     if with_draft:
-        draft_read(r.draft, r.target, r.draft_cache, r.draft_hidden, out[1], ids, start, lens, slots, dstart, tables,
+        draft_read(r.draft, r.target, r.draft_cache, r.draft_hidden, feats, ids, start, lens, slots, dstart, tables,
                    r.block_size, context, r.use_triton)
-    return out
+    return hidden, feats, last_logits(r.target, hidden, lens)
 
 
 class PrefillGraphs:
@@ -150,9 +158,9 @@ class PrefillGraphs:
         return new
 
     def run(self, packed: torch.Tensor, key: tuple[int, int, int, bool]):
-        """(hidden, features) of the chunk whose packed inputs (`pack`) are `packed` (on the host), from the graph of
-        `key` (captured now if it is new): views of the shared output buffers, valid until the next replay. None
-        where no graph is kept (MAX_GRAPHS)."""
+        """(hidden, features, logits) of the chunk whose packed inputs (`pack`) are `packed` (on the host), from the
+        graph of `key` (captured now if it is new): views of the shared output buffers, valid until the next replay.
+        None where no graph is kept (MAX_GRAPHS)."""
         g = self.graphs.get(key)
         if g is None:
             if len(self.graphs) >= MAX_GRAPHS:
@@ -185,25 +193,29 @@ class PrefillGraphs:
         # thread-local error mode, as the decode graphs (`GraphedStep._capturing`): a disaggregated engine's other
         # thread may be working on the GPU
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            hidden, feats = self.forward(static, key)
+            hidden, feats, logits = self.forward(static, key)
             outs[0].copy_(hidden)
             if outs[1] is not outs[0]:
                 outs[1].copy_(feats)
-            del hidden, feats
+            outs[2].copy_(logits)
+            del hidden, feats, logits
         self.pool = graph.pool()
         return graph, static, outs
 
     def _outputs(self, like, B: int, Q: int):
-        """Views [B, Q, ...] of the output buffers every graph shares (`prefill_tokens` rows of the hidden state and of
-        the features, made at the first capture, outside the pool): held per graph, the outputs of a server's ~80
-        graphs would take ~0.4 GB on SmolLM2 and gigabytes on an 8B model (by their sizes; not measured). One
-        prefill's outputs are read before the next replays."""
-        hidden, feats = like
+        """Views of the output buffers every graph shares, made at the first capture, outside the pool: the hidden
+        state's and the features' [B, Q, ...] (`prefill_tokens` rows each; one buffer and the same view twice
+        without features) and the logits' [B, V] (the largest batch bucket's rows). Held per graph, the outputs of a
+        server's ~100 graphs would take ~0.5 GB on SmolLM2 and gigabytes on an 8B model (by their sizes; not
+        measured). One prefill's outputs are read before the next replays."""
+        hidden, feats, logits = like
         if self._buffers is None:
-            self._buffers = tuple(torch.empty(self.runner.prefill_tokens, x.shape[-1], dtype=x.dtype, device=x.device)
-                                  for x in ((hidden,) if feats is hidden else (hidden, feats)))
-        views = tuple(b[: B * Q].view(B, Q, -1) for b in self._buffers)
-        return views if len(views) == 2 else views * 2
+            states = tuple(torch.empty(self.runner.prefill_tokens, x.shape[-1], dtype=x.dtype, device=x.device)
+                           for x in ((hidden,) if feats is hidden else (hidden, feats)))
+            self._buffers = states + (logits.new_empty(BATCH_BUCKETS[-1], logits.shape[-1]),)
+        *states, logits = self._buffers
+        views = tuple(b[: B * Q].view(B, Q, -1) for b in states)
+        return (views if len(views) == 2 else views * 2) + (logits[:B],)
 
 
 def pack(rows: list[list[int]], start: list[int], lens: list[int], tables: list[list[int]], B: int, Q: int,

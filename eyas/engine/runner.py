@@ -308,14 +308,11 @@ class ModelRunner:
             if s.num_cached == s.prefix_hit:  # admitted (or re-admitted after preemption): the slot is its own now
                 self._claim_slot(s)
         B = len(seqs)
-        hidden, feats, drafted = self._prefill_forward(seqs, chunk_lens)
-        start = torch.tensor([s.num_cached for s in seqs], device=dev)
-        lens = torch.tensor(chunk_lens, device=dev)
+        hidden, feats, logits, drafted = self._prefill_forward(seqs, chunk_lens)
+        logits = logits[:B]  # (a graph's output: read before the next prefill replays)
 
         if any(s.params.prompt_logprobs is not None for s in seqs):
             self._prompt_logprobs(seqs, chunk_lens, hidden)
-        rows = torch.arange(B, device=dev)
-        logits = self.target.compute_logits(hidden[rows, lens - 1])
         states = [s.grammar for s in seqs]
         if any(st is not None for st in states):  # guided decoding: the first token as the grammar allows
             from eyas.spec.grammar import apply_bitmask, prefill_masks
@@ -327,7 +324,10 @@ class ModelRunner:
         lps = None
         if any(x.logprobs is not None for x in p):  # before the sampler's temperature, top-k and top-p
             lps = logits.float()
-        sampled = self._first_tokens(logits, p, torch.tensor([s.seed for s in seqs], device=dev), start + lens - 1)
+        # the seeds, and the counters of the chunks' last positions: one copy, each row contiguous (kernels take them)
+        ends = [s.num_cached + c - 1 for s, c in zip(seqs, chunk_lens)]
+        seeds, counters = torch.tensor([[s.seed for s in seqs], ends], device=dev)
+        sampled = self._first_tokens(logits, p, seeds, counters)
         if drafted:  # the draft read the chunk in the prefill's step (`prefill_graph.draft_read`)
             for s, c in zip(seqs, chunk_lens):
                 s.num_draft_cached += c - 1 if s.num_draft_cached == s.num_cached else c
@@ -347,23 +347,25 @@ class ModelRunner:
         return out
 
     def _prefill_forward(self, seqs, chunk_lens):
-        """The target's forward over the chunks: (hidden, features, drafted), hidden and features [B', Q', ...], B' >=
-        B and Q' >= the longest chunk. On a GPU at the padded shape of `eyas.engine.prefill_graph.prefill_shape`,
-        replayed from a graph where the runner has CUDA graphs (the eager forward pads alike, so the two compute the
-        same); there the draft reads the chunk in the same step (`prefill_graph.draft_read`: `drafted`), where its
-        sequences stand where that expects (else `_draft_prefill` does, after)."""
-        from eyas.engine.prefill_graph import DRAFT_IN_PREFILL, pack, prefill_forward, prefill_shape, prefill_step
+        """The target's forward over the chunks: (hidden, features, logits, drafted), hidden and features [B', Q',
+        ...], B' >= B and Q' >= the longest chunk, logits [B', V] at each row's last token. On a GPU at the padded
+        shape of `eyas.engine.prefill_graph.prefill_shape`, replayed from a graph where the runner has CUDA graphs
+        (the eager forward pads alike, so the two compute the same); there the draft reads the chunk in the same step
+        (`prefill_graph.draft_read`: `drafted`), where its sequences stand where that expects (else `_draft_prefill`
+        does, after)."""
+        from eyas.engine.prefill_graph import (DRAFT_IN_PREFILL, last_logits, pack, prefill_forward, prefill_shape,
+                                               prefill_step)
         B, Q = len(seqs), max(chunk_lens)
         starts = [s.num_cached for s in seqs]
         rows = [s.token_ids[s.num_cached: s.num_cached + c] for s, c in zip(seqs, chunk_lens)]
         shape = prefill_shape(B, Q, self.prefill_tokens) if self.pad_prefill else None
         if shape is None or max(len(s.block_table) for s in seqs) > self.width:  # (no graph's tables hold it)
             tables = block_tables_of(seqs).to(self.device)  # the chunk's own shape, tables as wide as the longest
+            lens = torch.tensor(chunk_lens, device=self.device)
             hidden, feats = prefill_forward(self.target, self.cache, padded(rows, Q).to(self.device),
-                                            torch.tensor(starts, device=self.device),
-                                            torch.tensor(chunk_lens, device=self.device), tables, self.block_size,
+                                            torch.tensor(starts, device=self.device), lens, tables, self.block_size,
                                             max(starts), self.use_triton, getattr(self.draft, "feature_layers", None))
-            return hidden, feats, False
+            return hidden, feats, last_logits(self.target, hidden, lens), False
         # every graph's tables are the runner's width; the split count by the context's bucket
         from eyas.engine.cuda_graph import context_bucket
         context = 0 if max(starts) == 0 else context_bucket(max(starts), self.width * self.block_size)
