@@ -66,6 +66,33 @@ def test_every_graph_writes_its_outputs_into_one_shared_buffer():
             [(GRAPH_TOKENS, 8)] + [(GRAPH_TOKENS, 24)] * features + [(BATCH_BUCKETS[-1], 40)]
 
 
+def test_a_prefill_graph_that_fails_to_capture_leaves_its_shape_to_the_eager_step(caplog):
+    """A capture that fails when a shape is first seen (a CUDA error is a RuntimeError) is logged and its key runs
+    eagerly from then on (`run` returns None, and does not try again); other keys still capture and replay."""
+    from types import SimpleNamespace
+    g = PrefillGraphs(runner=SimpleNamespace(prefill_tokens=GRAPH_TOKENS))
+    tries, replays = [], []
+
+    class Graph:
+        def replay(self):
+            replays.append(1)
+
+    def capture(key):
+        tries.append(key)
+        if key[0] == 2:
+            raise torch.AcceleratorError("operation failed due to a previous error during capture")
+        return Graph(), torch.zeros(3, dtype=torch.long), ("outputs",)
+    g._capture = capture
+    packed = torch.arange(3)
+    with caplog.at_level("WARNING", logger="eyas"):
+        assert g.run(packed, (2, 16, 0, False)) is None
+        assert g.run(packed, (2, 16, 0, False)) is None
+    assert tries == [(2, 16, 0, False)] and g.failed == {(2, 16, 0, False)} and not g.graphs
+    assert "could not be captured" in caplog.text
+    assert g.run(packed, (1, 16, 0, False)) == ("outputs",) and replays == [1]
+    assert torch.equal(g.graphs[(1, 16, 0, False)][1], packed)  # the inputs copied in before the replay
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     target, _ = load_target(str(write_tiny_llama(tmp_path_factory.mktemp("t"), layers=2, vocab=40)), "cpu",
