@@ -142,7 +142,7 @@ class PrefillGraphs:
         self._buffers: tuple[torch.Tensor, ...] | None = None  # the outputs' (`_outputs`)
         # keys whose capture, when first seen, failed: run eagerly at the same shape since. A capture invalidated by
         # an operation leaves the device usable; an error that does not would fail the eager step too, as before.
-        # (Session 62 saw one capture error in a GPU test, once in five runs, cause unknown; not seen here since)
+        # (Session 62 saw one capture error in a GPU test, once in five runs, cause unknown)
         self.failed: set[tuple[int, int, int, bool]] = set()
 
     @torch.inference_mode()
