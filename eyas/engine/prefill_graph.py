@@ -144,6 +144,8 @@ class PrefillGraphs:
         # an operation leaves the device usable; an error that does not would fail the eager step too, as before.
         # (Session 62 saw one capture error in a GPU test, once in five runs, cause unknown)
         self.failed: set[tuple[int, int, int, bool]] = set()
+        self._stage: torch.Tensor | None = None  # pinned: the packed inputs on their way to a graph's (`_send`)
+        self._copied = None  # a CUDA event after the last copy out of it
 
     @torch.inference_mode()
     def capture_all(self, max_batch: int, max_len: int) -> int:
@@ -181,9 +183,31 @@ class PrefillGraphs:
                 return None
             self.graphs[key] = g
         graph, static, out = g
-        static.copy_(packed)
+        self._send(static, packed)
         graph.replay()
         return out
+
+    def _send(self, static: torch.Tensor, packed: torch.Tensor) -> None:
+        """static <- packed (host) without the host waiting for the stream: a plain copy from ordinary memory
+        synchronises with it, and so waits for a decode step in flight (overlapped decoding) before the prefill is
+        even enqueued. On CUDA the inputs go through a pinned staging buffer, written once the copy out of it before
+        is done (an event; the prefill's read-back has waited for it already)."""
+        if not static.is_cuda:
+            static.copy_(packed)
+            return
+        n = packed.numel()
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        else:
+            self._copied.synchronize()
+        if self._stage is None or self._stage.numel() < n:  # (once: sized for the largest chunk a graph takes)
+            r = self.runner
+            most = r.prefill_tokens + BATCH_BUCKETS[-1] * (4 + r.width)
+            self._stage = torch.empty(max(n, most), dtype=packed.dtype, pin_memory=True)
+        stage = self._stage[:n]
+        stage.copy_(packed)
+        static.copy_(stage, non_blocking=True)
+        self._copied.record()
 
     def forward(self, static: torch.Tensor, key):
         B, Q, context, with_draft = key
