@@ -54,10 +54,11 @@ class LLM:
     """model: "smollm2" | HF directory | .gguf file. draft: EAGLE checkpoint directory, "default" (the draft shipped
     for smollm2), "ngram" / "ngram:N_MIN:N_MAX" (prompt lookup, no draft model: `eyas.spec.ngram`; speculation a
     chain, chain:4 by default) or None. speculation: None | "chain:K" | "tree:NAME" | a JSON file of paths |
-    "dispatch:B1=SPEC,..." (a tree per batch size). draft_quant: "int4" | "int4-ffn" | "int4-head" | "fp8" | "fp8-head" | "none" | None
-    (`eyas.spec.draft_quant`: the draft's FFN and/or its own LM head copy in INT4, or all its weights in FP8, or only
-    its head's copy; None: the draft's own choice for the device, fp8-head for SmolLM2's on a GPU). Engine settings
-    (`EngineConfig`) go as keywords; `cuda_graphs="auto"` turns CUDA graphs on where the model runs on a GPU."""
+    "dispatch:B1=SPEC,..." (a tree per batch size). draft_quant: "int4" | "int4-ffn" | "int4-head" | "fp8" |
+    "fp8-head" | "none" | None (`eyas.spec.draft_quant`: the draft's FFN and/or its own LM head copy in INT4, or all
+    its weights in FP8, or only its head's copy; None: the draft's own choice for the device, fp8-head for SmolLM2's
+    on a GPU). Engine settings (`EngineConfig`) go as keywords; `cuda_graphs="auto"` turns CUDA graphs on where the
+    model runs on a GPU."""
 
     def __init__(self, model: str = "smollm2", device: str = "auto", dtype: str = "auto",
                  draft: str | None = None, speculation: str | None = None, draft_quant: str | None = None,
