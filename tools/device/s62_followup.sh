@@ -1,5 +1,5 @@
 # What session 62 wrote after its last device call, on a GPU: wheels only (carry .whl), one call of ~4 min.
-#   1. the prefill graph tests and the graph tests without SmolLM2: graph_tokens (0037275), the logits inside the
+#   1. the prefill graph tests and the graph tests without SmolLM2: graph_tokens (5ead0d5), the logits inside the
 #      prefill's step and graph (d04738f: the replay test compares them to the eager step's, to the bit), the
 #      failed capture's fallback (001629a; on the CPU only: nothing makes a capture fail on purpose), the inputs'
 #      pinned staging (fc6de03: the replay test's three chunks go through it);
