@@ -5,6 +5,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eyas.cache.kv_cache import KVCache
 from eyas.engine.prefill_graph import (BATCH_BUCKETS, GRAPH_TOKENS, SMALL_GRAPH_TOKENS, TOKEN_BUCKETS, PrefillGraphs,
@@ -47,6 +49,31 @@ def test_small_targets_graph_larger_prefill_chunks(monkeypatch):
     assert graph_tokens(model) == GRAPH_TOKENS
     monkeypatch.setattr(pg, "SMALL_MODEL", 111)
     assert graph_tokens(model) == SMALL_GRAPH_TOKENS
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_pack_lays_out_each_field_as_unpack_reads_it(data):
+    """`pack`'s flat buffer, read through `unpack`: each sequence's tokens, start, length, slot, draft start and block
+    table in its row, zeros past them; padding rows with no tokens, an empty table and the scratch slot."""
+    B = data.draw(st.sampled_from([1, 2, 4, 8]))
+    Q, width = data.draw(st.integers(1, 24)), data.draw(st.integers(1, 6))
+    n = data.draw(st.integers(0, B))
+    ints = st.integers(0, 2**40)
+    rows = [data.draw(st.lists(ints, max_size=Q)) for _ in range(n)]
+    tables = [data.draw(st.lists(ints, max_size=width)) for _ in range(n)]
+    start, lens, slots, dstart = ([data.draw(ints) for _ in range(n)] for _ in range(4))
+    drafted = data.draw(st.booleans())
+    packed = pack(rows, start, lens, tables, B, Q, width, slots if drafted else None, dstart if drafted else None,
+                  pad_slot=99)
+    assert packed.dtype == torch.long and packed.numel() == B * (Q + 4 + width)
+    ids, got_start, got_lens, got_slots, got_dstart, got_tables = (x.tolist() for x in unpack(packed, B, Q))
+    pad = [[]] * (B - n)
+    assert ids == [r + [0] * (Q - len(r)) for r in rows + pad]
+    assert got_tables == [t + [0] * (width - len(t)) for t in tables + pad]
+    assert (got_start, got_lens) == (start + [0] * (B - n), lens + [0] * (B - n))
+    assert got_slots == (slots if drafted else []) + [99] * (B - (n if drafted else 0))
+    assert got_dstart == (dstart if drafted else []) + [0] * (B - (n if drafted else 0))
 
 
 def test_every_graph_writes_its_outputs_into_one_shared_buffer():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from eyas.layers.attention import MetaBuilder
@@ -262,17 +263,21 @@ def pack(rows: list[list[int]], start: list[int], lens: list[int], tables: list[
     """One flat int64 host tensor of a chunk's inputs, each part contiguous (kernels take their rows by pointer):
     tokens [B, Q], start [B], lens [B], the draft's slots [B] (`ModelRunner.draft_hidden` rows) and starts [B]
     (`Sequence.num_draft_cached`), block tables [B, width]. Rows past len(rows) are padding: no tokens, an empty
-    table, the slot `pad_slot` (the runner's scratch slot)."""
-    out = torch.zeros(B * (Q + 4 + width), dtype=torch.long)
-    ids, st, ln, sl, ds, tb = unpack(out, B, Q)
-    sl.fill_(pad_slot)
-    for i, (r, s, n, t) in enumerate(zip(rows, start, lens, tables)):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        st[i], ln[i] = s, n
-        tb[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-    for i, (x, d) in enumerate(zip(slots or [], draft_start or [])):
-        sl[i], ds[i] = x, d
-    return out
+    table, the slot `pad_slot` (the runner's scratch slot). Written through numpy: torch's element writes took
+    0.36-0.50 ms at B = 16 (130-300 tokens a row) on this repository's CPU, numpy's 0.04-0.08 (session 62)."""
+    out = np.zeros(B * (Q + 4 + width), dtype=np.int64)
+    ids, tb = out[: B * Q].reshape(B, Q), out[B * (Q + 4):].reshape(B, width)  # `unpack`'s layout
+    st, ln, sl, ds = (out[B * (Q + k): B * (Q + k + 1)] for k in range(4))
+    for i, (r, t) in enumerate(zip(rows, tables)):
+        ids[i, : len(r)] = r
+        tb[i, : len(t)] = t
+    st[: len(start)], ln[: len(lens)] = start, lens
+    sl[:] = pad_slot
+    if slots is not None:
+        sl[: len(slots)] = slots
+    if draft_start is not None:
+        ds[: len(draft_start)] = draft_start
+    return torch.from_numpy(out)
 
 
 def unpack(packed: torch.Tensor, B: int, Q: int):
