@@ -204,6 +204,21 @@ def test_speculative_guided_equals_plain_guided(mirror, spec):
     assert accepted > 0
 
 
+def test_padded_prefills_draw_a_guided_requests_first_token_from_its_grammar(mirror):
+    """On a GPU every prefill runs at a padded shape and its step draws the first tokens from the logits as they are
+    (`eyas.engine.prefill_graph.first_tokens`); a guided request's first token must come from the grammar's masked
+    logits instead. An engine whose prefills are padded (`ModelRunner.pad_prefill`, here on the CPU) gives each
+    guided request, prefilled alone, what one without padding gives, and each output matches its guide."""
+    target, _, _ = mirror
+    runs = {}
+    for pad in (False, True):
+        llm = LLM(str(target), device="cpu", dtype="float32")
+        llm.engine.runner.pad_prefill = pad
+        runs[pad] = [llm.generate([PROMPTS[1]], [SamplingParams(max_tokens=24, guided=g)])[0] for g in GUIDES]
+    assert [o.token_ids for o in runs[True]] == [o.token_ids for o in runs[False]]
+    assert all(matches(g, o.text) for g, o in zip(GUIDES, runs[True]) if o.finish_reason == "stop")
+
+
 def test_restrict_logits_against_a_loop():
     """The draft's logits restricted to a grammar's tokens: over the whole vocabulary, and over a draft vocabulary
     (column j is token ids[j])."""

@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eyas.cache.kv_cache import KVCache
-from eyas.engine.prefill_graph import (BATCH_BUCKETS, GRAPH_TOKENS, SMALL_GRAPH_TOKENS, TOKEN_BUCKETS, PrefillGraphs,
-                                       graph_tokens, pack, prefill_forward, prefill_shape, prefill_step, unpack)
+from eyas.engine.prefill_graph import (BATCH_BUCKETS, FIELDS, GRAPH_TOKENS, SMALL_GRAPH_TOKENS, TOKEN_BUCKETS,
+                                       PrefillGraphs, graph_tokens, pack, prefill_forward, prefill_shape,
+                                       prefill_step, unpack)
 from eyas.loader.resolve import load_target
 from helpers import dense_kv, paged_kv, write_mirror_and_random, write_mirror_pair, write_tiny_llama
 
@@ -54,43 +55,51 @@ def test_small_targets_graph_larger_prefill_chunks(monkeypatch):
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_pack_lays_out_each_field_as_unpack_reads_it(data):
-    """`pack`'s flat buffer, read through `unpack`: each sequence's tokens, start, length, slot, draft start and block
-    table in its row, zeros past them; padding rows with no tokens, an empty table and the scratch slot."""
+    """`pack`'s flat buffer, read through `unpack`: each sequence's tokens, start, length, slot, draft start, seed,
+    temperature and block table in its row, zeros past them; padding rows with no tokens, an empty table, the
+    scratch slot and temperature 0."""
     B = data.draw(st.sampled_from([1, 2, 4, 8]))
     Q, width = data.draw(st.integers(1, 24)), data.draw(st.integers(1, 6))
     n = data.draw(st.integers(0, B))
     ints = st.integers(0, 2**40)
     rows = [data.draw(st.lists(ints, max_size=Q)) for _ in range(n)]
     tables = [data.draw(st.lists(ints, max_size=width)) for _ in range(n)]
-    start, lens, slots, dstart = ([data.draw(ints) for _ in range(n)] for _ in range(4))
-    drafted = data.draw(st.booleans())
+    start, lens, slots, dstart, seeds = ([data.draw(ints) for _ in range(n)] for _ in range(5))
+    temps = [data.draw(st.floats(0, 10)) for _ in range(n)]
+    drafted, sampled = data.draw(st.booleans()), data.draw(st.booleans())
     packed = pack(rows, start, lens, tables, B, Q, width, slots if drafted else None, dstart if drafted else None,
-                  pad_slot=99)
-    assert packed.dtype == torch.long and packed.numel() == B * (Q + 4 + width)
-    ids, got_start, got_lens, got_slots, got_dstart, got_tables = (x.tolist() for x in unpack(packed, B, Q))
+                  pad_slot=99, seeds=seeds if sampled else None, temperatures=temps if sampled else None)
+    assert packed.dtype == torch.long and packed.numel() == B * (Q + FIELDS + width)
+    fields = unpack(packed, B, Q)
+    assert fields[6].dtype == torch.float64
+    ids, got_start, got_lens, got_slots, got_dstart, got_seeds, got_temps, got_tables = (x.tolist() for x in fields)
     pad = [[]] * (B - n)
     assert ids == [r + [0] * (Q - len(r)) for r in rows + pad]
     assert got_tables == [t + [0] * (width - len(t)) for t in tables + pad]
     assert (got_start, got_lens) == (start + [0] * (B - n), lens + [0] * (B - n))
     assert got_slots == (slots if drafted else []) + [99] * (B - (n if drafted else 0))
     assert got_dstart == (dstart if drafted else []) + [0] * (B - (n if drafted else 0))
+    assert got_seeds == (seeds if sampled else []) + [0] * (B - (n if sampled else 0))
+    assert got_temps == (temps if sampled else []) + [0.0] * (B - (n if sampled else 0))
 
 
 def test_every_graph_writes_its_outputs_into_one_shared_buffer():
     """A graph's outputs are views of buffers every graph shares, made once: the hidden state's and the features'
     [B, Q, ...] (the runner's `prefill_tokens` rows each; one buffer when there are no features: both views are the
-    same), and the logits' [B, V] (the largest batch bucket's rows)."""
+    same), the logits' [B, V] and the first tokens' [B] (the largest batch bucket's rows)."""
     from types import SimpleNamespace
     for features in (False, True):
         g = PrefillGraphs(runner=SimpleNamespace(prefill_tokens=GRAPH_TOKENS))
         h = torch.zeros(1, 16, 8, dtype=torch.bfloat16)
-        like = (h, torch.zeros(1, 16, 24, dtype=torch.bfloat16) if features else h, torch.zeros(1, 40))
+        like = (h, torch.zeros(1, 16, 24, dtype=torch.bfloat16) if features else h, torch.zeros(1, 40),
+                torch.zeros(1, dtype=torch.long))
         a, b = g._outputs(like, 1, 16), g._outputs(like, 4, 32)
-        assert [tuple(x.shape) for x in b] == [(4, 32, 8), (4, 32, 24 if features else 8), (4, 40)]
+        assert [tuple(x.shape) for x in b] == [(4, 32, 8), (4, 32, 24 if features else 8), (4, 40), (4,)]
         assert (a[1] is a[0]) != features and b[0].dtype == torch.bfloat16 and b[2].dtype == torch.float32
+        assert b[3].dtype == torch.long
         assert all(x.data_ptr() == y.data_ptr() for x, y in zip(a, b))  # the same memory, from its start
         assert [tuple(x.shape) for x in g._buffers] == \
-            [(GRAPH_TOKENS, 8)] + [(GRAPH_TOKENS, 24)] * features + [(BATCH_BUCKETS[-1], 40)]
+            [(GRAPH_TOKENS, 8)] + [(GRAPH_TOKENS, 24)] * features + [(BATCH_BUCKETS[-1], 40), (BATCH_BUCKETS[-1],)]
 
 
 def test_a_prefill_graph_that_fails_to_capture_leaves_its_shape_to_the_eager_step(caplog):
@@ -129,7 +138,7 @@ def tiny(tmp_path_factory):
 
 def target_inputs(packed, B, Q):
     """(ids, start, lens, block tables) of `pack`'s layout: what `prefill_forward` takes."""
-    ids, start, lens, _, _, tables = unpack(packed, B, Q)
+    ids, start, lens, _, _, _, _, tables = unpack(packed, B, Q)
     return ids, start, lens, tables
 
 
@@ -203,9 +212,12 @@ def test_an_engine_that_pads_its_prefills_gives_what_one_that_does_not_gives(pai
         kw.update(draft=str(draft), speculation=spec)
     g = torch.Generator().manual_seed(2)
     first = [torch.randint(1, 24, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
+    # the last request, whose prompt ends alone in a padded step, filters its tokens or biases its logits (half the
+    # cases each): the first token is then drawn on the host (`ModelRunner._first_tokens`), not by the step
+    extra = [{}, {}, {}, dict(top_k=1) if in_step else dict(logit_bias={5: 8.0})]
     params = [SamplingParams(temperature=temperature, max_tokens=12, seed=i, ignore_eos=True, logprobs=2,
-                             prompt_logprobs=2 if i % 2 else None) for i in range(4)]
-    runs, padded_steps, drafted, over_limit = {}, [], [], []
+                             prompt_logprobs=2 if i % 2 else None, **extra[i]) for i in range(4)]
+    runs, padded_steps, drafted, over_limit, stepped = {}, [], [], [], []
     for pad in (False, True):
         llm = LLM(str(target), **kw)
         runner = llm.engine.runner
@@ -215,14 +227,17 @@ def test_an_engine_that_pads_its_prefills_gives_what_one_that_does_not_gives(pai
         orig = runner._prefill_forward
 
         def note(seqs, lens, _orig=orig):
-            out = _orig(seqs, lens)  # (hidden, features, logits, whether the draft read the chunk in the same step)
+            out = _orig(seqs, lens)  # (hidden, features, logits, first tokens, whether the draft read the chunk)
             own = (len(seqs), max(lens))
             padded_steps.append(pad and tuple(out[0].shape[:2]) != own)
             if pad:
                 assert tuple(out[0].shape[:2]) == (prefill_shape(*own, 32) or own)
                 over_limit.append(prefill_shape(*own, 32) is None and prefill_shape(*own, 64) not in (None, own))
             assert out[2].shape[0] == out[0].shape[0]  # the logits of every row, padding rows' too
-            drafted.append(out[3])
+            # the padded steps draw the first tokens (`first_tokens`), the others leave them to the host
+            assert (out[3] is not None) == (pad and prefill_shape(*own, 32) is not None)
+            stepped.append(out[3] is not None)
+            drafted.append(out[4])
             return out
         runner._prefill_forward = note
         outs = llm.generate(first, params)
@@ -232,6 +247,7 @@ def test_an_engine_that_pads_its_prefills_gives_what_one_that_does_not_gives(pai
         assert sum(o.num_cached_tokens for o in outs[4:]) > 0  # the second turn found its prefix
         runs[pad] = outs
     assert any(padded_steps) and any(over_limit)  # chunks padded, and some left at their own shape by the limit
+    assert any(stepped)
     assert any(drafted) == (spec is not None and in_step)  # the padded steps' draft read the chunks (`draft_read`)
     for a, b in zip(runs[False], runs[True]):
         assert (a.token_ids, a.stats.committed, a.stats.target_calls, a.stats.accepted_by_depth) == \
@@ -329,8 +345,8 @@ def test_the_prefill_graph_replays_the_eager_step(tmp_path, draft, monkeypatch):
                 t.copy_(x)
             graphed = graphs.run(packed, (*shape, context, d is not None))
         torch.cuda.synchronize()
-        assert len(graphed) == len(eager) == 3
-        for name, x, y in zip(("hidden", "features", "logits"), graphed, eager):
+        assert len(graphed) == len(eager) == 4
+        for name, x, y in zip(("hidden", "features", "logits", "first tokens"), graphed, eager):
             assert torch.equal(x, y), (name, shape, _where(x, y))
         for name, t, w, x in zip(("k", "v", "draft k", "draft v", "draft hidden"), state, written, saved):
             assert torch.equal(t, w), (name, shape, _where(t, w))  # graphed and eager wrote the same

@@ -49,6 +49,7 @@ TOKEN_BUCKETS = (tuple(range(16, 129, 16)) + tuple(range(160, 257, 32)) + tuple(
 GRAPH_TOKENS = 2048
 SMALL_GRAPH_TOKENS = 8192
 SMALL_MODEL = 10**9  # parameters
+FIELDS = 6  # `pack`'s fields of one word a sequence (start, lens, slots, draft starts, seeds, temperatures)
 MAX_GRAPHS = 128  # graphs kept; further shapes run eagerly (at the same padded shapes)
 # the draft reads a padded chunk in the prefill's own step (`draft_read`, inside its graph), not after it on the host
 # (`ModelRunner._draft_prefill`, which costs the default tree 1.8-2.7 ms of its 3.9-6.7 ms TTFT on an H100: on in
@@ -118,18 +119,34 @@ def last_logits(target, hidden: torch.Tensor, lens: torch.Tensor) -> torch.Tenso
     return target.compute_logits(hidden[rows, (lens - 1).clamp(min=0)])
 
 
+def first_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
+                 use_triton: bool, tau: torch.Tensor | None = None) -> torch.Tensor:
+    """The tokens after the prompts, as a decode step draws its bonus: an exponential race on the logits [B, V]
+    (`race_sample`; rows of temperature 0 the argmax) at the counters of the prompts' last positions, among the
+    tokens at or above `tau` [B] (the filters' threshold) where given."""
+    from eyas.layers.sampler import RACE_BASE, race_sample
+    race = race_sample
+    if use_triton:
+        from eyas.kernels.race import race_sample_triton as race
+    return race(logits, temperature, seeds, counters, torch.full_like(counters, RACE_BASE), tau=tau)
+
+
 def prefill_step(runner, packed: torch.Tensor, B: int, Q: int, context: int, with_draft: bool):
-    """A chunk's target forward (`prefill_forward`), its last tokens' logits (`last_logits`) and, `with_draft`, the
-    draft's reading of it (`draft_read`), from `pack`'s inputs on the device: what a prefill graph replays, and the
-    eager path at the same shapes. Returns (hidden, features, logits)."""
+    """A chunk's target forward (`prefill_forward`), its last tokens' logits (`last_logits`) and the first tokens
+    drawn from them as they are (`first_tokens`: the prefill takes them where no grammar, penalty or filter changes
+    the logits) and, `with_draft`, the draft's reading of the chunk (`draft_read`), from `pack`'s inputs on the
+    device: what a prefill graph replays, and the eager path at the same shapes. Returns (hidden, features, logits,
+    first tokens)."""
     r = runner
-    ids, start, lens, slots, dstart, tables = unpack(packed, B, Q)
+    ids, start, lens, slots, dstart, seeds, temps, tables = unpack(packed, B, Q)
     hidden, feats = prefill_forward(r.target, r.cache, ids, start, lens, tables, r.block_size, context, r.use_triton,
                                     getattr(r.draft, "feature_layers", None))
     if with_draft:
         draft_read(r.draft, r.target, r.draft_cache, r.draft_hidden, feats, ids, start, lens, slots, dstart, tables,
                    r.block_size, context, r.use_triton)
-    return hidden, feats, last_logits(r.target, hidden, lens)
+    logits = last_logits(r.target, hidden, lens)
+    first = first_tokens(logits, temps.float(), seeds, start + lens - 1, r.use_triton)
+    return hidden, feats, logits, first
 
 
 class PrefillGraphs:
@@ -169,9 +186,10 @@ class PrefillGraphs:
         return new
 
     def run(self, packed: torch.Tensor, key: tuple[int, int, int, bool]):
-        """(hidden, features, logits) of the chunk whose packed inputs (`pack`) are `packed` (on the host), from the
-        graph of `key` (captured now if it is new): views of the shared output buffers, valid until the next replay.
-        None where no graph is kept (MAX_GRAPHS) or its capture failed: the caller runs the step eagerly."""
+        """(hidden, features, logits, first tokens) of the chunk whose packed inputs (`pack`) are `packed` (on the
+        host), from the graph of `key` (captured now if it is new): views of the shared output buffers, valid until
+        the next replay. None where no graph is kept (MAX_GRAPHS) or its capture failed: the caller runs the step
+        eagerly."""
         g = self.graphs.get(key)
         if g is None:
             if len(self.graphs) >= MAX_GRAPHS or key in self.failed:
@@ -203,7 +221,7 @@ class PrefillGraphs:
             self._copied.synchronize()
         if self._stage is None or self._stage.numel() < n:  # (once: sized for the largest chunk a graph takes)
             r = self.runner
-            most = r.prefill_tokens + BATCH_BUCKETS[-1] * (4 + r.width)
+            most = r.prefill_tokens + BATCH_BUCKETS[-1] * (FIELDS + r.width)
             self._stage = torch.empty(max(n, most), dtype=packed.dtype, pin_memory=True)
         stage = self._stage[:n]
         stage.copy_(packed)
@@ -232,42 +250,45 @@ class PrefillGraphs:
         # thread-local error mode, as the decode graphs (`GraphedStep._capturing`): a disaggregated engine's other
         # thread may be working on the GPU
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            hidden, feats, logits = self.forward(static, key)
+            hidden, feats, logits, first = self.forward(static, key)
             outs[0].copy_(hidden)
             if outs[1] is not outs[0]:
                 outs[1].copy_(feats)
             outs[2].copy_(logits)
-            del hidden, feats, logits
+            outs[3].copy_(first)
+            del hidden, feats, logits, first
         self.pool = graph.pool()
         return graph, static, outs
 
     def _outputs(self, like, B: int, Q: int):
         """Views of the output buffers every graph shares, made at the first capture, outside the pool: the hidden
         state's and the features' [B, Q, ...] (`prefill_tokens` rows each; one buffer and the same view twice
-        without features) and the logits' [B, V] (the largest batch bucket's rows). Held per graph, the outputs of a
-        server's ~100 graphs would take ~0.5 GB on SmolLM2 and gigabytes on an 8B model (by their sizes; not
-        measured). One prefill's outputs are read before the next replays."""
-        hidden, feats, logits = like
+        without features), the logits' [B, V] and the first tokens' [B] (the largest batch bucket's rows). Held per
+        graph, the outputs of a server's ~100 graphs would take ~0.5 GB on SmolLM2 and gigabytes on an 8B model (by
+        their sizes; not measured). One prefill's outputs are read before the next replays."""
+        hidden, feats, logits, first = like
         if self._buffers is None:
             states = tuple(torch.empty(self.runner.prefill_tokens, x.shape[-1], dtype=x.dtype, device=x.device)
                            for x in ((hidden,) if feats is hidden else (hidden, feats)))
-            self._buffers = states + (logits.new_empty(BATCH_BUCKETS[-1], logits.shape[-1]),)
-        *states, logits = self._buffers
+            top = BATCH_BUCKETS[-1]
+            self._buffers = states + (logits.new_empty(top, logits.shape[-1]), first.new_empty(top))
+        *states, logits, first = self._buffers
         views = tuple(b[: B * Q].view(B, Q, -1) for b in states)
-        return (views if len(views) == 2 else views * 2) + (logits[:B],)
+        return (views if len(views) == 2 else views * 2) + (logits[:B], first[:B])
 
 
 def pack(rows: list[list[int]], start: list[int], lens: list[int], tables: list[list[int]], B: int, Q: int,
-         width: int, slots: list[int] | None = None, draft_start: list[int] | None = None, pad_slot: int = 0
-         ) -> torch.Tensor:
+         width: int, slots: list[int] | None = None, draft_start: list[int] | None = None, pad_slot: int = 0,
+         seeds: list[int] | None = None, temperatures: list[float] | None = None) -> torch.Tensor:
     """One flat int64 host tensor of a chunk's inputs, each part contiguous (kernels take their rows by pointer):
     tokens [B, Q], start [B], lens [B], the draft's slots [B] (`ModelRunner.draft_hidden` rows) and starts [B]
-    (`Sequence.num_draft_cached`), block tables [B, width]. Rows past len(rows) are padding: no tokens, an empty
-    table, the slot `pad_slot` (the runner's scratch slot). Written through numpy: torch's element writes took
+    (`Sequence.num_draft_cached`), the sequences' seeds [B] and temperatures [B] (float64 bits: the first token's
+    draw, `first_tokens`), block tables [B, width]. Rows past len(rows) are padding: no tokens, an empty table, the
+    slot `pad_slot` (the runner's scratch slot), temperature 0. Written through numpy: torch's element writes took
     0.36-0.50 ms at B = 16 (130-300 tokens a row) on this repository's CPU, numpy's 0.04-0.08 (session 62)."""
-    out = np.zeros(B * (Q + 4 + width), dtype=np.int64)
-    ids, tb = out[: B * Q].reshape(B, Q), out[B * (Q + 4):].reshape(B, width)  # `unpack`'s layout
-    st, ln, sl, ds = (out[B * (Q + k): B * (Q + k + 1)] for k in range(4))
+    out = np.zeros(B * (Q + FIELDS + width), dtype=np.int64)
+    ids, tb = out[: B * Q].reshape(B, Q), out[B * (Q + FIELDS):].reshape(B, width)  # `unpack`'s layout
+    st, ln, sl, ds, sd, tp = (out[B * (Q + k): B * (Q + k + 1)] for k in range(FIELDS))
     for i, (r, t) in enumerate(zip(rows, tables)):
         ids[i, : len(r)] = r
         tb[i, : len(t)] = t
@@ -277,12 +298,16 @@ def pack(rows: list[list[int]], start: list[int], lens: list[int], tables: list[
         sl[: len(slots)] = slots
     if draft_start is not None:
         ds[: len(draft_start)] = draft_start
+    if seeds is not None:
+        sd[: len(seeds)] = seeds
+    if temperatures is not None:
+        tp.view(np.float64)[: len(temperatures)] = temperatures
     return torch.from_numpy(out)
 
 
 def unpack(packed: torch.Tensor, B: int, Q: int):
-    """(ids [B, Q], start [B], lens [B], slots [B], draft starts [B], block tables [B, width]): contiguous views of
-    `pack`'s layout."""
-    width = packed.numel() // B - Q - 4
-    ids, start, lens, slots, dstart, tables = packed.split([B * Q, B, B, B, B, B * width])
-    return ids.view(B, Q), start, lens, slots, dstart, tables.view(B, width)
+    """(ids [B, Q], start [B], lens [B], slots [B], draft starts [B], seeds [B], temperatures [B] float64, block
+    tables [B, width]): contiguous views of `pack`'s layout."""
+    width = packed.numel() // B - Q - FIELDS
+    ids, start, lens, slots, dstart, seeds, temps, tables = packed.split([B * Q] + [B] * FIELDS + [B * width])
+    return ids.view(B, Q), start, lens, slots, dstart, seeds, temps.view(torch.float64), tables.view(B, width)

@@ -26,7 +26,7 @@ from eyas.cache.kv_cache import KVCache
 from eyas.engine.sequence import Sequence
 from eyas.layers.attention import MetaBuilder
 from eyas.layers.penalties import Penalties, PenaltyState
-from eyas.layers.sampler import RACE_BASE, filter_threshold, filters_of, race_sample, sampling_mode
+from eyas.layers.sampler import filter_threshold, filters_of, sampling_mode
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
 from eyas.spec.drafter import catch_up
@@ -308,7 +308,7 @@ class ModelRunner:
             if s.num_cached == s.prefix_hit:  # admitted (or re-admitted after preemption): the slot is its own now
                 self._claim_slot(s)
         B = len(seqs)
-        hidden, feats, logits, drafted = self._prefill_forward(seqs, chunk_lens)
+        hidden, feats, logits, first, drafted = self._prefill_forward(seqs, chunk_lens)
         logits = logits[:B]  # (a graph's output: read before the next prefill replays)
 
         if any(s.params.prompt_logprobs is not None for s in seqs):
@@ -324,10 +324,13 @@ class ModelRunner:
         lps = None
         if any(x.logprobs is not None for x in p):  # before the sampler's temperature, top-k and top-p
             lps = logits.float()
-        # the seeds, and the counters of the chunks' last positions: one copy, each row contiguous (kernels take them)
-        ends = [s.num_cached + c - 1 for s, c in zip(seqs, chunk_lens)]
-        seeds, counters = torch.tensor([[s.seed for s in seqs], ends], device=dev)
-        sampled = self._first_tokens(logits, p, seeds, counters)
+        if first is not None and pen is None and not filters_of(p) and all(st is None for st in states):
+            sampled = first[:B]  # drawn in the prefill's step, from the logits as they are (`first_tokens`)
+        else:
+            # the seeds, and the counters of the chunks' last positions: one copy, each row contiguous
+            ends = [s.num_cached + c - 1 for s, c in zip(seqs, chunk_lens)]
+            seeds, counters = torch.tensor([[s.seed for s in seqs], ends], device=dev)
+            sampled = self._first_tokens(logits, p, seeds, counters)
         if drafted:  # the draft read the chunk in the prefill's step (`prefill_graph.draft_read`)
             for s, c in zip(seqs, chunk_lens):
                 s.num_draft_cached += c - 1 if s.num_draft_cached == s.num_cached else c
@@ -347,12 +350,13 @@ class ModelRunner:
         return out
 
     def _prefill_forward(self, seqs, chunk_lens):
-        """The target's forward over the chunks: (hidden, features, logits, drafted), hidden and features [B', Q',
-        ...], B' >= B and Q' >= the longest chunk, logits [B', V] at each row's last token. On a GPU at the padded
-        shape of `eyas.engine.prefill_graph.prefill_shape`, replayed from a graph where the runner has CUDA graphs
-        (the eager forward pads alike, so the two compute the same); there the draft reads the chunk in the same step
-        (`prefill_graph.draft_read`: `drafted`), where its sequences stand where that expects (else `_draft_prefill`
-        does, after)."""
+        """The target's forward over the chunks: (hidden, features, logits, first tokens, drafted), hidden and
+        features [B', Q', ...], B' >= B and Q' >= the longest chunk, logits [B', V] at each row's last token, the
+        tokens drawn from them [B'] where the step drew them (`prefill_graph.prefill_step`; else None). On a GPU at
+        the padded shape of `eyas.engine.prefill_graph.prefill_shape`, replayed from a graph where the runner has CUDA
+        graphs (the eager forward pads alike, so the two compute the same); there the draft reads the chunk in the
+        same step (`prefill_graph.draft_read`: `drafted`), where its sequences stand where that expects (else
+        `_draft_prefill` does, after)."""
         from eyas.engine.prefill_graph import (DRAFT_IN_PREFILL, last_logits, pack, prefill_forward, prefill_shape,
                                                prefill_step)
         B, Q = len(seqs), max(chunk_lens)
@@ -365,14 +369,15 @@ class ModelRunner:
             hidden, feats = prefill_forward(self.target, self.cache, padded(rows, Q).to(self.device),
                                             torch.tensor(starts, device=self.device), lens, tables, self.block_size,
                                             max(starts), self.use_triton, getattr(self.draft, "feature_layers", None))
-            return hidden, feats, last_logits(self.target, hidden, lens), False
+            return hidden, feats, last_logits(self.target, hidden, lens), None, False
         # every graph's tables are the runner's width; the split count by the context's bucket
         from eyas.engine.cuda_graph import context_bucket
         context = 0 if max(starts) == 0 else context_bucket(max(starts), self.width * self.block_size)
         drafted = (DRAFT_IN_PREFILL and self.draft is not None
                    and all(s.num_cached - s.num_draft_cached in (0, 1) for s in seqs))
         packed = pack(rows, starts, chunk_lens, [s.block_table for s in seqs], *shape, self.width,
-                      [s.slot for s in seqs], [s.num_draft_cached for s in seqs], pad_slot=self.num_slots)
+                      [s.slot for s in seqs], [s.num_draft_cached for s in seqs], pad_slot=self.num_slots,
+                      seeds=[s.seed for s in seqs], temperatures=[s.params.temperature for s in seqs])
         out = None
         if self.prefill_graphs is not None:
             out = self.prefill_graphs.run(packed, (*shape, context, drafted))
@@ -381,20 +386,20 @@ class ModelRunner:
         return (*out, drafted)
 
     def _first_tokens(self, logits: torch.Tensor, params, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-        """The tokens after the prompts, as a decode step draws its bonus: an exponential race on the logits
-        (`race_sample`; greedy rows the argmax), among the tokens that top-k, top-p and min-p keep (one threshold a
-        row, `filter_threshold`; radix selection on the Triton path), at the prompt's last position's counter."""
+        """The tokens after the prompts (`prefill_graph.first_tokens`: the race a decode step draws its bonus by, at
+        the prompt's last position's counter), among the tokens that top-k, top-p and min-p keep (one threshold a
+        row, `filter_threshold`; radix selection on the Triton path)."""
+        from eyas.engine.prefill_graph import first_tokens
         dev = logits.device
         t = torch.tensor([x.temperature for x in params], device=dev)
         tau = None
-        threshold, race = filter_threshold, race_sample
+        threshold = filter_threshold
         if self.use_triton:
             from eyas.kernels.filter_threshold import filter_threshold_triton as threshold
-            from eyas.kernels.race import race_sample_triton as race
         if filters_of(params):
             settings = [torch.tensor([getattr(x, f) for x in params], device=dev) for f in ("top_k", "top_p", "min_p")]
             tau = threshold(logits, t, *settings)[0]
-        return race(logits, t, seeds, counters, torch.full_like(counters, RACE_BASE), tau=tau)
+        return first_tokens(logits, t, seeds, counters, self.use_triton, tau=tau)
 
     def _prompt_logprobs(self, seqs, chunk_lens, hidden, rows_at_once: int = 512) -> None:
         """`params.prompt_logprobs`: the log-probabilities of the prompt tokens this chunk's positions predict
