@@ -2,8 +2,8 @@
 
 For each prompt length it times (a) the engine's TTFT as `eyas bench latency` does (add the request, step until its
 first token is known), (b) `ModelRunner.prefill` alone, (c) its phases with a device synchronisation around each
-(the target's forward, eager or replayed from its graph, the logits (in the graph since session 62, and then in
-the forward's time), the first token, the draft's catch-up, the rest), and (d) one prefill under the torch
+(the target's forward, eager or replayed from its graph, the logits and the first token (both in the graph since
+session 62, and then in the forward's time), the draft's catch-up, the rest), and (d) one prefill under the torch
 profiler: how many kernels it launches and how long the GPU is busy. (b) - (d)'s GPU time is what the host
 costs. Random prompts; `--model smollm2-shape` needs no weights (its draft is random too: acceptance does not matter
 for a prefill). Session 61's rows: docs/benchmarks.md, "Session 61".
