@@ -16,14 +16,15 @@ follows a context bucket (`eyas.engine.cuda_graph.context_bucket`) of the chunk'
 first chunk without a cached prefix.
 
 `prefill_step` is the step from the packed inputs: the target's forward (`prefill_forward`), the logits at each row's
-last token (`last_logits`, whence the first token) and the draft's reading of the chunk (`draft_read`, on the device:
-the host's `ModelRunner._draft_prefill` formulated without host loops), the eager reference the graphs replay, and
-what runs where no graph is kept (more than MAX_GRAPHS). A shape past the buckets runs eagerly at its own shape, the
-draft after it on the host. The graphs are captured when first needed, into a pool of their own (a decode graph's
-outputs may be awaiting their read-back when a prefill runs), or all at once ahead of time (`capture_all`: `eyas
-serve` and `eyas bench latency` do). tests/test_prefill_graph.py holds a padded prefill to a dense forward, and an
-engine's padded prefills (`ModelRunner.pad_prefill`) to unpadded ones: tokens, acceptance, log-probabilities, caches
-and the draft's waiting features (CPU); and the graphed step to the eager one, to the bit (GPU).
+last token (`last_logits`), the first tokens drawn from them (`first_tokens`) and the draft's reading of the chunk
+(`draft_read`, on the device: the host's `ModelRunner._draft_prefill` formulated without host loops), the eager
+reference the graphs replay, and what runs where no graph is kept (more than MAX_GRAPHS) or its capture failed. A
+shape past the buckets runs eagerly at its own shape, the draft after it on the host. The graphs are captured when
+first needed, into a pool of their own (a decode graph's outputs may be awaiting their read-back when a prefill
+runs), or all at once ahead of time (`capture_all`: `eyas serve` and `eyas bench latency` do).
+tests/test_prefill_graph.py holds a padded prefill to a dense forward, and an engine's padded prefills
+(`ModelRunner.pad_prefill`) to unpadded ones: tokens, acceptance, log-probabilities, caches and the draft's waiting
+features (CPU); and the graphed step to the eager one, to the bit (GPU).
 """
 from __future__ import annotations
 
@@ -154,7 +155,8 @@ class PrefillGraphs:
 
     def __init__(self, runner):
         self.runner = runner
-        # key -> (graph, static packed inputs (`pack`), (hidden, features): views of the shared outputs)
+        # key -> (graph, static packed inputs (`pack`), (hidden, features, logits, first tokens): views of the
+        # shared outputs, `_outputs`)
         self.graphs: dict[tuple[int, int, int, bool], tuple] = {}
         self.pool = None
         self._buffers: tuple[torch.Tensor, ...] | None = None  # the outputs' (`_outputs`)
