@@ -287,7 +287,8 @@ def pack(rows: list[list[int]], start: list[int], lens: list[int], tables: list[
     (`Sequence.num_draft_cached`), the sequences' seeds [B] and temperatures [B] (float64 bits: the first token's
     draw, `first_tokens`), block tables [B, width]. Rows past len(rows) are padding: no tokens, an empty table, the
     slot `pad_slot` (the runner's scratch slot), temperature 0. Written through numpy: torch's element writes took
-    0.36-0.50 ms at B = 16 (130-300 tokens a row) on this repository's CPU, numpy's 0.04-0.08 (session 62)."""
+    0.36-0.49 ms at B = 16 (130-300 tokens a row) on this repository's CPU, numpy's 0.04-0.08 (session 62,
+    `tools/diag/pack_cost.py`)."""
     out = np.zeros(B * (Q + FIELDS + width), dtype=np.int64)
     ids, tb = out[: B * Q].reshape(B, Q), out[B * (Q + FIELDS):].reshape(B, width)  # `unpack`'s layout
     st, ln, sl, ds, sd, tp = (out[B * (Q + k): B * (Q + k + 1)] for k in range(FIELDS))
