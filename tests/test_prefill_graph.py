@@ -129,6 +129,40 @@ def test_a_prefill_graph_that_fails_to_capture_leaves_its_shape_to_the_eager_ste
     assert torch.equal(g.graphs[(1, 16, 0, False)][1], packed)  # the inputs copied in before the replay
 
 
+def test_graphs_captured_ahead_serve_a_chats_next_turn_and_later_chunks(pairs, monkeypatch):
+    """`capture_all` captures, ahead of time, the key of every padded chunk a server's engine runs: first chunks, a
+    long prompt's later chunks, and a chat's next turn after a prefix-cache hit (`prefill_context`: one key for a
+    prefix of any length), so that no request pays a capture in its path. The decode graphs' context buckets are
+    made small here, so that a key following them would differ for short and long prefixes."""
+    import eyas.engine.cuda_graph as cg
+    import eyas.engine.prefill_graph as pg
+    from eyas import LLM, SamplingParams
+    monkeypatch.setattr(cg, "CONTEXT_BUCKETS", (64,))
+    monkeypatch.setattr(pg, "DRAFT_IN_PREFILL", True)
+    target, draft = pairs["random"]
+    llm = LLM(str(target), device="cpu", dtype="float32", block_size=BS, max_num_batched_tokens=24, max_num_seqs=4,
+              draft=str(draft), speculation="chain:4")
+    r = llm.engine.runner
+    r.pad_prefill = True
+    graphs = pg.PrefillGraphs(r)
+    ahead, seen = [], []
+    graphs._capture = lambda key: ahead.append(key) or (None, None, None)
+    graphs.capture_all(4, 24)
+    graphs.graphs.clear()
+    graphs.run = lambda packed, key: seen.append(key)  # (None: the step runs eagerly, at the same shape)
+    r.prefill_graphs = graphs
+    g = torch.Generator().manual_seed(5)
+    first = [torch.randint(1, 24, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(first, params)
+    outs += llm.generate([p + o.token_ids + [5, 6, 7] for p, o in zip(first, outs)], params)
+    assert sum(o.num_cached_tokens for o in outs[4:]) > 0  # the second turn found its prefix
+    width = r.width * BS
+    assert {k[2] for k in seen} == {0, width} and width > 64  # first chunks, and chunks after a prefix
+    assert set(seen) <= set(ahead), set(seen) - set(ahead)
+    assert len(ahead) == len(set(ahead)) == 2 * len({k for k in ahead if k[2] == 0})
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     target, _ = load_target(str(write_tiny_llama(tmp_path_factory.mktemp("t"), layers=2, vocab=40)), "cpu",
@@ -354,6 +388,6 @@ def test_the_prefill_graph_replays_the_eager_step(tmp_path, draft, monkeypatch):
     assert len(graphs.graphs) == 3
     # ahead of time: every shape of chunks of up to 2 sequences of up to 20 tokens without a prefix, once
     drafted = d is not None
-    assert graphs.capture_all(2, 20) == 2
-    assert set(graphs.graphs) >= {(b, q, 0, drafted) for b in (1, 2) for q in (16, 32)}
+    assert graphs.capture_all(2, 20) == 2 + 3  # and after a prefix (the whole width; (2, 16) is there)
+    assert set(graphs.graphs) >= {(b, q, c, drafted) for b in (1, 2) for q in (16, 32) for c in (0, runner.width * BS)}
     assert graphs.capture_all(2, 20) == 0

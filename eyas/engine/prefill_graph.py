@@ -1,5 +1,5 @@
 """CUDA graphs of the prefill: the target's forward, its last tokens' logits and the draft's reading of the chunk, per
-(batch bucket, chunk-length bucket, context bucket).
+(batch bucket, chunk-length bucket, with or without a cached prefix).
 
 A prompt's prefill is one forward of the target over its tokens: some 11 kernels a layer. Run eagerly, the host
 launches them one by one, and on a small model it is the host that sets the pace: SmolLM2's prefill kept the GPU
@@ -12,8 +12,8 @@ of the length, so at most 25% more rows). Padded rows have no tokens (`lens` 0):
 real row attends to them. The shape is a function of (B, Q) and of the target's limit on padded tokens
 (`graph_tokens`), and the eager forward pads the same way on a GPU, so a graphed prefill computes exactly what an
 eager one does (the kernels' choices, cuBLAS's included, follow the shapes). Likewise the attention's split count
-follows a context bucket (`eyas.engine.cuda_graph.context_bucket`) of the chunk's longest prefix in both, and 0 for a
-first chunk without a cached prefix.
+follows `prefill_context` in both: chosen for no prefix in a first chunk, and for the block tables' whole width in a
+chunk after a cached prefix of any length.
 
 `prefill_step` is the step from the packed inputs: the target's forward (`prefill_forward`), the logits at each row's
 last token (`last_logits`), the first tokens drawn from them (`first_tokens`) and the draft's reading of the chunk
@@ -21,7 +21,8 @@ last token (`last_logits`), the first tokens drawn from them (`first_tokens`) an
 reference the graphs replay, and what runs where no graph is kept (more than MAX_GRAPHS) or its capture failed. A
 shape past the buckets runs eagerly at its own shape, the draft after it on the host. The graphs are captured when
 first needed, into a pool of their own (a decode graph's outputs may be awaiting their read-back when a prefill
-runs), or all at once ahead of time (`capture_all`: `eyas serve` and `eyas bench latency` do).
+runs), or all at once ahead of time, with and without a prefix (`capture_all`: `eyas serve` and `eyas bench latency`
+do).
 tests/test_prefill_graph.py holds a padded prefill to a dense forward, and an engine's padded prefills
 (`ModelRunner.pad_prefill`) to unpadded ones: tokens, acceptance, log-probabilities, caches and the draft's waiting
 features (CPU); and the graphed step to the eager one, to the bit (GPU).
@@ -52,7 +53,7 @@ GRAPH_TOKENS = 2048
 SMALL_GRAPH_TOKENS = 8192
 SMALL_MODEL = 10**9  # parameters
 FIELDS = 6  # `pack`'s fields of one word a sequence (start, lens, slots, draft starts, seeds, temperatures)
-MAX_GRAPHS = 128  # graphs kept; further shapes run eagerly (at the same padded shapes)
+MAX_GRAPHS = 256  # graphs kept; further shapes run eagerly (at the same padded shapes)
 # the draft reads a padded chunk in the prefill's own step (`draft_read`, inside its graph), not after it on the host
 # (`ModelRunner._draft_prefill`, which costs the default tree 1.8-2.7 ms of its 3.9-6.7 ms TTFT on an H100: on in
 # session 62, whose call 1 timed 16-1,024-token prompts at 1.8-3.6 ms with it). False: the host's catch-up after it
@@ -64,6 +65,15 @@ def graph_tokens(model: torch.nn.Module) -> int:
     SMALL_MODEL parameters, else GRAPH_TOKENS."""
     small = sum(p.numel() for p in model.parameters()) < SMALL_MODEL
     return SMALL_GRAPH_TOKENS if small else GRAPH_TOKENS
+
+
+def prefill_context(longest_prefix: int, width_tokens: int) -> int:
+    """The context bound that a padded prefill chunk's attention splits are chosen for, and its graph is keyed by: 0
+    for a chunk without a cached prefix, else the block tables' whole width (`width_tokens`), whatever the prefix's
+    length. So one graph a padded shape serves every chunk after a prefix (a chat's later turns after a prefix-cache
+    hit, a long prompt's later chunks), and `capture_all` captures it ahead with the first chunks' graph; the
+    prefix kernel's splits that hold no keys of a shorter prefix return at once."""
+    return 0 if longest_prefix == 0 else width_tokens
 
 
 def prefill_shape(B: int, Q: int, limit: int = GRAPH_TOKENS) -> tuple[int, int] | None:
@@ -169,23 +179,25 @@ class PrefillGraphs:
         self._copied = None  # a CUDA event after the last copy out of it
 
     @torch.inference_mode()
-    def capture_all(self, max_batch: int, max_len: int) -> int:
+    def capture_all(self, max_batch: int, max_len: int, prefixes: bool = True) -> int:
         """Capture, ahead of time, the graph of every padded shape that a chunk of up to `max_batch` sequences of up
-        to `max_len` tokens each, without a cached prefix, can take (a chunk after a cached prefix is captured when
-        first seen). Returns how many were captured."""
-        with_draft = DRAFT_IN_PREFILL and self.runner.draft is not None
+        to `max_len` tokens each can take: without a cached prefix, then (`prefixes`) after one (`prefill_context`),
+        so that neither a first request nor a chat's next turn pays a capture. Returns how many were captured."""
+        r = self.runner
+        with_draft = DRAFT_IN_PREFILL and r.draft is not None
         top_b = next((b for b in BATCH_BUCKETS if b >= max_batch), BATCH_BUCKETS[-1])
         top_q = next((q for q in TOKEN_BUCKETS if q >= max_len), TOKEN_BUCKETS[-1])
         new = 0
-        for b in BATCH_BUCKETS:
-            for q in TOKEN_BUCKETS:
-                key = (b, q, 0, with_draft)
-                if b > top_b or q > top_q or b * q > self.runner.prefill_tokens or key in self.graphs:
-                    continue
-                if len(self.graphs) >= MAX_GRAPHS:
-                    return new
-                self.graphs[key] = self._capture(key)
-                new += 1
+        for context in (0, prefill_context(1, r.width * r.block_size))[: 2 if prefixes else 1]:
+            for b in BATCH_BUCKETS:
+                for q in TOKEN_BUCKETS:
+                    key = (b, q, context, with_draft)
+                    if b > top_b or q > top_q or b * q > r.prefill_tokens or key in self.graphs:
+                        continue
+                    if len(self.graphs) >= MAX_GRAPHS:
+                        return new
+                    self.graphs[key] = self._capture(key)
+                    new += 1
         return new
 
     def run(self, packed: torch.Tensor, key: tuple[int, int, int, bool]):

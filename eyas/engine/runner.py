@@ -357,8 +357,8 @@ class ModelRunner:
         graphs (the eager forward pads alike, so the two compute the same); there the draft reads the chunk in the
         same step (`prefill_graph.draft_read`: `drafted`), where its sequences stand where that expects (else
         `_draft_prefill` does, after)."""
-        from eyas.engine.prefill_graph import (DRAFT_IN_PREFILL, last_logits, pack, prefill_forward, prefill_shape,
-                                               prefill_step)
+        from eyas.engine.prefill_graph import (DRAFT_IN_PREFILL, last_logits, pack, prefill_context, prefill_forward,
+                                               prefill_shape, prefill_step)
         B, Q = len(seqs), max(chunk_lens)
         starts = [s.num_cached for s in seqs]
         rows = [s.token_ids[s.num_cached: s.num_cached + c] for s, c in zip(seqs, chunk_lens)]
@@ -370,9 +370,8 @@ class ModelRunner:
                                             torch.tensor(starts, device=self.device), lens, tables, self.block_size,
                                             max(starts), self.use_triton, getattr(self.draft, "feature_layers", None))
             return hidden, feats, last_logits(self.target, hidden, lens), None, False
-        # every graph's tables are the runner's width; the split count by the context's bucket
-        from eyas.engine.cuda_graph import context_bucket
-        context = 0 if max(starts) == 0 else context_bucket(max(starts), self.width * self.block_size)
+        # every graph's tables are the runner's width; the split count for no prefix or for the whole width
+        context = prefill_context(max(starts), self.width * self.block_size)
         drafted = (DRAFT_IN_PREFILL and self.draft is not None
                    and all(s.num_cached - s.num_draft_cached in (0, 1) for s in seqs))
         packed = pack(rows, starts, chunk_lens, [s.block_table for s in seqs], *shape, self.width,

@@ -1080,7 +1080,8 @@ def _capture_graphs(engine, max_num_seqs: int) -> None:
     if graphs is not None:  # every batch size the server can see, before the first request (as vLLM does)
         t0 = time.perf_counter()
         n = graphs.capture_all(max_num_seqs)
-        # and the prefills' padded shapes (a chunk without a cached prefix), so that no first request pays a capture
+        # and the prefills' padded shapes, without a cached prefix and after one (a shared system prompt, a chat's
+        # next turn), so that no request pays a capture
         prefills, cfg = getattr(engine.runner, "prefill_graphs", None), getattr(engine, "config", None)
         if prefills is not None and cfg is not None:
             n += prefills.capture_all(max_num_seqs, min(cfg.max_num_batched_tokens, engine.max_model_len))

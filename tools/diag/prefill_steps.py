@@ -5,7 +5,7 @@ captured, with how long its capture took.
 The arguments are `eyas bench latency`'s, which runs unchanged with `ModelRunner._prefill_forward` and
 `PrefillGraphs._capture` wrapped (a device synchronisation around each, so the steps' times are their own). A step's
 key is its padded (batch, length) or, at its own shape, (batch, longest chunk, tokens); "later" marks chunks after a
-prefix (their graphs are captured when first seen, not ahead of time). The maximum shows a capture or a Triton
+prefix (since session 63 captured ahead too, by `capture_all`). The maximum shows a capture or a Triton
 compile that the mean hides. Session 62 found with it that SmolLM2's MT-Bench waves of 16 prefilled eagerly
 (docs/benchmarks.md, "Session 62").
   PYTHONPATH=. python3 tools/diag/prefill_steps.py --model smollm2 --draft default --prompts question.jsonl \\
