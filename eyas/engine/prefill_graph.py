@@ -179,16 +179,16 @@ class PrefillGraphs:
         self._copied = None  # a CUDA event after the last copy out of it
 
     @torch.inference_mode()
-    def capture_all(self, max_batch: int, max_len: int, prefixes: bool = True) -> int:
+    def capture_all(self, max_batch: int, max_len: int) -> int:
         """Capture, ahead of time, the graph of every padded shape that a chunk of up to `max_batch` sequences of up
-        to `max_len` tokens each can take: without a cached prefix, then (`prefixes`) after one (`prefill_context`),
-        so that neither a first request nor a chat's next turn pays a capture. Returns how many were captured."""
+        to `max_len` tokens each can take: without a cached prefix, then after one (`prefill_context`), so that
+        neither a first request nor a chat's next turn pays a capture. Returns how many were captured."""
         r = self.runner
         with_draft = DRAFT_IN_PREFILL and r.draft is not None
         top_b = next((b for b in BATCH_BUCKETS if b >= max_batch), BATCH_BUCKETS[-1])
         top_q = next((q for q in TOKEN_BUCKETS if q >= max_len), TOKEN_BUCKETS[-1])
         new = 0
-        for context in (0, prefill_context(1, r.width * r.block_size))[: 2 if prefixes else 1]:
+        for context in (0, prefill_context(1, r.width * r.block_size)):
             for b in BATCH_BUCKETS:
                 for q in TOKEN_BUCKETS:
                     key = (b, q, context, with_draft)
