@@ -58,6 +58,12 @@ MAX_GRAPHS = 256  # graphs kept; further shapes run eagerly (at the same padded 
 # (`ModelRunner._draft_prefill`, which costs the default tree 1.8-2.7 ms of its 3.9-6.7 ms TTFT on an H100: on in
 # session 62, whose call 1 timed 16-1,024-token prompts at 1.8-3.6 ms with it). False: the host's catch-up after it
 DRAFT_IN_PREFILL = True
+# replay each graph once right after its capture, on the padding it was captured on, so that a request's prefill is
+# not a graph's first launch (which uploads it to the device): on in session 63, whose call 14 found the first TTFT
+# of each of 8 shapes 0.42-0.47 ms longer than the next ones (1.85-1.89 against 1.42-1.43 ms; SmolLM2-shape, the
+# default tree, H100, tools/diag/first_replay.py) and, with the replay, 1.43 against 1.41, for 1.24 s of capture
+# against 1.18 s (32 graphs)
+WARM_REPLAY = True
 
 
 def graph_tokens(model: torch.nn.Module) -> int:
@@ -273,6 +279,8 @@ class PrefillGraphs:
             outs[3].copy_(first)
             del hidden, feats, logits, first
         self.pool = graph.pool()
+        if WARM_REPLAY:  # on the padding it was captured on: writes the scratch block and slot, as the warm-up did
+            graph.replay()
         return graph, static, outs
 
     def _outputs(self, like, B: int, Q: int):
