@@ -34,6 +34,10 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # read the lengths on the device; the bucket only steers the split count). The reference attention gathers
 # max_context_len keys, so without Triton there is one bucket, the block table's width.
 CONTEXT_BUCKETS = (512, 2048)
+# eager steps run before each capture (Triton's compiles, the allocator's blocks). A server's startup is mostly these
+# (session 62: 171 graphs of the shipped dispatcher in 83.8 s on a fresh machine); whether one is enough is not yet
+# measured: tools/device/s64_capture_warmups.sh
+CAPTURE_WARMUPS = 2
 
 
 def context_buckets(full: int) -> tuple[int, ...]:
@@ -104,7 +108,7 @@ class GraphedStep:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # compile the Triton kernels and warm the allocator outside the capture
+            for _ in range(CAPTURE_WARMUPS):  # compile the Triton kernels and warm the allocator outside the capture
                 self._step(static, mode, tree, logprobs, penalties)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
@@ -286,7 +290,7 @@ class GraphedStep:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # compile the Triton kernels and warm the allocator outside the capture
+            for _ in range(CAPTURE_WARMUPS):  # compile the Triton kernels and warm the allocator outside the capture
                 d = drafted()
                 accepted(d, verified(d))
         torch.cuda.current_stream().wait_stream(stream)
