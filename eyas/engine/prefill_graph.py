@@ -59,10 +59,10 @@ MAX_GRAPHS = 256  # graphs kept; further shapes run eagerly (at the same padded 
 # session 62, whose call 1 timed 16-1,024-token prompts at 1.8-3.6 ms with it). False: the host's catch-up after it
 DRAFT_IN_PREFILL = True
 # replay each graph once right after its capture, on the padding it was captured on, so that a request's prefill is
-# not a graph's first launch (which uploads it to the device): on in session 63, whose call 14 found the first TTFT
-# of each of 8 shapes 0.42-0.47 ms longer than the next ones (1.85-1.89 against 1.42-1.43 ms; SmolLM2-shape, the
-# default tree, H100, tools/diag/first_replay.py) and, with the replay, 1.43 against 1.41, for 1.24 s of capture
-# against 1.18 s (32 graphs)
+# not a graph's first launch (by CUDA's documentation, a launch uploads a graph not uploaded before; not profiled).
+# On since session 63: over 8 shapes, a graph's first TTFT was 0.42-0.47 ms longer on average than its next ones
+# (1.85-1.89 against 1.42-1.43 ms), and 1.43 against 1.41 with the replay, for 1.24 s of capture against 1.18 s
+# (32 graphs; SmolLM2-shape, the default tree, H100, call 14, tools/diag/first_replay.py)
 WARM_REPLAY = True
 
 
