@@ -62,7 +62,8 @@ DRAFT_IN_PREFILL = True
 # not a graph's first launch (by CUDA's documentation, a launch uploads a graph not uploaded before; not profiled).
 # On since session 63: over 8 shapes, a graph's first TTFT was 0.42-0.47 ms longer on average than its next ones
 # (1.85-1.89 against 1.42-1.43 ms), and 1.43 against 1.41 with the replay, for 1.24 s of capture against 1.18 s
-# (32 graphs; SmolLM2-shape, the default tree, H100, call 14, tools/diag/first_replay.py)
+# (32 graphs; SmolLM2-shape, the default tree, H100, call 14, tools/diag/first_replay.py). On a large target each
+# such replay is a whole padded prefill at startup (the 8B shape's: not measured)
 WARM_REPLAY = True
 
 
