@@ -144,6 +144,7 @@ def test_graphs_captured_ahead_serve_a_chats_next_turn_and_later_chunks(pairs, m
               draft=str(draft), speculation="chain:4")
     r = llm.engine.runner
     r.pad_prefill = True
+    r.prefill_tokens = 64  # chunks of more padded tokens run at their own shape: no graph is captured for them
     graphs = pg.PrefillGraphs(r)
     ahead, seen = [], []
     graphs._capture = lambda key: ahead.append(key) or (None, None, None)
@@ -161,6 +162,7 @@ def test_graphs_captured_ahead_serve_a_chats_next_turn_and_later_chunks(pairs, m
     assert {k[2] for k in seen} == {0, width} and width > 64  # first chunks, and chunks after a prefix
     assert set(seen) <= set(ahead), set(seen) - set(ahead)
     assert len(ahead) == len(set(ahead)) == 2 * len({k for k in ahead if k[2] == 0})
+    assert all(b * q <= 64 for b, q, *_ in ahead) and (4, 16, 0, True) in ahead
 
 
 @pytest.fixture(scope="module")

@@ -199,7 +199,7 @@ class PrefillGraphs:
             for b in BATCH_BUCKETS:
                 for q in TOKEN_BUCKETS:
                     key = (b, q, context, with_draft)
-                    if b > top_b or q > top_q or b * q > r.prefill_tokens or key in self.graphs:
+                    if b > top_b or q > top_q or prefill_shape(b, q, r.prefill_tokens) is None or key in self.graphs:
                         continue
                     if len(self.graphs) >= MAX_GRAPHS:
                         return new
