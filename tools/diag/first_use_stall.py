@@ -6,6 +6,9 @@ graphs and every prefill graph captured ahead), each row runs a wave of `--batch
 with the same prompts: the first wave meets the kind's graphs, the second replays them. "free" (no such request) is
 the control. Reports each wave's wall time, its longest step (the stall a streaming client sees between two tokens)
 and the graphs captured during it. A guided request's first wave also compiles its schema (cached after).
+`--shape smollm2-shape`: random weights of a shape and a random draft (`eyas.bench.shapes`, the shipped draft's
+quantization and dispatcher as `capture_time.py` takes them), random prompts of MT-Bench's lengths; no tokenizer, so
+no guided row.
 
     PYTHONPATH=. python3 tools/diag/first_use_stall.py --prompts question.jsonl [--batch-sizes 1,4] [--out s.json]
 """
@@ -63,9 +66,28 @@ def wave(engine, prompts: list[list[int]], kind: str, max_tokens: int) -> dict:
             "graphs_captured": held(graphs) - before}
 
 
+def random_engine(shape: str, max_num_seqs: int, speculation: str | None, lengths: list[int]):
+    """An engine over random weights of `shape` (as `capture_time.py` builds it), and random prompts of `lengths`."""
+    from capture_time import shipped_dispatch
+    from eyas.bench.shapes import SHAPES, random_draft, random_target
+    from eyas.engine.engine import EngineConfig, LLMEngine
+    from eyas.spec.draft_quant import apply_draft_quant
+    from eyas.spec.tree import resolve_tree
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target = random_target(shape, device)
+    draft = random_draft(target, config=SHAPES[shape])
+    apply_draft_quant(draft, target, None)
+    engine = LLMEngine(target, None, draft, resolve_tree(speculation or shipped_dispatch(device.type)),
+                       EngineConfig(max_num_seqs=max_num_seqs, cuda_graphs=device.type == "cuda"))
+    g = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    return engine, [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--shape", default=None, help="random weights of this shape instead of --model (no guided rows)")
     p.add_argument("--draft", default="default")
     p.add_argument("--speculation", default=None, help="default: the draft's own for the device")
     p.add_argument("--prompts", required=True, help="MT-Bench's question.jsonl")
@@ -82,9 +104,17 @@ def main() -> None:
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         raise SystemExit(f"unknown kinds {bad}; choose among {KINDS}")
-    llm = LLM(args.model, device=args.device, draft=None if args.draft == "none" else args.draft,
-              speculation=args.speculation, max_num_seqs=args.max_num_seqs, cuda_graphs="auto")
-    engine = llm.engine
+    if args.shape:
+        if "guided" in kinds:
+            kinds.remove("guided")
+        records = read_prompts(args.prompts)
+        engine, prompts = random_engine(args.shape, args.max_num_seqs, args.speculation,
+                                        [len(r["text"]) // 4 + 40 for r in records])  # ~4 characters a token
+    else:
+        llm = LLM(args.model, device=args.device, draft=None if args.draft == "none" else args.draft,
+                  speculation=args.speculation, max_num_seqs=args.max_num_seqs, cuda_graphs="auto")
+        engine = llm.engine
+        prompts = chat_prompts(llm.tokenizer, read_prompts(args.prompts))
     graphs, prefills = engine.runner.graphs, engine.runner.prefill_graphs
     t0 = time.perf_counter()
     n = graphs.capture_all(args.max_num_seqs) if graphs is not None else 0  # as `eyas serve`: every sampling mode
@@ -92,7 +122,6 @@ def main() -> None:
         n += prefills.capture_all(args.max_num_seqs, min(engine.config.max_num_batched_tokens, engine.max_model_len))
     _sync()
     capture_s = round(time.perf_counter() - t0, 1)
-    prompts = chat_prompts(llm.tokenizer, read_prompts(args.prompts))
     wave(engine, prompts[:1], "free", 4)  # the engine's own first request, untimed
     rows: list = []
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -102,8 +131,8 @@ def main() -> None:
             batch = prompts[at: at + B] or prompts[:B]
             at += B
             first, second = (wave(engine, batch, kind, args.max_tokens) for _ in range(2))
-            emit(rows, {"device": device, "speculation": getattr(engine.tree, "name", None), "batch": B,
-                        "kind": kind, "max_tokens": args.max_tokens, "first": first, "second": second,
+            emit(rows, {"device": device, "model": args.shape or args.model,
+                        "speculation": getattr(engine.tree, "name", None), "batch": B, "kind": kind, "max_tokens": args.max_tokens, "first": first, "second": second,
                         "stall_ms": round(first["wall_ms"] - second["wall_ms"], 1)})
     save(args.out, args, rows, graphs_ahead=n, capture_s=capture_s)
 
