@@ -56,6 +56,21 @@ def test_greedy_equals_plain(request, pair, spec):
     assert small.engine.blocks.num_used == 0
 
 
+@pytest.mark.parametrize("spec", ["chain:4", "tree:8", "dyn:k3d4n8"])
+def test_seeded_sampling_is_batch_independent_under_one_speculation(mirror_pair, spec):
+    """A seeded sampled request takes the same tokens alone, in a batch, and in another order, under one chain or
+    tree (docs/serving.md: its randomness is a function of its seed and positions only). Half of them filter."""
+    target, draft = mirror_pair
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec)
+    params = [SamplingParams(temperature=1.0, top_p=0.9 if s % 2 else 1.0, max_tokens=25, seed=s, ignore_eos=True)
+              for s in range(6)]
+    together = [o.token_ids for o in llm.generate(prompts6(), params)]
+    again = [o.token_ids for o in llm.generate(prompts6()[::-1], params[::-1])][::-1]
+    alone = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts6(), params)]
+    assert together == again == alone
+    assert len({tuple(t) for t in together}) > 1
+
+
 def test_stops_inside_an_accepted_run(mirror_pair):
     target, draft = mirror_pair
     ref = plain(target, prompts6(), SamplingParams(max_tokens=30, ignore_eos=True))
