@@ -35,9 +35,10 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # max_context_len keys, so without Triton there is one bucket, the block table's width.
 CONTEXT_BUCKETS = (512, 2048)
 # eager steps run before each capture (Triton's compiles, the allocator's blocks). A server's startup is mostly these
-# (session 62: 171 graphs of the shipped dispatcher in 83.8 s on a fresh machine); whether one is enough is not yet
-# measured: tools/device/s64_capture_warmups.sh
-CAPTURE_WARMUPS = 2
+# (session 62: 171 graphs of the shipped dispatcher in 83.8 s on a fresh machine). One is enough: with 1, the graph
+# tests that hold replays to eager steps pass (tests/test_cuda_graph.py -k "not smollm2", H100), and the 171 graphs
+# take 9.4 s against 14.7 s with 2, kernels compiled (session 64, tools/device/s64_capture_warmups.sh)
+CAPTURE_WARMUPS = 1
 
 
 def context_buckets(full: int) -> tuple[int, ...]:
@@ -122,7 +123,7 @@ class GraphedStep:
         """Capture, ahead of time, every graph a batch of up to `max_batch` sequences can need: one per bucket (as
         sequences finish, a batch shrinks through the smaller buckets), per tree the dispatcher picks inside that
         bucket (at the temperatures of its bands, for sampled modes), per sampling mode (`modes`), per context
-        bucket. Otherwise the first step at each new bucket pays for a capture (two eager warm-up steps plus the
+        bucket. Otherwise the first step at each new bucket pays for a capture (`CAPTURE_WARMUPS` eager steps plus the
         capture itself) in the middle of decoding. Returns how many graphs were captured."""
         top = self.bucket(min(max_batch, BUCKETS[-1]))
         new, lo = 0, 1
