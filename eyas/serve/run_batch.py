@@ -150,7 +150,7 @@ def run_batch(args) -> int:
         raise ValueError(f"--output-file {args.output_file}: {e.strerror or e}") from None
     with out:
         llm = build_llm(args)
-        _capture_graphs(llm.engine, args.max_num_seqs)
+        _capture_graphs(llm.engine, args.max_num_seqs, args.capture_extras)
         # no 503s: every request the batch holds back waits at the gate, not in the server's queue
         app = create_app(llm, args.served_model_name or args.model, max_queue=args.max_concurrency, **options)
 

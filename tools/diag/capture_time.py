@@ -8,7 +8,8 @@ quantization), its random draft, and the shipped SmolLM2 draft's dispatcher for 
 defaults (64 sequences, the shape's 8192-token context). Run one process per variant: the first process of a
 machine also compiles the kernels, so alternate the order. Prints one JSON line.
 
-    PYTHONPATH=. python3 tools/diag/capture_time.py [--buckets default|none] [--max-num-seqs 64]
+    PYTHONPATH=. python3 tools/diag/capture_time.py [--buckets default|none] [--max-num-seqs 64] \\
+        [--capture-extras logprobs ...]
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="default: the shape's context")
     p.add_argument("--speculation", default=None, help="default: the shipped SmolLM2 draft's for the device type")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--capture-extras", nargs="+", default=[], choices=sorted(cg.EXTRAS_KINDS),
+                   help="as `eyas serve --capture-extras`")
     args = p.parse_args()
     if args.buckets == "none":
         cg.CONTEXT_BUCKETS = ()
@@ -56,7 +59,8 @@ def main() -> None:
     t1 = time.perf_counter()
     graphs = engine.runner.graphs
     before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-    n = graphs.capture_all(args.max_num_seqs) if graphs is not None else 0
+    extras = tuple(cg.EXTRAS_KINDS[e] for e in args.capture_extras)
+    n = graphs.capture_all(args.max_num_seqs, extras=extras) if graphs is not None else 0
     if device.type == "cuda":
         torch.cuda.synchronize()
     t2 = time.perf_counter()
@@ -68,7 +72,8 @@ def main() -> None:
         torch.cuda.synchronize()
     t3 = time.perf_counter()
     print(json.dumps({
-        "shape": args.shape, "buckets": args.buckets, "context_buckets": list(graphs.context_buckets) if graphs else [],
+        "shape": args.shape, "buckets": args.buckets, "capture_extras": args.capture_extras,
+        "context_buckets": list(graphs.context_buckets) if graphs else [],
         "max_num_seqs": args.max_num_seqs, "max_model_len": engine.max_model_len, "speculation": spec,
         "draft_quant": quant, "build_s": round(t1 - t0, 2), "graphs": n, "capture_s": round(t2 - t1, 2),
         "capture_mib": round((mid - before) / 2**20), "prefill_graphs": n_pre, "prefill_capture_s": round(t3 - t2, 2),

@@ -132,7 +132,8 @@ def main() -> None:
             at += B
             first, second = (wave(engine, batch, kind, args.max_tokens) for _ in range(2))
             emit(rows, {"device": device, "model": args.shape or args.model,
-                        "speculation": getattr(engine.tree, "name", None), "batch": B, "kind": kind, "max_tokens": args.max_tokens, "first": first, "second": second,
+                        "speculation": getattr(engine.tree, "name", None), "batch": B, "kind": kind,
+                        "max_tokens": args.max_tokens, "first": first, "second": second,
                         "stall_ms": round(first["wall_ms"] - second["wall_ms"], 1)})
     save(args.out, args, rows, graphs_ahead=n, capture_s=capture_s)
 
