@@ -71,6 +71,23 @@ def test_seeded_sampling_is_batch_independent_under_one_speculation(mirror_pair,
     assert len({tuple(t) for t in together}) > 1
 
 
+@pytest.mark.parametrize("pair", ["random_pair", "mirror_pair"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_seeded_sampling_equals_plain(request, pair, spec):
+    """Sampled speculative output equals seeded plain decoding token for token (`accept_tree_race`: a child is
+    accepted iff it is the token plain decoding draws there), with and without filters, in a batch and alone."""
+    target, draft = request.getfixturevalue(pair)
+    params = [SamplingParams(temperature=[1.0, 0.7, 1.3][s % 3], top_p=0.8 if s % 2 else 1.0, top_k=5 if s == 4 else -1,
+                             max_tokens=30, seed=s, ignore_eos=True) for s in range(6)]
+    ref = plain(target, prompts6(), params)
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec)
+    outs = llm.generate(prompts6(), params)
+    assert [o.token_ids for o in outs] == ref
+    assert llm.generate([prompts6()[3]], params[3])[0].token_ids == ref[3]
+    if pair == "mirror_pair" and spec != "chain:1":
+        assert sum(o.stats.committed for o in outs) / sum(o.stats.target_calls for o in outs) > 1.5
+
+
 def test_stops_inside_an_accepted_run(mirror_pair):
     target, draft = mirror_pair
     ref = plain(target, prompts6(), SamplingParams(max_tokens=30, ignore_eos=True))

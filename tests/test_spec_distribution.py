@@ -96,6 +96,21 @@ def test_joint_law_of_three_tokens(models, draft_kind, top_p, spec):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("top_p,spec", [(1.0, "tree:8"), (0.8, "chain:2")])
+def test_joint_law_of_the_rounds_path(models, top_p, spec, monkeypatch):
+    """With `eyas.spec.step.COUPLED` off, sampled steps accept by multi-round speculative sampling's own draws
+    (`accept_tree_logits`, `accept_tree`): the same law."""
+    from eyas.spec import step
+    monkeypatch.setattr(step, "COUPLED", False)
+    target, drafts = models
+    counts, outs = sampled_law(target, drafts["random"], spec, top_p=top_p)
+    joint = exact_joint(target, top_p)
+    assert set(counts) <= set(joint)
+    assert pooled_chisquare(counts, joint, RUNS) > 1e-3
+    assert sum(sum(o.stats.accepted_by_depth) for o in outs) > 0
+
+
+@pytest.mark.slow
 def test_joint_law_with_an_eagle3_draft(models, tmp_path):
     """An EAGLE-3 checkpoint's draft (its own head over every other token, the inputs of the target's two layers),
     tree:8 at temperature 1 (the sampler's softmax path): the output's law is still the target's."""

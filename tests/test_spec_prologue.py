@@ -122,6 +122,7 @@ def test_engine_with_a_sampling_switch_samples_the_same_tokens(tiny, monkeypatch
         return f(*a, **k)
 
     monkeypatch.setattr(mod, fn, counted)
+    monkeypatch.setattr(step, "COUPLED", False)  # the switches choose among the rounds' paths
     runs = {}
     for on in (False, True):
         monkeypatch.setattr(step, switch, on)
@@ -132,6 +133,29 @@ def test_engine_with_a_sampling_switch_samples_the_same_tokens(tiny, monkeypatch
         runs[on] = ([o.token_ids for o in outs], [o.stats.target_calls for o in outs])
         assert len(calls) >= 2 if on else not calls
     assert runs[True] == runs[False]
+
+
+def test_coupled_acceptance_on_triton_samples_plain_decodings_tokens(tiny, monkeypatch):
+    """`eyas.spec.step.COUPLED` on the Triton path (interpreted on the CPU: the race over every node, the filters'
+    thresholds, the greedy walk's launch): seeded sampled requests, filtered and not, and a greedy one, take plain
+    decoding's tokens, and every step accepted through `race_winners`."""
+    from eyas.spec import step
+    target, draft = tiny
+    prompts = [[1, 2, 3, 4, 5], [9, 8], [7, 7, 7], [4, 4]]
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.7, top_p=0.8, seed=4, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=1.2, top_k=5, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=6, ignore_eos=True)]
+    plain = LLM(str(target), device=DEV, dtype="float32", max_model_len=SHORT_CONTEXT)
+    ref = [o.token_ids for o in plain.generate(prompts, params)]
+    calls = []
+    winners = step.race_winners
+    monkeypatch.setattr(step, "race_winners", lambda *a, **k: calls.append(a[5]) or winners(*a, **k))
+    llm = LLM(str(target), device=DEV, dtype="float32", draft=str(draft), speculation="chain:3",
+              max_model_len=SHORT_CONTEXT)
+    llm.engine.runner.use_triton = True
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    assert calls and all(calls)  # every sampled step, on the Triton path
 
 
 @pytest.mark.parametrize("filtered", [False, True])

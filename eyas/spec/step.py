@@ -16,7 +16,8 @@ from eyas.layers.topk import argmax
 from eyas.spec.drafter import catch_up, causal_mask, expand_tree
 from eyas.spec.dynamic_tree import DynamicTree, StepTree, expand_dynamic
 from eyas.spec.tree import Tree
-from eyas.spec.verifier import accept_tree, accept_tree_greedy, accept_tree_logits, simulate_accept, simulate_replay
+from eyas.spec.verifier import (accept_tree, accept_tree_greedy, accept_tree_logits, race_winners, simulate_accept,
+                                simulate_replay)
 
 
 # The step's index work around the draft's catch-up in two Triton launches (`eyas.kernels.spec_prologue`): the root
@@ -41,6 +42,11 @@ FUSED_SAMPLED_ROUNDS = True
 # at 16; the default tree's step 1.303 ms against 1.805 at batch 1 and 2.856 against 8.432 at 16; `chain:3`'s
 # 0.963 against 1.197 and 1.270 against 1.829.
 SORT_FREE_FILTERS = True
+# sampled steps accept by `accept_tree_race`: children iff they are the tokens plain decoding draws there (the race
+# at each node), so seeded output is plain decoding's in any tree and batch (session 64; its GPU cost against the
+# rounds is not measured yet); off: multi-round speculative sampling with the rounds' own draws (the two switches
+# above choose among its paths)
+COUPLED = True
 
 # Not kept: the step's last write (`commit_features`) in one Triton launch, the features through the draft's `fuse`
 # inside it (session 41, ff27ad5). It lost on the H200 in session 42 (with the prologue, two runs each way: the
@@ -299,6 +305,14 @@ def accept_phase(draft, d: Drafted, v: Verified, cache, inp: DecodeInputs, use_t
             path, num_accepted, bonus, packed = accept_tree_greedy_triton(argmax(logits), node_tokens, tree)
         else:
             path, num_accepted, bonus = accept_tree_greedy(argmax(logits), node_tokens, tree)
+    elif COUPLED:  # sampled: children accepted iff they are the tokens plain decoding draws (`accept_tree_race`)
+        winners = race_winners(logits, inp.temperature, tree, inp.seeds, n, use_triton,
+                               (inp.top_k, inp.top_p, inp.min_p) if filters else None)
+        if use_triton:
+            from eyas.kernels.accept_greedy import accept_tree_greedy_triton
+            path, num_accepted, bonus, packed = accept_tree_greedy_triton(winners, node_tokens, tree)
+        else:
+            path, num_accepted, bonus = accept_tree_greedy(winners, node_tokens, tree)
     elif not filters and use_triton and FUSED_SAMPLED_ROUNDS:  # sampled, in five launches
         from eyas.kernels.accept_sampled import accept_tree_logits_triton
         path, num_accepted, bonus, packed = accept_tree_logits_triton(logits, inp.temperature, node_tokens, tree,

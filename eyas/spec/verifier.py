@@ -1,6 +1,16 @@
 """Acceptance: which draft tokens of a verified tree are committed, and the bonus token after them.
 
-`accept_tree` is where a sampled step accepts its tokens: it decides, for every node of every sequence at once,
+`accept_tree_race` is where a sampled step accepts its tokens (`eyas.spec.step.COUPLED`, on): the token plain
+sampled decoding would draw after every node (`race_winners`: the exponential race at the node's position's
+counter) is computed for all nodes at once, and a child is accepted iff it is that token, as greedy acceptance
+(`accept_tree_greedy`) accepts the argmax. A seeded request's output is therefore plain decoding's, token for token,
+whatever the tree, the draft or the batch. It is multi-round speculative sampling (below) with greedy drafting,
+coupled to plain decoding's draws: at a node with distribution p, child j is accepted iff the race's winner is c_j,
+with probability p(c_j), as round j's acceptance after rounds 1..j-1 rejected (r_j(c_j) (1 - p(c_1) - ... -
+p(c_{j-1})) = p(c_j)); the emitted token is the winner, distributed as p. With COUPLED off, the rounds below draw
+their own uniforms.
+
+`accept_tree` is the rounds' path: it decides, for every node of every sequence at once,
 which child the walk would take from there, then follows those choices from the root (a few dozen kernels for any
 tree, with no host sync). `accept_tree_logits` does the same from the logits when no request filters (top-k, top-p,
 min-p), without ever making the [B, N+1, V] probabilities. `accept_tree_reference` is the walk itself, one round at a
@@ -157,6 +167,42 @@ def accept_tree_logits(logits: torch.Tensor, temperature: torch.Tensor, node_tok
     else:
         bonus = race_sample(logits[rows, cur], t, seeds, counters, base, exclude, tau=stop_tau)
     return path, depth[rows, cur], bonus
+
+
+def race_winners(logits: torch.Tensor, temperature: torch.Tensor, tree, seeds: torch.Tensor, counters: torch.Tensor,
+                 use_triton: bool = False, filters: tuple | None = None) -> torch.Tensor:
+    """The token plain sampled decoding would draw after every node [B, N+1]: the exponential race on the node's
+    logits at the counter of the node's position (the root's, `counters`, plus its depth) and index RACE_BASE, as
+    `prefill_graph.first_tokens` and a plain step draw theirs (rows with t <= 0: the argmax). `filters` (top_k,
+    top_p, min_p [B]): among the tokens at or above each node's threshold (`filter_threshold`)."""
+    from eyas.layers.sampler import RACE_BASE, filter_threshold, race_sample
+    B, N1, V = logits.shape
+    depth = batched(tree, B, logits.device)[1]
+    flat_t = temperature.float().repeat_interleave(N1)
+    tau = None
+    if filters is not None:
+        threshold = filter_threshold
+        if use_triton:
+            from eyas.kernels.filter_threshold import filter_threshold_triton as threshold
+        tau = threshold(logits.view(B * N1, V), flat_t, *(f.repeat_interleave(N1) for f in filters))[0]
+    race = race_sample
+    if use_triton:
+        from eyas.kernels.race import race_sample_triton as race
+    rows_counters = (counters[:, None] + depth).reshape(-1)
+    return race(logits.reshape(B * N1, V), flat_t, seeds.repeat_interleave(N1), rows_counters,
+                torch.full_like(rows_counters, RACE_BASE), tau=tau).view(B, N1)
+
+
+def accept_tree_race(logits: torch.Tensor, temperature: torch.Tensor, node_tokens: torch.Tensor, tree,
+                     seeds: torch.Tensor, counters: torch.Tensor, use_triton: bool = False,
+                     filters: tuple | None = None):
+    """Coupled acceptance: a child is accepted iff its token is the one plain sampled decoding draws after its parent
+    (`race_winners`), and the bonus is the one it draws after the last accepted node. So a seeded request's output is
+    plain decoding's, token for token, whatever the tree, the draft or the batch. The law is multi-round speculative
+    sampling's with greedy drafting: at a node with target distribution p, child j is accepted with probability
+    p(c_j) (the race's winner is c_j), and the emitted token is distributed as p."""
+    winners = race_winners(logits, temperature, tree, seeds, counters, use_triton, filters)
+    return accept_tree_greedy(winners, node_tokens, tree)
 
 
 def _draws(seeds: torch.Tensor, counters: torch.Tensor, use_triton: bool):
