@@ -16,8 +16,8 @@ from eyas.layers.topk import argmax
 from eyas.spec.drafter import catch_up, causal_mask, expand_tree
 from eyas.spec.dynamic_tree import DynamicTree, StepTree, expand_dynamic
 from eyas.spec.tree import Tree
-from eyas.spec.verifier import (accept_tree, accept_tree_greedy, accept_tree_logits, race_winners, simulate_accept,
-                                simulate_replay)
+from eyas.spec.verifier import (accept_tree, accept_tree_greedy, accept_tree_logits, accept_tree_race, race_winners,
+                                simulate_accept, simulate_replay)
 
 
 # The step's index work around the draft's catch-up in two Triton launches (`eyas.kernels.spec_prologue`): the root
@@ -305,14 +305,14 @@ def accept_phase(draft, d: Drafted, v: Verified, cache, inp: DecodeInputs, use_t
             path, num_accepted, bonus, packed = accept_tree_greedy_triton(argmax(logits), node_tokens, tree)
         else:
             path, num_accepted, bonus = accept_tree_greedy(argmax(logits), node_tokens, tree)
-    elif COUPLED:  # sampled: children accepted iff they are the tokens plain decoding draws (`accept_tree_race`)
-        winners = race_winners(logits, inp.temperature, tree, inp.seeds, n, use_triton,
+    elif COUPLED and use_triton:  # sampled: `accept_tree_race`, its greedy walk in one Triton launch
+        from eyas.kernels.accept_greedy import accept_tree_greedy_triton
+        winners = race_winners(logits, inp.temperature, tree, inp.seeds, n, True,
                                (inp.top_k, inp.top_p, inp.min_p) if filters else None)
-        if use_triton:
-            from eyas.kernels.accept_greedy import accept_tree_greedy_triton
-            path, num_accepted, bonus, packed = accept_tree_greedy_triton(winners, node_tokens, tree)
-        else:
-            path, num_accepted, bonus = accept_tree_greedy(winners, node_tokens, tree)
+        path, num_accepted, bonus, packed = accept_tree_greedy_triton(winners, node_tokens, tree)
+    elif COUPLED:  # sampled: children accepted iff they are the tokens plain decoding draws there
+        path, num_accepted, bonus = accept_tree_race(logits, inp.temperature, node_tokens, tree, inp.seeds, n, False,
+                                                     (inp.top_k, inp.top_p, inp.min_p) if filters else None)
     elif not filters and use_triton and FUSED_SAMPLED_ROUNDS:  # sampled, in five launches
         from eyas.kernels.accept_sampled import accept_tree_logits_triton
         path, num_accepted, bonus, packed = accept_tree_logits_triton(logits, inp.temperature, node_tokens, tree,
