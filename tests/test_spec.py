@@ -56,26 +56,12 @@ def test_greedy_equals_plain(request, pair, spec):
     assert small.engine.blocks.num_used == 0
 
 
-@pytest.mark.parametrize("spec", ["chain:4", "tree:8", "dyn:k3d4n8"])
-def test_seeded_sampling_is_batch_independent_under_one_speculation(mirror_pair, spec):
-    """A seeded sampled request takes the same tokens alone, in a batch, and in another order, under one chain or
-    tree (docs/serving.md: its randomness is a function of its seed and positions only). Half of them filter."""
-    target, draft = mirror_pair
-    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec)
-    params = [SamplingParams(temperature=1.0, top_p=0.9 if s % 2 else 1.0, max_tokens=25, seed=s, ignore_eos=True)
-              for s in range(6)]
-    together = [o.token_ids for o in llm.generate(prompts6(), params)]
-    again = [o.token_ids for o in llm.generate(prompts6()[::-1], params[::-1])][::-1]
-    alone = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts6(), params)]
-    assert together == again == alone
-    assert len({tuple(t) for t in together}) > 1
-
-
 @pytest.mark.parametrize("pair", ["random_pair", "mirror_pair"])
 @pytest.mark.parametrize("spec", SPECS)
 def test_seeded_sampling_equals_plain(request, pair, spec):
     """Sampled speculative output equals seeded plain decoding token for token (`accept_tree_race`: a child is
-    accepted iff it is the token plain decoding draws there), with and without filters, in a batch and alone."""
+    accepted iff it is the token plain decoding draws there), with and without filters, in a batch, in another
+    order, and alone."""
     target, draft = request.getfixturevalue(pair)
     params = [SamplingParams(temperature=[1.0, 0.7, 1.3][s % 3], top_p=0.8 if s % 2 else 1.0, top_k=5 if s == 4 else -1,
                              max_tokens=30, seed=s, ignore_eos=True) for s in range(6)]
@@ -83,7 +69,8 @@ def test_seeded_sampling_equals_plain(request, pair, spec):
     llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft), speculation=spec)
     outs = llm.generate(prompts6(), params)
     assert [o.token_ids for o in outs] == ref
-    assert llm.generate([prompts6()[3]], params[3])[0].token_ids == ref[3]
+    assert [o.token_ids for o in llm.generate(prompts6()[::-1], params[::-1])][::-1] == ref
+    assert [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts6(), params)] == ref
     if pair == "mirror_pair" and spec != "chain:1":
         assert sum(o.stats.committed for o in outs) / sum(o.stats.target_calls for o in outs) > 1.5
 
