@@ -143,11 +143,8 @@ def first_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.T
     """The tokens after the prompts, as a decode step draws its bonus: an exponential race on the logits [B, V]
     (`race_sample`; rows of temperature 0 the argmax) at the counters of the prompts' last positions, among the
     tokens at or above `tau` [B] (the filters' threshold) where given."""
-    from eyas.layers.sampler import RACE_BASE, race_sample
-    race = race_sample
-    if use_triton:
-        from eyas.kernels.race import race_sample_triton as race
-    return race(logits, temperature, seeds, counters, torch.full_like(counters, RACE_BASE), tau=tau)
+    from eyas.layers.sampler import RACE_BASE, race_for
+    return race_for(use_triton)(logits, temperature, seeds, counters, torch.full_like(counters, RACE_BASE), tau=tau)
 
 
 def prefill_step(runner, packed: torch.Tensor, B: int, Q: int, context: int, with_draft: bool):

@@ -26,7 +26,7 @@ from eyas.cache.kv_cache import KVCache
 from eyas.engine.sequence import Sequence
 from eyas.layers.attention import MetaBuilder
 from eyas.layers.penalties import Penalties, PenaltyState
-from eyas.layers.sampler import filter_threshold, filters_of, sampling_mode
+from eyas.layers.sampler import filters_of, sampling_mode, threshold_for
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
 from eyas.spec.drafter import catch_up
@@ -392,12 +392,9 @@ class ModelRunner:
         dev = logits.device
         t = torch.tensor([x.temperature for x in params], device=dev)
         tau = None
-        threshold = filter_threshold
-        if self.use_triton:
-            from eyas.kernels.filter_threshold import filter_threshold_triton as threshold
         if filters_of(params):
             settings = [torch.tensor([getattr(x, f) for x in params], device=dev) for f in ("top_k", "top_p", "min_p")]
-            tau = threshold(logits, t, *settings)[0]
+            tau = threshold_for(self.use_triton)(logits, t, *settings)[0]
         return first_tokens(logits, t, seeds, counters, self.use_triton, tau=tau)
 
     def _prompt_logprobs(self, seqs, chunk_lens, hidden, rows_at_once: int = 512) -> None:

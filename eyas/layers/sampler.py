@@ -156,6 +156,23 @@ def filter_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
     return tau, M, Z, logits.argmax(-1)
 
 
+def race_for(use_triton: bool):
+    """`race_sample`, or on the Triton path its one-pass twin `eyas.kernels.race.race_sample_triton` (the same
+    tokens): every race of a step, a prefill and an acceptance is chosen here."""
+    if use_triton:
+        from eyas.kernels.race import race_sample_triton
+        return race_sample_triton
+    return race_sample
+
+
+def threshold_for(use_triton: bool):
+    """`filter_threshold`, or on the Triton path its radix selection `eyas.kernels.filter_threshold` (no sort)."""
+    if use_triton:
+        from eyas.kernels.filter_threshold import filter_threshold_triton
+        return filter_threshold_triton
+    return filter_threshold
+
+
 def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                     top_p: torch.Tensor, min_p: torch.Tensor | None = None, filters: bool = True) -> torch.Tensor:
     """Target distribution after temperature, min-p, top-k and top-p (vLLM's order). logits [N, V]; per-row

@@ -95,16 +95,12 @@ def accept_tree(probs: torch.Tensor, node_tokens: torch.Tensor, tree: Tree, seed
 def _race_kept(race: tuple, residual: torch.Tensor, cur: torch.Tensor, depth: torch.Tensor, seeds: torch.Tensor,
                counters: torch.Tensor, use_triton: bool) -> torch.Tensor:
     """The race at the stop nodes `cur` (depth [B]) among the tokens their residual [B, V] keeps."""
-    from eyas.layers.sampler import RACE_BASE, race_sample
+    from eyas.layers.sampler import RACE_BASE, race_for
     logits, temperature = race
     B, _, V = logits.shape
     rows = torch.arange(B, device=logits.device)
     x = logits[rows, cur].masked_fill(residual == 0, float("-inf"))
-    base = RACE_BASE + V * depth
-    if use_triton:
-        from eyas.kernels.race import race_sample_triton
-        return race_sample_triton(x, temperature.float(), seeds, counters, base)
-    return race_sample(x, temperature.float(), seeds, counters, base)
+    return race_for(use_triton)(x, temperature.float(), seeds, counters, RACE_BASE + V * depth)
 
 
 def accept_tree_logits(logits: torch.Tensor, temperature: torch.Tensor, node_tokens: torch.Tensor, tree: Tree,
@@ -123,31 +119,25 @@ def accept_tree_logits(logits: torch.Tensor, temperature: torch.Tensor, node_tok
     `filters` (top_k, top_p, min_p [B]): the filtered softmaxes, as one threshold per node (`filter_threshold`, found
     by radix selection on the GPU: `eyas.kernels.filter_threshold`; no sort): p_j = 0 below it, Z the kept mass,
     and the race runs above it. Ties at a filter's boundary all stay, where `logits_to_probs` keeps some."""
-    from eyas.layers.sampler import RACE_BASE, filter_threshold, race_sample, row_stats
+    from eyas.layers.sampler import RACE_BASE, race_for, row_stats, threshold_for
     B, N1, V = logits.shape
     device = logits.device
     t = temperature.float()
-    if use_triton:
-        from eyas.kernels.race import race_sample_triton, row_stats_triton
+    race = race_for(use_triton)
     flat_t = t.repeat_interleave(N1)
     tau = None
     if filters is not None:
-        if use_triton:
-            from eyas.kernels.filter_threshold import filter_threshold_triton as threshold
-        else:
-            threshold = filter_threshold
-        tau, M, Z, top = threshold(logits.view(B * N1, V), flat_t, *(f.repeat_interleave(N1) for f in filters))
+        tau, M, Z, top = threshold_for(use_triton)(logits.view(B * N1, V), flat_t,
+                                                   *(f.repeat_interleave(N1) for f in filters))
     if N1 == 1:  # plain sampled decoding: one race over the root's row
         none = torch.zeros(B, dtype=torch.long, device=device)
         base = torch.full((B,), RACE_BASE, device=device)  # depth 0's (a race at depth d: RACE_BASE + V * d)
-        if use_triton:
-            bonus = race_sample_triton(logits.view(B, V), t, seeds, counters, base, tau=tau)
-        else:
-            bonus = race_sample(logits.view(B, V), t, seeds, counters, base, tau=tau)
-        return none[:, None], none, bonus
+        return none[:, None], none, race(logits.view(B, V), t, seeds, counters, base, tau=tau)
     tok, valid, repeat, depth, children = _children(node_tokens, tree, B)
     if filters is None:
-        M, Z, top = (row_stats_triton if use_triton else row_stats)(logits.view(B * N1, V), flat_t)
+        if use_triton:
+            from eyas.kernels.race import row_stats_triton as row_stats
+        M, Z, top = row_stats(logits.view(B * N1, V), flat_t)
     M, Z, top = M.view(B, N1, 1), Z.view(B, N1, 1), top.view(B, N1, 1)
     greedy = (t <= 0)[:, None, None]
     x = logits.gather(2, tok).float() / torch.where(greedy, 1.0, t[:, None, None])
@@ -161,11 +151,10 @@ def accept_tree_logits(logits: torch.Tensor, temperature: torch.Tensor, node_tok
     exclude = torch.where(valid[rows, cur], tok[rows, cur], -1)  # the stop node's children, each tried and rejected
     base = RACE_BASE + V * depth[rows, cur]
     stop_tau = None if tau is None else tau.view(B, N1)[rows, cur]
-    if use_triton:
-        bonus = race_sample_triton(logits.view(B * N1, V), t, seeds, counters, base, exclude, rows * N1 + cur,
-                                   tau=stop_tau)
+    if use_triton:  # the Triton race reads the stop nodes' rows where they are
+        bonus = race(logits.view(B * N1, V), t, seeds, counters, base, exclude, rows * N1 + cur, tau=stop_tau)
     else:
-        bonus = race_sample(logits[rows, cur], t, seeds, counters, base, exclude, tau=stop_tau)
+        bonus = race(logits[rows, cur], t, seeds, counters, base, exclude, tau=stop_tau)
     return path, depth[rows, cur], bonus
 
 
@@ -175,22 +164,16 @@ def race_winners(logits: torch.Tensor, temperature: torch.Tensor, tree, seeds: t
     logits at the counter of the node's position (the root's, `counters`, plus its depth) and index RACE_BASE, as
     `prefill_graph.first_tokens` and a plain step draw theirs (rows with t <= 0: the argmax). `filters` (top_k,
     top_p, min_p [B]): among the tokens at or above each node's threshold (`filter_threshold`)."""
-    from eyas.layers.sampler import RACE_BASE, filter_threshold, race_sample
+    from eyas.layers.sampler import RACE_BASE, race_for, threshold_for
     B, N1, V = logits.shape
     depth = batched(tree, B, logits.device)[1]
     flat_t = temperature.float().repeat_interleave(N1)
     tau = None
     if filters is not None:
-        threshold = filter_threshold
-        if use_triton:
-            from eyas.kernels.filter_threshold import filter_threshold_triton as threshold
-        tau = threshold(logits.view(B * N1, V), flat_t, *(f.repeat_interleave(N1) for f in filters))[0]
-    race = race_sample
-    if use_triton:
-        from eyas.kernels.race import race_sample_triton as race
+        tau = threshold_for(use_triton)(logits.view(B * N1, V), flat_t, *(f.repeat_interleave(N1) for f in filters))[0]
     rows_counters = (counters[:, None] + depth).reshape(-1)
-    return race(logits.reshape(B * N1, V), flat_t, seeds.repeat_interleave(N1), rows_counters,
-                torch.full_like(rows_counters, RACE_BASE), tau=tau).view(B, N1)
+    return race_for(use_triton)(logits.reshape(B * N1, V), flat_t, seeds.repeat_interleave(N1), rows_counters,
+                                torch.full_like(rows_counters, RACE_BASE), tau=tau).view(B, N1)
 
 
 def accept_tree_race(logits: torch.Tensor, temperature: torch.Tensor, node_tokens: torch.Tensor, tree,
