@@ -5,7 +5,8 @@ graphs and every prefill graph captured ahead), each row runs a wave of `--batch
 `--max-tokens` each, end-of-sequence ignored) in which the first request is of the kind (the others plain), twice
 with the same prompts: the first wave meets the kind's graphs, the second replays them. "free" (no such request) is
 the control. Reports each wave's wall time, its longest step (the stall a streaming client sees between two tokens)
-and the graphs captured during it. A guided request's first wave also compiles its schema (cached after).
+and the graphs captured during it. As the server does, guided decoding's tokenizer view is made before the waves,
+and a guided request's schema is compiled before its wave is timed (`compile_ms`; xgrammar caches it after).
 `--shape smollm2-shape`: random weights of a shape and a random draft (`eyas.bench.shapes`, the shipped draft's
 quantization and dispatcher as `capture_time.py` takes them), random prompts of MT-Bench's lengths; no tokenizer, so
 no guided row.
@@ -50,6 +51,11 @@ def held(graphs) -> int:
 def wave(engine, prompts: list[list[int]], kind: str, max_tokens: int) -> dict:
     graphs = engine.runner.graphs
     before = held(graphs)
+    compile_ms = 0.0
+    if kind == "guided":  # as the server does before queueing the request (`compile_guided`; xgrammar keeps it)
+        c0 = time.perf_counter()
+        engine.grammar_backend().compile(params(kind, max_tokens).guided)
+        compile_ms = round((time.perf_counter() - c0) * 1e3, 1)
     _sync()
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -63,7 +69,7 @@ def wave(engine, prompts: list[list[int]], kind: str, max_tokens: int) -> dict:
     wall = time.perf_counter() - t0
     return {"wall_ms": round(wall * 1e3, 1), "max_step_ms": round(max(steps) * 1e3, 2),
             "median_step_ms": round(sorted(steps)[len(steps) // 2] * 1e3, 3), "steps": len(steps),
-            "graphs_captured": held(graphs) - before}
+            "graphs_captured": held(graphs) - before, "compile_ms": compile_ms}
 
 
 def random_engine(shape: str, max_num_seqs: int, speculation: str | None, lengths: list[int]):
@@ -122,6 +128,8 @@ def main() -> None:
         n += prefills.capture_all(args.max_num_seqs, min(engine.config.max_num_batched_tokens, engine.max_model_len))
     _sync()
     capture_s = round(time.perf_counter() - t0, 1)
+    if "guided" in kinds:  # the server makes guided decoding's tokenizer view at startup, beside the capture
+        engine.grammar_backend()
     wave(engine, prompts[:1], "free", 4)  # the engine's own first request, untimed
     rows: list = []
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
