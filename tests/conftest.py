@@ -30,10 +30,16 @@ def mt_bench_first_turns(n: int | None = None) -> list[str]:
 # tokens at block_size 16, 16k at 4: more than any test holds); SmolLM2's pools (1,409 blocks with its draft, 1,456
 # without) are below that and keep their size. Engines in other processes (tensor-parallel ranks, subprocesses) keep
 # the budget's pool.
+# On a GPU an engine takes 60% of the free memory (at most 2^20 blocks: 16 GiB for a tiny float32 test model), so
+# pytest-xdist's workers on one GPU, and engines a worker keeps alive, leave each other little (session 64: an
+# out-of-memory failure beside three workers). Such a GPU engine gets at most GPU_POOL_BLOCKS blocks (256k tokens at
+# block_size 16; SmolLM2 and its draft: 6.2 GB): session 65's `pytest -n 4` of the graph files peaked at 9.7 GB of
+# the H100's 80. (It did not stop the overlapped test's capture failures: `eyas.engine.cuda_graph.capturing`.)
 CPU_POOL_BLOCKS = 4096
+GPU_POOL_BLOCKS = 16384
 
 
-def _cap_cpu_pools():
+def _cap_pools():
     from eyas.engine.engine import LLMEngine
     sized = LLMEngine._blocks_from_memory
     if getattr(sized, "_eyas_capped", False):
@@ -41,15 +47,15 @@ def _cap_cpu_pools():
 
     def capped(self, target, draft):
         n = sized(self, target, draft)
-        if self.config.kv_cache_bytes is None and next(target.parameters()).device.type == "cpu":
-            return min(n, CPU_POOL_BLOCKS)
+        if self.config.kv_cache_bytes is None:
+            return min(n, GPU_POOL_BLOCKS if next(target.parameters()).device.type == "cuda" else CPU_POOL_BLOCKS)
         return n
 
     capped._eyas_capped = True
     LLMEngine._blocks_from_memory = capped
 
 
-_cap_cpu_pools()
+_cap_pools()
 
 
 # ---- memory: engines that tests leave in reference cycles ----------------------------------------------------------

@@ -55,3 +55,45 @@ def test_serve_flag_names_the_extras(pair):
     graphs = SimpleNamespace(capture_all=lambda n, extras=(): seen.append((n, extras)) or 0)
     _capture_graphs(SimpleNamespace(runner=SimpleNamespace(graphs=graphs)), 8, args.capture_extras)
     assert seen == [(8, ((True, 0), (True, 1)))]
+
+
+def test_no_collection_runs_while_a_capture_is_under_way(monkeypatch):
+    """`capturing` keeps the cycle collector off through every capture under way (nested, as a disaggregated
+    engine's two threads may capture at once), restores it after the last one ends, even when a capture fails, and
+    leaves it off where it was off: a collection inside a capture would free a dropped engine's graphs, events and
+    pinned buffers there (`torch.cuda.graph` is stubbed; tests/test_cuda_graph.py captures on a GPU)."""
+    import contextlib
+    import gc
+
+    import torch
+
+    import eyas.engine.cuda_graph as cg
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, capture_error_mode="global"):
+        seen.append((graph, capture_error_mode, gc.isenabled()))
+        yield
+        seen.append((graph, "end", gc.isenabled()))
+
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with cg.capturing("a", None):
+            with cg.capturing("b", None):
+                pass
+            assert not gc.isenabled()  # b ended, a is still under way
+        assert gc.isenabled()
+        assert seen == [("a", "thread_local", False), ("b", "thread_local", False), ("b", "end", False),
+                        ("a", "end", False)]
+        with pytest.raises(RuntimeError):
+            with cg.capturing("c", None):
+                raise RuntimeError("capture invalidated")
+        assert gc.isenabled()
+        gc.disable()
+        with cg.capturing("d", None):
+            pass
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()

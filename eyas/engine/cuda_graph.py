@@ -16,7 +16,10 @@ coefficients from static inputs; its reference is `spec_step` with the same argu
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
+import threading
 
 import torch
 
@@ -42,6 +45,36 @@ CAPTURE_WARMUPS = 1
 # the extras graphs `capture_all` can capture ahead (`eyas serve --capture-extras`): (log-probabilities, penalties'
 # kind) of `launch_extras`'s keys, by name
 EXTRAS_KINDS = {"logprobs": (True, 0), "penalties": (False, 1), "logprobs+penalties": (True, 1)}
+
+
+_gc_lock = threading.Lock()
+_gc_holds = [0, False]  # captures under way in this process, and whether the collector was on before the first
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool):
+    """The capture of `graph` into `pool` (every decode and prefill capture goes through here), in the thread-local
+    error mode: graphs are captured when a step first needs them, and a disaggregated engine's prefill thread
+    (`eyas.engine.disagg`) may then be working on the same GPU; its synchronisations would invalidate a capture in
+    the global mode (session 50's device call: a guided graph's capture failed so). This thread's own unsafe calls
+    still fail the capture, so the cycle collector is off while any capture is under way (torch's capture no longer
+    collects first): a collection in the middle of one would free a dropped engine's graphs, events and pinned
+    buffers there (engines are cycles: runner <-> graphs). Sessions 62 and 65 saw captures invalidated so, by
+    hypothesis, in tests/test_cuda_graph.py's overlapped test, which drops a graphed engine just before the next
+    one captures; the GPU has not rerun it since."""
+    with _gc_lock:
+        if _gc_holds[0] == 0:
+            _gc_holds[1] = gc.isenabled()
+            gc.disable()
+        _gc_holds[0] += 1
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        with _gc_lock:
+            _gc_holds[0] -= 1
+            if _gc_holds[0] == 0 and _gc_holds[1]:
+                gc.enable()
 
 
 def context_buckets(full: int) -> tuple[int, ...]:
@@ -94,11 +127,8 @@ class GraphedStep:
                          filters=mode == "filtered")
 
     def _capturing(self, graph: torch.cuda.CUDAGraph):
-        """The capture of `graph` into the graphs' shared pool. Thread-local error mode: graphs are captured when a
-        step first needs them, and a disaggregated engine's prefill thread (`eyas.engine.disagg`) may then be
-        working on the same GPU; its synchronisations would invalidate a capture in the global mode (session 50's
-        device call: a guided graph's capture failed so). This thread's own unsafe calls still fail the capture."""
-        return torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local")
+        """The capture of `graph` into the graphs' shared pool (`capturing`)."""
+        return capturing(graph, self.pool)
 
     def _capture(self, key: tuple[int, str, str, int], tree):
         B, mode, _, context = key

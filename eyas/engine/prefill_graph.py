@@ -34,6 +34,7 @@ import logging
 import numpy as np
 import torch
 
+from eyas.engine.cuda_graph import capturing
 from eyas.layers.attention import MetaBuilder
 from eyas.spec.drafter import causal_mask
 
@@ -266,9 +267,7 @@ class PrefillGraphs:
         outs = self._outputs(warm, B, Q)
         del warm
         graph = torch.cuda.CUDAGraph()
-        # thread-local error mode, as the decode graphs (`GraphedStep._capturing`): a disaggregated engine's other
-        # thread may be working on the GPU
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with capturing(graph, self.pool):  # as the decode graphs' (thread-local errors, no collection under way)
             hidden, feats, logits, first = self.forward(static, key)
             outs[0].copy_(hidden)
             if outs[1] is not outs[0]:
