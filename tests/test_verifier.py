@@ -364,7 +364,9 @@ def check_logits_sampler(tree, nodes: torch.Tensor, target: torch.Tensor, rng: t
     return want[1]
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 40 examples (80 until session 65, 86 s of a cold CI run): the rounds from the logits are the path of
+# `eyas.spec.step.COUPLED = False` since session 64; the tests beside this one keep its presets and filters
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 40), st.integers(1, 4), st.integers(1, 6), st.booleans(), st.booleans(), st.integers(0, 10**6))
 def test_the_logits_sampler_equals_the_walk(max_nodes, max_width, B, repeats, filtered, seed):
     """Unfiltered (`check_logits_sampler`) or with top-k, top-p and min-p (`check_filtered_sampler`)."""
