@@ -43,9 +43,9 @@ FUSED_SAMPLED_ROUNDS = True
 # 0.963 against 1.197 and 1.270 against 1.829.
 SORT_FREE_FILTERS = True
 # sampled steps accept by `accept_tree_race`: children iff they are the tokens plain decoding draws there (the race
-# at each node), so seeded output is plain decoding's in any tree and batch (session 64; its GPU cost against the
-# rounds is not measured yet); off: multi-round speculative sampling with the rounds' own draws (the two switches
-# above choose among its paths)
+# at each node), so seeded output is plain decoding's in any tree and batch (session 64; on an H100 its step cost the
+# rounds' within 0.5%, 2% more for the default tree at batch 16: session 65); off: multi-round speculative sampling
+# with the rounds' own draws (the two switches above choose among its paths)
 COUPLED = True
 
 # Not kept: the step's last write (`commit_features`) in one Triton launch, the features through the draft's `fuse`

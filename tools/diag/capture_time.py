@@ -32,6 +32,19 @@ def shipped_dispatch(device_type: str) -> str:
     return cfg["eyas_speculation"][device_type]
 
 
+def random_engine(shape: str, device: torch.device, speculation: str, max_num_seqs: int,
+                  max_model_len: int | None = None):
+    """An engine over random weights of `shape` and a random draft quantized as the shipped draft is (graphs on
+    CUDA), with the server's other defaults; returns it and the draft's quantization."""
+    target = random_target(shape, device)
+    draft = random_draft(target, config=SHAPES[shape])
+    quant = getattr(apply_draft_quant(draft, target, None), "quant", None)
+    engine = LLMEngine(target, None, draft, resolve_tree(speculation),
+                       EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                    cuda_graphs=device.type == "cuda"))
+    return engine, quant
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="smollm2-shape", choices=sorted(SHAPES))
@@ -47,13 +60,8 @@ def main() -> None:
         cg.CONTEXT_BUCKETS = ()
     device = torch.device(args.device)
     t0 = time.perf_counter()
-    target = random_target(args.shape, device)
-    draft = random_draft(target, config=SHAPES[args.shape])
-    quant = getattr(apply_draft_quant(draft, target, None), "quant", None)
     spec = args.speculation or shipped_dispatch(device.type)
-    engine = LLMEngine(target, None, draft, resolve_tree(spec),
-                       EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                    cuda_graphs=device.type == "cuda"))
+    engine, quant = random_engine(args.shape, device, spec, args.max_num_seqs, args.max_model_len)
     if device.type == "cuda":
         torch.cuda.synchronize()
     t1 = time.perf_counter()

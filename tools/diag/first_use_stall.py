@@ -73,20 +73,13 @@ def wave(engine, prompts: list[list[int]], kind: str, max_tokens: int) -> dict:
 
 
 def random_engine(shape: str, max_num_seqs: int, speculation: str | None, lengths: list[int]):
-    """An engine over random weights of `shape` (as `capture_time.py` builds it), and random prompts of `lengths`."""
-    from capture_time import shipped_dispatch
-    from eyas.bench.shapes import SHAPES, random_draft, random_target
-    from eyas.engine.engine import EngineConfig, LLMEngine
-    from eyas.spec.draft_quant import apply_draft_quant
-    from eyas.spec.tree import resolve_tree
+    """An engine over random weights of `shape` (`capture_time.random_engine`), and random prompts of `lengths`."""
+    import capture_time
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target = random_target(shape, device)
-    draft = random_draft(target, config=SHAPES[shape])
-    apply_draft_quant(draft, target, None)
-    engine = LLMEngine(target, None, draft, resolve_tree(speculation or shipped_dispatch(device.type)),
-                       EngineConfig(max_num_seqs=max_num_seqs, cuda_graphs=device.type == "cuda"))
+    engine, _ = capture_time.random_engine(shape, device, speculation or capture_time.shipped_dispatch(device.type),
+                                           max_num_seqs)
     g = torch.Generator().manual_seed(0)
-    vocab = target.config.vocab_size
+    vocab = engine.target.config.vocab_size
     return engine, [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
