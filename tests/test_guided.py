@@ -156,9 +156,37 @@ def test_bad_specs_are_value_errors(backend):
     for bad in ({}, {"format": {}, "structures": []}, "<f>"):
         with pytest.raises(ValueError, match="guided structural_tag"):
             GuidedDecoding(structural_tag=bad)
-    for bad in ({"format": {"type": "nope"}}, {"structures": [{"begin": "<f>", "end": "</f>"}], "triggers": []}):
-        with pytest.raises(ValueError, match="invalid structural_tag"):
+    for bad, words in (({"format": {"type": "nope"}}, ".*Format type not recognized: nope"),
+                       ({"structures": [{"begin": "<f>", "end": "</f>"}], "triggers": []}, "missing field 'schema'")):
+        with pytest.raises(ValueError, match=f"invalid structural_tag: {words}"):
             be.compile(GuidedDecoding(structural_tag=bad))
+    # xgrammar's "Check failed: (...) is false:" prefix is not the client's business
+    with pytest.raises(ValueError, match=r"invalid json: Failed to parse JSON: syntax error"):
+        be.compile(GuidedDecoding(json="{bad"))
+
+
+XGRAMMAR_FAULT = "[12:00:00] /project/cpp/grammar_compiler.cc:99: Check failed: (ok) is false: out of memory"
+
+
+def _raise(msg):
+    def f(*args, **kwargs):
+        raise RuntimeError(msg)
+    return f
+
+
+def test_xgrammar_faults_are_not_blamed_on_the_spec(backend, monkeypatch):
+    """Only the errors of xgrammar's schema, regex and EBNF front ends (and its structural-tag check) are the
+    client's: any other RuntimeError stays one, so that the server answers 500 instead of a 400 that blames a sound
+    spec."""
+    be, _ = backend
+    monkeypatch.setattr(be.compiler, "compile_regex", _raise(XGRAMMAR_FAULT))
+    with pytest.raises(RuntimeError, match="xgrammar failed to compile a regex: .*out of memory") as e:
+        be.compile(GuidedDecoding(regex="a"))
+    assert not isinstance(e.value, ValueError)
+    monkeypatch.setattr(be.compiler, "compile_regex",
+                        _raise("[12:00:00] /project/cpp/regex_converter.cc:94: Regex parsing error at position 3"))
+    with pytest.raises(ValueError, match="invalid regex: Regex parsing error at position 3$"):
+        be.compile(GuidedDecoding(regex="a"))
 
 
 def matches(g: GuidedDecoding, text: str) -> bool:
@@ -559,6 +587,17 @@ def test_server_rejects_bad_guides_with_400(guided_server):
             assert words in err["message"] and err["param"] == param, (extra, err)
         r = http.post("/v1/completions", json={"model": "mirror", "prompt": "x", "guided_choice": "abc"})
         assert r.status_code == 422  # a string is not a list of choices: the schema's error
+    assert guided_server.wait_idle()["eyas:kv_cache_used_blocks{}"] == 0
+
+
+def test_server_answers_500_for_an_xgrammar_fault(guided_server, monkeypatch):
+    import httpx
+    compiler = guided_server.engine.grammar_backend().compiler
+    monkeypatch.setattr(compiler, "compile_regex", _raise(XGRAMMAR_FAULT))
+    with httpx.Client(base_url=guided_server.url, timeout=60) as http:
+        r = http.post("/v1/completions", json={"model": "mirror", "prompt": "x", "guided_regex": "(yes|no)"})
+        assert r.status_code == 500, r.text
+        assert "xgrammar failed to compile a regex" in r.json()["error"]["message"]
     assert guided_server.wait_idle()["eyas:kv_cache_used_blocks{}"] == 0
 
 

@@ -74,6 +74,20 @@ def structural_tag(spec: dict) -> dict:
                                                  "tags": tags}}
 
 
+# Where xgrammar (0.2) reports a spec it refuses: its JSON-schema, regex and EBNF front ends, and its structural-tag
+# check. Its other RuntimeErrors (a failed internal check, memory) are the server's faults, not the client's.
+_INPUT_ERRORS = ("json_schema_converter.cc:", "regex_converter.cc:", "grammar_parser.cc:", "Invalid structural tag")
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _strip_source(msg: str) -> str:
+    """xgrammar's message without its "[time] file.cc:line: " and "Check failed: (...) is false: " prefixes."""
+    return msg.split(" is false: ", 1)[-1] if "Check failed" in msg else msg.split(": ", 1)[-1]
+
+
 class GrammarBackend:
     """The tokenizer's vocabulary as xgrammar sees it, and a compiler (with its own cache) of guided specs."""
 
@@ -104,7 +118,8 @@ class GrammarBackend:
         return (self.vocab_size + 31) // 32
 
     def compile(self, g: GuidedDecoding):
-        """A compiled grammar; ValueError naming the field for a schema, regex or grammar that xgrammar refuses."""
+        """A compiled grammar; ValueError naming the field for a schema, regex or grammar that xgrammar refuses,
+        RuntimeError for xgrammar's other failures (a server error, not the client's)."""
         try:
             if g.json is not None or g.json_object:  # an object, as OpenAI's json_object mode promises
                 schema = g.json if isinstance(g.json, str) else json.dumps(g.json or {"type": "object"})
@@ -118,9 +133,14 @@ class GrammarBackend:
             if g.structural_tag is not None:
                 return self.compiler.compile_structural_tag(structural_tag(g.structural_tag))
             return self.compiler.compile_grammar(g.grammar)
-        except (RuntimeError, ValueError, TypeError, KeyError) as e:  # xgrammar's parse errors: "[time] file.cc:line: message"
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"guided decoding: invalid {g.kind}: {msg.split(': ', 1)[-1]}") from None
+        except RuntimeError as e:  # xgrammar's own errors: "[time] /project/cpp/file.cc:line: message"
+            msg = _first_line(e)
+            if not any(s in msg for s in _INPUT_ERRORS):  # a fault of xgrammar or of this server, not of the spec
+                raise RuntimeError(f"guided decoding: xgrammar failed to compile a {g.kind}: {msg}") from e
+            raise ValueError(f"guided decoding: invalid {g.kind}: {_strip_source(msg)}") from None
+        except (ValueError, TypeError, KeyError) as e:  # a spec that `structural_tag` or xgrammar's Python refuses
+            msg = f"missing field {e.args[0]!r}" if isinstance(e, KeyError) else _strip_source(_first_line(e))
+            raise ValueError(f"guided decoding: invalid {g.kind}: {msg}") from None
 
     def state(self, g: GuidedDecoding) -> "GrammarState":
         if g.after_token_id is not None:
