@@ -9,6 +9,7 @@ Every request loop is bounded in count and time.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import copy
 import json
@@ -1280,6 +1281,55 @@ def test_eyas_serve_subprocess(tiny_dir):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_eyas_serve_refuses_a_port_in_use_before_loading(tiny_dir, monkeypatch, capsys, tp):
+    """A port in use or out of range stops `eyas serve` with a clear error before any model loads (as vLLM does),
+    not after minutes of loading and capturing; with --tensor-parallel too, before any rank is spawned."""
+    from eyas import cli
+    from eyas.serve import api_server
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("loaded the model before checking the port")
+    monkeypatch.setattr(api_server, "build_llm", loaded)
+    monkeypatch.setattr("eyas.dist.launch.run_ranks", loaded)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for bad, words in ((port, f"cannot listen on 127.0.0.1:{port}: Address already in use"),
+                           (65536, "--port must be in 0..65535, got 65536")):
+            args = ["serve", "--model", str(tiny_dir), "--device", "cpu", "--port", str(bad)]
+            assert cli.main(args + (["--tensor-parallel", "2"] if tp == 2 else [])) != 0
+            assert f"eyas: error: {words}" in capsys.readouterr().err
+
+
+def test_serve_listens_where_it_was_told_and_names_a_free_port(tiny_dir, monkeypatch):
+    """`--port 0` takes a free port, which the log line names; the socket bound before loading is the one served."""
+    from eyas.serve import api_server
+    served = {}
+
+    class Server:
+        def __init__(self, config):
+            pass
+
+        def run(self, sockets):
+            served["port"] = sockets[0].getsockname()[1]
+    monkeypatch.setattr("uvicorn.Server", Server)
+    sock = api_server.listen("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    assert port != 0
+    with socket.socket() as other:  # bound already: nobody else gets it
+        with pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+    with socket.socket() as early, pytest.raises(ConnectionRefusedError):  # not listening before uvicorn does
+        early.connect(("127.0.0.1", port))
+    engine = type("E", (), {"draft": None})()
+    args = argparse.Namespace(tensor_parallel=1, served_model_name="tiny", model="x", host="127.0.0.1", port=0,
+                              log_level="warning")
+    api_server._serve_app(None, engine, args, sock)
+    assert served["port"] == port and sock.fileno() == -1  # closed once served
 
 
 def _children(pid: int) -> list[int]:

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import socket
 import threading
 import time
 from dataclasses import replace
@@ -1093,13 +1094,31 @@ def _capture_graphs(engine, max_num_seqs: int, extras: list[str] = ()) -> None:
         log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
 
 
-def _serve_app(app, engine, args) -> None:
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the model loads (as vLLM does): a port in use or a host this
+    machine does not have stops `eyas serve` at once with a clear error, not after minutes of loading and capturing.
+    Port 0 takes a free port (the log line names it)."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {port}")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart need not wait out TIME_WAIT
+    try:
+        sock.bind((host, port))  # bound, not listening: until uvicorn listens, a client is refused, not left waiting
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _serve_app(app, engine, args, sock: socket.socket | None = None) -> None:
     import uvicorn
+    sock = sock if sock is not None else listen(args.host, args.port)
     spec = f"speculation {engine.tree.name}" if engine.draft is not None else "no speculation"
     tp = f", tensor parallel {args.tensor_parallel}" if args.tensor_parallel > 1 else ""
     log.info("serving %s (%s%s) on http://%s:%d", args.served_model_name or args.model, spec, tp, args.host,
-             args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+             sock.getsockname()[1])
+    with sock:
+        uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
 
 
 def _tp_serve(rank: int, world_size: int, device, args, options: dict) -> None:
@@ -1186,6 +1205,7 @@ def run_serve(args) -> int:
     if args.tensor_parallel > 1:
         import torch
         from eyas.dist.launch import run_ranks
+        listen(args.host, args.port).close()  # rank 0 binds it again once every rank has loaded: fail early here
         from eyas.spec.draft_quant import asks_quant
         if asks_quant(getattr(args, "draft_quant", None)):
             raise ValueError("--draft-quant does not combine with --tensor-parallel yet")
@@ -1197,10 +1217,15 @@ def run_serve(args) -> int:
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: rank 0 shut the server down and stopped the others
             log.info("stopped")
         return 0
-    llm = build_llm(args)
-    _capture_graphs(llm.engine, args.max_num_seqs, args.capture_extras)
+    sock = listen(args.host, args.port)
+    try:
+        llm = build_llm(args)
+        _capture_graphs(llm.engine, args.max_num_seqs, args.capture_extras)
+    except BaseException:
+        sock.close()
+        raise
     _serve_app(create_app(llm, args.served_model_name or args.model, max_queue=args.max_queue, **options),
-               llm.engine, args)
+               llm.engine, args, sock)
     return 0
 
 
