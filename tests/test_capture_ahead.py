@@ -38,6 +38,37 @@ def test_capture_all_captures_the_extras_twins_of_every_step_graph(pair, extras)
     assert g.capture_all(8, extras=extras) == 0  # all there
 
 
+def test_capture_all_advances_a_progress_bar_to_its_total(pair, monkeypatch):
+    """`eyas serve`'s bar over the captures ahead: its total is what capture_all then captures (already captured
+    graphs not counted), decode and prefill graphs on one bar, and it ends full."""
+    import io
+    from types import SimpleNamespace
+
+    from tqdm import tqdm
+
+    from eyas.engine import prefill_graph
+    target, draft = pair
+    llm = LLM(str(target), device="cpu", dtype="float32", draft=str(draft),
+              speculation="dispatch:1=chain:4,4=tree:8,64=plain|0.5=chain:2", max_num_seqs=8)
+    g = stubbed(llm)
+    g.capture_all(2, modes=("greedy",))  # some there already
+    totals, done = [], []
+    with tqdm(total=0, file=io.StringIO()) as bar:
+        n = g.capture_all(8, extras=((True, 0),), progress=bar)
+        totals.append(bar.total)
+        runner = SimpleNamespace(draft=None, width=4, block_size=16, prefill_tokens=prefill_graph.GRAPH_TOKENS)
+        pg = prefill_graph.PrefillGraphs(runner)
+        pg._capture = lambda key: (done.append(key) or key)
+        m = pg.capture_all(8, 512, bar)
+        assert 0 < n == totals[0] and 0 < m == len(done) and bar.n == bar.total == n + m
+        assert pg.capture_all(8, 512, bar) == 0 and bar.total == n + m
+    capped = prefill_graph.PrefillGraphs(runner)  # at most MAX_GRAPHS prefill graphs, the bar told as many
+    capped._capture = lambda key: key
+    monkeypatch.setattr(prefill_graph, "MAX_GRAPHS", 3)
+    with tqdm(total=0, file=io.StringIO()) as bar:
+        assert capped.capture_all(8, 512, bar) == 3 == bar.total == bar.n and len(capped.graphs) == 3
+
+
 def test_serve_flag_names_the_extras(pair):
     """`eyas serve --capture-extras logprobs penalties` hands capture_all those kinds' (log-probabilities,
     penalties) pairs; an unknown kind is refused by the parser."""
@@ -52,7 +83,7 @@ def test_serve_flag_names_the_extras(pair):
     with pytest.raises(SystemExit):
         p.parse_args(["--capture-extras", "guided"])
     seen = []
-    graphs = SimpleNamespace(capture_all=lambda n, extras=(): seen.append((n, extras)) or 0)
+    graphs = SimpleNamespace(capture_all=lambda n, extras=(), progress=None: seen.append((n, extras)) or 0)
     _capture_graphs(SimpleNamespace(runner=SimpleNamespace(graphs=graphs)), 8, args.capture_extras)
     assert seen == [(8, ((True, 0), (True, 1)))]
 

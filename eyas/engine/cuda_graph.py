@@ -153,7 +153,7 @@ class GraphedStep:
 
     @torch.inference_mode()
     def capture_all(self, max_batch: int, modes: tuple[str, ...] = SAMPLING_MODES,
-                    extras: tuple[tuple[bool, int], ...] = ()) -> int:
+                    extras: tuple[tuple[bool, int], ...] = (), progress=None) -> int:
         """Capture, ahead of time, every graph a batch of up to `max_batch` sequences can need: one per bucket (as
         sequences finish, a batch shrinks through the smaller buckets), per tree the dispatcher picks inside that
         bucket (at the temperatures of its bands, for sampled modes), per sampling mode (`modes`), per context
@@ -161,9 +161,26 @@ class GraphedStep:
         capture itself) in the middle of decoding. `extras`: (log-probabilities, penalties' kind) pairs whose
         `launch_extras` graphs are captured ahead too, for the same keys (`eyas serve --capture-extras`; otherwise
         the first such step at a key captures them, 0.2-0.8 s in the request's path on an H100, session 64).
+        `progress`: a tqdm bar, whose total grows by the graphs to capture and which advances as they are.
         Returns how many graphs were captured."""
+        plan = self._plan(max_batch, modes, extras)
+        if progress is not None:
+            progress.total = (progress.total or 0) + sum(self._missing(*item) for item in plan)
+            progress.refresh()
+        new = 0
+        for B, mode, tree, extra in plan:
+            n = (self._capture_buckets(B, mode, tree) if extra is None
+                 else self._capture_extras((B, mode, tree.name, None, *extra), tree))
+            new += n
+            if progress is not None:
+                progress.update(n)
+        return new
+
+    def _plan(self, max_batch: int, modes: tuple[str, ...], extras: tuple[tuple[bool, int], ...]) -> list[tuple]:
+        """`capture_all`'s work in its order: (batch bucket, sampling mode, tree, None for the step graphs or an
+        extras pair for their twins), each for every context bucket."""
         top = self.bucket(min(max_batch, BUCKETS[-1]))
-        new, lo = 0, 1
+        plan, lo = [], 1
         for b in BUCKETS:
             if b > top:
                 break
@@ -180,11 +197,16 @@ class GraphedStep:
                 if bare is not None and (m != "greedy" or self.runner.plain_from <= 0):
                     trees[bare.name] = bare
                 for t in trees.values():
-                    new += self._capture_buckets(b, m, t)
-                    for with_logprobs, with_penalties in extras:
-                        new += self._capture_extras((b, m, t.name, None, with_logprobs, with_penalties), t)
+                    plan.append((b, m, t, None))
+                    plan += [(b, m, t, extra) for extra in extras]
             lo = b + 1
-        return new
+        return plan
+
+    def _missing(self, B: int, mode: str, tree, extra: tuple[bool, int] | None) -> int:
+        """How many graphs of a `_plan` item are not captured yet."""
+        if extra is None:
+            return sum((B, mode, tree.name, c) not in self.graphs for c in self.context_buckets)
+        return sum((B, mode, tree.name, c, *extra) not in self.extras for c in self.context_buckets)
 
     def _capture_buckets(self, B: int, mode: str, tree) -> int:
         """Capture the graphs of every context bucket of (B, mode, tree) not captured yet; returns how many. They

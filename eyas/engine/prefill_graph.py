@@ -184,26 +184,28 @@ class PrefillGraphs:
         self._copied = None  # a CUDA event after the last copy out of it
 
     @torch.inference_mode()
-    def capture_all(self, max_batch: int, max_len: int) -> int:
+    def capture_all(self, max_batch: int, max_len: int, progress=None) -> int:
         """Capture, ahead of time, the graph of every padded shape that a chunk of up to `max_batch` sequences of up
         to `max_len` tokens each can take: without a cached prefix, then after one (`prefill_context`), so that
-        neither a first request nor a chat's next turn pays a capture. Returns how many were captured."""
+        neither a first request nor a chat's next turn pays a capture (at most MAX_GRAPHS in all). `progress`: a
+        tqdm bar, whose total grows by the graphs to capture and which advances as they are. Returns how many were
+        captured."""
         r = self.runner
         with_draft = DRAFT_IN_PREFILL and r.draft is not None
         top_b = next((b for b in BATCH_BUCKETS if b >= max_batch), BATCH_BUCKETS[-1])
         top_q = next((q for q in TOKEN_BUCKETS if q >= max_len), TOKEN_BUCKETS[-1])
-        new = 0
-        for context in (0, prefill_context(1, r.width * r.block_size)):
-            for b in BATCH_BUCKETS:
-                for q in TOKEN_BUCKETS:
-                    key = (b, q, context, with_draft)
-                    if b > top_b or q > top_q or prefill_shape(b, q, r.prefill_tokens) is None or key in self.graphs:
-                        continue
-                    if len(self.graphs) >= MAX_GRAPHS:
-                        return new
-                    self.graphs[key] = self._capture(key)
-                    new += 1
-        return new
+        keys = [(b, q, context, with_draft) for context in (0, prefill_context(1, r.width * r.block_size))
+                for b in BATCH_BUCKETS if b <= top_b for q in TOKEN_BUCKETS if q <= top_q
+                if prefill_shape(b, q, r.prefill_tokens) is not None]
+        keys = [k for k in keys if k not in self.graphs][:max(0, MAX_GRAPHS - len(self.graphs))]
+        if progress is not None:
+            progress.total = (progress.total or 0) + len(keys)
+            progress.refresh()
+        for key in keys:
+            self.graphs[key] = self._capture(key)
+            if progress is not None:
+                progress.update(1)
+        return len(keys)
 
     def run(self, packed: torch.Tensor, key: tuple[int, int, int, bool]):
         """(hidden, features, logits, first tokens) of the chunk whose packed inputs (`pack`) are `packed` (on the

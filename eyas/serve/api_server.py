@@ -1084,13 +1084,15 @@ def build_llm(args):
 def _capture_graphs(engine, max_num_seqs: int, extras: list[str] = ()) -> None:
     graphs = engine.runner.graphs
     if graphs is not None:  # every batch size the server can see, before the first request (as vLLM does)
+        from tqdm.auto import tqdm
         t0 = time.perf_counter()
-        n = graphs.capture_all(max_num_seqs, extras=tuple(EXTRAS_KINDS[e] for e in extras))
-        # and the prefills' padded shapes, without a cached prefix and after one (a shared system prompt, a chat's
-        # next turn), so that no request pays a capture
-        prefills, cfg = getattr(engine.runner, "prefill_graphs", None), getattr(engine, "config", None)
-        if prefills is not None and cfg is not None:
-            n += prefills.capture_all(max_num_seqs, min(cfg.max_num_batched_tokens, engine.max_model_len))
+        with tqdm(desc="capturing CUDA graphs", unit="graph", total=0, mininterval=1.0) as bar:
+            n = graphs.capture_all(max_num_seqs, extras=tuple(EXTRAS_KINDS[e] for e in extras), progress=bar)
+            # and the prefills' padded shapes, without a cached prefix and after one (a shared system prompt, a
+            # chat's next turn), so that no request pays a capture
+            prefills, cfg = getattr(engine.runner, "prefill_graphs", None), getattr(engine, "config", None)
+            if prefills is not None and cfg is not None:
+                n += prefills.capture_all(max_num_seqs, min(cfg.max_num_batched_tokens, engine.max_model_len), bar)
         log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
 
 
