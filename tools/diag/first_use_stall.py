@@ -44,8 +44,9 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def held(graphs) -> int:
-    return 0 if graphs is None else len(graphs.graphs) + len(graphs.extras) + len(graphs.guided)
+def held(graphs) -> set:
+    """The keys of every graph held (decode steps, their extras twins, guided steps)."""
+    return set() if graphs is None else {*graphs.graphs, *graphs.extras, *graphs.guided}
 
 
 def wave(engine, prompts: list[list[int]], kind: str, max_tokens: int) -> dict:
@@ -69,7 +70,8 @@ def wave(engine, prompts: list[list[int]], kind: str, max_tokens: int) -> dict:
     wall = time.perf_counter() - t0
     return {"wall_ms": round(wall * 1e3, 1), "max_step_ms": round(max(steps) * 1e3, 2),
             "median_step_ms": round(sorted(steps)[len(steps) // 2] * 1e3, 3), "steps": len(steps),
-            "graphs_captured": held(graphs) - before, "compile_ms": compile_ms}
+            "graphs_captured": len(held(graphs) - before), "compile_ms": compile_ms,
+            "new_keys": sorted(map(str, held(graphs) - before))}
 
 
 def random_engine(shape: str, max_num_seqs: int, speculation: str | None, lengths: list[int]):
