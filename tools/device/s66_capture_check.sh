@@ -1,8 +1,11 @@
-# For session 66 (wheels only: carry .whl; ~4-5 min on a fresh machine): does `eyas.engine.cuda_graph.capturing`
+# Carry .whl (and .stage/a, to stage the GGUF's first third on the way; session 66: 199 s for ROUNDS=2 on a fresh H100).
+# Does `eyas.engine.cuda_graph.capturing`
 # (01ac5ed: the cycle collector off during every capture) end the overlapped test's invalidated captures (sessions 62
 # and 65: `test_overlapped_graphs_equal_sequential_graphs`, under pytest-xdist only)? The graph files at -n 4, ROUNDS
 # (3) times, each failure's first lines kept (session 65's call 13 lost a ValueError's message: --tb=line). Then,
 # with the collector left on in this machine's copy (a sed), the same ROUNDS as the control.
+# Session 66's lesson: a late machine leaves little budget, so the first GGUF third rides along (carry .stage/a too)
+if [ -f .stage/a/part_aa ]; then mkdir -p /root/stage && cp .stage/a/part_aa /root/stage/ && echo "staged part_aa"; fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
