@@ -52,15 +52,15 @@ def test_capture_all_advances_a_progress_bar_to_its_total(pair, monkeypatch):
               speculation="dispatch:1=chain:4,4=tree:8,64=plain|0.5=chain:2", max_num_seqs=8)
     g = stubbed(llm)
     g.capture_all(2, modes=("greedy",))  # some there already
-    totals, done = [], []
+    done = []
     with tqdm(total=0, file=io.StringIO()) as bar:
         n = g.capture_all(8, extras=((True, 0),), progress=bar)
-        totals.append(bar.total)
+        told = bar.total
         runner = SimpleNamespace(draft=None, width=4, block_size=16, prefill_tokens=prefill_graph.GRAPH_TOKENS)
         pg = prefill_graph.PrefillGraphs(runner)
         pg._capture = lambda key: (done.append(key) or key)
         m = pg.capture_all(8, 512, bar)
-        assert 0 < n == totals[0] and 0 < m == len(done) and bar.n == bar.total == n + m
+        assert 0 < n == told and 0 < m == len(done) and bar.n == bar.total == n + m
         assert pg.capture_all(8, 512, bar) == 0 and bar.total == n + m
     capped = prefill_graph.PrefillGraphs(runner)  # at most MAX_GRAPHS prefill graphs, the bar told as many
     capped._capture = lambda key: key

@@ -68,10 +68,10 @@ def wave(engine, prompts: list[list[int]], kind: str, max_tokens: int) -> dict:
         _sync()
         steps.append(time.perf_counter() - s)
     wall = time.perf_counter() - t0
+    new = held(graphs) - before
     return {"wall_ms": round(wall * 1e3, 1), "max_step_ms": round(max(steps) * 1e3, 2),
             "median_step_ms": round(sorted(steps)[len(steps) // 2] * 1e3, 3), "steps": len(steps),
-            "graphs_captured": len(held(graphs) - before), "compile_ms": compile_ms,
-            "new_keys": sorted(map(str, held(graphs) - before))}
+            "graphs_captured": len(new), "compile_ms": compile_ms, "new_keys": sorted(map(str, new))}
 
 
 def random_engine(shape: str, max_num_seqs: int, speculation: str | None, lengths: list[int]):
