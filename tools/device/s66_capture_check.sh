@@ -1,4 +1,5 @@
 # Carry .whl (and .stage/a, to stage the GGUF's first third on the way; session 66: 199 s for ROUNDS=2 on a fresh H100).
+# Session 67's answer: yes (collector off: 17 of 17 runs passed; the control failed 2 of 5).
 # Does `eyas.engine.cuda_graph.capturing`
 # (01ac5ed: the cycle collector off during every capture) end the overlapped test's invalidated captures (sessions 62
 # and 65: `test_overlapped_graphs_equal_sequential_graphs`, under pytest-xdist only)? The graph files at -n 4, ROUNDS
