@@ -203,20 +203,26 @@ class GraphedStep:
             lo = b + 1
         return plan
 
+    def _keys(self, B: int, mode: str, name: str, extra: tuple[bool, int] | None = None) -> tuple[dict, list[tuple]]:
+        """The keys of (B, mode, tree `name`) in every context bucket, extended by `extra` (log-probabilities,
+        penalties' kind) for the extras twins, and the dictionary that holds their graphs."""
+        if extra is None:
+            return self.graphs, [(B, mode, name, c) for c in self.context_buckets]
+        return self.extras, [(B, mode, name, c, *extra) for c in self.context_buckets]
+
     def _missing(self, B: int, mode: str, tree, extra: tuple[bool, int] | None) -> int:
         """How many graphs of a `_plan` item are not captured yet."""
-        if extra is None:
-            return sum((B, mode, tree.name, c) not in self.graphs for c in self.context_buckets)
-        return sum((B, mode, tree.name, c, *extra) not in self.extras for c in self.context_buckets)
+        store, keys = self._keys(B, mode, tree.name, extra)
+        return sum(k not in store for k in keys)
 
     def _capture_buckets(self, B: int, mode: str, tree) -> int:
         """Capture the graphs of every context bucket of (B, mode, tree) not captured yet; returns how many. They
         are captured together: a capture pads the static inputs, which an overlapped successor (its inputs carried,
         its tables refreshed) must find as they are, whichever bucket it moves to."""
         new = 0
-        for c in self.context_buckets:
-            if (B, mode, tree.name, c) not in self.graphs:
-                self._capture((B, mode, tree.name, c), tree)
+        for k in self._keys(B, mode, tree.name)[1]:
+            if k not in self.graphs:
+                self._capture(k, tree)
                 new += 1
         return new
 
@@ -278,11 +284,10 @@ class GraphedStep:
         were captured."""
         B, mode, name, _, with_logprobs, with_penalties = key
         new = 0
-        for c in self.context_buckets:
-            k = (B, mode, name, c, with_logprobs, with_penalties)
+        for k in self._keys(B, mode, name, (with_logprobs, with_penalties))[1]:
             if k in self.extras:
                 continue
-            static = self._static_inputs(B, c)
+            static = self._static_inputs(B, k[3])
             pen = None
             if with_penalties:  # 2: with bad words of several tokens (`Penalties.kind`)
                 pen = self._extras_penalties.get((B, with_penalties))
