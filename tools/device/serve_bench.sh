@@ -1,0 +1,66 @@
+# `eyas serve` on the GPU as its clients see it (never measured there before session 68: the device's Python had
+# no fastapi, starlette or uvicorn; `.whl` now carries them, and opentelemetry-api, which fastapi needs). SmolLM2
+# served with its shipped draft (the shipped dispatcher) and without a draft (`--draft none`), each loaded by
+# `eyas bench serve` (httpx, on the device already): MT-Bench first turns x MAXTOK tokens, greedy, at each
+# concurrency of CONC. The offline rows to hold them against: `eyas bench latency` at batch 1 (session 67, an H100:
+# plain 0.427, the default tree 0.271 ms a token).
+#
+# Calls (staging as tools/device/README.md, "Session 67"): 1 carry .stage/a (cp part_aa to /root/stage), 2 carry
+# .stage/b (cp part_ab), 3 carry .stage/c .whl: bash tools/device/serve_bench.sh. Out: serve.md and serve.png (every
+# run), serve_runs.json (each run's meta and summary), the servers' logs.
+# Knobs: CONC ("1 16 64"), N (80 prompts), MAXTOK (128), UP_S (seconds to wait for a server's /health, 300: the
+# first process captures ~340 graphs, 89 s on an H100 in session 66), SERVERS ("spec plain"), SERVE_ARGS (added to
+# both servers), PROMPTS ($S/question.jsonl). A CPU dry run: STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o N=2 MAXTOK=4
+# CONC=1 SERVE_ARGS="--device cpu --dtype float32" PROMPTS=../shared/data/mt_bench/question.jsonl (the venv's
+# python first on PATH).
+source tools/device/thirds_lib.sh
+if [ -z "${STAGED:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+fi
+stage_thirds || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 -c "from importlib.metadata import version as v; import eyas.serve.api_server
+print(*(f'{p} {v(p)}' for p in ('fastapi', 'starlette', 'uvicorn', 'anyio', 'httpx', 'pydantic')))" || exit 1
+PROMPTS=${PROMPTS:-$S/question.jsonl}; PORT=${PORT:-8011}; R=$W/serve; mkdir -p $R
+runs=()
+
+serve_runs() {  # NAME SERVE-ARGS...: one server, loaded at each concurrency, then stopped
+  local name=$1 c; shift
+  echo "== $name: eyas serve $* ${SERVE_ARGS:-} [t=$(el)]"
+  python3 -m eyas.cli serve --model smollm2 --port $PORT "$@" ${SERVE_ARGS:-} > $OUT/server_$name.log 2>&1 &
+  local pid=$! up=0
+  for _ in $(seq ${UP_S:-300}); do
+    if python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$PORT/health').status_code != 200)" \
+        2> /dev/null; then up=1; break; fi
+    kill -0 $pid 2> /dev/null || break
+    sleep 1
+  done
+  if [ $up = 0 ]; then echo "$name: no server up [t=$(el)]"; tail -n 5 $OUT/server_$name.log; kill $pid; return 1; fi
+  echo "$name: up [t=$(el)]"
+  for c in ${CONC:-1 16 64}; do  # each run from an empty prefix cache: the runs before sent the same prompts
+    python3 -c "import httpx; httpx.post('http://127.0.0.1:$PORT/reset_prefix_cache').raise_for_status()" || return 1
+    python3 -m eyas.cli bench serve --base-url http://127.0.0.1:$PORT/v1 --model smollm2 --prompts $PROMPTS \
+      --num-prompts ${N:-80} --max-tokens ${MAXTOK:-128} --temperature 0 --concurrency $c --label $name-c$c \
+      --no-progress --out $R/$name-c$c --compare "${runs[@]}" > $R/$name-c$c.txt 2>&1 || tail -n 3 $R/$name-c$c.txt
+    [ -f $R/$name-c$c/serve.json ] && runs+=($R/$name-c$c/serve.json)
+  done
+  kill -INT $pid; wait $pid
+  echo "$name: done [t=$(el)]"
+}
+
+for s in ${SERVERS:-spec plain}; do
+  case $s in
+    spec) serve_runs spec --draft default ;;
+    plain) serve_runs plain --draft none ;;
+  esac
+done
+[ ${#runs[@]} -gt 0 ] || { echo "no run"; exit 1; }
+last=$(dirname ${runs[-1]})
+cp $last/serve.md $last/serve.png $OUT/
+cat $OUT/serve.md
+python3 - "${runs[@]}" > $OUT/serve_runs.json <<'EOF'
+import json, sys
+print(json.dumps([{k: json.load(open(p))[k] for k in ("meta", "summary")} for p in sys.argv[1:]], indent=1))
+EOF
+echo "done [t=$(el)]"
