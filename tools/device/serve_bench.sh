@@ -3,11 +3,14 @@
 # served with its shipped draft (the shipped dispatcher) and without a draft (`--draft none`), each loaded by
 # `eyas bench serve` (httpx, on the device already): MT-Bench first turns x MAXTOK tokens, greedy, at each
 # concurrency of CONC. The offline rows to hold them against: `eyas bench latency` at batch 1 (session 67, an H100:
-# plain 0.427, the default tree 0.271 ms a token).
+# plain 0.427, the default tree 0.271 ms a token). Each server runs under tools/diag/serve_steps.py, which times the
+# engine's steps inside it by batch size; `eyas bench latency` first times the same engines alone at the same batch
+# sizes (OFFLINE=0 skips it): what serving costs a step, and what the client sees.
 #
 # Calls (staging as tools/device/README.md, "Session 67"): 1 carry .stage/a (cp part_aa to /root/stage), 2 carry
-# .stage/b (cp part_ab), 3 carry .stage/c .whl: bash tools/device/serve_bench.sh. Out: serve.md and serve.png (every
-# run), serve_runs.json (each run's meta and summary), the servers' logs.
+# .stage/b (cp part_ab), 3 carry .stage/c .whl: bash tools/device/serve_bench.sh (about 5 minutes). Out: serve.md and serve.png (every
+# run), serve_runs.json (each run's meta and summary, and each server's steps), offline_latency.{md,json}, the
+# servers' logs.
 # Knobs: CONC ("1 16 64"), N (80 prompts), MAXTOK (128), UP_S (seconds to wait for a server's /health, 300: the
 # first process captures ~340 graphs, 89 s on an H100 in session 66), SERVERS ("spec plain"), SERVE_ARGS (added to
 # both servers), PROMPTS ($S/question.jsonl). A CPU dry run: STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o N=2 MAXTOK=4
@@ -24,11 +27,22 @@ python3 -c "from importlib.metadata import version as v; import eyas.serve.api_s
 print(*(f'{p} {v(p)}' for p in ('fastapi', 'starlette', 'uvicorn', 'anyio', 'httpx', 'pydantic')))" || exit 1
 PROMPTS=${PROMPTS:-$S/question.jsonl}; PORT=${PORT:-8011}; R=$W/serve; mkdir -p $R
 runs=()
+# the shipped draft's dispatch for greedy steps (its config's first temperature band), as the server runs it
+SPEC=${SPEC:-dispatch:2=tree:smollm2_48d5,16=dyn:k4d3n8,32=tree:8,256=chain:3}
+if [ "${OFFLINE:-1}" = 1 ]; then
+  echo "== offline: eyas bench latency, batch sizes ${CONC:-1 16 64} [t=$(el)]"
+  python3 -m eyas.cli bench latency --model smollm2 --draft default --modes plain,$SPEC --max-tokens ${MAXTOK:-128} \
+    --batch-sizes $(echo ${CONC:-1 16 64} | tr ' ' ,) --num-prompts ${N:-80} --prompts $PROMPTS --max-model-len 8192 \
+    ${SERVE_ARGS:-} --out $W/offline > $W/offline.txt 2>&1 || tail -n 5 $W/offline.txt
+  cp $W/offline/latency.md $OUT/offline_latency.md; cp $W/offline/latency.json $OUT/offline_latency.json
+  cat $OUT/offline_latency.md
+fi
 
 serve_runs() {  # NAME SERVE-ARGS...: one server, loaded at each concurrency, then stopped
   local name=$1 c; shift
   echo "== $name: eyas serve $* ${SERVE_ARGS:-} [t=$(el)]"
-  python3 -m eyas.cli serve --model smollm2 --port $PORT "$@" ${SERVE_ARGS:-} > $OUT/server_$name.log 2>&1 &
+  python3 tools/diag/serve_steps.py --out $R/steps_$name.json -- --model smollm2 --port $PORT "$@" ${SERVE_ARGS:-} \
+    > $OUT/server_$name.log 2>&1 &
   local pid=$! up=0
   for _ in $(seq ${UP_S:-300}); do
     if python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$PORT/health').status_code != 200)" \
@@ -46,6 +60,7 @@ serve_runs() {  # NAME SERVE-ARGS...: one server, loaded at each concurrency, th
     [ -f $R/$name-c$c/serve.json ] && runs+=($R/$name-c$c/serve.json)
   done
   kill -INT $pid; wait $pid
+  grep "ms a step" $OUT/server_$name.log
   echo "$name: done [t=$(el)]"
 }
 
@@ -59,8 +74,10 @@ done
 last=$(dirname ${runs[-1]})
 cp $last/serve.md $last/serve.png $OUT/
 cat $OUT/serve.md
-python3 - "${runs[@]}" > $OUT/serve_runs.json <<'EOF'
-import json, sys
-print(json.dumps([{k: json.load(open(p))[k] for k in ("meta", "summary")} for p in sys.argv[1:]], indent=1))
+python3 - $R "${runs[@]}" > $OUT/serve_runs.json <<'EOF'
+import json, sys, pathlib
+steps = {p.stem[6:]: json.loads(p.read_text()) for p in pathlib.Path(sys.argv[1]).glob("steps_*.json")}
+runs = [{k: json.load(open(p))[k] for k in ("meta", "summary")} for p in sys.argv[2:]]
+print(json.dumps({"runs": runs, "server_steps": steps}, indent=1))
 EOF
 echo "done [t=$(el)]"
