@@ -8,9 +8,9 @@
 # sizes (OFFLINE=0 skips it): what serving costs a step, and what the client sees.
 #
 # Calls (staging as tools/device/README.md, "Session 67"): 1 carry .stage/a (cp part_aa to /root/stage), 2 carry
-# .stage/b (cp part_ab), 3 carry .stage/c .whl: bash tools/device/serve_bench.sh (about 5 minutes). Out: serve.md and serve.png (every
-# run), serve_runs.json (each run's meta and summary, and each server's steps), offline_latency.{md,json}, the
-# servers' logs.
+# .stage/b (cp part_ab), 3 carry .stage/c .whl: bash tools/device/serve_bench.sh (about 5 minutes). Out: serve.md
+# and serve.png (every run), serve_runs.json (each run's meta and summary, and each server's steps),
+# offline_latency.{md,json}, the servers' logs.
 # Knobs: CONC ("1 16 64"), N (80 prompts), MAXTOK (128), UP_S (seconds to wait for a server's /health, 300: the
 # first process captures ~340 graphs, 89 s on an H100 in session 66), SERVERS ("spec plain"), SERVE_ARGS (added to
 # both servers), PROMPTS ($S/question.jsonl). A CPU dry run: STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o N=2 MAXTOK=4
