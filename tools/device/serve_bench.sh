@@ -12,7 +12,8 @@
 # and serve.png (every run), serve_runs.json (each run's meta and summary, and each server's steps),
 # offline_latency.{md,json}, the servers' logs.
 # Knobs: CONC ("1 16 64"), N (80 prompts), MAXTOK (128), UP_S (seconds to wait for a server's /health, 300: the
-# first process captures ~340 graphs, 89 s on an H100 in session 66), SERVERS ("spec plain"), SERVE_ARGS (added to
+# first process captures ~340 graphs, 89 s on an H100 in session 66), SERVERS ("spec plain"; "spec-httptools" too:
+# the shipped draft's server with httptools from .whl/extra, ~2 minutes more), SERVE_ARGS (added to
 # both servers), PROMPTS ($S/question.jsonl). A CPU dry run: STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o N=2 MAXTOK=4
 # CONC=1 SERVE_ARGS="--device cpu --dtype float32" PROMPTS=../shared/data/mt_bench/question.jsonl (the venv's
 # python first on PATH).
@@ -68,6 +69,9 @@ for s in ${SERVERS:-spec plain}; do
   case $s in
     spec) serve_runs spec --draft default ;;
     plain) serve_runs plain --draft none ;;
+    spec-httptools)  # uvicorn's C HTTP parser (uvicorn[standard], as vLLM installs it); the device has uvloop already
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_http .whl/extra/httptools-*.whl \
+        && PYTHONPATH=/tmp/site_http:$PYTHONPATH serve_runs spec-httptools --draft default ;;
   esac
 done
 [ ${#runs[@]} -gt 0 ] || { echo "no run"; exit 1; }
