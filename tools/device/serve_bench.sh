@@ -8,13 +8,14 @@
 # sizes (OFFLINE=0 skips it): what serving costs a step, and what the client sees.
 #
 # Calls (staging as tools/device/README.md, "Session 67"): 1 carry .stage/a (cp part_aa to /root/stage), 2 carry
-# .stage/b (cp part_ab), 3 carry .stage/c .whl: bash tools/device/serve_bench.sh (about 5 minutes). Out: serve.md
+# .stage/b (cp part_ab), 3 carry .stage/c .whl: bash tools/device/serve_bench.sh (an estimated 5 minutes). Out: serve.md
 # and serve.png (every run), serve_runs.json (each run's meta and summary, and each server's steps),
 # offline_latency.{md,json}, the servers' logs.
 # Knobs: CONC ("1 16 64"), N (80 prompts), MAXTOK (128), UP_S (seconds to wait for a server's /health, 300: the
 # first process captures ~340 graphs, 89 s on an H100 in session 66), SERVERS ("spec plain"; "spec-httptools" too:
-# the shipped draft's server with httptools from .whl/extra, ~2 minutes more), SERVE_ARGS (added to
-# both servers), PROMPTS ($S/question.jsonl). A CPU dry run: STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o N=2 MAXTOK=4
+# the shipped draft's server with httptools from .whl/extra, an estimated 2 minutes more), SERVE_ARGS (added to
+# every server and to the offline run, so only options both take, such as --device and --dtype), PROMPTS
+# ($S/question.jsonl). A CPU dry run: STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o N=2 MAXTOK=4
 # CONC=1 SERVE_ARGS="--device cpu --dtype float32" PROMPTS=../shared/data/mt_bench/question.jsonl (the venv's
 # python first on PATH).
 source tools/device/thirds_lib.sh
@@ -22,8 +23,7 @@ if [ -z "${STAGED:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
 fi
-stage_thirds || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+stage_thirds || exit 1  # it exports PYTHONPATH=/tmp/site:$PWD and PYTHONUNBUFFERED=1 (stage_smollm2.sh)
 python3 -c "from importlib.metadata import version as v; import eyas.serve.api_server
 print(*(f'{p} {v(p)}' for p in ('fastapi', 'starlette', 'uvicorn', 'anyio', 'httpx', 'pydantic')))" || exit 1
 PROMPTS=${PROMPTS:-$S/question.jsonl}; PORT=${PORT:-8011}; R=$W/serve; mkdir -p $R
