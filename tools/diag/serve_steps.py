@@ -32,10 +32,15 @@ from eyas.engine.engine import LLMEngine
 
 class StepClock:
     """Wraps `LLMEngine.step` (class-wide: the server builds its engine itself) to time each call by its kind
-    (a decode step, or one that prefilled) and the sequences running when it began."""
+    (a decode step, or one that prefilled) and the sequences running when it began. A step longer than `slow_s` is
+    kept whole (`slow`): its kind, batch, ms, and the Triton compiles and CUDA graph captures that ran inside it
+    (`events`, filled by `watch_compiles`)."""
 
-    def __init__(self, idle_s: float):
-        self.idle_s = idle_s
+    def __init__(self, idle_s: float, slow_s: float = 0.02):
+        self.idle_s, self.slow_s = idle_s, slow_s
+        self.events: list[str] = []  # compiles and captures since the current step began
+        self.slow: list[dict] = []
+        self.steps = 0
         # steps, their seconds, the loop thread's CPU seconds in them, gaps, the gaps' seconds
         self.rows: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0, 0.0])
         self.last: float | None = None
@@ -46,10 +51,16 @@ class StepClock:
 
         def step(engine):
             batch, decodes = len(engine.scheduler.running), engine.step_counts["decode"]
+            clock.events = []
             t0, c0 = time.perf_counter(), time.thread_time()
             out = orig(engine)
             t1, c1 = time.perf_counter(), time.thread_time()
-            row = clock.rows["decode" if engine.step_counts["decode"] > decodes else "prefill", batch]
+            kind = "decode" if engine.step_counts["decode"] > decodes else "prefill"
+            clock.steps += 1
+            if t1 - t0 > clock.slow_s:
+                clock.slow.append({"step": clock.steps, "kind": kind, "batch": batch, "ms": 1000 * (t1 - t0),
+                                   "cpu_ms": 1000 * (c1 - c0), "events": clock.events})
+            row = clock.rows[kind, batch]
             row[0] += 1
             row[1] += t1 - t0
             row[2] += c1 - c0
@@ -60,6 +71,38 @@ class StepClock:
             return out
 
         LLMEngine.step = step
+
+    def watch_compiles(self) -> None:
+        """Note each Triton JIT compile (kernel and specialisation, ms) and each CUDA graph capture in `events`."""
+        clock = self
+        try:
+            import triton
+            knobs = triton.knobs.runtime
+            began: dict = {}
+
+            def cache_hook(**kw):
+                began[id(kw.get("fn"))] = time.perf_counter()
+                return False  # compile as usual
+
+            def post_hook(**kw):
+                t = began.pop(id(kw.get("fn")), None)
+                ms = "" if t is None else f" {1000 * (time.perf_counter() - t):.0f} ms"
+                clock.events.append(f"compile{ms}: {str(kw.get('repr'))[:300]}")
+
+            knobs.jit_cache_hook, knobs.jit_post_compile_hook = cache_hook, post_hook
+        except (ImportError, AttributeError):  # no Triton, or one without the knobs
+            pass
+        try:
+            import torch
+            begin = torch.cuda.CUDAGraph.capture_begin
+
+            def capture_begin(graph, *a, **kw):
+                clock.events.append("CUDA graph capture")
+                return begin(graph, *a, **kw)
+
+            torch.cuda.CUDAGraph.capture_begin = capture_begin
+        except (ImportError, AttributeError):
+            pass
 
     def report(self) -> list[dict]:
         return [{"kind": k, "batch": b, "steps": n, "ms_per_step": 1000 * s / n, "cpu_ms_per_step": 1000 * c / n,
@@ -73,9 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="write the steps' table here (JSON)")
     p.add_argument("--idle-ms", type=float, default=50.0, help="a longer wait between steps is idleness")
+    p.add_argument("--slow-ms", type=float, default=20.0,
+                   help="print each step longer than this, with the compiles and captures inside it")
     args = p.parse_args(ours)
-    clock = StepClock(args.idle_ms / 1000)
+    clock = StepClock(args.idle_ms / 1000, args.slow_ms / 1000)
     clock.install()
+    clock.watch_compiles()
 
     def report():
         rows = clock.report()
@@ -84,9 +130,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['kind']}, batch {r['batch']}: {r['steps']} steps, {r['ms_per_step']:.3f} ms a step "
                   f"({r['cpu_ms_per_step']:.3f} ms of the loop thread's CPU), {gap} ms between", file=sys.stderr,
                   flush=True)
+        for st in sorted(clock.slow, key=lambda st: -st["ms"])[:40]:  # the longest; all of them in --out
+            print(f"slow step {st['step']} ({st['kind']}, batch {st['batch']}): {st['ms']:.1f} ms "
+                  f"({st['cpu_ms']:.1f} ms CPU)", file=sys.stderr)
+            for e in st["events"]:
+                print(f"    {e}", file=sys.stderr)
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"serve_args": serve, "steps": rows}, f, indent=1)
+                json.dump({"serve_args": serve, "steps": rows, "slow_steps": clock.slow}, f, indent=1)
 
     atexit.register(report)
     from eyas.serve import api_server
