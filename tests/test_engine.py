@@ -83,6 +83,30 @@ def test_min_admit_batches_admissions_and_changes_no_token(tiny_dir, alone_greed
         LLM(str(tiny_dir), device="cpu", dtype="float32", min_admit=0)
 
 
+def test_max_prefill_seqs_caps_a_prefill_step_and_changes_no_token(tiny_dir, alone_greedy):
+    """`max_prefill_seqs`: a prefill step takes at most that many sequences (on a GPU with CUDA graphs it defaults
+    to the prefill graphs' largest batch, so a wave of arrivals is not prefilled eagerly at its own shape); the
+    rest wait for the next step, and every request gets the tokens it gets alone. Without the cap (the CPU's
+    default) the same wave is one step, so the check can fail."""
+    for cap, most in ((None, 8), (3, 3), (0, 8)):
+        kw = {} if cap is None else {"max_prefill_seqs": cap}
+        llm = LLM(str(tiny_dir), device="cpu", dtype="float32", **kw)
+        eng, taken = llm.engine, []
+        seqs = [eng.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts8()]
+        while eng.has_unfinished():
+            before = eng.step_counts["prefill"]
+            in_prefill = sum(s.in_prefill for s in eng.scheduler.running) + len(eng.scheduler.waiting)
+            eng.step()
+            if eng.step_counts["prefill"] > before:
+                taken.append(in_prefill - sum(s.in_prefill for s in eng.scheduler.running)
+                             - len(eng.scheduler.waiting))
+        assert [s.output_ids for s in seqs] == alone_greedy
+        assert max(taken) == most, (cap, taken)
+        assert llm.engine.blocks.num_used == 0
+    with pytest.raises(ValueError, match="max_prefill_seqs"):
+        LLM(str(tiny_dir), device="cpu", dtype="float32", max_prefill_seqs=-1)
+
+
 def test_seeded_sampling_reproducible_and_batch_independent(tiny_dir):
     llm = LLM(str(tiny_dir), device="cpu", dtype="float32")
     # half of them filter (top-p), half do not: alone, those take the softmax's path (`accept_tree_logits`), in the

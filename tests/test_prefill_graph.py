@@ -393,3 +393,16 @@ def test_the_prefill_graph_replays_the_eager_step(tmp_path, draft, monkeypatch):
     assert graphs.capture_all(2, 20) == 2 + 3  # and after a prefix (the whole width; (2, 16) is there)
     assert set(graphs.graphs) >= {(b, q, c, drafted) for b in (1, 2) for q in (16, 32) for c in (0, runner.width * BS)}
     assert graphs.capture_all(2, 20) == 0
+
+
+@gpu
+def test_with_graphs_a_prefill_step_takes_at_most_the_graphs_largest_batch(tmp_path):
+    """On a GPU with CUDA graphs a wave of arrivals is prefilled 16 sequences a step (`BATCH_BUCKETS`' largest), so
+    that every such step replays a graph; without graphs, or with `max_prefill_seqs=0`, in as few steps as the token
+    budget allows."""
+    from eyas import LLM
+    d = write_tiny_llama(tmp_path / "m", vocab=64, hidden=64, heads=4, kv_heads=2, layers=1, max_pos=256)
+    for kw, most in (({"cuda_graphs": True}, BATCH_BUCKETS[-1]), ({"cuda_graphs": False}, 40),
+                     ({"cuda_graphs": True, "max_prefill_seqs": 0}, 40)):
+        llm = LLM(str(d), device="cuda", dtype="bfloat16", max_num_seqs=40, **kw)
+        assert llm.engine.scheduler.max_prefill_seqs == most, kw

@@ -35,6 +35,10 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, 60% of free GPU memory on CUDA
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # sequences a prefill step takes at most. None: where prefills replay CUDA graphs, the graphs' largest batch
+    # (`prefill_graph.BATCH_BUCKETS`, 16), since a larger wave prefills eagerly at its own shape (host-bound on a
+    # small model, and a JIT compile of some kernel at each new shape); else no limit. 0: no limit
+    max_prefill_seqs: int | None = None
     max_model_len: int | None = None  # None: the model's context length
     cuda_graphs: bool = False  # replay whole decode steps from CUDA graphs (device="cuda")
     # batch-1 plain decode steps on the one-row kernels where the target allows (eyas.models.one_row; with Triton)
@@ -176,9 +180,13 @@ class LLMEngine:
                                   proposer=self.proposer)
         self.tree = self.runner.tree
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
+        max_prefill_seqs = cfg.max_prefill_seqs
+        if max_prefill_seqs is None:
+            from eyas.engine.prefill_graph import BATCH_BUCKETS
+            max_prefill_seqs = BATCH_BUCKETS[-1] if self.runner.prefill_graphs is not None else 0
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    self.runner.lookahead, cfg.min_admit, with_draft=draft is not None,
-                                   policy=cfg.scheduling_policy)
+                                   policy=cfg.scheduling_policy, max_prefill_seqs=max_prefill_seqs)
         self.seqs: dict[str, Sequence] = {}
         self.eos_ids = set(mcfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:

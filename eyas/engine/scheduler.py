@@ -46,14 +46,18 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, lookahead: int,
-                 min_admit: int = 1, with_draft: bool = False, policy: str = "fcfs"):
+                 min_admit: int = 1, with_draft: bool = False, policy: str = "fcfs", max_prefill_seqs: int = 0):
         """`lookahead`: KV slots a decode step may fill beyond the committed ones (tree depth + 1). `min_admit`:
         while some sequence is decoding, waiting requests are admitted only once that many places in the batch are
         free (or all that wait fit): fewer, larger prefill steps for offline jobs (`EngineConfig.min_admit`).
         `with_draft`: the engine has a draft, whose KV a cached block must hold too. `policy`: "fcfs" or
-        "priority" (the module's docstring)."""
+        "priority" (the module's docstring). `max_prefill_seqs`: sequences a prefill step takes at most (0: no
+        limit; `EngineConfig.max_prefill_seqs`)."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
+        if max_prefill_seqs < 0:
+            raise ValueError(f"max_prefill_seqs must be >= 0 (0: no limit), got {max_prefill_seqs}")
+        self.max_prefill_seqs = max_prefill_seqs or max_num_seqs
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.policy = policy
@@ -116,7 +120,7 @@ class Scheduler:
         seqs, chunks = [], []
         # sequences admitted earlier whose prompt is still being prefilled (their blocks are already reserved)
         for seq in [s for s in self.running if s.in_prefill]:
-            if budget == 0:
+            if budget == 0 or len(seqs) == self.max_prefill_seqs:
                 break
             chunk = min(seq.prefill_target - seq.num_cached, budget)
             seqs.append(seq)
@@ -124,7 +128,7 @@ class Scheduler:
             budget -= chunk
         if not self._admission_open():
             return ScheduledBatch("prefill", seqs, chunks) if seqs else None
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and len(seqs) < self.max_prefill_seqs:
             seq = self.waiting[0]
             # admit only if the whole prompt and one decode step fit; the prompt's blocks are reserved at once
             hit = self._prefix_hit(seq)

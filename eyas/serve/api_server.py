@@ -1020,6 +1020,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
+    p.add_argument("--max-prefill-seqs", type=int, default=None,
+                   help="requests a prefill step takes at most; 0: no limit (default: with CUDA graphs, the prefill "
+                        "graphs' largest batch, 16, so that a wave of arrivals prefills from graphs, not eagerly)")
     p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
                    help="auto: a request's unset temperature, top_p, top_k, min_p and repetition_penalty come from "
                         "the model's generation_config.json (vLLM's default); vllm: OpenAI's defaults always")
@@ -1068,6 +1071,8 @@ def _engine_kwargs(args) -> dict:
                   scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
+    if getattr(args, "max_prefill_seqs", None) is not None:
+        kwargs["max_prefill_seqs"] = args.max_prefill_seqs
     if args.num_blocks is not None:
         kwargs["num_blocks"] = args.num_blocks
     return kwargs

@@ -12,9 +12,11 @@
 # and serve.png (every run), serve_runs.json (each run's meta and summary, and each server's steps),
 # offline_latency.{md,json}, the servers' logs.
 # Knobs: CONC ("1 16 64"), N (80 prompts), MAXTOK (128), UP_S (seconds to wait for a server's /health, 300: the
-# first process captures ~340 graphs, 89 s on an H100 in session 66), SERVERS ("spec plain"; "spec-httptools" too:
-# the shipped draft's server with httptools from .whl/extra, an estimated 2 minutes more), SERVE_ARGS (added to
-# every server and to the offline run, so only options both take, such as --device and --dtype), PROMPTS
+# first process captures ~340 graphs, 89 s on an H100 in session 66), SERVERS ("spec plain"; "spec-eager" and
+# "plain-eager": the same with --max-prefill-seqs 0, a wave of arrivals prefilled in one step, eagerly past 16
+# sequences, as before session 68; "spec-httptools": the shipped draft's server with httptools from .whl/extra, an
+# estimated 2 minutes more), SERVE_ARGS (added to every server and to the offline run, so only options both take,
+# such as --device and --dtype), PROMPTS
 # ($S/question.jsonl). A CPU dry run: STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o N=2 MAXTOK=4
 # CONC=1 SERVE_ARGS="--device cpu --dtype float32" PROMPTS=../shared/data/mt_bench/question.jsonl (the venv's
 # python first on PATH).
@@ -61,7 +63,8 @@ serve_runs() {  # NAME SERVE-ARGS...: one server, loaded at each concurrency, th
     [ -f $R/$name-c$c/serve.json ] && runs+=($R/$name-c$c/serve.json)
   done
   kill -INT $pid; wait $pid
-  grep "ms a step" $OUT/server_$name.log
+  grep "ms a step" $OUT/server_$name.log | grep -E "^decode, batch (1|16|6[0-4]):"
+  grep -A2 "^slow step" $OUT/server_$name.log | head -n 12 | cut -c1-200
   echo "$name: done [t=$(el)]"
 }
 
@@ -69,6 +72,8 @@ for s in ${SERVERS:-spec plain}; do
   case $s in
     spec) serve_runs spec --draft default ;;
     plain) serve_runs plain --draft none ;;
+    spec-eager) serve_runs spec-eager --draft default --max-prefill-seqs 0 ;;  # a wave of arrivals in one prefill
+    plain-eager) serve_runs plain-eager --draft none --max-prefill-seqs 0 ;;   # step, eager past 16 (before s68)
     spec-httptools)  # uvicorn's C HTTP parser (uvicorn[standard], as vLLM installs it); the device has uvloop already
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_http .whl/extra/httptools-*.whl \
         && PYTHONPATH=/tmp/site_http:$PYTHONPATH serve_runs spec-httptools --draft default ;;
