@@ -16,7 +16,9 @@ Everything after `--` is `eyas serve`'s arguments. On shutdown (SIGINT or SIGTER
 the steps by kind (decode or prefill) and by the sequences running when each began: count, mean ms a step, the
 engine loop thread's CPU time in it (`time.thread_time`: what the wall time has beyond it, the thread spent waiting,
 for the GIL, the GPU or a core), mean ms between two steps (a gap longer than `--idle-ms` is idleness, not
-counted).
+counted), and the event loop's (the main thread's: the HTTP handlers, the streamed chunks) CPU time from the end of
+one step to the end of the next: what the HTTP side costs a step, in the one GIL the two threads share. Each step
+longer than `--slow-ms` is listed with the Triton compiles and CUDA graph captures that ran in it.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import argparse
 import atexit
 import json
 import sys
+import threading
 import time
 from collections import defaultdict
 
@@ -41,9 +44,12 @@ class StepClock:
         self.events: list[str] = []  # compiles and captures since the current step began
         self.slow: list[dict] = []
         self.steps = 0
-        # steps, their seconds, the loop thread's CPU seconds in them, gaps, the gaps' seconds
-        self.rows: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0, 0.0])
+        # steps, their seconds, the loop thread's CPU seconds in them, gaps, the gaps' seconds, and the event loop's
+        # (the main thread's: the HTTP side) CPU seconds from the end of the step before to the end of this one
+        self.rows: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0, 0.0, 0.0])
         self.last: float | None = None
+        self.main_clock = time.pthread_getcpuclockid(threading.main_thread().ident)
+        self.main_last = 0.0
         self._orig = LLMEngine.step
 
     def install(self) -> None:
@@ -64,10 +70,12 @@ class StepClock:
             row[0] += 1
             row[1] += t1 - t0
             row[2] += c1 - c0
+            m1 = time.clock_gettime(clock.main_clock)
             if clock.last is not None and t0 - clock.last < clock.idle_s:
                 row[3] += 1
                 row[4] += t0 - clock.last
-            clock.last = t1
+                row[5] += m1 - clock.main_last
+            clock.last, clock.main_last = t1, m1
             return out
 
         LLMEngine.step = step
@@ -106,8 +114,9 @@ class StepClock:
 
     def report(self) -> list[dict]:
         return [{"kind": k, "batch": b, "steps": n, "ms_per_step": 1000 * s / n, "cpu_ms_per_step": 1000 * c / n,
-                 "ms_between_steps": 1000 * gs / g if g else None}
-                for (k, b), (n, s, c, g, gs) in sorted(self.rows.items()) if n]
+                 "ms_between_steps": 1000 * gs / g if g else None,
+                 "event_loop_cpu_ms_per_step": 1000 * ms / g if g else None}
+                for (k, b), (n, s, c, g, gs, ms) in sorted(self.rows.items()) if n]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,10 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     def report():
         rows = clock.report()
         for r in rows:
-            gap = "-" if r["ms_between_steps"] is None else f"{r['ms_between_steps']:.3f}"
+            gap, ev = ("-" if r[k] is None else f"{r[k]:.3f}" for k in ("ms_between_steps",
+                                                                         "event_loop_cpu_ms_per_step"))
             print(f"{r['kind']}, batch {r['batch']}: {r['steps']} steps, {r['ms_per_step']:.3f} ms a step "
-                  f"({r['cpu_ms_per_step']:.3f} ms of the loop thread's CPU), {gap} ms between", file=sys.stderr,
-                  flush=True)
+                  f"({r['cpu_ms_per_step']:.3f} ms of the loop thread's CPU), {gap} ms between, the event loop's "
+                  f"CPU {ev} ms a step", file=sys.stderr, flush=True)
         for st in sorted(clock.slow, key=lambda st: -st["ms"])[:40]:  # the longest; all of them in --out
             print(f"slow step {st['step']} ({st['kind']}, batch {st['batch']}): {st['ms']:.1f} ms "
                   f"({st['cpu_ms']:.1f} ms CPU)", file=sys.stderr)
