@@ -1,5 +1,6 @@
 # `eyas serve` on the GPU as its clients see it (never measured there before session 68: the device's Python had
-# no fastapi, starlette or uvicorn; `.whl` now carries them, and opentelemetry-api, which fastapi needs). SmolLM2
+# no fastapi, starlette or uvicorn; `.whl` now carries them, opentelemetry-api, which fastapi needs, and httptools,
+# which uvicorn takes as it takes the device's uvloop: eyas's dependencies since session 68). SmolLM2
 # served with its shipped draft (the shipped dispatcher) and without a draft (`--draft none`), each loaded by
 # `eyas bench serve` (httpx, on the device already): MT-Bench first turns x MAXTOK tokens, greedy, at each
 # concurrency of CONC. The offline rows to hold them against: `eyas bench latency` at batch 1 (session 67, an H100:
@@ -14,8 +15,7 @@
 # Knobs: CONC ("1 16 64"), N (80 prompts), MAXTOK (128), UP_S (seconds to wait for a server's /health, 300: the
 # first process captures ~340 graphs, 89 s on an H100 in session 66), SERVERS ("spec plain"; "spec-eager" and
 # "plain-eager": the same with --max-prefill-seqs 0, a wave of arrivals prefilled in one step, eagerly past 16
-# sequences, as before session 68; "spec-httptools": the shipped draft's server with httptools from .whl/extra, an
-# estimated 2 minutes more), SERVE_ARGS (added to every server and to the offline run, so only options both take,
+# sequences, as before session 68), SERVE_ARGS (added to every server and to the offline run, so only options both take,
 # such as --device and --dtype), PROMPTS
 # ($S/question.jsonl). A CPU dry run: STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o N=2 MAXTOK=4
 # CONC=1 SERVE_ARGS="--device cpu --dtype float32" PROMPTS=../shared/data/mt_bench/question.jsonl (the venv's
@@ -74,9 +74,6 @@ for s in ${SERVERS:-spec plain}; do
     plain) serve_runs plain --draft none ;;
     spec-eager) serve_runs spec-eager --draft default --max-prefill-seqs 0 ;;  # a wave of arrivals in one prefill
     plain-eager) serve_runs plain-eager --draft none --max-prefill-seqs 0 ;;   # step, eager past 16 (before s68)
-    spec-httptools)  # uvicorn's C HTTP parser (uvicorn[standard], as vLLM installs it); the device has uvloop already
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_http .whl/extra/httptools-*.whl \
-        && PYTHONPATH=/tmp/site_http:$PYTHONPATH serve_runs spec-httptools --draft default ;;
   esac
 done
 [ ${#runs[@]} -gt 0 ] || { echo "no run"; exit 1; }
