@@ -38,8 +38,8 @@ class EngineConfig:
     # sequences a prefill step takes at most. None: where prefills replay CUDA graphs, the graphs' largest batch
     # (`prefill_graph.BATCH_BUCKETS`, 16), since a larger wave prefills eagerly at its own shape, host-bound on a
     # small model and compiling the attention's Triton kernels at each new shape: at 64 concurrent requests on an
-    # H100 the shipped draft's server gave 3,851 tokens/s so and 19,056 with the cap (session 68). Else no limit.
-    # 0: no limit
+    # H100 the shipped draft's server gave 3,851 tokens/s without the cap, 19,056 with it (session 68). Else no
+    # limit. 0: no limit
     max_prefill_seqs: int | None = None
     max_model_len: int | None = None  # None: the model's context length
     cuda_graphs: bool = False  # replay whole decode steps from CUDA graphs (device="cuda")

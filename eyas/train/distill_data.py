@@ -75,7 +75,8 @@ def make_distill_data(model: str, data: list[str], out: str, max_tokens: int = 5
     max(2048, 64 x batch_size)). Prefill steps are eager forwards: at batch 256 on the H200, admitting each request
     at once with 4096 tokens a step spent 27 of 41 s in 530 prefill steps of 12 sequences; these defaults (64,
     16384), 16 of 36 s in 140 steps of 73, and generated 1.8x the tokens a second (docs/benchmarks.md, "Session
-    46")."""
+    46"). So a wave is not cut at the prefill graphs' 16 sequences a step (`EngineConfig.max_prefill_seqs`), which
+    a server's waves are."""
     from eyas import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -83,7 +84,8 @@ def make_distill_data(model: str, data: list[str], out: str, max_tokens: int = 5
               max_num_batched_tokens=max(2048, 64 * batch_size) if max_num_batched_tokens is None
               else max_num_batched_tokens,
               min_admit=max(1, batch_size // 4) if min_admit is None else min_admit,
-              cuda_graphs="auto" if cuda_graphs is None else cuda_graphs)
+              cuda_graphs="auto" if cuda_graphs is None else cuda_graphs,
+              max_prefill_seqs=0)  # its waves whole, as session 46 measured them (not a server's 16 a step)
     if llm.tokenizer is None or not llm.tokenizer.chat_template:
         raise ValueError(f"model {model!r} has no chat template: it cannot regenerate conversations")
     records = []
