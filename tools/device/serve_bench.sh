@@ -15,7 +15,8 @@
 # Knobs: CONC ("1 16 64"), N (80 prompts), MAXTOK (128), UP_S (seconds to wait for a server's /health, 300: the
 # first process captures ~340 graphs, 89 s on an H100 in session 66), SERVERS ("spec plain"; "spec-eager" and
 # "plain-eager": the same with --max-prefill-seqs 0, a wave of arrivals prefilled in one step, eagerly past 16
-# sequences, as before session 68), SERVE_ARGS (added to every server and to the offline run, so only options both take,
+# sequences, as before session 68; "spec-si" and "plain-si": the interpreter's GIL switch interval at SWITCH_MS, 0.5 ms,
+# in place of Python's 5), SERVE_ARGS (added to every server and to the offline run, so only options both take,
 # such as --device and --dtype), PROMPTS
 # ($S/question.jsonl). A CPU dry run: STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o N=2 MAXTOK=4
 # CONC=1 SERVE_ARGS="--device cpu --dtype float32" PROMPTS=../shared/data/mt_bench/question.jsonl (the venv's
@@ -42,9 +43,11 @@ if [ "${OFFLINE:-1}" = 1 ]; then
 fi
 
 serve_runs() {  # NAME SERVE-ARGS...: one server, loaded at each concurrency, then stopped
-  local name=$1 c; shift
-  echo "== $name: eyas serve $* ${SERVE_ARGS:-} [t=$(el)]"
-  python3 tools/diag/serve_steps.py --out $R/steps_$name.json -- --model smollm2 --port $PORT "$@" ${SERVE_ARGS:-} \
+  local name=$1 c steps_args=(); shift
+  case $name in *-si*) steps_args=(--switch-interval-ms ${SWITCH_MS:-0.5}) ;; esac
+  echo "== $name: ${steps_args[*]} eyas serve $* ${SERVE_ARGS:-} [t=$(el)]"
+  python3 tools/diag/serve_steps.py --out $R/steps_$name.json "${steps_args[@]}" \
+    -- --model smollm2 --port $PORT "$@" ${SERVE_ARGS:-} \
     > $OUT/server_$name.log 2>&1 &
   local pid=$! up=0
   for _ in $(seq ${UP_S:-300}); do
@@ -74,6 +77,8 @@ for s in ${SERVERS:-spec plain}; do
     plain) serve_runs plain --draft none ;;
     spec-eager) serve_runs spec-eager --draft default --max-prefill-seqs 0 ;;  # a wave of arrivals in one prefill
     plain-eager) serve_runs plain-eager --draft none --max-prefill-seqs 0 ;;   # step, eager past 16 (before s68)
+    spec-si) serve_runs spec-si --draft default ;;  # the GIL's switch interval at SWITCH_MS (0.5) in place of 5 ms
+    plain-si) serve_runs plain-si --draft none ;;
   esac
 done
 [ ${#runs[@]} -gt 0 ] || { echo "no run"; exit 1; }

@@ -127,7 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-ms", type=float, default=50.0, help="a longer wait between steps is idleness")
     p.add_argument("--slow-ms", type=float, default=20.0,
                    help="print each step longer than this, with the compiles and captures inside it")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="the interpreter's GIL switch interval (sys.setswitchinterval; Python's default is 5 ms): how "
+                        "long a thread that wants the GIL waits before the one holding it is asked to let go")
     args = p.parse_args(ours)
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     clock = StepClock(args.idle_ms / 1000, args.slow_ms / 1000)
     clock.install()
     clock.watch_compiles()
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {e}", file=sys.stderr)
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"serve_args": serve, "steps": rows, "slow_steps": clock.slow}, f, indent=1)
+                json.dump({"serve_args": serve, "switch_interval_ms": 1000 * sys.getswitchinterval(), "steps": rows, "slow_steps": clock.slow}, f, indent=1)
 
     atexit.register(report)
     from eyas.serve import api_server
