@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {e}", file=sys.stderr)
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"serve_args": serve, "switch_interval_ms": 1000 * sys.getswitchinterval(), "steps": rows, "slow_steps": clock.slow}, f, indent=1)
+                json.dump({"serve_args": serve, "switch_interval_ms": 1000 * sys.getswitchinterval(), "steps": rows,
+                           "slow_steps": clock.slow}, f, indent=1)
 
     atexit.register(report)
     from eyas.serve import api_server
