@@ -59,9 +59,10 @@ def write_tiny_llama(path: Path, seed=0, **kw) -> Path:
     return Path(path)
 
 
-def write_tiny_chat_model(path: Path, tok) -> Path:
-    """A tiny random Llama with SmolLM2's tokenizer and chat template (an HF directory)."""
-    write_tiny_llama(path, vocab=tok.vocab_size, hidden=32, layers=1, heads=4, kv_heads=2)
+def write_tiny_chat_model(path: Path, tok, **kw) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template (an HF directory); `kw`: its shape, in place of
+    `write_tiny_llama`'s defaults."""
+    write_tiny_llama(path, **{"vocab": tok.vocab_size, "hidden": 32, "layers": 1, "heads": 4, "kv_heads": 2, **kw})
     tok.backend.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token}))
@@ -432,3 +433,63 @@ def compile_for_sm90(variants) -> list[dict]:
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+class LiveServer:
+    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread."""
+
+    def __init__(self, app):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+
+    @property
+    def engine(self):
+        return self.app.state.server.engine
+
+    def client(self, **kw):
+        import openai
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        """Samples of /metrics as {"name{label=value,...}": value}, parsed by prometheus_client."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+                out[f"{s.name}{{{labels}}}"] = s.value
+        return out
+
+    def wait_idle(self, timeout=60.0) -> dict[str, float]:
+        """Poll /metrics until no request runs or waits and the KV cache is empty; return that scrape."""
+        import time
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if (m["eyas:kv_cache_used_blocks{}"] == 0 and m["eyas:num_requests_running{}"] == 0
+                    and m["eyas:num_requests_waiting{}"] == 0):
+                return m
+            assert time.monotonic() < deadline, f"the server did not go idle: {m}"
+            time.sleep(0.05)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(30)

@@ -34,65 +34,13 @@ from eyas import LLM, SamplingParams
 from eyas.loader.resolve import resolve_draft_arg as _resolve_draft
 from eyas.engine.detokenizer import TextStream
 from eyas.serve.api_server import add_serve_parser, create_app, run_serve
-from helpers import write_tiny_llama
+from helpers import LiveServer, write_tiny_llama
 
 MODEL = "smollm2"
 TREE_PATHS = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
 MAX_MODEL_LEN = 1024
 
 # ---- a live server -----------------------------------------------------------------------------------------------
-
-
-class LiveServer:
-    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread."""
-
-    def __init__(self, app):
-        import uvicorn
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-
-    @property
-    def engine(self):
-        return self.app.state.server.engine
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120, **kw)
-
-    def metrics(self) -> dict[str, float]:
-        """Samples of /metrics as {"name{label=value,...}": value}, parsed by prometheus_client."""
-        text = httpx.get(self.url + "/metrics", timeout=30).text
-        out = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-                out[f"{s.name}{{{labels}}}"] = s.value
-        return out
-
-    def wait_idle(self, timeout=60.0) -> dict[str, float]:
-        """Poll /metrics until no request runs or waits and the KV cache is empty; return that scrape."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            if (m["eyas:kv_cache_used_blocks{}"] == 0 and m["eyas:num_requests_running{}"] == 0
-                    and m["eyas:num_requests_waiting{}"] == 0):
-                return m
-            assert time.monotonic() < deadline, f"the server did not go idle: {m}"
-            time.sleep(0.05)
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 # ---- the speculative SmolLM2 server and its offline references -----------------------------------------------------

@@ -87,6 +87,11 @@ class OutputText:
     def __repr__(self) -> str:
         return repr(str(self))
 
+    def parts(self) -> tuple[list[str], int, int, str, int]:
+        """(pieces, count, stable_len, pending, length), as `__init__` takes them: the text is pieces[:count]
+        joined (`stable_len` characters) then `pending`, cut to `length`. The pieces list is shared, not copied."""
+        return self._pieces, self._count, self._stable_len, self._pending, self._len
+
     def since(self, start: int) -> str:
         """The text from character `start` on (`str(self)[start:]`), reading only the pieces it needs."""
         if self._str is not None:

@@ -158,10 +158,38 @@ class RequestOutput:
         """`text[start:]`, at the cost of what it returns."""
         return self._text.since(start)
 
+    def ids_since(self, start: int) -> list[int]:
+        """`token_ids[start:]`, at the cost of what it returns."""
+        return self._ids[self.num_prompt_tokens + start:self._end]
+
+    def logprobs_since(self, start: int) -> list | None:
+        """`logprobs[start:]` (None unless the request asked), at the cost of what it returns."""
+        return None if self._logprobs is None else self._logprobs[start:self._lp_end]
+
+    @property
+    def text_parts(self) -> OutputText:
+        """The text as the step left it, in its parts (`OutputText`): what `eyas.serve.engine_core` sends on."""
+        return self._text
+
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, new_token_ids={self.new_token_ids}, "
                 f"num_output_tokens={self.num_output_tokens}, finished={self.finished}, "
                 f"finish_reason={self.finish_reason!r})")
+
+
+def encode_prompt(tokenizer: Tokenizer | None, vocab_size: int, prompt: str | list[int]) -> list[int]:
+    """A prompt's token ids: a text through the tokenizer, a list of ids checked (ValueError: what is wrong)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return ids
 
 
 class LLMEngine:
@@ -219,18 +247,7 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            V = self.target.config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < V for t in ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {V})")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        return ids
+        return encode_prompt(self.tokenizer, self.target.config.vocab_size, prompt)
 
     def check_request(self, prompt: str | list[int], request_id: str | None = None,
                       truncate: int | None = None) -> list[int]:

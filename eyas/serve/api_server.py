@@ -233,6 +233,11 @@ class _BadBody(Exception):
         self.response = response
 
 
+def _reset_prefix_cache(engine) -> int:
+    """/reset_prefix_cache's work on the engine loop (a module-level function: an engine process takes it pickled)."""
+    return engine.scheduler.reset_prefix_cache()
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -259,7 +264,10 @@ class Server:
         self.model_name = served_model_name
         self.names = {served_model_name, *aliases}
         self.metrics = Metrics(served_model_name)
-        self.async_engine = AsyncEngine(engine, self.metrics, max_queue=max_queue)
+        # the engine loop: a thread of this process, or the loop of an engine in a process of its own
+        # (`eyas.serve.core_client.EngineProcess`, whose `make_loop` gives it)
+        self.async_engine = (engine.make_loop(self.metrics, max_queue) if hasattr(engine, "make_loop") else
+                             AsyncEngine(engine, self.metrics, max_queue=max_queue))
         self.max_model_len = engine.max_model_len
         self._grammar = None
         self._token_texts: dict[int, str] = {}
@@ -513,10 +521,11 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
     async def reset_prefix_cache():
         """Forget every cached KV block (vLLM's endpoint of the same name): cold-start timings without a restart."""
         from eyas.engine.engine import LLMEngine
-        if not isinstance(server.engine, LLMEngine):  # TP ranks must stay in step; two engines for disaggregation
+        from eyas.serve.core_client import EngineProcess
+        if not isinstance(server.engine, (LLMEngine, EngineProcess)):  # TP ranks must stay in step; two engines
             raise APIError("reset_prefix_cache is only available on a single engine (no --tensor-parallel or "
                            "--disaggregate)")
-        n = await server.async_engine.call(lambda eng: eng.scheduler.reset_prefix_cache())
+        n = await server.async_engine.call(_reset_prefix_cache)
         return {"reset": True, "blocks": n}
 
     @app.post("/tokenize")
@@ -1044,6 +1053,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disaggregate", default=None, metavar="PREFILL_DEVICE,DECODE_DEVICE",
                    help="prefill on one device and decode on another (e.g. cuda:0,cuda:1; eyas.engine.disagg): "
                         "decode steps do not wait for prefills; --device is not used")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engine and its loop in a process of their own (vLLM V1's engine core; "
+                        "eyas.serve.engine_core), away from the HTTP side's share of the GIL: at many streams the "
+                        "handlers' CPU otherwise lengthens every engine step")
     p.add_argument("--prefill-process", action="store_true",
                    help="with --disaggregate: the prefill engine in a process of its own, not on a thread of the "
                         "server's (eyas.engine.prefill_process)")
@@ -1078,12 +1091,27 @@ def _engine_kwargs(args) -> dict:
     return kwargs
 
 
+def llm_kwargs(args) -> dict:
+    """What `eyas.LLM` takes, from the command line."""
+    return dict(model=args.model, device=args.device, dtype=args.dtype, draft=resolve_draft_arg(args.model, args.draft),
+                speculation=args.speculation, draft_quant=getattr(args, "draft_quant", None),
+                disaggregate=getattr(args, "disaggregate", None), lora=getattr(args, "lora", None),
+                prefill_process=getattr(args, "prefill_process", False), **_engine_kwargs(args))
+
+
 def build_llm(args):
     from eyas import LLM
-    return LLM(args.model, device=args.device, dtype=args.dtype, draft=resolve_draft_arg(args.model, args.draft),
-               speculation=args.speculation, draft_quant=getattr(args, "draft_quant", None),
-               disaggregate=getattr(args, "disaggregate", None), lora=getattr(args, "lora", None),
-               prefill_process=getattr(args, "prefill_process", False), **_engine_kwargs(args))
+    return LLM(**llm_kwargs(args))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Capture:
+    """`_capture_graphs` with the command line's sizes: an engine process's `prepare` (pickled)."""
+    max_num_seqs: int
+    extras: tuple[str, ...]
+
+    def __call__(self, engine) -> None:
+        _capture_graphs(engine, self.max_num_seqs, self.extras)
 
 
 def _capture_graphs(engine, max_num_seqs: int, extras: list[str] = ()) -> None:
@@ -1224,15 +1252,28 @@ def run_serve(args) -> int:
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: rank 0 shut the server down and stopped the others
             log.info("stopped")
         return 0
+    if getattr(args, "engine_process", False):
+        for flag in ("disaggregate", "prefill_process"):
+            if getattr(args, flag, None):
+                raise ValueError(f"--engine-process does not combine with --{flag.replace('_', '-')} yet")
     sock = listen(args.host, args.port)
     try:
-        llm = build_llm(args)
-        _capture_graphs(llm.engine, args.max_num_seqs, args.capture_extras)
+        if getattr(args, "engine_process", False):
+            from eyas.serve.core_client import EngineProcess
+            llm = EngineProcess(llm_kwargs(args), _Capture(args.max_num_seqs, tuple(args.capture_extras)),
+                                args.log_level)
+        else:
+            llm = build_llm(args)
+            _capture_graphs(llm.engine, args.max_num_seqs, args.capture_extras)
     except BaseException:
         sock.close()
         raise
-    _serve_app(create_app(llm, args.served_model_name or args.model, max_queue=args.max_queue, **options),
-               llm.engine, args, sock)
+    try:
+        _serve_app(create_app(llm, args.served_model_name or args.model, max_queue=args.max_queue, **options),
+                   getattr(llm, "engine", llm), args, sock)
+    finally:
+        if getattr(args, "engine_process", False):
+            llm.close()
     return 0
 
 

@@ -115,21 +115,11 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._dead: str | None = None
-        self._steps_seen = dict(engine.step_counts)
-        self._trees_seen = dict(getattr(getattr(engine, "runner", None), "tree_steps", None) or {})
-        self._tree_depths = {t.name: t.max_depth for t in getattr(engine.tree, "all_trees", [engine.tree])}
-        bare = getattr(getattr(engine, "runner", None), "bare_tree", None)
-        if bare is not None:  # plain steps of requests that never speculate: no draft forward
-            self._tree_depths[bare.name] = 0
-        self._preempted_seen = engine.scheduler.num_preemptions  # metrics: preemptions already counted
-        self.spec_depth = engine.tree.max_depth if engine.draft is not None else 0
-        if metrics is not None:
-            metrics.set_tree_depth(self.spec_depth)
-            if engine.draft is not None:  # every tree a step can take, at 0 from the start
-                for name in self._tree_depths:
-                    metrics.tree_steps(name)
-            metrics.kv_total.set(engine.blocks.num_usable)
-            self._update_gauges()
+        self.accounting = Accounting(metrics, *engine_counts(engine), tree_depths=tree_depths(engine),
+                                     spec_depth=engine.tree.max_depth if engine.draft is not None else 0,
+                                     kv_total=engine.blocks.num_usable)
+        self.spec_depth = self.accounting.spec_depth
+        self._update_gauges()
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -338,47 +328,108 @@ class AsyncEngine:
         self._deliver(deliveries)
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
-        now = time.perf_counter()
-        deliveries = []
-        m = self.metrics
-        step = _StepCounts() if m is not None else None
-        for out in outs:
-            tr = self._trackers.get(out.request_id)
-            if tr is None:
-                continue
-            if m is not None:
-                self._account(tr, out, now, step)
-            deliveries.append((tr.queue, (tr.index, out)))
-            if out.finished:
-                del self._trackers[out.request_id]
-                self._release(1)
-        self._deliver(deliveries)
-        if m is not None:
-            step.publish(m)
-            counts = self.engine.step_counts
-            trees = getattr(getattr(self.engine, "runner", None), "tree_steps", None) or {}
-            for kind in ("prefill", "decode"):
-                d = counts[kind] - self._steps_seen.get(kind, 0)
-                if d > 0:
-                    m.steps[kind].inc(d)
-                    if kind == "decode" and self.spec_depth:
-                        m.verify_steps.inc(d)
-                        if not trees:  # no per-tree counts (a disaggregated engine): the deepest tree's
-                            m.draft_forwards.inc(d * self.spec_depth)
-            self._steps_seen = dict(counts)
-            for name, n in trees.items():  # decode steps by tree, and each tree's draft levels
-                d = n - self._trees_seen.get(name, 0)
-                if d > 0:
-                    m.tree_steps(name).inc(d)
-                    if self.spec_depth:
-                        m.draft_forwards.inc(d * self._tree_depths.get(name, self.spec_depth))
-            self._trees_seen = dict(trees)
-            preempted = self.engine.scheduler.num_preemptions
-            if preempted > self._preempted_seen:
-                m.preemptions.inc(preempted - self._preempted_seen)
-                self._preempted_seen = preempted
+        self._deliver(dispatch(self._trackers, outs, self.accounting if self.metrics is not None else None,
+                               self._release))
+        if self.metrics is not None:
+            self.accounting.count_steps(*engine_counts(self.engine))
 
-    def _account(self, tr: _Tracker, out: RequestOutput, now: float, step: _StepCounts) -> None:
+    def _update_gauges(self) -> None:
+        if self.metrics is None:
+            return
+        eng = self.engine
+        with self._cv:
+            handed_in = sum(len(c.items) for c in self._inbox if isinstance(c, _Add))
+        self.accounting.set_gauges(len(eng.scheduler.running), len(eng.scheduler.waiting) + handed_in,
+                                   eng.blocks.num_used)
+
+
+# ---- what both engine loops share: the trackers' dispatch and the metrics -----------------------------------------
+
+def tree_depths(engine) -> dict[str, int]:
+    """Each tree a decode step can take, by name, and its draft levels (a metric label and its draft forwards)."""
+    depths = {t.name: t.max_depth for t in getattr(engine.tree, "all_trees", [engine.tree])}
+    bare = getattr(getattr(engine, "runner", None), "bare_tree", None)
+    if bare is not None:  # plain steps of requests that never speculate: no draft forward
+        depths[bare.name] = 0
+    return depths
+
+
+def engine_counts(engine) -> tuple[dict[str, int], dict[str, int], int]:
+    """The engine's running counts the metrics follow: steps by kind, decode steps by tree, preemptions."""
+    trees = getattr(getattr(engine, "runner", None), "tree_steps", None) or {}
+    return dict(engine.step_counts), dict(trees), engine.scheduler.num_preemptions
+
+
+def dispatch(trackers: dict[str, _Tracker], outs: list[RequestOutput], accounting: Accounting | None,
+             release) -> list[tuple[asyncio.Queue, object]]:
+    """One step's outputs to their requests' queues (returned as (queue, item) pairs to put), each accounted for
+    in the metrics (`accounting`, unless None); a finished request's tracker is dropped and `release(1)` called."""
+    now = time.perf_counter()
+    deliveries = []
+    step = _StepCounts() if accounting is not None else None
+    for out in outs:
+        tr = trackers.get(out.request_id)
+        if tr is None:
+            continue
+        if accounting is not None:
+            accounting.account(tr, out, now, step)
+        deliveries.append((tr.queue, (tr.index, out)))
+        if out.finished:
+            del trackers[out.request_id]
+            release(1)
+    if accounting is not None:
+        step.publish(accounting.metrics)
+    return deliveries
+
+
+class Accounting:
+    """The metrics of an engine loop (`eyas.serve.metrics`): each request's latencies and counts as its outputs
+    arrive (`account`), the engine's step counts as they move (`count_steps`), and the gauges (`set_gauges`).
+    `steps`, `trees` and `preempted`: the engine's counts when the loop began (`engine_counts`); `tree_depths`:
+    the trees' draft levels (`tree_depths`); `spec_depth`: the deepest tree's, 0 without a draft."""
+
+    def __init__(self, metrics: Metrics | None, steps: dict[str, int], trees: dict[str, int], preempted: int,
+                 tree_depths: dict[str, int], spec_depth: int, kv_total: int):
+        self.metrics = metrics
+        self._steps_seen, self._trees_seen, self._preempted_seen = dict(steps), dict(trees), preempted
+        self._tree_depths, self.spec_depth, self.kv_total = tree_depths, spec_depth, kv_total
+        if metrics is not None:
+            metrics.set_tree_depth(spec_depth)
+            if spec_depth:  # every tree a step can take, at 0 from the start
+                for name in tree_depths:
+                    metrics.tree_steps(name)
+            metrics.kv_total.set(kv_total)
+
+    def count_steps(self, counts: dict[str, int], trees: dict[str, int], preempted: int) -> None:
+        m = self.metrics
+        for kind in ("prefill", "decode"):
+            d = counts[kind] - self._steps_seen.get(kind, 0)
+            if d > 0:
+                m.steps[kind].inc(d)
+                if kind == "decode" and self.spec_depth:
+                    m.verify_steps.inc(d)
+                    if not trees:  # no per-tree counts (a disaggregated engine): the deepest tree's
+                        m.draft_forwards.inc(d * self.spec_depth)
+        self._steps_seen = dict(counts)
+        for name, n in trees.items():  # decode steps by tree, and each tree's draft levels
+            d = n - self._trees_seen.get(name, 0)
+            if d > 0:
+                m.tree_steps(name).inc(d)
+                if self.spec_depth:
+                    m.draft_forwards.inc(d * self._tree_depths.get(name, self.spec_depth))
+        self._trees_seen = dict(trees)
+        if preempted > self._preempted_seen:
+            m.preemptions.inc(preempted - self._preempted_seen)
+            self._preempted_seen = preempted
+
+    def set_gauges(self, running: int, waiting: int, used: int) -> None:
+        m = self.metrics
+        m.running.set(running)
+        m.waiting.set(waiting)
+        m.kv_used.set(used)
+        m.kv_usage.set(used / self.kv_total if self.kv_total else 0.0)
+
+    def account(self, tr: _Tracker, out: RequestOutput, now: float, step: _StepCounts) -> None:
         """One request's part of this step in the metrics: its latencies at once, its counts added to `step`'s
         (published once a step)."""
         m = self.metrics
@@ -411,16 +462,3 @@ class AsyncEngine:
             if st.target_calls:
                 m.req_tpc.observe(st.tokens_per_call)
             m.finished(out.finish_reason or "stop").inc()
-
-    def _update_gauges(self) -> None:
-        m = self.metrics
-        if m is None:
-            return
-        eng = self.engine
-        with self._cv:
-            handed_in = sum(len(c.items) for c in self._inbox if isinstance(c, _Add))
-        m.running.set(len(eng.scheduler.running))
-        m.waiting.set(len(eng.scheduler.waiting) + handed_in)
-        used, usable = eng.blocks.num_used, eng.blocks.num_usable
-        m.kv_used.set(used)
-        m.kv_usage.set(used / usable if usable else 0.0)

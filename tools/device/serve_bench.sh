@@ -16,7 +16,7 @@
 # first process captures ~340 graphs, 89 s on an H100 in session 66), SERVERS ("spec plain"; "spec-eager" and
 # "plain-eager": the same with --max-prefill-seqs 0, a wave of arrivals prefilled in one step, eagerly past 16
 # sequences, as before session 68; "spec-si" and "plain-si": the interpreter's GIL switch interval at SWITCH_MS, 0.5 ms,
-# in place of Python's 5), SERVE_ARGS (added to every server and to the offline run, so only options both take,
+# in place of Python's 5; "spec-proc" and "plain-proc": --engine-process), SERVE_ARGS (added to every server and to the offline run, so only options both take,
 # such as --device and --dtype), PROMPTS
 # ($S/question.jsonl). A CPU dry run: STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o N=2 MAXTOK=4
 # CONC=1 SERVE_ARGS="--device cpu --dtype float32" PROMPTS=../shared/data/mt_bench/question.jsonl (the venv's
@@ -79,6 +79,9 @@ for s in ${SERVERS:-spec plain}; do
     plain-eager) serve_runs plain-eager --draft none --max-prefill-seqs 0 ;;   # step, eager past 16 (before s68)
     spec-si) serve_runs spec-si --draft default ;;  # the GIL's switch interval at SWITCH_MS (0.5) in place of 5 ms
     plain-si) serve_runs plain-si --draft none ;;
+    # the engine in a process of its own: serve_steps.py times the parent's steps, so none of these
+    spec-proc) serve_runs spec-proc --draft default --engine-process ;;
+    plain-proc) serve_runs plain-proc --draft none --engine-process ;;
   esac
 done
 [ ${#runs[@]} -gt 0 ] || { echo "no run"; exit 1; }
