@@ -1010,6 +1010,59 @@ def test_streamed_text_is_always_a_prefix_of_the_final_text(caplog):
     assert ts.delta(_out("abc" + long[:-1] + "X" + "d", True)) == "d" and "not a prefix" in caplog.text
 
 
+def test_a_lagging_streams_waiting_outputs_come_as_one(tmp_path):
+    """Every step's outputs of two choices (logprobs asked, tokenizer text) queued before the consumer reads
+    any, as when the event loop falls behind: `results` yields fewer items than steps, and their new tokens, new
+    logprobs and streamed text, joined, are each choice's whole output. A consumer never behind gets every output."""
+    from conftest import smollm2_tokenizer
+    from helpers import write_tiny_chat_model
+    from eyas.serve.async_engine import AsyncEngine
+    d = write_tiny_chat_model(tmp_path / "m", smollm2_tokenizer())
+    llm = LLM(str(d), device="cpu", dtype="float32", num_blocks=64)
+
+    def outputs():  # [(choice, RequestOutput)] of every step, in order (seeded: the same on every call)
+        eng, items = llm.engine, []
+        for j in range(2):
+            eng.add_request("Once upon a time", SamplingParams(max_tokens=9 + 4 * j, temperature=0.9, seed=j,
+                                                               logprobs=2), request_id=f"r{j}")
+        while eng.has_unfinished():
+            items += [(int(out.request_id[1]), out) for out in eng.step()]
+        return items
+
+    async def read(q, items, lag: bool):
+        if lag:  # everything waits before the first read
+            for item in items:
+                q.put_nowait(item)
+        got = {0: [], 1: []}
+
+        async def feed():
+            for item in items:
+                q.put_nowait(item)
+                for _ in range(5):  # the reader takes it before the next
+                    await asyncio.sleep(0)
+
+        task = None if lag else asyncio.create_task(feed())
+        async for i, out in AsyncEngine.results(q, 2):
+            got[i].append(out)
+        if task is not None:
+            await task
+        return got
+
+    items = outputs()
+    merged = asyncio.run(read(asyncio.Queue(), items, lag=True))
+    for i, outs in merged.items():
+        final = outs[-1]
+        assert final.finished and len(outs) < len([1 for j, _ in items if j == i])
+        assert [t for o in outs for t in o.new_token_ids] == final.token_ids
+        assert [lp.logprob for o in outs for lp in o.new_logprobs] == [lp.logprob for lp in final.logprobs]
+        ts = TextStream([])
+        assert "".join(ts.delta(o) for o in outs) == final.text
+    items = outputs()
+    on_time = asyncio.run(read(asyncio.Queue(), items, lag=False))
+    assert sum(map(len, on_time.values())) == len(items)
+    assert [t for o in on_time[1] for t in o.new_token_ids] == merged[1][-1].token_ids
+
+
 @settings(max_examples=60, deadline=None)
 @given(obs=st.lists(st.tuples(st.sampled_from([0.0, 0.001, 0.0049, 0.005, 0.03, 0.5, 7.5, 160.0, 161.0, 1e6]),
                               st.integers(1, 5)), max_size=30))

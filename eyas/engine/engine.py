@@ -158,6 +158,12 @@ class RequestOutput:
         """`text[start:]`, at the cost of what it returns."""
         return self._text.since(start)
 
+    def after(self, earlier: RequestOutput) -> RequestOutput:
+        """This output with `earlier`'s (the same request's, the step before, never read) folded in: its new tokens
+        (and so its new logprobs) are both steps'. Every other read is a running total already."""
+        self.new_token_ids = earlier.new_token_ids + self.new_token_ids
+        return self
+
     def ids_since(self, start: int) -> list[int]:
         """`token_ids[start:]`, at the cost of what it returns."""
         return self._ids[self.num_prompt_tokens + start:self._end]

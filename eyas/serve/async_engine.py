@@ -195,15 +195,31 @@ class AsyncEngine:
 
     @staticmethod
     async def results(queue: asyncio.Queue, n: int):
-        """Yield (index, RequestOutput) until all `n` choices have finished; raises an EngineError item."""
+        """Yield (index, RequestOutput) until all `n` choices have finished; raises an EngineError item.
+
+        A consumer that fell behind (the event loop busy with other streams while the engine stepped on) finds
+        several steps' outputs waiting: each choice's come as one (`RequestOutput.after`), so a lagging stream sends
+        one chunk for them, not one each, and catches up (vLLM's output collector merges so too). Each choice's
+        outputs keep their order; an error comes after the outputs before it."""
         done = 0
         while done < n:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item[1].finished:
-                done += 1
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            merged: dict[int, RequestOutput] = {}
+            error = None
+            for item in items:
+                if isinstance(item, BaseException):
+                    error = item
+                    break
+                i, out = item
+                merged[i] = out if i not in merged else out.after(merged[i])
+            for i, out in merged.items():
+                yield i, out
+                if out.finished:
+                    done += 1
+            if error is not None:
+                raise error
 
     # ---- the loop thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
