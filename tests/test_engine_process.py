@@ -264,3 +264,16 @@ def test_eyas_serve_engine_process_command_line(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
+
+
+def test_engine_process_refuses_what_it_cannot_run_yet():
+    """--engine-process with --tensor-parallel or --disaggregate: a clear error before anything loads."""
+    import argparse
+    from eyas.serve.api_server import add_serve_parser, run_serve
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    for extra, what in ((["--tensor-parallel", "2"], "--tensor-parallel"),
+                        (["--disaggregate", "cpu,cpu"], "--disaggregate"), (["--prefill-process"], "--prefill-process")):
+        args = parser.parse_args(["serve", "--engine-process", "--port", "0", *extra])
+        with pytest.raises(ValueError, match=f"--engine-process does not combine with {what}"):
+            run_serve(args)

@@ -1237,6 +1237,9 @@ def run_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.tensor_parallel > 1 and getattr(args, "disaggregate", None):
         raise ValueError("--disaggregate does not combine with --tensor-parallel yet")
+    if args.tensor_parallel > 1 and getattr(args, "engine_process", False):
+        raise ValueError("--engine-process does not combine with --tensor-parallel yet (rank 0's engine loop drives "
+                         "the other ranks)")
     if args.tensor_parallel > 1:
         import torch
         from eyas.dist.launch import run_ranks
