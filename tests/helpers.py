@@ -493,3 +493,42 @@ class LiveServer:
     def close(self):
         self.server.should_exit = True
         self.thread.join(30)
+
+    def streams_left_midway(self, body: dict, n: int):
+        """A context: `n` streamed /v1/completions requests of `body`, each read until two chunks of generated text
+        came; on exit the clients leave mid-stream (their connections close)."""
+        import contextlib
+
+        import httpx
+
+        @contextlib.contextmanager
+        def opened():
+            with httpx.Client(timeout=60) as http, contextlib.ExitStack() as stack:
+                readers = []
+                for _ in range(n):
+                    r = stack.enter_context(http.stream("POST", self.url + "/v1/completions", json=body))
+                    assert r.status_code == 200
+                    lines = r.iter_lines()
+                    readers.append(lines)  # keep the iterator alive: collecting it would close the response
+                    got = 0
+                    for line in lines:
+                        got += line.startswith("data: {")
+                        if got == 2:
+                            break
+                yield
+
+        return opened()
+
+
+def live_children(pid: int) -> list[int]:
+    """Live descendants of `pid` (from /proc)."""
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(d.name))
+    return kids + [g for k in kids for g in live_children(k)]

@@ -18,7 +18,7 @@ import pytest
 from eyas import LLM, SamplingParams
 from eyas.serve.api_server import create_app
 from eyas.serve.core_client import EngineProcess
-from helpers import LiveServer, write_tiny_chat_model, write_tiny_llama
+from helpers import LiveServer, live_children, write_tiny_chat_model, write_tiny_llama
 
 MODEL = "smollm2"
 TREE_PATHS = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]  # a small branching tree: several tokens a step, cheap on a CPU
@@ -127,26 +127,9 @@ def test_disconnects_free_their_blocks_and_bad_input_is_a_400(served):
     before = served.wait_idle()
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    with httpx.Client(timeout=60) as http:
-        streams, readers = [], []
-        try:
-            for _ in range(2):
-                cm = http.stream("POST", served.url + "/v1/completions", json=body)
-                r = cm.__enter__()
-                streams.append(cm)
-                assert r.status_code == 200
-                lines = r.iter_lines()
-                readers.append(lines)  # keep the iterator alive: collecting it would close the response
-                got = 0
-                for line in lines:  # wait for two chunks of generated text
-                    got += line.startswith("data: {")
-                    if got == 2:
-                        break
-            during = served.metrics()
-            assert during["eyas:kv_cache_used_blocks{}"] > 0 and during["eyas:num_requests_running{}"] == 2
-        finally:
-            for cm in streams:  # leave mid-stream: the connection closes
-                cm.__exit__(None, None, None)
+    with served.streams_left_midway(body, 2):
+        during = served.metrics()
+        assert during["eyas:kv_cache_used_blocks{}"] > 0 and during["eyas:num_requests_running{}"] == 2
     after = served.wait_idle(timeout=60)  # the child's blocks, as its state messages report them
     aborted = "eyas:request_success_total{finish_reason=abort}"
     assert after[aborted] - before[aborted] == 2
@@ -210,20 +193,6 @@ def test_an_engine_that_cannot_start_is_a_clear_error(tmp_path):
         EngineProcess(dict(model="smollm2", prefill_process=True))
 
 
-def _children(pid: int) -> list[int]:
-    """Live descendants of `pid` (from /proc)."""
-    kids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(d.name))
-    return kids + [g for k in kids for g in _children(k)]
-
-
 def test_eyas_serve_engine_process_command_line(tmp_path):
     """`eyas serve --engine-process`: it serves, and Ctrl-C (SIGINT to the process group, as a terminal sends it)
     stops the server and its engine process, none left behind."""
@@ -248,7 +217,7 @@ def test_eyas_serve_engine_process_command_line(tmp_path):
                 pass
             assert time.monotonic() < deadline, "no server"
             time.sleep(0.2)
-        kids = _children(proc.pid)
+        kids = live_children(proc.pid)
         assert kids  # the engine process (and the spawn machinery's helper)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                        json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)

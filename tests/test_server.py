@@ -34,7 +34,7 @@ from eyas import LLM, SamplingParams
 from eyas.loader.resolve import resolve_draft_arg as _resolve_draft
 from eyas.engine.detokenizer import TextStream
 from eyas.serve.api_server import add_serve_parser, create_app, run_serve
-from helpers import LiveServer, write_tiny_llama
+from helpers import LiveServer, live_children, write_tiny_llama
 
 MODEL = "smollm2"
 TREE_PATHS = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
@@ -258,27 +258,10 @@ def test_disconnected_clients_free_their_blocks(spec):
     before = spec.wait_idle()
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 500, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    with httpx.Client(timeout=60) as http:
-        streams, readers = [], []
-        try:
-            for _ in range(3):
-                cm = http.stream("POST", spec.url + "/v1/completions", json=body)
-                r = cm.__enter__()
-                streams.append(cm)
-                assert r.status_code == 200
-                lines = r.iter_lines()
-                readers.append(lines)  # keep the iterator alive: collecting it would close the response
-                got = 0
-                for line in lines:  # wait for two chunks of generated text
-                    got += line.startswith("data: {")
-                    if got == 2:
-                        break
-            during = spec.metrics()
-            assert during["eyas:kv_cache_used_blocks{}"] > 0
-            assert during["eyas:num_requests_running{}"] == 3
-        finally:
-            for cm in streams:  # leave mid-stream: the connection closes
-                cm.__exit__(None, None, None)
+    with spec.streams_left_midway(body, 3):
+        during = spec.metrics()
+        assert during["eyas:kv_cache_used_blocks{}"] > 0
+        assert during["eyas:num_requests_running{}"] == 3
     after = spec.wait_idle(timeout=30)
     assert after["eyas:kv_cache_used_blocks{}"] == 0
     aborted = "eyas:request_success_total{finish_reason=abort}"
@@ -1333,20 +1316,6 @@ def test_serve_listens_where_it_was_told_and_names_a_free_port(tiny_dir, monkeyp
     assert served["port"] == port and sock.fileno() == -1  # closed once served
 
 
-def _children(pid: int) -> list[int]:
-    """Live descendants of `pid` (from /proc)."""
-    kids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(d.name))
-    return kids + [g for k in kids for g in _children(k)]
-
-
 def test_eyas_serve_tensor_parallel(tmp_path):
     """`eyas serve --tensor-parallel 2` (2 gloo ranks on the CPU): the openai client gets, at TP = 2 with a draft
     (chain:3), the text that offline TP = 1 plain decoding writes; requests at once and a bad one (400) are served; an
@@ -1362,7 +1331,7 @@ def test_eyas_serve_tensor_parallel(tmp_path):
     proc, port = _start_serve(["--model", str(mdir), "--draft", str(ddir), "--speculation", "chain:3",
                                "--num-blocks", "64", "--tensor-parallel", "2"], timeout=120)
     try:
-        assert len(_children(proc.pid)) >= 2  # the two ranks
+        assert len(live_children(proc.pid)) >= 2  # the two ranks
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
         r = client.completions.create(model="tiny", prompt=prompts, max_tokens=10, temperature=0,
                                       extra_body={"ignore_eos": True})
@@ -1375,7 +1344,7 @@ def test_eyas_serve_tensor_parallel(tmp_path):
         stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=10, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
         assert "".join(c.choices[0].text for c in stream) == want[0]
-        kids = _children(proc.pid)
+        kids = live_children(proc.pid)
         proc.terminate()
         assert proc.wait(60) == 0
         out = proc.stdout.read().decode()
