@@ -66,8 +66,8 @@ serve_runs() {  # NAME SERVE-ARGS...: one server, loaded at each concurrency, th
     [ -f $R/$name-c$c/serve.json ] && runs+=($R/$name-c$c/serve.json)
   done
   kill -INT $pid; wait $pid
-  grep "ms a step" $OUT/server_$name.log | grep -E "^decode, batch (1|16|6[0-4]):"
-  grep -A2 "^slow step" $OUT/server_$name.log | head -n 12 | cut -c1-200
+  grep "ms a step" $OUT/server_$name.log | grep -E "^(engine process: )?decode, batch (1|16|6[0-4]):"
+  grep -E -A2 "^(engine process: )?slow step" $OUT/server_$name.log | head -n 12 | cut -c1-200
   echo "$name: done [t=$(el)]"
 }
 
@@ -79,7 +79,7 @@ for s in ${SERVERS:-spec plain}; do
     plain-eager) serve_runs plain-eager --draft none --max-prefill-seqs 0 ;;   # step, eager past 16 (before s68)
     spec-si) serve_runs spec-si --draft default ;;  # the GIL's switch interval at SWITCH_MS (0.5) in place of 5 ms
     plain-si) serve_runs plain-si --draft none ;;
-    # the engine in a process of its own: serve_steps.py times the parent's steps, so none of these
+    # the engine in a process of its own (serve_steps.py times its steps there: "engine process: ...")
     spec-proc) serve_runs spec-proc --draft default --engine-process ;;
     plain-proc) serve_runs plain-proc --draft none --engine-process ;;
   esac

@@ -19,11 +19,17 @@ for the GIL, the GPU or a core), mean ms between two steps (a gap longer than `-
 counted), and the event loop's (the main thread's: the HTTP handlers, the streamed chunks) CPU time from the end of
 one step to the end of the next: what the HTTP side costs a step, in the one GIL the two threads share. Each step
 longer than `--slow-ms` is listed with the Triton compiles and CUDA graph captures that ran in it.
+
+With `--engine-process` among the server's arguments the engine steps in a child process (eyas.serve.engine_core):
+the steps are timed there, each line of its table begins "engine process: ", and `--out`'s name with ".engine.json"
+in place of ".json" holds it (the parent's own table is empty). There is no event loop beside that engine loop, so
+that column is "-".
 """
 from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import json
 import sys
 import threading
@@ -39,7 +45,7 @@ class StepClock:
     kept whole (`slow`): its kind, batch, ms, and the Triton compiles and CUDA graph captures that ran inside it
     (`events`, filled by `watch_compiles`)."""
 
-    def __init__(self, idle_s: float, slow_s: float = 0.02):
+    def __init__(self, idle_s: float, slow_s: float = 0.02, event_loop: bool = True):
         self.idle_s, self.slow_s = idle_s, slow_s
         self.events: list[str] = []  # compiles and captures since the current step began
         self.slow: list[dict] = []
@@ -48,7 +54,8 @@ class StepClock:
         # (the main thread's: the HTTP side) CPU seconds from the end of the step before to the end of this one
         self.rows: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0, 0.0, 0.0])
         self.last: float | None = None
-        self.main_clock = time.pthread_getcpuclockid(threading.main_thread().ident)
+        # the event loop's thread (None in an engine process, whose main thread is the engine loop itself)
+        self.main_clock = time.pthread_getcpuclockid(threading.main_thread().ident) if event_loop else None
         self.main_last = 0.0
         self._orig = LLMEngine.step
 
@@ -70,7 +77,7 @@ class StepClock:
             row[0] += 1
             row[1] += t1 - t0
             row[2] += c1 - c0
-            m1 = time.clock_gettime(clock.main_clock)
+            m1 = time.clock_gettime(clock.main_clock) if clock.main_clock is not None else 0.0
             if clock.last is not None and t0 - clock.last < clock.idle_s:
                 row[3] += 1
                 row[4] += t0 - clock.last
@@ -115,7 +122,7 @@ class StepClock:
     def report(self) -> list[dict]:
         return [{"kind": k, "batch": b, "steps": n, "ms_per_step": 1000 * s / n, "cpu_ms_per_step": 1000 * c / n,
                  "ms_between_steps": 1000 * gs / g if g else None,
-                 "event_loop_cpu_ms_per_step": 1000 * ms / g if g else None}
+                 "event_loop_cpu_ms_per_step": 1000 * ms / g if g and self.main_clock is not None else None}
                 for (k, b), (n, s, c, g, gs, ms) in sorted(self.rows.items()) if n]
 
 
@@ -136,28 +143,47 @@ def main(argv: list[str] | None = None) -> int:
     clock = StepClock(args.idle_ms / 1000, args.slow_ms / 1000)
     clock.install()
     clock.watch_compiles()
-
-    def report():
-        rows = clock.report()
-        for r in rows:
-            gap, ev = ("-" if r[k] is None else f"{r[k]:.3f}" for k in ("ms_between_steps",
-                                                                         "event_loop_cpu_ms_per_step"))
-            print(f"{r['kind']}, batch {r['batch']}: {r['steps']} steps, {r['ms_per_step']:.3f} ms a step "
-                  f"({r['cpu_ms_per_step']:.3f} ms of the loop thread's CPU), {gap} ms between, the event loop's "
-                  f"CPU {ev} ms a step", file=sys.stderr, flush=True)
-        for st in sorted(clock.slow, key=lambda st: -st["ms"])[:40]:  # the longest; all of them in --out
-            print(f"slow step {st['step']} ({st['kind']}, batch {st['batch']}): {st['ms']:.1f} ms "
-                  f"({st['cpu_ms']:.1f} ms CPU)", file=sys.stderr)
-            for e in st["events"]:
-                print(f"    {e}", file=sys.stderr)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"serve_args": serve, "switch_interval_ms": 1000 * sys.getswitchinterval(), "steps": rows,
-                           "slow_steps": clock.slow}, f, indent=1)
-
-    atexit.register(report)
+    atexit.register(report, clock, args.out, serve)
+    if "--engine-process" in serve:  # the engine steps in a child: time it there (`engine_main`), report there
+        import eyas.serve.core_client as core_client
+        core_client.core_main = functools.partial(engine_main, args.idle_ms / 1000, args.slow_ms / 1000,
+                                                  args.out and args.out.removesuffix(".json") + ".engine.json",
+                                                  serve)
     from eyas.serve import api_server
     return api_server.main(serve)
+
+
+def report(clock: StepClock, out: str | None, serve: list[str], who: str = "") -> None:
+    """Print the steps' table (stderr) and write it to `out` (JSON)."""
+    rows = clock.report()
+    for r in rows:
+        gap, ev = ("-" if r[k] is None else f"{r[k]:.3f}" for k in ("ms_between_steps",
+                                                                     "event_loop_cpu_ms_per_step"))
+        print(f"{who}{r['kind']}, batch {r['batch']}: {r['steps']} steps, {r['ms_per_step']:.3f} ms a step "
+              f"({r['cpu_ms_per_step']:.3f} ms of the loop thread's CPU), {gap} ms between, the event loop's "
+              f"CPU {ev} ms a step", file=sys.stderr, flush=True)
+    for st in sorted(clock.slow, key=lambda st: -st["ms"])[:40]:  # the longest; all of them in --out
+        print(f"{who}slow step {st['step']} ({st['kind']}, batch {st['batch']}): {st['ms']:.1f} ms "
+              f"({st['cpu_ms']:.1f} ms CPU)", file=sys.stderr)
+        for e in st["events"]:
+            print(f"    {e}", file=sys.stderr)
+    if out:
+        with open(out, "w") as f:
+            json.dump({"serve_args": serve, "switch_interval_ms": 1000 * sys.getswitchinterval(), "steps": rows,
+                       "slow_steps": clock.slow}, f, indent=1)
+
+
+def engine_main(idle_s: float, slow_s: float, out: str | None, serve: list[str], *args) -> None:
+    """An engine process's main (`eyas.serve.engine_core.core_main`) with its steps timed; the table is printed
+    (each line "engine process: ...") and written to `out` when its loop ends (a child's atexit does not run)."""
+    from eyas.serve.engine_core import core_main
+    clock = StepClock(idle_s, slow_s, event_loop=False)
+    clock.install()
+    clock.watch_compiles()
+    try:
+        core_main(*args)
+    finally:
+        report(clock, out, serve, "engine process: ")
 
 
 if __name__ == "__main__":
