@@ -1153,7 +1153,10 @@ def _serve_app(app, engine, args, sock: socket.socket | None = None) -> None:
     log.info("serving %s (%s%s) on http://%s:%d", args.served_model_name or args.model, spec, tp, args.host,
              sock.getsockname()[1])
     with sock:
-        uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+        try:
+            uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+        except KeyboardInterrupt:  # Ctrl-C: uvicorn shut the app down, then raised it again; no traceback for that
+            log.info("stopped")
 
 
 def _tp_serve(rank: int, world_size: int, device, args, options: dict) -> None:
