@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import openai
 import pytest
 
 from eyas import LLM, SamplingParams
+from eyas.sampling_params import GuidedDecoding
 from eyas.serve.api_server import create_app
 from eyas.serve.core_client import EngineProcess
 from helpers import LiveServer, live_children, write_tiny_chat_model, write_tiny_llama
@@ -28,10 +30,11 @@ PROMPTS = ["Hello, my name is", "List three fruits:", "The quick brown fox", "1,
 
 def cases() -> list[dict]:
     """12 clients: chat or completion, streamed or not, greedy or seeded sampling, a stop string on some, logprobs
-    on some."""
+    on some, a regex guide on one (the child compiles it again)."""
     return [dict(chat=i % 2 == 1, stream=i % 3 != 0, prompt=PROMPTS[i % 6], max_tokens=6 + (i * 5) % 11,
                  temperature=0.0 if i % 3 == 1 else 0.8, seed=500 + i, stop=["\n"] if i % 4 == 2 else None,
-                 logprobs=2 if i % 5 == 0 else None) for i in range(12)]
+                 logprobs=2 if i % 5 == 0 else None, regex=r"[0-9]{2,6}( apples)?" if i == 4 else None)
+            for i in range(12)]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,8 @@ def served(tmp_path_factory):
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c["prompt"]}])) if c["chat"]
                else c["prompt"] for c in cs]
     params = [SamplingParams(max_tokens=c["max_tokens"], temperature=c["temperature"], seed=c["seed"], stop=c["stop"],
-                             logprobs=c["logprobs"]) for c in cs]
+                             logprobs=c["logprobs"], guided=c["regex"] and GuidedDecoding(regex=c["regex"]))
+              for c in cs]
     refs = llm.generate(prompts, params)
     del llm
     old = os.environ.get("OMP_NUM_THREADS")
@@ -66,6 +70,8 @@ def served(tmp_path_factory):
 async def _one(client, c) -> tuple[str, str, int, list | None]:
     """(text, finish reason, completion tokens, the tokens' logprobs) of one case, as its client gets them."""
     kw = dict(model=MODEL, max_tokens=c["max_tokens"], temperature=c["temperature"], seed=c["seed"], stop=c["stop"])
+    if c["regex"]:
+        kw.update(extra_body={"guided_regex": c["regex"]})
     lps = None
     if c["chat"]:
         kw.update(messages=[{"role": "user", "content": c["prompt"]}])
@@ -110,6 +116,8 @@ def test_clients_get_what_the_offline_engine_writes(served):
     results = asyncio.run(main())
     for c, (text, finish, n, lps), ref in zip(cases(), results, served.refs):
         assert (text, finish, n) == (ref.text, ref.finish_reason, len(ref.token_ids)), c
+        if c["regex"]:
+            assert re.fullmatch(c["regex"], text), text
         if c["logprobs"]:
             assert lps == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-5), c
     m = served.wait_idle()
