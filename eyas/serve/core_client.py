@@ -32,6 +32,7 @@ from eyas.serve.metrics import Metrics
 
 log = logging.getLogger("eyas.serve")
 
+READ_BATCH = 16  # the child's messages handled at most on one wake-up of the event loop
 START_TIMEOUT_S = 3600.0  # loading the model and capturing its graphs in the child (a fresh GPU's compiles too)
 
 
@@ -272,9 +273,13 @@ class CoreClient:
 
     # ---- the child's messages -------------------------------------------------------------------------------
     def _readable(self) -> None:
+        """The child's waiting messages, at most `READ_BATCH` (the reader fires again while more wait): the handlers
+        get the loop between batches however fast the child steps."""
         conn = self.process.conn
         try:
-            while conn.poll():
+            for _ in range(READ_BATCH):
+                if not conn.poll():
+                    break
                 self._handle(conn.recv())
         except (EOFError, OSError):
             self._loop.remove_reader(conn.fileno())
