@@ -37,6 +37,9 @@ def cases() -> list[dict]:
             for i in range(12)]
 
 
+N_SEED = 77
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     tree = tmp_path_factory.mktemp("ep") / "tree.json"
@@ -52,6 +55,9 @@ def served(tmp_path_factory):
                              logprobs=c["logprobs"], guided=c["regex"] and GuidedDecoding(regex=c["regex"]))
               for c in cs]
     refs = llm.generate(prompts, params)
+    # n = 3 samples of one request: choice j as an offline request seeded N_SEED + j
+    n_refs = llm.generate([PROMPTS[0]] * 3, [SamplingParams(max_tokens=10, temperature=0.9, seed=N_SEED + j)
+                                              for j in range(3)])
     del llm
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # the child's: it shares 2 cores with this process's server and clients
@@ -60,7 +66,7 @@ def served(tmp_path_factory):
     finally:
         os.environ.pop("OMP_NUM_THREADS") if old is None else os.environ.__setitem__("OMP_NUM_THREADS", old)
     server = LiveServer(create_app(proc, MODEL, max_queue=16))
-    server.refs, server.proc = refs, proc
+    server.refs, server.n_refs, server.proc = refs, n_refs, proc
     yield server
     server.close()
     proc.close()
@@ -128,6 +134,23 @@ def test_clients_get_what_the_offline_engine_writes(served):
     steps = m["eyas:engine_steps_total{kind=decode}"] - before["eyas:engine_steps_total{kind=decode}"]
     assert 0 < steps < tokens / 2 and calls >= steps  # batched, and several tokens a verify call
     assert m["eyas:spec_accepted_tokens_by_depth_total{depth=1}"] > 0
+
+
+@pytest.mark.slow
+def test_n_choices_whole_and_streamed(served):
+    """One request, n = 3 seeded choices (one add of three requests in the child; their outputs interleave on one
+    queue): each choice is the offline request seeded N_SEED + j, whole and streamed."""
+    refs = served.n_refs
+    assert len({r.text for r in refs}) > 1  # the seeds do differ
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0.9, seed=N_SEED, n=3)
+    r = served.client().completions.create(**kw)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [x.text for x in refs]
+    assert r.usage.completion_tokens == sum(len(x.token_ids) for x in refs)
+    texts = [""] * 3
+    for c in served.client().completions.create(stream=True, **kw):
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert texts == [x.text for x in refs]
 
 
 @pytest.mark.slow
