@@ -358,4 +358,5 @@ class CoreClient:
                 p.future.set_exception(EngineDead(why))
             if p.items is not None:
                 self._release(len(p.items))
+                self._handed_in -= len(p.items)
         self._pending.clear()
