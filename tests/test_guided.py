@@ -321,7 +321,7 @@ def test_grammar_state_is_the_committed_history(mirror):
     engine = llm.engine
     g = GuidedDecoding(regex=r"[a-z ]{5,80}\.")
     seqs = [engine.add_request(p, SamplingParams(max_tokens=60, guided=g)) for p in PROMPTS]
-    be = engine._grammar
+    be = engine.grammar_backend()
     compiled = be.compile(g)
     steps = rejected = 0
     while engine.has_unfinished():

@@ -8,7 +8,6 @@ the device (`eyas.spec.carry`). Every `step()` still returns the outputs of exac
 from __future__ import annotations
 
 import random
-import threading
 import time
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ from eyas.loader.tokenizer import Tokenizer
 from eyas.models.eagle import EagleDraft
 from eyas.models.llama import LlamaForCausalLM
 from eyas.sampling_params import SamplingParams
-from eyas.spec.grammar import unmasked
+from eyas.spec.grammar import LazyGrammarBackend, unmasked
 from eyas.spec.tree import Tree
 
 
@@ -234,8 +233,8 @@ class LLMEngine:
         if cfg.role not in ("both", "prefill"):
             raise ValueError(f"role must be 'both' or 'prefill', got {cfg.role!r}")
         self.handoffs: list[Handoff] = []  # role "prefill": prefilled requests, for `take_handoffs`
-        self._grammar = None  # guided decoding's tokenizer view and compiler (`grammar_backend`)
-        self._grammar_lock = threading.Lock()
+        # guided decoding's tokenizer view and compiler (`grammar_backend`)
+        self._grammar = LazyGrammarBackend(tokenizer, mcfg.vocab_size, self.eos_ids)
 
     def _blocks_from_memory(self, target, draft) -> int:
         cfg = self.config
@@ -354,13 +353,7 @@ class LLMEngine:
         """Guided decoding's view of the tokenizer and its compiler (`eyas.spec.grammar.GrammarBackend`), made once:
         0.65 s for SmolLM2's 49k tokens on this repository's CPU (`tools/diag/guided_mask_cost.py`), which a server
         spends beside startup rather than at its first guided request."""
-        with self._grammar_lock:
-            if self._grammar is None:
-                if self.tokenizer is None:
-                    raise ValueError("guided decoding needs the model's tokenizer (this model has none)")
-                from eyas.spec.grammar import GrammarBackend
-                self._grammar = GrammarBackend(self.tokenizer, self.target.config.vocab_size, sorted(self.eos_ids))
-            return self._grammar
+        return self._grammar.get()
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks. Returns False if it is unknown or already finished."""

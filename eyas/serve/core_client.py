@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -29,6 +28,7 @@ from eyas.serve.async_engine import (Accounting, AsyncEngine, EngineDead, Engine
                                      dispatch)
 from eyas.serve.engine_core import EngineInfo, core_main
 from eyas.serve.metrics import Metrics
+from eyas.spec.grammar import LazyGrammarBackend
 
 log = logging.getLogger("eyas.serve")
 
@@ -76,8 +76,7 @@ class EngineProcess:
                                                              generation_defaults=info.generation_defaults))
         self.tree = SimpleNamespace(name=info.tree_name, max_depth=info.spec_depth)
         self.draft = True if info.has_draft else None
-        self._grammar = None
-        self._grammar_lock = threading.Lock()
+        self._grammar = LazyGrammarBackend(info.tokenizer, info.vocab_size, info.eos_ids)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         return encode_prompt(self.tokenizer, self.info.vocab_size, prompt)
@@ -85,13 +84,7 @@ class EngineProcess:
     def grammar_backend(self):
         """Guided decoding's view of the tokenizer, made once (`LLMEngine.grammar_backend`'s twin: the parent checks
         a guide here, the child compiles it again for its engine)."""
-        with self._grammar_lock:
-            if self._grammar is None:
-                if self.tokenizer is None:
-                    raise ValueError("guided decoding needs the model's tokenizer (this model has none)")
-                from eyas.spec.grammar import GrammarBackend
-                self._grammar = GrammarBackend(self.tokenizer, self.info.vocab_size, self.info.eos_ids)
-            return self._grammar
+        return self._grammar.get()
 
     def make_loop(self, metrics: Metrics | None, max_queue: int) -> CoreClient:
         """The server's engine loop (what `AsyncEngine` is for an engine of this process)."""
