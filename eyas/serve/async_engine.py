@@ -118,7 +118,6 @@ class AsyncEngine:
         self.accounting = Accounting(metrics, *engine_counts(engine), tree_depths=tree_depths(engine),
                                      spec_depth=engine.tree.max_depth if engine.draft is not None else 0,
                                      kv_total=engine.blocks.num_usable)
-        self.spec_depth = self.accounting.spec_depth
         self._update_gauges()
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
@@ -160,9 +159,7 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDead(self._dead or "the engine loop is not running")
         with self._lock:
-            if self._in_flight + len(items) > self.capacity:
-                raise QueueFull(f"the server is at capacity ({self._in_flight} requests in flight, at most "
-                                f"{self.capacity}); retry later")
+            check_capacity(self._in_flight, len(items), self.capacity)
             self._in_flight += len(items)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
@@ -325,8 +322,7 @@ class AsyncEngine:
                 continue
             self.engine.abort(rid)
             self._release(1)
-            if self.metrics is not None:
-                self.metrics.finished(reason).inc()
+            self.accounting.finished(reason)
 
     def _fail_all(self, e: BaseException) -> None:
         err = EngineError(f"the engine failed while serving this request: {e!r}")
@@ -339,14 +335,12 @@ class AsyncEngine:
             deliveries.append((tr.queue, err))
             self._trackers.pop(rid, None)
             self._release(1)
-            if self.metrics is not None:
-                self.metrics.finished("error").inc()
+            self.accounting.finished("error")
         self._deliver(deliveries)
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
-        self._deliver(dispatch(self._trackers, outs, self.accounting if self.metrics is not None else None,
-                               self._release))
-        if self.metrics is not None:
+        self._deliver(dispatch(self._trackers, outs, self.accounting, self._release))
+        if self.metrics is not None:  # the counts are read for the metrics only
             self.accounting.count_steps(*engine_counts(self.engine))
 
     def _update_gauges(self) -> None:
@@ -359,7 +353,13 @@ class AsyncEngine:
                                    eng.blocks.num_used)
 
 
-# ---- what both engine loops share: the trackers' dispatch and the metrics -----------------------------------------
+# ---- what both engine loops share: admission, the trackers' dispatch and the metrics ------------------------------
+
+def check_capacity(in_flight: int, n: int, capacity: int) -> None:
+    """QueueFull unless `n` more requests fit beside the `in_flight` ones (at most `capacity`)."""
+    if in_flight + n > capacity:
+        raise QueueFull(f"the server is at capacity ({in_flight} requests in flight, at most {capacity}); retry later")
+
 
 def tree_depths(engine) -> dict[str, int]:
     """Each tree a decode step can take, by name, and its draft levels (a metric label and its draft forwards)."""
@@ -376,31 +376,33 @@ def engine_counts(engine) -> tuple[dict[str, int], dict[str, int], int]:
     return dict(engine.step_counts), dict(trees), engine.scheduler.num_preemptions
 
 
-def dispatch(trackers: dict[str, _Tracker], outs: list[RequestOutput], accounting: Accounting | None,
+def dispatch(trackers: dict[str, _Tracker], outs: list[RequestOutput], accounting: Accounting,
              release) -> list[tuple[asyncio.Queue, object]]:
     """One step's outputs to their requests' queues (returned as (queue, item) pairs to put), each accounted for
-    in the metrics (`accounting`, unless None); a finished request's tracker is dropped and `release(1)` called."""
+    in the metrics (where `accounting` has them); a finished request's tracker is dropped and `release(1)`
+    called."""
     now = time.perf_counter()
     deliveries = []
-    step = _StepCounts() if accounting is not None else None
+    step = _StepCounts() if accounting.metrics is not None else None
     for out in outs:
         tr = trackers.get(out.request_id)
         if tr is None:
             continue
-        if accounting is not None:
+        if step is not None:
             accounting.account(tr, out, now, step)
         deliveries.append((tr.queue, (tr.index, out)))
         if out.finished:
             del trackers[out.request_id]
             release(1)
-    if accounting is not None:
+    if step is not None:
         step.publish(accounting.metrics)
     return deliveries
 
 
 class Accounting:
     """The metrics of an engine loop (`eyas.serve.metrics`): each request's latencies and counts as its outputs
-    arrive (`account`), the engine's step counts as they move (`count_steps`), and the gauges (`set_gauges`).
+    arrive (`account`), the engine's step counts as they move (`count_steps`), the gauges (`set_gauges`), and
+    the requests that end without an output (`finished`). Without `metrics` it counts nothing.
     `steps`, `trees` and `preempted`: the engine's counts when the loop began (`engine_counts`); `tree_depths`:
     the trees' draft levels (`tree_depths`); `spec_depth`: the deepest tree's, 0 without a draft."""
 
@@ -418,6 +420,8 @@ class Accounting:
 
     def count_steps(self, counts: dict[str, int], trees: dict[str, int], preempted: int) -> None:
         m = self.metrics
+        if m is None:
+            return
         for kind in ("prefill", "decode"):
             d = counts[kind] - self._steps_seen.get(kind, 0)
             if d > 0:
@@ -440,10 +444,17 @@ class Accounting:
 
     def set_gauges(self, running: int, waiting: int, used: int) -> None:
         m = self.metrics
+        if m is None:
+            return
         m.running.set(running)
         m.waiting.set(waiting)
         m.kv_used.set(used)
         m.kv_usage.set(used / self.kv_total if self.kv_total else 0.0)
+
+    def finished(self, reason: str, n: int = 1) -> None:
+        """`n` requests ended without a last output: aborted ("abort") or failed ("error")."""
+        if self.metrics is not None:
+            self.metrics.finished(reason).inc(n)
 
     def account(self, tr: _Tracker, out: RequestOutput, now: float, step: _StepCounts) -> None:
         """One request's part of this step in the metrics: its latencies at once, its counts added to `step`'s

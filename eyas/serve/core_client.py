@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from eyas.engine.detokenizer import OutputText
 from eyas.engine.engine import RequestOutput, encode_prompt
-from eyas.serve.async_engine import (Accounting, AsyncEngine, EngineDead, EngineError, QueueFull, _Tracker,
+from eyas.serve.async_engine import (Accounting, AsyncEngine, EngineDead, EngineError, _Tracker, check_capacity,
                                      dispatch)
 from eyas.serve.engine_core import EngineInfo, core_main
 from eyas.serve.metrics import Metrics
@@ -164,7 +164,6 @@ class CoreClient:
         self.process, self.metrics, self.max_queue = process, metrics, max_queue
         self.accounting = Accounting(metrics, *info.counts, tree_depths=info.tree_depths, spec_depth=info.spec_depth,
                                      kv_total=info.kv_total)
-        self.spec_depth = info.spec_depth
         self._tags = itertools.count()
         self._pending: dict[int, _Pending] = {}
         self._trackers: dict[str, _Tracker] = {}
@@ -173,8 +172,7 @@ class CoreClient:
         self._handed_in = 0  # requests in adds not yet answered (the waiting gauge counts them)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: str | None = None
-        if metrics is not None:
-            self.accounting.set_gauges(0, 0, 0)
+        self.accounting.set_gauges(0, 0, 0)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -209,9 +207,7 @@ class CoreClient:
         """As `AsyncEngine.add`."""
         if not self.alive:
             raise EngineDead(self._dead or "the engine process is not running")
-        if self._in_flight + len(items) > self.capacity:
-            raise QueueFull(f"the server is at capacity ({self._in_flight} requests in flight, at most "
-                            f"{self.capacity}); retry later")
+        check_capacity(self._in_flight, len(items), self.capacity)
         self._in_flight += len(items)
         self._handed_in += len(items)
         tag = next(self._tags)
@@ -258,8 +254,7 @@ class CoreClient:
         self._mirrors.pop(rid, None)
         if tr is not None:
             self._release(1)
-            if self.metrics is not None:
-                self.metrics.finished(reason).inc()
+            self.accounting.finished(reason)
 
     def _release(self, n: int) -> None:
         self._in_flight -= n
@@ -292,7 +287,7 @@ class CoreClient:
             return
         elif kind == "stopped":
             return
-        if len(msg) > 2 and self.metrics is not None:
+        if len(msg) > 2:
             running, waiting, used, counts, trees, preempted = msg[-1]
             self.accounting.count_steps(counts, trees, preempted)
             self.accounting.set_gauges(running, waiting + self._handed_in, used)
@@ -306,8 +301,7 @@ class CoreClient:
             outs.append(mirror.update(m))
             if m[3]:  # finished
                 del self._mirrors[m[0]]
-        for q, item in dispatch(self._trackers, outs, self.accounting if self.metrics is not None else None,
-                                self._release):
+        for q, item in dispatch(self._trackers, outs, self.accounting, self._release):
             q.put_nowait(item)
 
     def _ack(self, tag: int, err: tuple | None, result) -> None:
@@ -319,8 +313,7 @@ class CoreClient:
             if err is None and p.cancelled:  # added after its caller left: gone again
                 self.process.commands.put(("abort", [rid for rid, _, _ in p.items]))
                 self._release(len(p.items))
-                if self.metrics is not None:
-                    self.metrics.finished("abort").inc(len(p.items))
+                self.accounting.finished("abort", len(p.items))
                 return
             if err is not None:
                 self._release(len(p.items))
