@@ -67,6 +67,7 @@ serve_runs() {  # NAME SERVE-ARGS...: one server, loaded at each concurrency, th
   done
   kill -INT $pid; wait $pid
   grep "ms a step" $OUT/server_$name.log | grep -E "^(engine process: )?decode, batch (1|16|6[0-4]):"
+  grep -E "^(engine process: )?latency: " $OUT/server_$name.log
   grep -E -A2 "^(engine process: )?slow step" $OUT/server_$name.log | head -n 12 | cut -c1-200
   echo "$name: done [t=$(el)]"
 }

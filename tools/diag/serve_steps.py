@@ -23,7 +23,10 @@ longer than `--slow-ms` is listed with the Triton compiles and CUDA graph captur
 With `--engine-process` among the server's arguments the engine steps in a child process (eyas.serve.engine_core):
 the steps are timed there, each line of its table begins "engine process: ", and `--out`'s name with ".engine.json"
 in place of ".json" holds it (the parent's own table is empty). There is no event loop beside that engine loop, so
-that column is "-".
+that column is "-". Three latencies are reported there too (lines "latency: ..."): a command's, from the parent's
+put to the child's taking it between two steps ("add" commands); a message's, from the child's send to the parent's
+read ("step" and "acks" messages); and the event loop's lag (how late a 1 ms sleep of the parent's loop wakes), in
+either mode, so the in-process server's loop is measured the same way.
 """
 from __future__ import annotations
 
@@ -126,6 +129,112 @@ class StepClock:
                 for (k, b), (n, s, c, g, gs, ms) in sorted(self.rows.items()) if n]
 
 
+class Latencies:
+    """Named samples in ms, reported as count, mean, p50, p99 and max."""
+
+    def __init__(self):
+        self.samples: dict[str, list[float]] = defaultdict(list)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.samples[name].append(1000 * seconds)
+
+    def report(self) -> dict[str, dict]:
+        out = {}
+        for name, xs in sorted(self.samples.items()):
+            xs = sorted(xs)
+            out[name] = {"count": len(xs), "mean_ms": sum(xs) / len(xs), "p50_ms": xs[len(xs) // 2],
+                         "p99_ms": xs[min(len(xs) - 1, int(0.99 * len(xs)))], "max_ms": xs[-1]}
+        return out
+
+    def print(self, who: str = "") -> None:
+        for name, r in self.report().items():
+            print(f"{who}latency: {name}: {r['count']} samples, mean {r['mean_ms']:.3f} ms, p50 {r['p50_ms']:.3f}, "
+                  f"p99 {r['p99_ms']:.3f}, max {r['max_ms']:.3f}", file=sys.stderr, flush=True)
+
+
+class _StampedQueue:
+    """The parent's command queue with each "add" stamped with its put time (`time.monotonic`, one clock for
+    both processes); the child's `_take` (`stamp_engine_core`) strips nothing: the engine reads cmd[1] and cmd[2]."""
+
+    def __init__(self, q):
+        self._q = q
+
+    def put(self, cmd, *a, **kw):
+        if cmd[0] == "add":
+            cmd = (*cmd, time.monotonic())
+        return self._q.put(cmd, *a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._q, name)
+
+
+class _StampedConn:
+    """A pipe end whose messages carry their send time last: the child's end appends it (`send`), the parent's strips
+    it on `recv` and notes the latency of "step" and "acks" messages."""
+
+    def __init__(self, conn, lat: Latencies | None = None):
+        self._c, self._lat = conn, lat
+
+    def send(self, msg):
+        return self._c.send((*msg, time.monotonic()) if msg[0] in ("step", "acks") else msg)
+
+    def recv(self):
+        msg = self._c.recv()
+        if msg[0] in ("step", "acks") and self._lat is not None:
+            self._lat.add(f"child's {msg[0]} message, send -> parent's read", time.monotonic() - msg[-1])
+            msg = msg[:-1]
+        return msg
+
+    def __getattr__(self, name):
+        return getattr(self._c, name)
+
+
+def watch_parent(lat: Latencies, engine_process: bool) -> None:
+    """Patch the server's engine loop (`AsyncEngine` or `CoreClient`) to sample its event loop's lag, and, for an
+    engine process, to stamp commands and read the stamps of the child's messages."""
+    import asyncio
+    from eyas.serve.async_engine import AsyncEngine
+    from eyas.serve.core_client import CoreClient
+
+    async def lag_probe():
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.001)
+            lat.add("event loop lag (a 1 ms sleep's oversleep)", time.monotonic() - t - 0.001)
+
+    def patch(cls):
+        orig = cls.start
+
+        def start(self, loop=None):
+            if engine_process and isinstance(self, CoreClient) and not isinstance(self.process.commands,
+                                                                                   _StampedQueue):
+                self.process.commands = _StampedQueue(self.process.commands)
+                self.process.conn = _StampedConn(self.process.conn, lat)
+            orig(self, loop)
+            lp = self._loop
+            self._lag_task = lp.create_task(lag_probe())
+
+        cls.start = start
+
+    patch(CoreClient if engine_process else AsyncEngine)
+
+
+def stamp_engine_core(lat: Latencies) -> None:
+    """In the child: note each stamped "add" command's latency when the loop takes it."""
+    from eyas.serve.engine_core import EngineCore
+    orig = EngineCore._take
+
+    def _take(self, block):
+        cmds = orig(self, block)
+        now = time.monotonic()
+        for cmd in cmds or ():
+            if cmd[0] == "add" and len(cmd) > 3:
+                lat.add("parent's add command, put -> child's take", now - cmd[3])
+        return cmds
+
+    EngineCore._take = _take
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, serve = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -143,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     clock = StepClock(args.idle_ms / 1000, args.slow_ms / 1000)
     clock.install()
     clock.watch_compiles()
-    atexit.register(report, clock, args.out, serve)
+    lat = Latencies()
+    watch_parent(lat, "--engine-process" in serve)
+    atexit.register(report, clock, args.out, serve, "", lat)
     if "--engine-process" in serve:  # the engine steps in a child: time it there (`engine_main`), report there
         import eyas.serve.core_client as core_client
         core_client.core_main = functools.partial(engine_main, args.idle_ms / 1000, args.slow_ms / 1000,
@@ -153,9 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     return api_server.main(serve)
 
 
-def report(clock: StepClock, out: str | None, serve: list[str], who: str = "") -> None:
-    """Print the steps' table (stderr) and write it to `out` (JSON)."""
+def report(clock: StepClock, out: str | None, serve: list[str], who: str = "", lat: Latencies | None = None) -> None:
+    """Print the steps' table and the latencies (stderr) and write them to `out` (JSON)."""
     rows = clock.report()
+    if lat is not None:
+        lat.print(who)
     for r in rows:
         gap, ev = ("-" if r[k] is None else f"{r[k]:.3f}" for k in ("ms_between_steps",
                                                                      "event_loop_cpu_ms_per_step"))
@@ -170,7 +283,7 @@ def report(clock: StepClock, out: str | None, serve: list[str], who: str = "") -
     if out:
         with open(out, "w") as f:
             json.dump({"serve_args": serve, "switch_interval_ms": 1000 * sys.getswitchinterval(), "steps": rows,
-                       "slow_steps": clock.slow}, f, indent=1)
+                       "latencies": lat.report() if lat is not None else {}, "slow_steps": clock.slow}, f, indent=1)
 
 
 def engine_main(idle_s: float, slow_s: float, out: str | None, serve: list[str], *args) -> None:
@@ -180,10 +293,13 @@ def engine_main(idle_s: float, slow_s: float, out: str | None, serve: list[str],
     clock = StepClock(idle_s, slow_s, event_loop=False)
     clock.install()
     clock.watch_compiles()
+    lat = Latencies()
+    stamp_engine_core(lat)
+    *rest, conn = args
     try:
-        core_main(*args)
+        core_main(*rest, _StampedConn(conn))
     finally:
-        report(clock, out, serve, "engine process: ")
+        report(clock, out, serve, "engine process: ", lat)
 
 
 if __name__ == "__main__":
