@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import signal
 import socket
 import threading
 import time
@@ -1152,11 +1153,27 @@ def _serve_app(app, engine, args, sock: socket.socket | None = None) -> None:
     tp = f", tensor parallel {args.tensor_parallel}" if args.tensor_parallel > 1 else ""
     log.info("serving %s (%s%s) on http://%s:%d", args.served_model_name or args.model, spec, tp, args.host,
              sock.getsockname()[1])
+    # SIGTERM (`kill`, `docker stop`, Kubernetes) stops the server as Ctrl-C does. uvicorn shuts the app down on
+    # either, then raises the signal again with the handler it found: by default SIGTERM's would kill the process
+    # before Python's finalizers ran (an engine process's queues then leave "leaked semaphore" warnings, exit 143).
+    prev = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() \
+        else None
     with sock:
         try:
             uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
-        except KeyboardInterrupt:  # Ctrl-C: uvicorn shut the app down, then raised it again; no traceback for that
+        except (KeyboardInterrupt, _Terminated):  # uvicorn shut the app down, then raised the signal again
             log.info("stopped")
+        finally:
+            if prev is not None:
+                signal.signal(signal.SIGTERM, prev)
+
+
+class _Terminated(Exception):
+    """SIGTERM, raised once uvicorn has shut the app down (`_serve_app`)."""
+
+
+def _terminated(signum, frame):
+    raise _Terminated()
 
 
 def _tp_serve(rank: int, world_size: int, device, args, options: dict) -> None:
