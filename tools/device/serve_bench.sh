@@ -16,7 +16,7 @@
 # first process captures ~340 graphs, 89 s on an H100 in session 66), SERVERS ("spec plain"; "spec-eager" and
 # "plain-eager": the same with --max-prefill-seqs 0, a wave of arrivals prefilled in one step, eagerly past 16
 # sequences, as before session 68; "spec-si" and "plain-si": the interpreter's GIL switch interval at SWITCH_MS,
-# 0.5 ms, in place of Python's 5; "spec-proc" and "plain-proc": --engine-process), SERVE_ARGS (added to every server
+# 0.5 ms, in place of Python's 5; "spec-proc" and "plain-proc": --engine-process; "spec-proc-si" and "plain-proc-si": both), SERVE_ARGS (added to every server
 # and to the offline run, so only options both take, such as --device and --dtype), PROMPTS ($S/question.jsonl).
 # A CPU dry run: STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o N=2 MAXTOK=4
 # CONC=1 SERVE_ARGS="--device cpu --dtype float32" PROMPTS=../shared/data/mt_bench/question.jsonl (the venv's
@@ -83,6 +83,9 @@ for s in ${SERVERS:-spec plain}; do
     # the engine in a process of its own (serve_steps.py times its steps there: "engine process: ...")
     spec-proc) serve_runs spec-proc --draft default --engine-process ;;
     plain-proc) serve_runs plain-proc --draft none --engine-process ;;
+    # both: the parent's switch interval (its command queue's feeder thread waits less for the event loop's GIL)
+    spec-proc-si) serve_runs spec-proc-si --draft default --engine-process ;;
+    plain-proc-si) serve_runs plain-proc-si --draft none --engine-process ;;
   esac
 done
 [ ${#runs[@]} -gt 0 ] || { echo "no run"; exit 1; }
