@@ -26,7 +26,8 @@ in place of ".json" holds it (the parent's own table is empty). There is no even
 that column is "-". Three latencies are reported there too (lines "latency: ..."): a command's, from the parent's
 put to the child's taking it between two steps ("add" commands); a message's, from the child's send to the parent's
 read ("step" and "acks" messages); and the event loop's lag (how late a 1 ms sleep of the parent's loop wakes), in
-either mode, so the in-process server's loop is measured the same way.
+either mode, so the in-process server's loop is measured the same way. So are the garbage collector's pauses, by
+generation, in each process (`EYAS_GC_FREEZE=0` in the environment: without the frozen heap, eyas.engine.heap).
 """
 from __future__ import annotations
 
@@ -134,6 +135,7 @@ class Latencies:
 
     def __init__(self):
         self.samples: dict[str, list[float]] = defaultdict(list)
+        self.live = False  # serving has begun (the engine loop started): garbage collections count from here
 
     def add(self, name: str, seconds: float) -> None:
         self.samples[name].append(1000 * seconds)
@@ -211,6 +213,7 @@ def watch_parent(lat: Latencies, engine_process: bool) -> None:
                 self.process.commands = _StampedQueue(self.process.commands)
                 self.process.conn = _StampedConn(self.process.conn, lat)
             orig(self, loop)
+            lat.live = True
             lp = self._loop
             self._lag_task = lp.create_task(lag_probe())
 
@@ -219,12 +222,28 @@ def watch_parent(lat: Latencies, engine_process: bool) -> None:
     patch(CoreClient if engine_process else AsyncEngine)
 
 
+def watch_gc(lat: Latencies) -> None:
+    """Note each garbage collection's pause by its generation (`gc.callbacks`) once serving has begun: a full
+    collection of a large heap stops the whole process, GIL and all (eyas.engine.heap)."""
+    import gc
+    began = [0.0]
+
+    def cb(phase, info):
+        if phase == "start":
+            began[0] = time.perf_counter()
+        elif lat.live:  # not start-up's
+            lat.add(f"garbage collection, generation {info['generation']}", time.perf_counter() - began[0])
+
+    gc.callbacks.append(cb)
+
+
 def stamp_engine_core(lat: Latencies) -> None:
     """In the child: note each stamped "add" command's latency when the loop takes it."""
     from eyas.serve.engine_core import EngineCore
     orig = EngineCore._take
 
     def _take(self, block):
+        lat.live = True
         cmds = orig(self, block)
         now = time.monotonic()
         for cmd in cmds or ():
@@ -254,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     clock.watch_compiles()
     lat = Latencies()
     watch_parent(lat, "--engine-process" in serve)
+    watch_gc(lat)
     atexit.register(report, clock, args.out, serve, "", lat)
     if "--engine-process" in serve:  # the engine steps in a child: time it there (`engine_main`), report there
         import eyas.serve.core_client as core_client
@@ -295,6 +315,7 @@ def engine_main(idle_s: float, slow_s: float, out: str | None, serve: list[str],
     clock.watch_compiles()
     lat = Latencies()
     stamp_engine_core(lat)
+    watch_gc(lat)
     *rest, conn = args
     try:
         core_main(*rest, _StampedConn(conn))
