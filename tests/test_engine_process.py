@@ -153,6 +153,20 @@ def test_n_choices_whole_and_streamed(served):
     assert texts == [x.text for x in refs]
 
 
+def _frozen_objects(engine) -> int:
+    import gc
+    return gc.get_freeze_count()
+
+
+def test_the_engine_process_froze_its_heap(served):
+    """The child froze what start-up made before it said "ready" (eyas.engine.heap): its full garbage collections
+    while serving scan only what serving allocates."""
+    import asyncio
+    loop = served.app.state.server.async_engine._loop
+    fut = asyncio.run_coroutine_threadsafe(served.app.state.server.async_engine.call(_frozen_objects), loop)
+    assert fut.result(30) > 10_000  # the model, the tokenizer, the engine: ~300k objects on this CPU
+
+
 @pytest.mark.slow
 def test_disconnects_free_their_blocks_and_bad_input_is_a_400(served):
     before = served.wait_idle()

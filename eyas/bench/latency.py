@@ -19,7 +19,6 @@ Writes latency.json, latency.md and latency.png (ms/token against batch size) to
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
 import re
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 from eyas.engine.engine import EngineConfig, LLMEngine
+from eyas.engine.heap import freeze_heap
 from eyas.engine.sequence import Status
 from eyas.layers.sampler import sampling_mode
 from eyas.sampling_params import SamplingParams
@@ -254,8 +254,7 @@ def build_engine(target, tokenizer, draft, mode: str, batch: int, prompts, max_t
     # that no full collection has to scan them during a timed run. Hygiene, not a measured fix: session 17 saw the
     # first of two interleaved rounds 5-20% slower in every mode after 14 engines were built, and with this in place
     # still saw single runs 10-22% slower than their neighbours, at no fixed position
-    gc.collect()
-    gc.freeze()
+    freeze_heap("bench")
     return engine
 
 

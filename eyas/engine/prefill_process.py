@@ -146,6 +146,8 @@ def _child_main(spec: dict, commands, results) -> None:
                   speculation=spec["speculation"], draft_quant=spec["draft_quant"], role="prefill",
                   **spec["engine_kwargs"])
         engine = llm.engine
+        from eyas.engine.heap import freeze_heap
+        freeze_heap("prefill process")
         results.put(("ready", engine.max_model_len, engine.target.config.vocab_size, engine.draft is not None))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
         results.put(("error", traceback.format_exc()))

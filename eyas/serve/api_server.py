@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eyas.engine.cuda_graph import EXTRAS_KINDS
 from eyas.engine.detokenizer import TextStream
+from eyas.engine.heap import freeze_heap
 from eyas.loader.resolve import resolve_draft_arg
 from eyas.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 from eyas.serve import responses
@@ -1158,6 +1159,7 @@ def _serve_app(app, engine, args, sock: socket.socket | None = None) -> None:
     # before Python's finalizers ran (an engine process's queues then leave "leaked semaphore" warnings, exit 143).
     prev = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() \
         else None
+    freeze_heap("server")  # the engine (or the engine process's client) and the app are built: see eyas.engine.heap
     with sock:
         try:
             uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
@@ -1187,15 +1189,14 @@ def _tp_serve(rank: int, world_size: int, device, args, options: dict) -> None:
                          device, args.dtype, shard_draft=args.tp_draft == "sharded", **_engine_kwargs(args))
     _capture_graphs(tp.engine, args.max_num_seqs, args.capture_extras)
     if rank != 0:
-        import signal
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank: rank 0 shuts down and stops us
+        freeze_heap(f"rank {rank}")
         while tp.step() is not None:
             pass
         return
     engine = TPServingEngine(tp)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the handler found before
     # it started: with Python's defaults that kills this rank before `close()`, leaving the others in a collective
-    import signal
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:

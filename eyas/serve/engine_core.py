@@ -29,6 +29,8 @@ import signal
 import traceback
 from dataclasses import dataclass
 
+from eyas.engine.heap import freeze_heap
+
 log = logging.getLogger("eyas.serve")
 
 IDLE_POLL_S = 1.0  # an idle child wakes this often to see whether its parent is still there
@@ -202,6 +204,7 @@ def core_main(llm_kwargs: dict, prepare, log_level: str, commands, conn) -> None
     except BaseException:  # noqa: BLE001 - the parent raises it
         conn.send(("start failed", traceback.format_exc()))
         return
+    freeze_heap("engine process")
     conn.send(("ready", info))
     try:
         EngineCore(eng, commands, conn).run()
