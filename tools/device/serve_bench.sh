@@ -17,7 +17,7 @@
 # "plain-eager": the same with --max-prefill-seqs 0, a wave of arrivals prefilled in one step, eagerly past 16
 # sequences, as before session 68; "spec-si" and "plain-si": the interpreter's GIL switch interval at SWITCH_MS,
 # 0.5 ms, in place of Python's 5; "spec-proc" and "plain-proc": --engine-process; "spec-proc-si" and
-# "plain-proc-si": both), SERVE_ARGS (added to every server and to the offline run, so only options both take, such
+# "plain-proc-si": both; any of them + "-nogc": with EYAS_GC_FREEZE=0), SERVE_ARGS (added to every server and to the offline run, so only options both take, such
 # as --device and --dtype), PROMPTS ($S/question.jsonl).
 # A CPU dry run: STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o N=2 MAXTOK=4
 # CONC=1 SERVE_ARGS="--device cpu --dtype float32" PROMPTS=../shared/data/mt_bench/question.jsonl (the venv's
@@ -44,10 +44,11 @@ if [ "${OFFLINE:-1}" = 1 ]; then
 fi
 
 serve_runs() {  # NAME SERVE-ARGS...: one server, loaded at each concurrency, then stopped
-  local name=$1 c steps_args=(); shift
+  local name=$1 c steps_args=() envs=(); shift
   case $name in *-si*) steps_args=(--switch-interval-ms ${SWITCH_MS:-0.5}) ;; esac
-  echo "== $name: ${steps_args[*]} eyas serve $* ${SERVE_ARGS:-} [t=$(el)]"
-  python3 tools/diag/serve_steps.py --out $R/steps_$name.json "${steps_args[@]}" \
+  case $name in *-nogc) envs=(env EYAS_GC_FREEZE=0) ;; esac
+  echo "== $name: ${envs[*]} ${steps_args[*]} eyas serve $* ${SERVE_ARGS:-} [t=$(el)]"
+  "${envs[@]}" python3 tools/diag/serve_steps.py --out $R/steps_$name.json "${steps_args[@]}" \
     -- --model smollm2 --port $PORT "$@" ${SERVE_ARGS:-} \
     > $OUT/server_$name.log 2>&1 &
   local pid=$! up=0
@@ -74,19 +75,20 @@ serve_runs() {  # NAME SERVE-ARGS...: one server, loaded at each concurrency, th
 }
 
 for s in ${SERVERS:-spec plain}; do
-  case $s in
-    spec) serve_runs spec --draft default ;;
-    plain) serve_runs plain --draft none ;;
-    spec-eager) serve_runs spec-eager --draft default --max-prefill-seqs 0 ;;  # a wave of arrivals in one prefill
-    plain-eager) serve_runs plain-eager --draft none --max-prefill-seqs 0 ;;   # step, eager past 16 (before s68)
-    spec-si) serve_runs spec-si --draft default ;;  # the GIL's switch interval at SWITCH_MS (0.5) in place of 5 ms
-    plain-si) serve_runs plain-si --draft none ;;
+  case ${s%-nogc} in  # any server's name + "-nogc": the same with EYAS_GC_FREEZE=0 (no frozen heap)
+    spec) serve_runs $s --draft default ;;
+    plain) serve_runs $s --draft none ;;
+    spec-eager) serve_runs $s --draft default --max-prefill-seqs 0 ;;  # a wave of arrivals in one prefill
+    plain-eager) serve_runs $s --draft none --max-prefill-seqs 0 ;;   # step, eager past 16 (before s68)
+    spec-si) serve_runs $s --draft default ;;  # the GIL's switch interval at SWITCH_MS (0.5) in place of 5 ms
+    plain-si) serve_runs $s --draft none ;;
     # the engine in a process of its own (serve_steps.py times its steps there: "engine process: ...")
-    spec-proc) serve_runs spec-proc --draft default --engine-process ;;
-    plain-proc) serve_runs plain-proc --draft none --engine-process ;;
+    spec-proc) serve_runs $s --draft default --engine-process ;;
+    plain-proc) serve_runs $s --draft none --engine-process ;;
     # both: the parent's switch interval (its command queue's feeder thread waits less for the event loop's GIL)
-    spec-proc-si) serve_runs spec-proc-si --draft default --engine-process ;;
-    plain-proc-si) serve_runs plain-proc-si --draft none --engine-process ;;
+    spec-proc-si) serve_runs $s --draft default --engine-process ;;
+    plain-proc-si) serve_runs $s --draft none --engine-process ;;
+    *) echo "unknown server $s"; exit 1 ;;
   esac
 done
 [ ${#runs[@]} -gt 0 ] || { echo "no run"; exit 1; }
