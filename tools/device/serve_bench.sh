@@ -17,8 +17,8 @@
 # "plain-eager": the same with --max-prefill-seqs 0, a wave of arrivals prefilled in one step, eagerly past 16
 # sequences, as before session 68; "spec-si" and "plain-si": the interpreter's GIL switch interval at SWITCH_MS,
 # 0.5 ms, in place of Python's 5; "spec-proc" and "plain-proc": --engine-process; "spec-proc-si" and
-# "plain-proc-si": both; any of them + "-nogc": with EYAS_GC_FREEZE=0), SERVE_ARGS (added to every server and to the offline run, so only options both take, such
-# as --device and --dtype), PROMPTS ($S/question.jsonl).
+# "plain-proc-si": both; any of them + "-nogc": with EYAS_GC_FREEZE=0), SERVE_ARGS (added to every server and to
+# the offline run, so only options both take, such as --device and --dtype), PROMPTS ($S/question.jsonl).
 # A CPU dry run: STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o N=2 MAXTOK=4
 # CONC=1 SERVE_ARGS="--device cpu --dtype float32" PROMPTS=../shared/data/mt_bench/question.jsonl (the venv's
 # python first on PATH).
