@@ -298,3 +298,23 @@ def test_engine_process_refuses_what_it_cannot_run_yet():
         args = parser.parse_args(["serve", "--engine-process", "--port", "0", *extra])
         with pytest.raises(ValueError, match=f"--engine-process does not combine with {what}"):
             run_serve(args)
+
+
+def test_the_engine_process_is_the_default_on_a_gpu(monkeypatch):
+    """Without --engine-process or --no-engine-process, the engine gets a process of its own where it runs on a GPU
+    and nothing it does not combine with is asked; on the CPU (tests, small machines) it stays in the server's."""
+    import argparse
+
+    import torch
+    from eyas.serve.api_server import add_serve_parser, use_engine_process
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+
+    def use(*argv, gpu: bool) -> bool:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+        return use_engine_process(parser.parse_args(["serve", *argv]))
+
+    assert use(gpu=True) and use("--device", "cuda", gpu=True)
+    assert not use(gpu=False) and not use("--device", "cpu", gpu=True)
+    assert not use("--tensor-parallel", "2", gpu=True) and not use("--disaggregate", "cuda:0,cuda:1", gpu=True)
+    assert not use("--no-engine-process", gpu=True) and use("--engine-process", gpu=False)

@@ -1055,10 +1055,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disaggregate", default=None, metavar="PREFILL_DEVICE,DECODE_DEVICE",
                    help="prefill on one device and decode on another (e.g. cuda:0,cuda:1; eyas.engine.disagg): "
                         "decode steps do not wait for prefills; --device is not used")
-    p.add_argument("--engine-process", action="store_true",
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine and its loop in a process of their own (vLLM V1's engine core; "
                         "eyas.serve.engine_core), away from the HTTP side's share of the GIL: at many streams the "
-                        "handlers' CPU otherwise lengthens every engine step")
+                        "handlers' CPU otherwise lengthens every engine step (default: on a GPU, unless "
+                        "--tensor-parallel, --disaggregate or --prefill-process; --no-engine-process keeps the loop "
+                        "in the server's process)")
     p.add_argument("--prefill-process", action="store_true",
                    help="with --disaggregate: the prefill engine in a process of its own, not on a thread of the "
                         "server's (eyas.engine.prefill_process)")
@@ -1249,6 +1251,18 @@ def _app_options(args) -> dict:
                 reasoning_parser=getattr(args, "reasoning_parser", None))
 
 
+def use_engine_process(args) -> bool:
+    """--engine-process as given, else on where the engine runs on a GPU (there the step is mostly the host's work,
+    which the HTTP side's share of the GIL lengthens: docs/serving.md) and no option it does not combine with is
+    set."""
+    if getattr(args, "engine_process", None) is not None:
+        return args.engine_process
+    if args.tensor_parallel > 1 or getattr(args, "disaggregate", None) or getattr(args, "prefill_process", False):
+        return False
+    from eyas.loader.resolve import resolve_device
+    return resolve_device(args.device).type == "cuda"
+
+
 def run_serve(args) -> int:
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -1258,7 +1272,11 @@ def run_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.tensor_parallel > 1 and getattr(args, "disaggregate", None):
         raise ValueError("--disaggregate does not combine with --tensor-parallel yet")
-    if args.tensor_parallel > 1 and getattr(args, "engine_process", False):
+    if getattr(args, "engine_process", None) is None:
+        args.engine_process = use_engine_process(args)
+        if args.engine_process:
+            log.info("the engine runs in a process of its own (--no-engine-process keeps it in the server's)")
+    if args.tensor_parallel > 1 and args.engine_process:
         raise ValueError("--engine-process does not combine with --tensor-parallel yet (rank 0's engine loop drives "
                          "the other ranks)")
     if args.tensor_parallel > 1:
@@ -1276,13 +1294,13 @@ def run_serve(args) -> int:
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: rank 0 shut the server down and stopped the others
             log.info("stopped")
         return 0
-    if getattr(args, "engine_process", False):
+    if args.engine_process:
         for flag in ("disaggregate", "prefill_process"):
             if getattr(args, flag, None):
                 raise ValueError(f"--engine-process does not combine with --{flag.replace('_', '-')} yet")
     sock = listen(args.host, args.port)
     try:
-        if getattr(args, "engine_process", False):
+        if args.engine_process:
             from eyas.serve.core_client import EngineProcess
             llm = EngineProcess(llm_kwargs(args), _Capture(args.max_num_seqs, tuple(args.capture_extras)),
                                 args.log_level)
@@ -1296,7 +1314,7 @@ def run_serve(args) -> int:
         _serve_app(create_app(llm, args.served_model_name or args.model, max_queue=args.max_queue, **options),
                    getattr(llm, "engine", llm), args, sock)
     finally:
-        if getattr(args, "engine_process", False):
+        if args.engine_process:
             llm.close()
     return 0
 
