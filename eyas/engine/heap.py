@@ -2,11 +2,13 @@
 
 A full (generation 2) collection of CPython's garbage collector scans every tracked object, and a server's heap is
 mostly what start-up made and never frees: the model's modules, the tokenizer, the CUDA graphs' bookkeeping, the web
-framework. On session 70's H100 such collections stopped a serving process for 100-180 ms at a time (the engine
-loop's thread waiting for the GIL through a 178 ms prefill step that used 2.5 ms of CPU; an engine process's decode
-step of 136 ms, all of it CPU), which lands in some requests' TTFT and TTIT. `gc.freeze()` moves every object alive
-into a permanent generation that collections skip, so later ones scan only what serving itself allocates. vLLM
-freezes its heap after warm-up (`freeze_gc_heap`) and SGLang offers the same (`freeze_gc`).
+framework (~330k objects in an engine process, ~220k in its server). On this repository's CPU one such collection
+took 115-150 ms (`tools/diag/serve_steps.py`, which notes each collection's pause). Session 70's H100 servers showed
+stalls of that size: a 178 ms prefill step in which the engine loop's thread used 2.5 ms of CPU (waiting for the
+GIL), an engine process's 136 ms decode step that was all CPU, messages that waited up to ~120 ms for the server to
+read them; they land in some requests' TTFT and TTIT. `gc.freeze()` moves every object alive into a permanent
+generation that collections skip, so later ones scan only what serving itself allocates. vLLM freezes its heap
+after warm-up (`freeze_gc_heap`) and SGLang offers the same (`freeze_gc`).
 
 `EYAS_GC_FREEZE=0` turns it off (to measure what it buys).
 """
