@@ -2,13 +2,14 @@
 
 A full (generation 2) collection of CPython's garbage collector scans every tracked object, and a server's heap is
 mostly what start-up made and never frees: the model's modules, the tokenizer, the CUDA graphs' bookkeeping, the web
-framework (~330k objects in an engine process, ~220k in its server). On this repository's CPU one such collection
-took 115-150 ms (`tools/diag/serve_steps.py`, which notes each collection's pause). Session 70's H100 servers showed
-stalls of that size: a 178 ms prefill step in which the engine loop's thread used 2.5 ms of CPU (waiting for the
-GIL), an engine process's 136 ms decode step that was all CPU, messages that waited up to ~120 ms for the server to
-read them; they land in some requests' TTFT and TTIT. `gc.freeze()` moves every object alive into a permanent
-generation that collections skip, so later ones scan only what serving itself allocates. vLLM freezes its heap
-after warm-up (`freeze_gc_heap`) and SGLang offers the same (`freeze_gc`).
+framework (~330k objects in an engine process, ~220k in its server). On session 70's H100, serving 64 streams, the
+server's full collections took 109-110 ms each and the engine process's 173 ms (a prefill step of 176 ms); the
+child's messages then waited up to 132-151 ms for the server to read them, and those pauses land in requests' TTFT
+and TTIT. `gc.freeze()` moves every object alive into a permanent generation that collections skip, so later ones
+scan only what serving allocates: frozen, the server's took 13-18 ms and the engine process made none, for 9-15%
+more tokens/s and a TTIT p99 of 1.2-1.9 ms against 2.1-2.7 (`docs/benchmarks.md`, "Session 70";
+`tools/diag/serve_steps.py` notes each collection's pause). vLLM freezes its heap after warm-up (`freeze_gc_heap`)
+and SGLang offers the same (`freeze_gc`).
 
 `EYAS_GC_FREEZE=0` turns it off (to measure what it buys).
 """

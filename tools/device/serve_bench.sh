@@ -78,9 +78,11 @@ for s in ${SERVERS:-spec plain}; do
   case ${s%-nogc} in  # any server's name + "-nogc": the same with EYAS_GC_FREEZE=0 (no frozen heap)
     spec) serve_runs $s --draft default --no-engine-process ;;  # the loop on a thread of the server's
     plain) serve_runs $s --draft none --no-engine-process ;;
-    spec-eager) serve_runs $s --draft default --no-engine-process --max-prefill-seqs 0 ;;  # a wave of arrivals in one prefill
-    plain-eager) serve_runs $s --draft none --no-engine-process --max-prefill-seqs 0 ;;   # step, eager past 16 (before s68)
-    spec-si) serve_runs $s --draft default --no-engine-process ;;  # the GIL's switch interval at SWITCH_MS (0.5) in place of 5 ms
+    # a wave of arrivals in one prefill step, eager past 16 sequences (before session 68)
+    spec-eager) serve_runs $s --draft default --no-engine-process --max-prefill-seqs 0 ;;
+    plain-eager) serve_runs $s --draft none --no-engine-process --max-prefill-seqs 0 ;;
+    # the GIL's switch interval at SWITCH_MS (0.5) in place of 5 ms
+    spec-si) serve_runs $s --draft default --no-engine-process ;;
     plain-si) serve_runs $s --draft none --no-engine-process ;;
     # the engine in a process of its own (serve_steps.py times its steps there: "engine process: ...")
     spec-proc) serve_runs $s --draft default --engine-process ;;
