@@ -294,7 +294,8 @@ def test_engine_process_refuses_what_it_cannot_run_yet():
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())
     for extra, what in ((["--tensor-parallel", "2"], "--tensor-parallel"),
-                        (["--disaggregate", "cpu,cpu"], "--disaggregate"), (["--prefill-process"], "--prefill-process")):
+                        (["--disaggregate", "cpu,cpu"], "--disaggregate"),
+                        (["--prefill-process"], "--prefill-process")):
         args = parser.parse_args(["serve", "--engine-process", "--port", "0", *extra])
         with pytest.raises(ValueError, match=f"--engine-process does not combine with {what}"):
             run_serve(args)
