@@ -217,7 +217,15 @@ def watch_parent(lat: Latencies, engine_process: bool) -> None:
             lp = self._loop
             self._lag_task = lp.create_task(lag_probe())
 
-        cls.start = start
+        stop = cls.shutdown
+
+        def shutdown(self, *a, **kw):  # not the lag of shutting down (an engine process's exit: ~1 s)
+            task = getattr(self, "_lag_task", None)
+            if task is not None:
+                task.cancel()
+            return stop(self, *a, **kw)
+
+        cls.start, cls.shutdown = start, shutdown
 
     patch(CoreClient if engine_process else AsyncEngine)
 
