@@ -1407,6 +1407,34 @@ def test_bench_serve_counts_what_the_server_served(chat_tiny, tmp_path, endpoint
     assert [line.split("|")[1].strip() for line in table[2:]] == ["first", "second"]
 
 
+def test_bench_serve_split_over_client_processes(chat_tiny, tmp_path):
+    """`--client-processes 2`: the conversations are shared out, each once, their arrivals on one clock (a Poisson
+    process's starts as one client would send them), the concurrency shared out, and the totals are what the server
+    counted."""
+    from eyas.bench.serve import request_starts
+    from eyas.cli import main
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:5]))
+    before = chat_tiny.wait_idle()
+    chat_tiny.batches.clear()
+    assert main(["bench", "serve", "--base-url", chat_tiny.url + "/v1", "--model", "tiny", "--prompts", str(prompts),
+                 "--num-prompts", "10", "--max-tokens", "5", "--ignore-eos", "--concurrency", "3",
+                 "--request-rate", "40", "--client-processes", "2", "--no-progress", "--out", str(tmp_path / "m")]) == 0
+    after = chat_tiny.wait_idle()
+    res = json.loads((tmp_path / "m" / "serve.json").read_text())
+    rows, s = res["requests"], res["summary"]
+    assert sorted(r["conversation"] for r in rows) == list(range(10)) and s["failed"] == 0
+    assert s["output_tokens"] == 50 == after["eyas:generation_tokens_total{}"] - before["eyas:generation_tokens_total{}"]
+    planned = request_starts(10, 40.0, 0)
+    for r in rows:  # each started at its planned time on the shared clock (or later, behind its process's gate)
+        assert planned[r["conversation"]] - 0.005 <= r["start_s"] < planned[r["conversation"]] + 2.0
+    assert max(r["start_s"] + r["e2e_s"] for r in rows) <= s["duration_s"] + 1e-6
+    assert 1 <= max(chat_tiny.batches) <= 3 and res["meta"]["client_processes"] == 2
+    assert 0 < s["client_busy"] <= 1 and s["client_cpu_s"] > 0
+    assert main(["bench", "serve", "--base-url", chat_tiny.url + "/v1", "--model", "tiny", "--prompts", str(prompts),
+                 "--concurrency", "2", "--client-processes", "3", "--out", str(tmp_path / "x")]) == 2
+
+
 def test_bench_serve_runs_conversations_of_several_turns(chat_tiny, tmp_path):
     """`--turns 2`: each conversation's second turn is sent after its first has ended, with the first and its
     answer, and the server's prefix cache holds what the two share (the usage's cached tokens, in the rows and the

@@ -174,28 +174,110 @@ async def _conversation(client, args, index: int, turns: list[str], start_at: fl
     return rows
 
 
-async def _run(args, prompts: list[list[str]], guides: list | None = None) -> tuple[list[dict], float, float]:
-    """`prompts`: each conversation's user turns (`_conversation` sends the first `args.turns`)."""
+async def _run(args, prompts: list[list[str]], guides: list | None = None, starts: list[float] | None = None,
+               indices: list[int] | None = None, t0: float | None = None,
+               on_done=None) -> tuple[list[dict], float, float]:
+    """`prompts`: each conversation's user turns (`_conversation` sends the first `args.turns`), which start at
+    `starts` (s after `t0`; default: `request_starts`, and now) and are numbered `indices` (default 0, 1, ...);
+    `on_done()` is called as each ends (default: a progress bar). Returns the rows, the seconds from `t0` to the
+    last end, and this process's CPU seconds."""
     import httpx
     from tqdm import tqdm
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     headers = {"Authorization": f"Bearer {args.api_key}"}
+    starts = request_starts(len(prompts), args.request_rate, args.seed) if starts is None else starts
+    indices = list(range(len(prompts))) if indices is None else indices
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits, headers=headers) as client:
         gate = asyncio.Semaphore(args.concurrency)
-        starts = request_starts(len(prompts), args.request_rate, args.seed)
-        t0, cpu0 = time.perf_counter(), time.process_time()
+        cpu0 = time.process_time()
+        t0 = time.perf_counter() if t0 is None else t0
         guides = guides or [None] * len(prompts)
         tasks = [asyncio.ensure_future(_conversation(client, args, i, p, s, t0, gate, g))
-                 for i, (p, s, g) in enumerate(zip(prompts, starts, guides))]
+                 for i, p, s, g in zip(indices, prompts, starts, guides)]
         rows = []
         with tqdm(total=len(tasks), desc="conversations" if args.turns > 1 else "requests",
-                  disable=args.no_progress) as bar:
+                  disable=args.no_progress or on_done is not None) as bar:
             for fut in asyncio.as_completed(tasks):
                 rows += await fut
                 bar.update(1)
+                if on_done is not None:
+                    on_done()
         duration, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     rows.sort(key=lambda r: r["start_s"])
     return rows, duration, cpu
+
+
+def _client_process(args, prompts, guides, starts, indices, barrier, t0, done, results, k: int) -> None:
+    """One of `--client-processes`: waits with the others until the parent sets the shared start `t0` (one clock:
+    `time.perf_counter` is the system's monotonic clock on Linux), runs its share, and puts (k, rows, seconds, CPU
+    seconds), or (k, None, traceback)."""
+    import traceback
+    try:
+        import httpx  # noqa: F401  (imported before the start, not inside the timed run)
+        barrier.wait(timeout=120)
+
+        def on_done():
+            with done.get_lock():
+                done.value += 1
+
+        rows, duration, cpu = asyncio.run(_run(args, prompts, guides, starts, indices, t0.value, on_done))
+        results.put((k, rows, duration, cpu))
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        results.put((k, None, traceback.format_exc()))
+
+
+def _run_processes(args, prompts: list[list[str]], guides: list) -> tuple[list[dict], float, float, float]:
+    """`_run` split over `args.client_processes` spawned processes (conversation i to process i mod N, the
+    concurrency shared out): one Python client's event loop parses every streamed chunk, and at tens of thousands of
+    chunks a second it sets the pace instead of the server. Returns the rows, the run's seconds, the processes' CPU
+    seconds together, and the busiest process's share of the run (`client_busy`)."""
+    import multiprocessing as mp
+    import queue as queue_mod
+    from tqdm import tqdm
+    n = args.client_processes
+    ctx = mp.get_context("spawn")
+    starts = request_starts(len(prompts), args.request_rate, args.seed)
+    barrier, t0, done, results = ctx.Barrier(n + 1), ctx.Value("d", 0.0), ctx.Value("i", 0), ctx.Queue()
+    procs = []
+    for k in range(n):
+        idx = list(range(k, len(prompts), n))
+        sub = argparse.Namespace(**{**vars(args), "concurrency": args.concurrency // n + (k < args.concurrency % n)})
+        sub.func = None  # not picklable where the CLI set it
+        procs.append(ctx.Process(target=_client_process, name=f"eyas-bench-client-{k}", daemon=True,
+                                 args=(sub, [prompts[i] for i in idx], [guides[i] for i in idx],
+                                       [starts[i] for i in idx], idx, barrier, t0, done, results, k)))
+    for pr in procs:
+        pr.start()
+    got: dict[int, tuple] = {}
+    try:
+        try:
+            t0.value = time.perf_counter() + 0.05  # set before the barrier lets the clients read it
+            barrier.wait(timeout=120)
+        except Exception:
+            raise RuntimeError("the client processes did not start (see their errors above)") from None
+        with tqdm(total=len(prompts), desc="conversations" if args.turns > 1 else "requests",
+                  disable=args.no_progress) as bar:
+            while len(got) < n:
+                try:
+                    k, *res = results.get(timeout=0.2)
+                    got[k] = tuple(res)
+                except queue_mod.Empty:
+                    dead = [pr for pr in procs if not pr.is_alive() and pr.exitcode != 0]
+                    if dead and results.empty():
+                        raise RuntimeError(f"client process {dead[0].name} died (exit code {dead[0].exitcode})")
+                bar.n = done.value
+                bar.refresh()
+    finally:
+        for pr in procs:
+            pr.join(5)
+            if pr.is_alive():
+                pr.terminate()
+    for k, res in sorted(got.items()):
+        if res[0] is None:
+            raise RuntimeError(f"client process {k} failed:\n{res[1]}")
+    rows = sorted((r for res in got.values() for r in res[0]), key=lambda r: r["start_s"])
+    duration = max(res[1] for res in got.values())
+    return rows, duration, sum(res[2] for res in got.values()), max(res[2] for res in got.values()) / duration
 
 
 def _stats(values: list[float]) -> dict:
@@ -205,16 +287,18 @@ def _stats(values: list[float]) -> dict:
     return {"mean": float(a.mean()), **{f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES}}
 
 
-def summarize(rows: list[dict], duration: float, client_cpu: float = 0.0) -> dict:
+def summarize(rows: list[dict], duration: float, client_cpu: float = 0.0, client_busy: float | None = None) -> dict:
     """Over the run: counts, rates from the first start to the last end, each latency's mean and percentiles in ms
     (TTIT over the requests with at least two output tokens; TTFT also by turn), the prompt tokens and those the
     server's prefix cache held (its usage's `cached_tokens`; None where a server does not report them), and the
-    share of the run the client itself kept a core busy (`client_busy`: its process's CPU time over the run's)."""
+    share of the run the client itself kept a core busy (`client_busy`: its process's CPU time over the run's; with
+    several client processes, the busiest one's)."""
     ok = [r for r in rows if r["error"] is None]
     tokens = sum(r["output_tokens"] for r in ok)
     return {"requests": len(rows), "completed": len(ok), "failed": len(rows) - len(ok),
             "duration_s": duration, "requests_per_s": len(ok) / duration, "output_tokens": tokens,
-            "output_tokens_per_s": tokens / duration, "client_cpu_s": client_cpu, "client_busy": client_cpu / duration,
+            "output_tokens_per_s": tokens / duration, "client_cpu_s": client_cpu,
+            "client_busy": client_cpu / duration if client_busy is None else client_busy,
             "guided": sum("guided" in r for r in rows), "guided_valid": sum(bool(r.get("guided_valid")) for r in rows),
             "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in ok),
             "cached_tokens": (sum(r["cached_tokens"] for r in ok) if ok and all(r.get("cached_tokens") is not None
@@ -304,6 +388,9 @@ def run(args) -> int:
         raise ValueError("eyas bench serve needs the httpx package: pip install httpx") from None
     if args.concurrency < 1 or args.num_prompts < 1 or args.max_tokens < 1 or args.turns < 1:
         raise ValueError("--concurrency, --num-prompts, --max-tokens and --turns must be at least 1")
+    if not 1 <= args.client_processes <= args.concurrency:
+        raise ValueError(f"--client-processes must be between 1 and --concurrency ({args.concurrency}), got "
+                         f"{args.client_processes}")
     if args.turns > 1 and args.endpoint != "chat":
         raise ValueError("--turns above 1 needs --endpoint chat (a later turn is sent with the conversation so far)")
     if not args.request_rate > 0:
@@ -318,15 +405,19 @@ def run(args) -> int:
     records = read_prompts(args.prompts)
     chosen = [records[i % len(records)] for i in range(args.num_prompts)]  # cycled past the file's end
     guides = [r["guided"] if args.guided else None for r in chosen]
-    rows, duration, cpu = asyncio.run(_run(args, [r["turns"] for r in chosen], guides))
+    if args.client_processes > 1:
+        rows, duration, cpu, busy = _run_processes(args, [r["turns"] for r in chosen], guides)
+    else:
+        rows, duration, cpu = asyncio.run(_run(args, [r["turns"] for r in chosen], guides))
+        busy = None
     meta = {"label": args.label or args.base_url, "base_url": args.base_url, "model": args.model,
             "endpoint": args.endpoint, "prompts": str(args.prompts), "num_prompts": args.num_prompts,
             "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
             "concurrency": args.concurrency, "request_rate": args.request_rate, "seed": args.seed,
-            "turns": args.turns, "extra_body": args.extra_body_fields,
+            "turns": args.turns, "extra_body": args.extra_body_fields, "client_processes": args.client_processes,
             "guided": sum(g is not None for g in guides),
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-    result = {"meta": meta, "summary": summarize(rows, duration, cpu), "requests": rows}
+    result = {"meta": meta, "summary": summarize(rows, duration, cpu, busy), "requests": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve.json").write_text(json.dumps(result, indent=2))
@@ -336,7 +427,8 @@ def run(args) -> int:
     print(markdown(runs), end="")
     if result["summary"]["client_busy"] > BUSY_WARNING:
         print(f"note: this client kept a core {100 * result['summary']['client_busy']:.0f}% busy: it may have limited "
-              "the rates; run it on cores the server does not use (taskset), or on another machine")
+              "the rates; split it (--client-processes), run it on cores the server does not use (taskset), or on "
+              "another machine")
     s = result["summary"]
     if s["guided"]:
         print(f"guided outputs valid: {s['guided_valid']} of {s['guided']}")
@@ -367,6 +459,10 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="the requests' sampling seed and the arrivals' seed")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at most")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="split the client over this many processes (conversation i to process i mod N, the "
+                        "concurrency shared out), for loads whose streamed chunks one Python process cannot parse "
+                        "as fast as the server sends them")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson), or inf")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     p.add_argument("--label", default=None, help="this run's name in the table and plot (default: the URL)")
