@@ -1428,6 +1428,7 @@ def test_bench_serve_split_over_client_processes(chat_tiny, tmp_path):
     planned = request_starts(10, 40.0, 0)
     for r in rows:  # each started at its planned time on the shared clock (or later, behind its process's gate)
         assert planned[r["conversation"]] - 0.005 <= r["start_s"] < planned[r["conversation"]] + 2.0
+    assert min(r["start_s"] for r in rows) < 0.5  # the clock starts once every process is up, not before
     assert max(r["start_s"] + r["e2e_s"] for r in rows) <= s["duration_s"] + 1e-6
     assert 1 <= max(chat_tiny.batches) <= 3 and res["meta"]["client_processes"] == 2
     assert 0 < s["client_busy"] <= 1 and s["client_cpu_s"] > 0

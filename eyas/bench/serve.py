@@ -207,14 +207,16 @@ async def _run(args, prompts: list[list[str]], guides: list | None = None, start
     return rows, duration, cpu
 
 
-def _client_process(args, prompts, guides, starts, indices, barrier, t0, done, results, k: int) -> None:
-    """One of `--client-processes`: waits with the others until the parent sets the shared start `t0` (one clock:
-    `time.perf_counter` is the system's monotonic clock on Linux), runs its share, and puts (k, rows, seconds, CPU
-    seconds), or (k, None, traceback)."""
+def _client_process(args, prompts, guides, starts, indices, ready, go, t0, done, results, k: int) -> None:
+    """One of `--client-processes`: says it is `ready`, waits (`go`) until the parent, once every one is ready, has set
+    the shared start `t0` (one clock: `time.perf_counter` is the system's monotonic clock on Linux), runs its share,
+    and puts (k, rows, seconds, CPU seconds), or (k, None, traceback)."""
     import traceback
     try:
         import httpx  # noqa: F401  (imported before the start, not inside the timed run)
-        barrier.wait(timeout=120)
+        import tqdm  # noqa: F401
+        ready.wait(timeout=300)
+        go.wait(timeout=300)
 
         def on_done():
             with done.get_lock():
@@ -237,7 +239,8 @@ def _run_processes(args, prompts: list[list[str]], guides: list) -> tuple[list[d
     n = args.client_processes
     ctx = mp.get_context("spawn")
     starts = request_starts(len(prompts), args.request_rate, args.seed)
-    barrier, t0, done, results = ctx.Barrier(n + 1), ctx.Value("d", 0.0), ctx.Value("i", 0), ctx.Queue()
+    ready, go = ctx.Barrier(n + 1), ctx.Barrier(n + 1)
+    t0, done, results = ctx.Value("d", 0.0), ctx.Value("i", 0), ctx.Queue()
     procs = []
     for k in range(n):
         idx = list(range(k, len(prompts), n))
@@ -245,14 +248,15 @@ def _run_processes(args, prompts: list[list[str]], guides: list) -> tuple[list[d
         sub.func = None  # not picklable where the CLI set it
         procs.append(ctx.Process(target=_client_process, name=f"eyas-bench-client-{k}", daemon=True,
                                  args=(sub, [prompts[i] for i in idx], [guides[i] for i in idx],
-                                       [starts[i] for i in idx], idx, barrier, t0, done, results, k)))
+                                       [starts[i] for i in idx], idx, ready, go, t0, done, results, k)))
     for pr in procs:
         pr.start()
     got: dict[int, tuple] = {}
     try:
-        try:
-            t0.value = time.perf_counter() + 0.05  # set before the barrier lets the clients read it
-            barrier.wait(timeout=120)
+        try:  # every process started (spawned, its imports done): only then the shared start, a little ahead
+            ready.wait(timeout=300)
+            t0.value = time.perf_counter() + 0.05
+            go.wait(timeout=300)
         except Exception:
             raise RuntimeError("the client processes did not start (see their errors above)") from None
         with tqdm(total=len(prompts), desc="conversations" if args.turns > 1 else "requests",
