@@ -226,6 +226,8 @@ def _client_process(args, prompts, guides, starts, indices, ready, go, t0, done,
         results.put((k, rows, duration, cpu))
     except BaseException:  # noqa: BLE001 - the parent reports it
         results.put((k, None, traceback.format_exc()))
+        ready.abort()  # a parent still waiting for the start hears of it at once
+        go.abort()
 
 
 def _run_processes(args, prompts: list[list[str]], guides: list) -> tuple[list[dict], float, float, float]:
@@ -258,7 +260,12 @@ def _run_processes(args, prompts: list[list[str]], guides: list) -> tuple[list[d
             t0.value = time.perf_counter() + 0.05
             go.wait(timeout=300)
         except Exception:
-            raise RuntimeError("the client processes did not start (see their errors above)") from None
+            try:
+                k, *res = results.get(timeout=5)
+                why = f"client process {k} failed:\n{res[-1]}"
+            except queue_mod.Empty:
+                why = "the client processes did not start"
+            raise RuntimeError(why) from None
         with tqdm(total=len(prompts), desc="conversations" if args.turns > 1 else "requests",
                   disable=args.no_progress) as bar:
             while len(got) < n:
