@@ -5,9 +5,9 @@ mostly what start-up made and never frees: the model's modules, the tokenizer, t
 framework (328-348k objects in an engine process, ~227k in its server, on session 70's H100). There, serving 64
 streams, the server's full collections took 109-110 ms each and the engine process's 173 ms (a prefill step of
 176 ms); the child's messages then waited up to 132-151 ms for the server to read them, and those pauses land in
-requests' TTFT and TTIT. `gc.freeze()` moves every object alive into a permanent generation that collections skip, so later ones
-scan only what serving allocates: frozen, the server's took 13-18 ms and the engine process made none, for 9-15%
-more tokens/s and a TTIT p99 of 1.2-1.9 ms against 2.1-2.7 (`docs/benchmarks.md`, "Session 70";
+requests' TTFT and TTIT. `gc.freeze()` moves every object alive into a permanent generation that collections
+skip, so later ones scan only what serving allocates: frozen, the server's took 13-18 ms and the engine process made
+none, for 9-15% more tokens/s and a TTIT p99 of 1.2-1.9 ms against 2.1-2.7 (`docs/benchmarks.md`, "Session 70";
 `tools/diag/serve_steps.py` notes each collection's pause). vLLM freezes its heap after warm-up (`freeze_gc_heap`)
 and SGLang offers the same (`freeze_gc`).
 
