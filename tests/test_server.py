@@ -1400,11 +1400,67 @@ def test_bench_serve_counts_what_the_server_served(chat_tiny, tmp_path, endpoint
         before["eyas:request_success_total{finish_reason=length}"] == 12
     assert 1 <= max(chat_tiny.batches) <= 3
     assert s["output_tokens_per_s"] == pytest.approx(72 / s["duration_s"])
+    # the server's own means over the run (its /metrics read before and after): each request's span inside the
+    # client's, so never longer on average
+    assert s["server"]["ttft_count"] == 12 and s["server"]["e2e_count"] == 12
+    assert 0 < s["server"]["ttft_ms"] <= s["ttft_ms"]["mean"] and 0 < s["server"]["e2e_ms"] <= s["e2e_ms"]["mean"]
     assert (tmp_path / "a" / "serve.png").stat().st_size > 0
     assert main(common + ["--out", str(tmp_path / "b"), "--label", "second", "--num-prompts", "2",
                           "--compare", str(tmp_path / "a" / "serve.json")]) == 0
     table = (tmp_path / "b" / "serve.md").read_text().splitlines()
     assert [line.split("|")[1].strip() for line in table[2:]] == ["first", "second"]
+    assert table[0].endswith("server's TTFT / e2e mean ms |") and table[2].split("|")[-2].strip() == \
+        f"{s['server']['ttft_ms']:.1f} / {s['server']['e2e_ms']:.1f}"
+    assert main(common + ["--out", str(tmp_path / "c"), "--num-prompts", "1", "--no-server-metrics"]) == 0
+    assert json.loads((tmp_path / "c" / "serve.json").read_text())["summary"]["server"] is None
+
+
+def test_bench_serve_reads_a_peers_metrics(tmp_path):
+    """`scrape_server` reads a peer's histograms by their names past the prefix (vLLM's `vllm:`), summed over their
+    label sets, and gives None for a server without /metrics; `server_means` is the mean over the run."""
+    import http.server
+    import threading
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from eyas.bench.serve import scrape_server, server_means
+    reg = CollectorRegistry()
+    ttft = Histogram("vllm:time_to_first_token_seconds", "ttft", ["model_name"], registry=reg)
+    e2e = Histogram("vllm:e2e_request_latency_seconds", "e2e", ["model_name"], registry=reg)
+    Histogram("vllm:time_per_output_token_seconds", "not read", ["model_name"], registry=reg).labels("a").observe(9)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = generate_latest(reg) if self.path == "/metrics" and self.server.metrics else b"no"
+            self.send_response(200 if self.path == "/metrics" and self.server.metrics else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.metrics = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+        ttft.labels("a").observe(0.5)
+        before = scrape_server(url)
+        assert before == {"ttft": (0.5, 1.0), "e2e": (0.0, 0.0)}
+        ttft.labels("a").observe(0.1)
+        ttft.labels("b").observe(0.3)  # another label set: summed
+        e2e.labels("b").observe(2.0)
+        after = scrape_server(url + "/")
+        assert after == {"ttft": (pytest.approx(0.9), 3.0), "e2e": (2.0, 1.0)}
+        assert server_means(before, after) == {"ttft_ms": pytest.approx(200.0), "ttft_count": 2,
+                                               "e2e_ms": pytest.approx(2000.0), "e2e_count": 1}
+        assert server_means(before, before) == {"ttft_ms": None, "ttft_count": 0, "e2e_ms": None, "e2e_count": 0}
+        assert server_means(None, after) is None
+        httpd.metrics = False
+        assert scrape_server(url) is None  # 404
+    finally:
+        httpd.shutdown()
+    assert scrape_server(url, timeout=1.0) is None  # nothing listening
 
 
 def test_bench_serve_split_over_client_processes(chat_tiny, tmp_path):

@@ -26,6 +26,11 @@ output cut by `--max-tokens` counts as invalid); `--no-guided` sends the same pr
 once that answer has ended. Its prompt begins with the previous one, so a server with a prefix cache prefills only
 the new part: the table shows the later turns' TTFT apart, and the share of prompt tokens the server found cached
 (the usage's `prompt_tokens_details.cached_tokens`, which eyas and vLLM report).
+
+The server's own view: its Prometheus `/metrics` is read before and after the run, and the means of its TTFT and
+end-to-end histograms over the run (`eyas:`, `vllm:` or `sglang:time_to_first_token_seconds`, `..._e2e_request_...`)
+go into the summary (`server`) and the table beside the client's. What the client measured beyond them is the HTTP
+path and the client itself; a server without those metrics leaves them out (`--no-server-metrics` never asks).
 """
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ import numpy as np
 
 PERCENTILES = (50, 90, 99)
 BUSY_WARNING = 0.8  # the client's CPU share of the run above which its own work may have set the pace
+# the server's latency histograms read from its /metrics, by their names past the prefix (eyas:, vllm:, sglang:)
+SERVER_HISTOGRAMS = {"time_to_first_token_seconds": "ttft", "e2e_request_latency_seconds": "e2e"}
 
 
 def request_starts(n: int, rate: float, seed: int) -> list[float]:
@@ -291,6 +298,47 @@ def _run_processes(args, prompts: list[list[str]], guides: list) -> tuple[list[d
     return rows, duration, sum(res[2] for res in got.values()), max(res[2] for res in got.values()) / duration
 
 
+def scrape_server(base_url: str, api_key: str = "unused", timeout: float = 10.0) -> dict | None:
+    """{"ttft": (sum s, count), "e2e": (sum s, count)} from the server's Prometheus `/metrics` (the API's root,
+    `base_url` without `/v1`), summed over every label set of each histogram in `SERVER_HISTOGRAMS`; None when the
+    server answers none of them."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    root = base_url.rstrip("/")
+    root = root[:-3] if root.endswith("/v1") else root
+    try:
+        r = httpx.get(root + "/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=timeout)
+        if r.status_code != 200:
+            return None
+        found: dict[str, list[float]] = {}
+        for family in text_string_to_metric_families(r.text):
+            key = SERVER_HISTOGRAMS.get(family.name.split(":")[-1])
+            if key is None or family.type != "histogram":
+                continue
+            acc = found.setdefault(key, [0.0, 0.0])
+            for sample in family.samples:
+                if sample.name.endswith("_sum"):
+                    acc[0] += sample.value
+                elif sample.name.endswith("_count"):
+                    acc[1] += sample.value
+    except (httpx.HTTPError, ValueError):  # unreachable, or not Prometheus' text format
+        return None
+    return {k: tuple(v) for k, v in found.items()} or None
+
+
+def server_means(before: dict | None, after: dict | None) -> dict | None:
+    """The server's means over the run, in ms, from two `scrape_server` readings: {"ttft_ms": .., "e2e_ms": ..,
+    "ttft_count": .., "e2e_count": ..} (None where a histogram saw nothing new); None without both readings."""
+    if before is None or after is None:
+        return None
+    out = {}
+    for key in SERVER_HISTOGRAMS.values():
+        (s0, c0), (s1, c1) = before.get(key, (0.0, 0.0)), after.get(key, (0.0, 0.0))
+        out[f"{key}_ms"] = 1000.0 * (s1 - s0) / (c1 - c0) if c1 > c0 else None
+        out[f"{key}_count"] = int(c1 - c0)
+    return out
+
+
 def _stats(values: list[float]) -> dict:
     if not values:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
@@ -332,14 +380,20 @@ def _cached_share(s: dict) -> str:
     return f"{100 * s['cached_tokens'] / s['prompt_tokens']:.0f}%"
 
 
+def _server_cell(server: dict | None) -> str:
+    return " - |" if not server else f" {_fmt(server['ttft_ms'])} / {_fmt(server['e2e_ms'])} |"
+
+
 def markdown(runs: list[dict]) -> str:
     """A row per run. With conversations of several turns, TTFT of the later turns (the prompts that begin with
     the conversation so far) gets a column of its own."""
     turns = max(r["meta"].get("turns", 1) for r in runs)
     later = " | TTFT turns 2+ mean / p50 ms" if turns > 1 else ""
+    served = any(r["summary"].get("server") for r in runs)
     head = ("| run | requests (failed) | concurrency | rate /s | output tokens/s | TTFT mean / p50 / p99 ms" + later +
-            " | TTIT mean / p50 / p99 ms | e2e p50 / p99 ms | prompt tokens cached |")
-    lines = [head, "| --- " * (9 + bool(later)) + "|"]
+            " | TTIT mean / p50 / p99 ms | e2e p50 / p99 ms | prompt tokens cached |" +
+            (" server's TTFT / e2e mean ms |" if served else ""))
+    lines = [head, "| --- " * (9 + bool(later) + served) + "|"]
     for run in runs:
         s, m = run["summary"], run["meta"]
         t, i, e = s["ttft_ms"], s["ttit_ms"], s["e2e_ms"]
@@ -351,7 +405,7 @@ def markdown(runs: list[dict]) -> str:
         lines.append(f"| {m['label']} | {s['requests']} ({s['failed']}) | {m['concurrency']} | {m['request_rate']} | "
                      f"{s['output_tokens_per_s']:.1f} | {_fmt(t['mean'])} / {_fmt(t['p50'])} / {_fmt(t['p99'])} |"
                      f"{cols} {_fmt(i['mean'])} / {_fmt(i['p50'])} / {_fmt(i['p99'])} | {_fmt(e['p50'])} / "
-                     f"{_fmt(e['p99'])} | {_cached_share(s)} |")
+                     f"{_fmt(e['p99'])} | {_cached_share(s)} |" + (_server_cell(s.get("server")) if served else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -416,11 +470,13 @@ def run(args) -> int:
     records = read_prompts(args.prompts)
     chosen = [records[i % len(records)] for i in range(args.num_prompts)]  # cycled past the file's end
     guides = [r["guided"] if args.guided else None for r in chosen]
+    before = None if args.no_server_metrics else scrape_server(args.base_url, args.api_key)
     if args.client_processes > 1:
         rows, duration, cpu, busy = _run_processes(args, [r["turns"] for r in chosen], guides)
     else:
         rows, duration, cpu = asyncio.run(_run(args, [r["turns"] for r in chosen], guides))
         busy = None
+    server = None if before is None else server_means(before, scrape_server(args.base_url, args.api_key))
     meta = {"label": args.label or args.base_url, "base_url": args.base_url, "model": args.model,
             "endpoint": args.endpoint, "prompts": str(args.prompts), "num_prompts": args.num_prompts,
             "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
@@ -428,7 +484,7 @@ def run(args) -> int:
             "turns": args.turns, "extra_body": args.extra_body_fields, "client_processes": args.client_processes,
             "guided": sum(g is not None for g in guides),
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-    result = {"meta": meta, "summary": summarize(rows, duration, cpu, busy), "requests": rows}
+    result = {"meta": meta, "summary": {**summarize(rows, duration, cpu, busy), "server": server}, "requests": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve.json").write_text(json.dumps(result, indent=2))
@@ -441,6 +497,9 @@ def run(args) -> int:
               "the rates; split it (--client-processes), run it on cores the server does not use (taskset), or on "
               "another machine")
     s = result["summary"]
+    if server is not None and server["ttft_count"] != s["completed"]:
+        print(f"note: the server counted {server['ttft_count']} first tokens during the run against this client's "
+              f"{s['completed']} completed requests: other traffic, or requests it never saw; its means cover them")
     if s["guided"]:
         print(f"guided outputs valid: {s['guided_valid']} of {s['guided']}")
     failed = [r for r in rows if r["error"] is not None]
@@ -484,6 +543,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                    help='JSON fields added to every request, e.g. \'{"logprobs": true, "top_logprobs": 5}\' or '
                         '\'{"frequency_penalty": 0.3}\' (they override the ones above)')
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-server-metrics", action="store_true",
+                   help="do not read the server's /metrics before and after the run (its own TTFT and e2e means)")
     p.add_argument("--out", default="bench-out/serve")
     p.set_defaults(func=run)
     return p
