@@ -1415,6 +1415,30 @@ def test_bench_serve_counts_what_the_server_served(chat_tiny, tmp_path, endpoint
     assert json.loads((tmp_path / "c" / "serve.json").read_text())["summary"]["server"] is None
 
 
+def test_bench_serve_keeps_a_connection_per_place(chat_tiny, tmp_path, monkeypatch):
+    """Each of --concurrency's places keeps one connection alive, as a user's client would: every stream is read to
+    its end (past `[DONE]`), so 8 requests at 2 places open at most 2 connections, not one each."""
+    import uvicorn.protocols.http.h11_impl as h11_impl
+    import uvicorn.protocols.http.httptools_impl as httptools_impl
+
+    from eyas.cli import main
+    opened = []
+    for cls in (h11_impl.H11Protocol, httptools_impl.HttpToolsProtocol):
+        def connection_made(self, transport, original=cls.connection_made):
+            opened.append(transport.get_extra_info("peername"))
+            return original(self, transport)
+        monkeypatch.setattr(cls, "connection_made", connection_made)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:4]))
+    chat_tiny.wait_idle()  # (reads /metrics on a connection of its own)
+    opened.clear()
+    assert main(["bench", "serve", "--base-url", chat_tiny.url + "/v1", "--model", "tiny", "--prompts", str(prompts),
+                 "--num-prompts", "8", "--max-tokens", "4", "--concurrency", "2", "--no-progress",
+                 "--no-server-metrics", "--out", str(tmp_path / "k")]) == 0
+    assert json.loads((tmp_path / "k" / "serve.json").read_text())["summary"]["completed"] == 8
+    assert 1 <= len(opened) <= 2, opened
+
+
 def test_bench_serve_reads_a_peers_metrics(tmp_path):
     """`scrape_server` reads a peer's histograms by their names past the prefix (vLLM's `vllm:`), summed over their
     label sets, and gives None for a server without /metrics; `server_means` is the mean over the run."""

@@ -2,7 +2,9 @@
 server that streams `/v1/chat/completions` or `/v1/completions` (`eyas serve`, vLLM's, SGLang's), so peers are
 compared on equal terms. The client is httpx with the events parsed by hand (the openai package's client took ~20%
 more CPU a streamed chunk, ~0.13 ms, which on a small machine set the pace instead of the server); the summary says
-how busy it kept a core (`client_busy`), and a note warns above 80%.
+how busy it kept a core (`client_busy`), and a note warns above 80%. Each of `--concurrency`'s places keeps one
+connection alive and reads every stream to its end, as the openai package does (until session 71 it stopped at
+`[DONE]`, which closed the connection: every request opened a new one).
 
     eyas serve --model smollm2 --draft default &
     eyas bench serve --base-url http://127.0.0.1:8000/v1 --model smollm2 --label eyas \\
@@ -75,13 +77,14 @@ async def _stream_request(client, url: str, body: dict, on_text, finished=None) 
             except (ValueError, KeyError, TypeError):
                 pass
             raise RuntimeError(f"HTTP {r.status_code}: {raw}")
-        usage = None
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
+        usage, done = None, False
+        async for line in r.aiter_lines():  # to the body's end, past [DONE]: a stream left unread closes its
+            if done or not line.startswith("data: "):  # connection, and the next request would open a new one
                 continue
             data = line[6:]
             if data == "[DONE]":
-                break
+                done = True
+                continue
             event = json.loads(data)
             if "error" in event:
                 raise RuntimeError(f"error event: {event['error'].get('message')}")
@@ -160,13 +163,15 @@ async def _request(client, args, messages: list[dict] | str, t0: float, guided=N
     return row, text
 
 
-async def _conversation(client, args, index: int, turns: list[str], start_at: float, t0: float,
-                        gate: asyncio.Semaphore, guided=None) -> list[dict]:
+async def _conversation(places: asyncio.Queue, args, index: int, turns: list[str], start_at: float, t0: float,
+                        guided=None) -> list[dict]:
     """A client's conversation: its first `args.turns` user turns, each sent once the answer to the one before
-    has ended, with the conversation so far (one request, and one row, a turn; a failed turn ends it)."""
+    has ended, with the conversation so far (one request, and one row, a turn; a failed turn ends it). It holds one
+    of the `--concurrency` places (`places`: an httpx client of one kept-alive connection each) throughout."""
     await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
     rows, messages = [], []
-    async with gate:
+    client = await places.get()
+    try:
         for k, user in enumerate(turns[:args.turns]):
             if args.endpoint == "chat":
                 messages.append({"role": "user", "content": user})
@@ -178,6 +183,8 @@ async def _conversation(client, args, index: int, turns: list[str], start_at: fl
             rows.append(row)
             if row["error"] is not None:
                 break
+    finally:
+        places.put_nowait(client)
     return rows
 
 
@@ -188,18 +195,26 @@ async def _run(args, prompts: list[list[str]], guides: list | None = None, start
     `starts` (s after `t0`; default: `request_starts`, and now) and are numbered `indices` (default 0, 1, ...);
     `on_done()` is called as each ends (default: a progress bar). Returns the rows, the seconds from `t0` to the
     last end, and this process's CPU seconds."""
+    import contextlib
+
     import httpx
     from tqdm import tqdm
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    # a client of one connection per place: a request reuses its place's connection (as a user's client would),
+    # and no pool of many connections is scanned for each request (httpcore polls every idle one: ~2 ms of CPU a
+    # request at 32 places, once the connections were kept alive)
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
     headers = {"Authorization": f"Bearer {args.api_key}"}
     starts = request_starts(len(prompts), args.request_rate, args.seed) if starts is None else starts
     indices = list(range(len(prompts))) if indices is None else indices
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits, headers=headers) as client:
-        gate = asyncio.Semaphore(args.concurrency)
+    async with contextlib.AsyncExitStack() as stack:
+        places: asyncio.Queue = asyncio.Queue()
+        for _ in range(args.concurrency):
+            places.put_nowait(await stack.enter_async_context(
+                httpx.AsyncClient(timeout=args.timeout, limits=limits, headers=headers)))
         cpu0 = time.process_time()
         t0 = time.perf_counter() if t0 is None else t0
         guides = guides or [None] * len(prompts)
-        tasks = [asyncio.ensure_future(_conversation(client, args, i, p, s, t0, gate, g))
+        tasks = [asyncio.ensure_future(_conversation(places, args, i, p, s, t0, g))
                  for i, p, s, g in zip(indices, prompts, starts, guides)]
         rows = []
         with tqdm(total=len(tasks), desc="conversations" if args.turns > 1 else "requests",
