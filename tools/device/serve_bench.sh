@@ -19,8 +19,8 @@
 # 0.5 ms, in place of Python's 5; "spec-proc" and "plain-proc": --engine-process; "spec-proc-si" and
 # "plain-proc-si": both; any of them + "-nogc": with EYAS_GC_FREEZE=0), SERVE_ARGS (added to every server and to
 # the offline run, so only options both take, such as --device and --dtype), PROMPTS ($S/question.jsonl), CLIENTS
-# (the client's processes, 4, at most the concurrency: `eyas bench serve --client-processes`, since session 70; one
-# Python client was 76-98% busy at 16 and 64 before).
+# (the client's processes, 8 since session 71 (4 in session 70), at most the concurrency: `eyas bench serve
+# --client-processes`; one Python client was 76-98% busy at 16 and 64 before, 8 were 21-44% each in session 71).
 # A CPU dry run: STAGED=1 S=/tmp/s W=/tmp/w OUT=/tmp/o N=2 MAXTOK=4
 # CONC=1 SERVE_ARGS="--device cpu --dtype float32" PROMPTS=../shared/data/mt_bench/question.jsonl (the venv's
 # python first on PATH).
@@ -64,7 +64,7 @@ serve_runs() {  # NAME SERVE-ARGS...: one server, loaded at each concurrency, th
   echo "$name: up [t=$(el)]"
   for c in ${CONC:-1 16 64}; do  # each run from an empty prefix cache: the runs before sent the same prompts
     python3 -c "import httpx; httpx.post('http://127.0.0.1:$PORT/reset_prefix_cache').raise_for_status()" || return 1
-    local clients=$(( ${CLIENTS:-4} < c ? ${CLIENTS:-4} : c ))
+    local clients=$(( ${CLIENTS:-8} < c ? ${CLIENTS:-8} : c ))
     python3 -m eyas.cli bench serve --base-url http://127.0.0.1:$PORT/v1 --model smollm2 --prompts $PROMPTS \
       --num-prompts ${N:-80} --max-tokens ${MAXTOK:-128} --temperature 0 --concurrency $c --label $name-c$c \
       --client-processes $clients \
