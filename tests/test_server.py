@@ -1439,6 +1439,34 @@ def test_bench_serve_keeps_a_connection_per_place(chat_tiny, tmp_path, monkeypat
     assert 1 <= len(opened) <= 2, opened
 
 
+def test_bench_serve_gives_up_on_a_stream_held_open_past_done(tmp_path, monkeypatch):
+    """A server that keeps a stream open after `[DONE]` (tools/diag/sse_stub.py with a hold): each request still
+    completes, its end at `[DONE]`, the client waiting `DRAIN_S` at most for the body's end before it drops the
+    connection."""
+    import importlib.util
+
+    import eyas.bench.serve as bench_serve
+    from eyas.cli import main
+    spec = importlib.util.spec_from_file_location("sse_stub", Path(__file__).parents[1] / "tools/diag/sse_stub.py")
+    stub = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stub)
+    server = LiveServer(stub.Stub(tokens=3, step_s=0.001, hold_s=60.0))
+    monkeypatch.setattr(bench_serve, "DRAIN_S", 0.2)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    try:
+        t = time.monotonic()
+        assert main(["bench", "serve", "--base-url", server.url + "/v1", "--model", "stub", "--prompts", str(prompts),
+                     "--num-prompts", "4", "--max-tokens", "3", "--concurrency", "2", "--no-progress",
+                     "--out", str(tmp_path / "h")]) == 0
+        assert time.monotonic() - t < 20
+    finally:
+        server.close()
+    s = json.loads((tmp_path / "h" / "serve.json").read_text())["summary"]
+    assert s["completed"] == 4 and s["output_tokens"] == 12 and s["server"] is None  # the stub has no /metrics
+    assert s["e2e_ms"]["p99"] < 150  # ended at [DONE], not after the wait
+
+
 def test_bench_serve_reads_a_peers_metrics(tmp_path):
     """`scrape_server` reads a peer's histograms by their names past the prefix (vLLM's `vllm:`), summed over their
     label sets, and gives None for a server without /metrics; `server_means` is the mean over the run."""

@@ -48,6 +48,7 @@ import numpy as np
 
 PERCENTILES = (50, 90, 99)
 BUSY_WARNING = 0.8  # the client's CPU share of the run above which its own work may have set the pace
+DRAIN_S = 2.0  # how long a stream's body may go on past `[DONE]` before the client drops its connection
 # the server's latency histograms read from its /metrics, by their names past the prefix (eyas:, vllm:, sglang:)
 SERVER_HISTOGRAMS = {"time_to_first_token_seconds": "ttft", "e2e_request_latency_seconds": "e2e"}
 
@@ -65,10 +66,18 @@ def request_starts(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-async def _stream_request(client, url: str, body: dict, on_text, finished=None) -> dict | None:
+async def _drain(lines) -> None:
+    async for _ in lines:
+        pass
+
+
+async def _stream_request(client, url: str, body: dict, on_text, finished=None, ended=None) -> dict | None:
     """POST one streamed request and read its server-sent events: `on_text(piece)` for each text, `finished[0]` :=
-    the choice's finish reason (when given a list); returns the usage chunk's usage (None if none came). Raises
-    RuntimeError with the server's message on an HTTP error or an error event."""
+    the choice's finish reason (when given a list), `ended[0]` := when `[DONE]` (or the body's end) came (when given
+    a list); returns the usage chunk's usage (None if none came). Raises RuntimeError with the server's message on an
+    HTTP error or an error event. The body is read to its end past `[DONE]`, so that the connection is kept for the
+    next request (left unread, httpx closes it); a server that holds the stream open after `[DONE]` gets `DRAIN_S`,
+    then the connection is closed."""
     async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             raw = (await r.aread()).decode(errors="replace")
@@ -77,14 +86,13 @@ async def _stream_request(client, url: str, body: dict, on_text, finished=None) 
             except (ValueError, KeyError, TypeError):
                 pass
             raise RuntimeError(f"HTTP {r.status_code}: {raw}")
-        usage, done = None, False
-        async for line in r.aiter_lines():  # to the body's end, past [DONE]: a stream left unread closes its
-            if done or not line.startswith("data: "):  # connection, and the next request would open a new one
+        usage, lines = None, r.aiter_lines()
+        async for line in lines:
+            if not line.startswith("data: "):
                 continue
             data = line[6:]
             if data == "[DONE]":
-                done = True
-                continue
+                break
             event = json.loads(data)
             if "error" in event:
                 raise RuntimeError(f"error event: {event['error'].get('message')}")
@@ -96,6 +104,12 @@ async def _stream_request(client, url: str, body: dict, on_text, finished=None) 
                     on_text(piece)
                 if finished is not None and c.get("finish_reason"):
                     finished[0] = c["finish_reason"]
+        if ended is not None:
+            ended[0] = time.perf_counter()
+        try:
+            await asyncio.wait_for(_drain(lines), DRAIN_S)
+        except asyncio.TimeoutError:  # the connection goes with the response
+            pass
         return usage
 
 
@@ -139,12 +153,12 @@ async def _request(client, args, messages: list[dict] | str, t0: float, guided=N
         pieces.append(piece)
 
     start = time.perf_counter()
-    usage, error, finished = None, None, [None]
+    usage, error, finished, ended = None, None, [None], [None]
     try:
-        usage = await _stream_request(client, args.base_url.rstrip("/") + path, body, on_text, finished)
+        usage = await _stream_request(client, args.base_url.rstrip("/") + path, body, on_text, finished, ended)
     except Exception as e:  # the server's error or the connection's: counted, never lost
         error = f"{type(e).__name__}: {e}"
-    end = time.perf_counter()
+    end = ended[0] or time.perf_counter()
     if error is None and usage is None:
         error = "the stream ended without a usage chunk (stream_options.include_usage)"
     text = "".join(pieces)

@@ -1,8 +1,8 @@
 """A stub of an OpenAI-compatible streaming server, to time `eyas bench serve`'s client alone: every POST streams
 `--tokens` chat chunks of one "x" each (whatever it asks), one per `--step-ms` (a decode step), then the usage
-chunk and `data: [DONE]`, with no model and no engine behind it. `GET /peak` answers the most requests it held at
-once since the last `/peak` (what concurrency the client really reached); `/metrics` is absent, as on a peer
-without metrics.
+chunk and `data: [DONE]`, with no model and no engine behind it (`--hold-ms`: the body ends that long after
+`[DONE]`). `GET /peak` answers the most requests it held at once since the last `/peak` (what concurrency the
+client really reached); `/metrics` is absent, as on a peer without metrics.
 
     python tools/diag/sse_stub.py --port 8741 --tokens 16 --step-ms 2 &
     eyas bench serve --base-url http://127.0.0.1:8741/v1 --model stub --num-prompts 2000 --max-tokens 16 \\
@@ -19,8 +19,8 @@ import json
 
 
 class Stub:
-    def __init__(self, tokens: int, step_s: float):
-        self.tokens, self.step_s = tokens, step_s
+    def __init__(self, tokens: int, step_s: float, hold_s: float = 0.0):
+        self.tokens, self.step_s, self.hold_s = tokens, step_s, hold_s
         self.inflight = self.peak = 0
 
     async def __call__(self, scope, receive, send):
@@ -54,6 +54,10 @@ class Stub:
                                               "total_tokens": 1 + self.tokens}}
             tail = f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode()
             await send({"type": "http.response.body", "body": tail, "more_body": True})
+            try:  # a server that keeps the stream open past [DONE], until the client goes away
+                await asyncio.wait_for(receive(), self.hold_s)
+            except asyncio.TimeoutError:
+                pass
             await send({"type": "http.response.body", "body": b""})
         finally:
             self.inflight -= 1
@@ -72,8 +76,10 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8741)
     p.add_argument("--tokens", type=int, default=16, help="chunks a request streams")
     p.add_argument("--step-ms", type=float, default=2.0, help="the wait before each chunk")
+    p.add_argument("--hold-ms", type=float, default=0.0, help="the wait after [DONE] before the body ends")
     args = p.parse_args()
-    uvicorn.run(Stub(args.tokens, args.step_ms / 1000.0), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(Stub(args.tokens, args.step_ms / 1000.0, args.hold_ms / 1000.0), host=args.host, port=args.port,
+                log_level="warning")
 
 
 if __name__ == "__main__":
