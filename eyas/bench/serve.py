@@ -4,7 +4,7 @@ compared on equal terms. The client is httpx with the events parsed by hand (the
 more CPU a streamed chunk, ~0.13 ms, which on a small machine set the pace instead of the server); the summary says
 how busy it kept a core (`client_busy`), and a note warns above 80%. Each of `--concurrency`'s places keeps one
 connection alive and reads every stream to its end, as the openai package does (until session 71 it stopped at
-`[DONE]`, which closed the connection: every request opened a new one).
+`[DONE]`, which closed the connection: every request opened a new one); a request's end is its `[DONE]`.
 
     eyas serve --model smollm2 --draft default &
     eyas bench serve --base-url http://127.0.0.1:8000/v1 --model smollm2 --label eyas \\
