@@ -49,6 +49,9 @@ import numpy as np
 PERCENTILES = (50, 90, 99)
 BUSY_WARNING = 0.8  # the client's CPU share of the run above which its own work may have set the pace
 DRAIN_S = 2.0  # how long a stream's body may go on past `[DONE]` before the client drops its connection
+# each request's send on the system's monotonic clock (`time.monotonic()`), in a header a server ignores: one on the
+# same machine can tell how long requests took to reach its handler (tools/diag/serve_steps.py)
+SENT_HEADER = "x-eyas-bench-sent"
 # the server's latency histograms read from its /metrics, by their names past the prefix (eyas:, vllm:, sglang:)
 SERVER_HISTOGRAMS = {"time_to_first_token_seconds": "ttft", "e2e_request_latency_seconds": "e2e"}
 
@@ -71,14 +74,15 @@ async def _drain(lines) -> None:
         pass
 
 
-async def _stream_request(client, url: str, body: dict, on_text, finished=None, ended=None) -> dict | None:
+async def _stream_request(client, url: str, body: dict, on_text, finished=None, ended=None,
+                          headers: dict | None = None) -> dict | None:
     """POST one streamed request and read its server-sent events: `on_text(piece)` for each text, `finished[0]` :=
     the choice's finish reason (when given a list), `ended[0]` := when `[DONE]` (or the body's end) came (when given
     a list); returns the usage chunk's usage (None if none came). Raises RuntimeError with the server's message on an
     HTTP error or an error event. The body is read to its end past `[DONE]`, so that the connection is kept for the
     next request (left unread, httpx closes it); a server that holds the stream open after `[DONE]` gets `DRAIN_S`,
     then the connection is closed."""
-    async with client.stream("POST", url, json=body) as r:
+    async with client.stream("POST", url, json=body, headers=headers) as r:
         if r.status_code != 200:
             raw = (await r.aread()).decode(errors="replace")
             try:
@@ -155,7 +159,8 @@ async def _request(client, args, messages: list[dict] | str, t0: float, guided=N
     start = time.perf_counter()
     usage, error, finished, ended = None, None, [None], [None]
     try:
-        usage = await _stream_request(client, args.base_url.rstrip("/") + path, body, on_text, finished, ended)
+        usage = await _stream_request(client, args.base_url.rstrip("/") + path, body, on_text, finished, ended,
+                                      {SENT_HEADER: f"{time.monotonic():.6f}"})
     except Exception as e:  # the server's error or the connection's: counted, never lost
         error = f"{type(e).__name__}: {e}"
     end = ended[0] or time.perf_counter()

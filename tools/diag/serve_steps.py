@@ -27,7 +27,9 @@ that column is "-". Three latencies are reported there too (lines "latency: ..."
 put to the child's taking it between two steps ("add" commands); a message's, from the child's send to the parent's
 read ("step" and "acks" messages); and the event loop's lag (how late a 1 ms sleep of the parent's loop wakes), in
 either mode, so the in-process server's loop is measured the same way. So are the garbage collector's pauses, by
-generation, in each process (`EYAS_GC_FREEZE=0` in the environment: without the frozen heap, eyas.engine.heap).
+generation, in each process (`EYAS_GC_FREEZE=0` in the environment: without the frozen heap, eyas.engine.heap), and,
+for requests from `eyas bench serve` on this machine (its send stamped in a header), each request's way from the
+client's send to the server's handler (since session 71).
 """
 from __future__ import annotations
 
@@ -245,6 +247,35 @@ def watch_gc(lat: Latencies) -> None:
     gc.callbacks.append(cb)
 
 
+def watch_arrivals(lat: Latencies) -> None:
+    """Note how long each request took from the client's send to the server's handler, where the client stamps its
+    send (`eyas bench serve`'s `SENT_HEADER`, on the monotonic clock this machine shares): the connection, uvicorn's
+    parsing and the event loop's queue before the handler."""
+    from eyas.bench.serve import SENT_HEADER
+    from eyas.serve import api_server
+    key = SENT_HEADER.encode()
+    create = api_server.create_app
+
+    def create_app(*a, **kw):
+        app = create(*a, **kw)
+
+        class Arrivals:
+            def __init__(self, inner):
+                self.inner = inner
+
+            async def __call__(self, scope, receive, send):
+                if scope["type"] == "http" and lat.live:
+                    sent = dict(scope["headers"]).get(key)
+                    if sent is not None:
+                        lat.add("client's send -> server's handler", time.monotonic() - float(sent))
+                await self.inner(scope, receive, send)
+
+        app.add_middleware(Arrivals)
+        return app
+
+    api_server.create_app = create_app
+
+
 def stamp_engine_core(lat: Latencies) -> None:
     """In the child: note each stamped "add" command's latency when the loop takes it."""
     from eyas.serve.engine_core import EngineCore
@@ -282,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     lat = Latencies()
     watch_parent(lat, "--engine-process" in serve)
     watch_gc(lat)
+    watch_arrivals(lat)
     atexit.register(report, clock, args.out, serve, "", lat)
     if "--engine-process" in serve:  # the engine steps in a child: time it there (`engine_main`), report there
         import eyas.serve.core_client as core_client
