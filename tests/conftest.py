@@ -226,20 +226,16 @@ def _interpret_helpers_without_repatching():
         def restore(self):
             pass
 
-    def patch_lang(fn):
-        if _LAUNCH["langs"] is None:
+    def patch_lang(fn):  # the launch's own patch first (no module patched yet), then its helpers'
+        if _LAUNCH["langs"] is None:  # outside a launch
             return patch(fn)
-        if _LAUNCH["langs"] == "starting":  # the launch's own patch
-            scope = patch(fn)
-            _LAUNCH["langs"] = langs(fn)
-            return scope
         if langs(fn) <= _LAUNCH["langs"]:
             return _Kept()
         _LAUNCH["langs"] |= langs(fn)  # e.g. tl.sum's module sees `core`, not `tl`: patched once per launch
         return patch(fn)
 
     def launch(self, *args, **kwargs):
-        outer, _LAUNCH["langs"] = _LAUNCH["langs"], "starting"
+        outer, _LAUNCH["langs"] = _LAUNCH["langs"], frozenset()  # the language modules this launch has patched
         try:
             return grid_call(self, *args, **kwargs)
         finally:
