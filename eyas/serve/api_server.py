@@ -1319,12 +1319,17 @@ def run_serve(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m eyas.serve.api_server ...`, the same as `eyas serve ...`."""
+def parse_serve_args(argv: list[str]) -> argparse.Namespace:
+    """`eyas serve`'s arguments, parsed as the command line parses them."""
     parser = argparse.ArgumentParser(prog="eyas")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
-    args = parser.parse_args(["serve", *(argv if argv is not None else __import__("sys").argv[1:])])
+    return parser.parse_args(["serve", *argv])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eyas.serve.api_server ...`, the same as `eyas serve ...`."""
+    args = parse_serve_args(argv if argv is not None else __import__("sys").argv[1:])
     return args.func(args)
 
 

@@ -20,16 +20,16 @@ counted), and the event loop's (the main thread's: the HTTP handlers, the stream
 one step to the end of the next: what the HTTP side costs a step, in the one GIL the two threads share. Each step
 longer than `--slow-ms` is listed with the Triton compiles and CUDA graph captures that ran in it.
 
-With `--engine-process` among the server's arguments the engine steps in a child process (eyas.serve.engine_core):
-the steps are timed there, each line of its table begins "engine process: ", and `--out`'s name with ".engine.json"
-in place of ".json" holds it (the parent's own table is empty). There is no event loop beside that engine loop, so
-that column is "-". Three latencies are reported there too (lines "latency: ..."): a command's, from the parent's
-put to the child's taking it between two steps ("add" commands); a message's, from the child's send to the parent's
-read ("step" and "acks" messages); and the event loop's lag (how late a 1 ms sleep of the parent's loop wakes), in
-either mode, so the in-process server's loop is measured the same way. So are the garbage collector's pauses, by
-generation, in each process (`EYAS_GC_FREEZE=0` in the environment: without the frozen heap, eyas.engine.heap), and,
-for requests from `eyas bench serve` on this machine (its send stamped in a header), each request's way from the
-client's send to the server's handler (since session 71).
+With the engine in a process of its own (`--engine-process`, the default on a GPU: decided as `eyas serve` decides it)
+it steps in a child process (eyas.serve.engine_core): the steps are timed there, each line of its table begins "engine
+process: ", and `--out`'s name with ".engine.json" in place of ".json" holds it (the parent's own table is empty). There
+is no event loop beside that engine loop, so that column is "-". Three latencies are reported there too (lines "latency:
+..."): a command's, from the parent's put to the child's taking it between two steps ("add" commands); a message's, from
+the child's send to the parent's read ("step" and "acks" messages); and the event loop's lag (how late a 1 ms sleep of
+the parent's loop wakes), in either mode, so the in-process server's loop is measured the same way. So are the garbage
+collector's pauses, by generation, in each process (`EYAS_GC_FREEZE=0` in the environment: without the frozen heap,
+eyas.engine.heap), and, for requests from `eyas bench serve` on this machine (its send stamped in a header), each
+request's way from the client's send to the server's handler (since session 71).
 """
 from __future__ import annotations
 
@@ -311,16 +311,18 @@ def main(argv: list[str] | None = None) -> int:
     clock.install()
     clock.watch_compiles()
     lat = Latencies()
-    watch_parent(lat, "--engine-process" in serve)
+    from eyas.serve import api_server
+    # as `eyas serve` decides it: --engine-process or --no-engine-process, else on where the engine runs on a GPU
+    engine_process = api_server.use_engine_process(api_server.parse_serve_args(serve))
+    watch_parent(lat, engine_process)
     watch_gc(lat)
     watch_arrivals(lat)
     atexit.register(report, clock, args.out, serve, "", lat)
-    if "--engine-process" in serve:  # the engine steps in a child: time it there (`engine_main`), report there
+    if engine_process:  # the engine steps in a child: time it there (`engine_main`), report there
         import eyas.serve.core_client as core_client
         core_client.core_main = functools.partial(engine_main, args.idle_ms / 1000, args.slow_ms / 1000,
                                                   args.out and args.out.removesuffix(".json") + ".engine.json",
                                                   serve)
-    from eyas.serve import api_server
     return api_server.main(serve)
 
 
