@@ -1483,8 +1483,9 @@ def test_bench_serve_reads_a_peers_metrics(tmp_path):
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            body = generate_latest(reg) if self.path == "/metrics" and self.server.metrics else b"no"
-            self.send_response(200 if self.path == "/metrics" and self.server.metrics else 404)
+            found = self.path == "/metrics" and self.server.metrics
+            body = generate_latest(reg) if found else b"no"
+            self.send_response(200 if found else 404)
             self.end_headers()
             self.wfile.write(body)
 
@@ -1534,7 +1535,7 @@ def test_bench_serve_split_over_client_processes(chat_tiny, tmp_path):
     assert sorted(r["conversation"] for r in rows) == list(range(10)) and s["failed"] == 0
     assert s["output_tokens"] == 50 == after["eyas:generation_tokens_total{}"] - before["eyas:generation_tokens_total{}"]
     planned = request_starts(10, 40.0, 0)
-    for r in rows:  # each started at its planned time on the shared clock (or later, behind its process's gate)
+    for r in rows:  # each started at its planned time on the shared clock (or later, waiting for a free place)
         assert planned[r["conversation"]] - 0.005 <= r["start_s"] < planned[r["conversation"]] + 2.0
     assert min(r["start_s"] for r in rows) < 0.5  # the clock starts once every process is up, not before
     assert max(r["start_s"] + r["e2e_s"] for r in rows) <= s["duration_s"] + 1e-6
