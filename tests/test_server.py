@@ -1208,6 +1208,35 @@ def test_api_key(tiny_dir, monkeypatch):
     assert _api_key(parser.parse_args(["serve"])) == "e"
 
 
+def test_serve_waits_for_the_warmup_before_it_freezes_and_serves(monkeypatch):
+    """`eyas serve` (`_serve_app`) joins guided decoding's warm-up thread (`Server.wait_for_warmup`) before it
+    freezes the heap and serves: its imports would otherwise share the first requests' CPU and stay unfrozen."""
+    import types
+    import uvicorn
+    from eyas.serve import api_server
+    done, calls = threading.Event(), []
+    warm = threading.Thread(target=lambda: (time.sleep(0.2), done.set()))
+    warm.start()
+    server = types.SimpleNamespace(_grammar=warm)
+    server.wait_for_warmup = lambda: (api_server.Server.wait_for_warmup(server), calls.append(("warm", done.is_set())))
+
+    class Uvicorn:
+        def __init__(self, config):
+            pass
+
+        def run(self, sockets):
+            calls.append("serve")
+
+    monkeypatch.setattr(uvicorn, "Server", Uvicorn)
+    monkeypatch.setattr(api_server, "freeze_heap", lambda who: calls.append("freeze"))
+    app = types.SimpleNamespace(state=types.SimpleNamespace(server=server))
+    engine = types.SimpleNamespace(tree=types.SimpleNamespace(name="t"), draft=None)
+    args = types.SimpleNamespace(host="127.0.0.1", port=0, served_model_name=None, model="m", tensor_parallel=1,
+                                 log_level="warning")
+    api_server._serve_app(app, engine, args)
+    assert calls == [("warm", True), "freeze", "serve"]
+
+
 def test_serve_command_line(tiny_dir):
     import argparse
     parser = argparse.ArgumentParser()
@@ -1312,7 +1341,8 @@ def test_serve_listens_where_it_was_told_and_names_a_free_port(tiny_dir, monkeyp
     engine = type("E", (), {"draft": None})()
     args = argparse.Namespace(tensor_parallel=1, served_model_name="tiny", model="x", host="127.0.0.1", port=0,
                               log_level="warning")
-    api_server._serve_app(None, engine, args, sock)
+    app = argparse.Namespace(state=argparse.Namespace(server=argparse.Namespace(wait_for_warmup=lambda: None)))
+    api_server._serve_app(app, engine, args, sock)
     assert served["port"] == port and sock.fileno() == -1  # closed once served
 
 

@@ -279,6 +279,13 @@ class Server:
             self._grammar = threading.Thread(target=self._backend, name="eyas-grammar-warmup", daemon=True)
             self._grammar.start()
 
+    def wait_for_warmup(self) -> None:
+        """Until guided decoding's warm-up is done (`eyas serve` waits so before it serves: the warm-up imports
+        xgrammar, and with it transformers, for seconds of this process's CPU, which the first requests would share
+        with it, and its objects would stay out of the frozen heap)."""
+        if self._grammar is not None:
+            self._grammar.join()
+
     def token_text(self, token_id: int) -> str:
         """A token's own text, as `logprobs` name tokens (eyas.serve.logprobs); kept once made."""
         text = self._token_texts.get(token_id)
@@ -1161,6 +1168,7 @@ def _serve_app(app, engine, args, sock: socket.socket | None = None) -> None:
     # before Python's finalizers ran (an engine process's queues then leave "leaked semaphore" warnings, exit 143).
     prev = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() \
         else None
+    app.state.server.wait_for_warmup()
     freeze_heap("server")  # the engine (or the engine process's client) and the app are built: see eyas.engine.heap
     with sock:
         try:
