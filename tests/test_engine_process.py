@@ -109,17 +109,24 @@ async def _one(client, c) -> tuple[str, str, int, list | None]:
 
 
 @pytest.mark.slow
-def test_clients_get_what_the_offline_engine_writes(served):
+@pytest.mark.parametrize("interval", [1, 3])
+def test_clients_get_what_the_offline_engine_writes(served, interval):
     """12 clients at once (SmolLM2 and its draft, speculating): each gets the offline engine's text, finish reason,
-    token count and logprobs, streamed or not; the metrics the parent keeps count what was served."""
+    token count and logprobs, streamed or not; the metrics the parent keeps count what was served. With a stream
+    interval of 3 the parent holds outputs back and folds them into the next (`dispatch`): the same."""
     before = served.wait_idle()
+    loop = served.app.state.server.async_engine
 
     async def main():
         async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0,
                                       timeout=300) as client:
             return await asyncio.wait_for(asyncio.gather(*(_one(client, c) for c in cases())), timeout=400)
 
-    results = asyncio.run(main())
+    loop.stream_interval = interval
+    try:
+        results = asyncio.run(main())
+    finally:
+        loop.stream_interval = 1
     for c, (text, finish, n, lps), ref in zip(cases(), results, served.refs):
         assert (text, finish, n) == (ref.text, ref.finish_reason, len(ref.token_ids)), c
         if c["regex"]:

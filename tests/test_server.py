@@ -567,6 +567,30 @@ def test_chat_logprobs_match_offline(spec):
     spec.wait_idle()
 
 
+def test_stream_interval_sends_a_chunk_per_n_tokens(spec):
+    """`--stream-interval 4` (`create_app(stream_interval=4)`) on the speculating server, whose steps commit 1-4
+    tokens: the first token comes alone (TTFT), then each chunk carries at least 4 tokens but the last, with the
+    tokens, log-probabilities and text of the offline run (a stream that a token per step would split finer)."""
+    ref = spec.refs["logprobs"]
+    tok = spec.engine.tokenizer
+    loop = spec.app.state.server.async_engine
+    assert loop.stream_interval == 1
+    loop.stream_interval = 4
+    try:
+        chunks = [ch.choices[0] for ch in spec.client().chat.completions.create(
+            model=MODEL, messages=CONVERSATIONS[0], max_tokens=16, temperature=0, logprobs=True, top_logprobs=3,
+            stream=True) if ch.choices and ch.choices[0].logprobs]
+    finally:
+        loop.stream_interval = 1
+    sizes = [len(c.logprobs.content) for c in chunks]
+    assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == len(ref.token_ids), sizes
+    streamed = [lp for c in chunks for lp in c.logprobs.content]
+    assert [c.token for c in streamed] == [tok.decode([t], skip_special_tokens=False) for t in ref.token_ids]
+    assert [c.logprob for c in streamed] == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-4)
+    assert "".join(c.delta.content or "" for c in chunks) == ref.text
+    spec.wait_idle()
+
+
 # ---- the tiny server: admission control, failures, token-id prompts --------------------------------------------------
 
 TINY_VOCAB = 64
@@ -1248,6 +1272,11 @@ def test_serve_command_line(tiny_dir):
     assert _engine_kwargs(parser.parse_args(["serve", "--scheduling-policy", "priority"]))["scheduling_policy"] == \
         "priority"
     assert (args.host, args.port, args.max_queue) == ("127.0.0.1", 8000, 256)
+    from eyas.serve.api_server import _app_options
+    assert _app_options(args)["stream_interval"] == 1
+    assert _app_options(parser.parse_args(["serve", "--stream-interval", "4"]))["stream_interval"] == 4
+    with pytest.raises(ValueError, match="--stream-interval must be >= 1"):
+        _app_options(parser.parse_args(["serve", "--stream-interval", "0"]))
     assert _resolve_draft("smollm2", "none") is None
     assert _resolve_draft(str(tiny_dir), "auto") is None  # no shipped draft for other models
     from eyas.loader.resolve import default_draft_path

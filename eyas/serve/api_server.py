@@ -251,7 +251,7 @@ class Server:
 
     def __init__(self, llm, served_model_name: str, max_queue: int, aliases: tuple[str, ...] = (),
                  tool_parser: str | None = None, chat_template: str | None = None,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, stream_interval: int = 1):
         self.engine = engine = getattr(llm, "engine", llm)  # an LLM or an LLMEngine
         # splits a reasoning model's thinking from its answer (eyas.serve.reasoning); a tokenizer without the tags
         # stops the server here
@@ -268,8 +268,9 @@ class Server:
         self.metrics = Metrics(served_model_name)
         # the engine loop: a thread of this process, or the loop of an engine in a process of its own
         # (`eyas.serve.core_client.EngineProcess`, whose `make_loop` gives it)
-        self.async_engine = (engine.make_loop(self.metrics, max_queue) if hasattr(engine, "make_loop") else
-                             AsyncEngine(engine, self.metrics, max_queue=max_queue))
+        self.async_engine = (engine.make_loop(self.metrics, max_queue, stream_interval)
+                             if hasattr(engine, "make_loop") else
+                             AsyncEngine(engine, self.metrics, max_queue=max_queue, stream_interval=stream_interval))
         self.max_model_len = engine.max_model_len
         self._grammar = None
         self._token_texts: dict[int, str] = {}
@@ -435,7 +436,8 @@ OPEN_PATHS = ("/health", "/metrics", "/version")  # answered without the API key
 def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
                aliases: tuple[str, ...] = (), tool_parser: str | None = None,
                chat_template: str | None = None, api_key: str | None = None,
-               generation_config: str = "auto", reasoning_parser: str | None = None) -> FastAPI:
+               generation_config: str = "auto", reasoning_parser: str | None = None,
+               stream_interval: int = 1) -> FastAPI:
     """`llm`: an `eyas.LLM` (or an `LLMEngine`). The engine thread starts and stops with the app's lifespan.
     `tool_parser`: how "auto" tool calls are read from the text (`eyas.serve.tools.PARSERS`); None refuses them.
     `chat_template`: a Jinja template in place of the model's (a request's own `chat_template` goes first).
@@ -443,11 +445,14 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
     `generation_config`: "auto" (vLLM's default): what a request leaves out of temperature, top_p, top_k, min_p and
     repetition_penalty comes from the model's generation_config.json where it has them; "vllm": OpenAI's defaults
     always. `reasoning_parser` (`eyas.serve.reasoning.PARSERS`): a reasoning model's thinking comes back apart from
-    its answer, and guides apply to the answer only; ValueError where the tokenizer lacks its tags."""
+    its answer, and guides apply to the answer only; ValueError where the tokenizer lacks its tags.
+    `stream_interval`: a request's outputs reach its handler once per that many tokens (the first and the last at
+    once): fewer, larger stream chunks, for less of this process's work a token (`eyas.serve.async_engine.dispatch`).
+    """
     if generation_config not in ("auto", "vllm"):
         raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
     server = Server(llm, served_model_name or "smollm2", max_queue, aliases, tool_parser, chat_template,
-                    reasoning_parser)
+                    reasoning_parser, stream_interval)
     if generation_config == "auto":
         server.sampling_defaults = server.engine.target.config.generation_defaults or {}
 
@@ -1015,6 +1020,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="every endpoint but /health, /metrics and /version wants 'Authorization: Bearer KEY' "
                         "(default: $EYAS_API_KEY; none: no key asked for)")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="a stream's chunk once per N tokens, the first token's and the last at once (SGLang's and "
+                        "vLLM's option): less of the server's CPU a token at many streams, a coarser stream")
     p.set_defaults(func=run_serve)
     return p
 
@@ -1254,9 +1262,12 @@ def _app_options(args) -> dict:
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
                          f"({' or '.join(sorted(PARSERS))})")
+    interval = getattr(args, "stream_interval", 1)
+    if interval < 1:
+        raise ValueError(f"--stream-interval must be >= 1, got {interval}")
     return dict(tool_parser=_tool_parser(args), chat_template=_chat_template(args), api_key=_api_key(args),
                 generation_config=getattr(args, "generation_config", "auto"),
-                reasoning_parser=getattr(args, "reasoning_parser", None))
+                reasoning_parser=getattr(args, "reasoning_parser", None), stream_interval=interval)
 
 
 def use_engine_process(args) -> bool:

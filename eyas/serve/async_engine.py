@@ -49,6 +49,8 @@ class _Tracker:
     calls: int = 0
     committed: int = 0
     accepted: list[int] = field(default_factory=list)
+    held: RequestOutput | None = None  # outputs kept back by a stream interval, not yet delivered (`dispatch`)
+    delivered: int = 0  # its output tokens as of its last delivered output
 
 
 def _grown(xs: list[int], n: int) -> list[int]:
@@ -99,9 +101,10 @@ class _Call:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None, max_queue: int = 256):
-        if max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None, max_queue: int = 256,
+                 stream_interval: int = 1):
+        check_loop_args(max_queue, stream_interval)
+        self.stream_interval = stream_interval  # `dispatch`'s interval
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
@@ -339,7 +342,7 @@ class AsyncEngine:
         self._deliver(deliveries)
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
-        self._deliver(dispatch(self._trackers, outs, self.accounting, self._release))
+        self._deliver(dispatch(self._trackers, outs, self.accounting, self._release, self.stream_interval))
         if self.metrics is not None:  # the counts are read for the metrics only
             self.accounting.count_steps(*engine_counts(self.engine))
 
@@ -354,6 +357,14 @@ class AsyncEngine:
 
 
 # ---- what both engine loops share: admission, the trackers' dispatch and the metrics ------------------------------
+
+def check_loop_args(max_queue: int, stream_interval: int) -> None:
+    """ValueError unless max_queue >= 0 and stream_interval >= 1."""
+    if max_queue < 0:
+        raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+    if stream_interval < 1:
+        raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+
 
 def check_capacity(in_flight: int, n: int, capacity: int) -> None:
     """QueueFull unless `n` more requests fit beside the `in_flight` ones (at most `capacity`)."""
@@ -377,10 +388,15 @@ def engine_counts(engine) -> tuple[dict[str, int], dict[str, int], int]:
 
 
 def dispatch(trackers: dict[str, _Tracker], outs: list[RequestOutput], accounting: Accounting,
-             release) -> list[tuple[asyncio.Queue, object]]:
+             release, interval: int = 1) -> list[tuple[asyncio.Queue, object]]:
     """One step's outputs to their requests' queues (returned as (queue, item) pairs to put), each accounted for
     in the metrics (where `accounting` has them); a finished request's tracker is dropped and `release(1)`
-    called."""
+    called.
+
+    `interval` (`eyas serve --stream-interval`, SGLang's and vLLM's option of that name): a request's outputs are
+    delivered once `interval` tokens have come since its last delivery, the first output (TTFT) and the last at
+    once; the ones kept back are folded into the next (`RequestOutput.after`), so a stream sends a chunk per
+    `interval` tokens, not per step. The metrics still count every step's tokens when the engine made them."""
     now = time.perf_counter()
     deliveries = []
     step = _StepCounts() if accounting.metrics is not None else None
@@ -390,6 +406,13 @@ def dispatch(trackers: dict[str, _Tracker], outs: list[RequestOutput], accountin
             continue
         if step is not None:
             accounting.account(tr, out, now, step)
+        if interval > 1:
+            if tr.held is not None:
+                out, tr.held = out.after(tr.held), None
+            if not out.finished and tr.delivered and out.num_output_tokens - tr.delivered < interval:
+                tr.held = out
+                continue
+            tr.delivered = out.num_output_tokens
         deliveries.append((tr.queue, (tr.index, out)))
         if out.finished:
             del trackers[out.request_id]

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from eyas.engine.detokenizer import OutputText
 from eyas.engine.engine import RequestOutput, encode_prompt
 from eyas.serve.async_engine import (Accounting, AsyncEngine, EngineDead, EngineError, _Tracker, check_capacity,
-                                     dispatch)
+                                     check_loop_args, dispatch)
 from eyas.serve.engine_core import EngineInfo, core_main
 from eyas.serve.metrics import Metrics
 from eyas.spec.grammar import LazyGrammarBackend
@@ -86,9 +86,9 @@ class EngineProcess:
         a guide here, the child compiles it again for its engine)."""
         return self._grammar.get()
 
-    def make_loop(self, metrics: Metrics | None, max_queue: int) -> CoreClient:
+    def make_loop(self, metrics: Metrics | None, max_queue: int, stream_interval: int = 1) -> CoreClient:
         """The server's engine loop (what `AsyncEngine` is for an engine of this process)."""
-        return CoreClient(self, metrics, max_queue)
+        return CoreClient(self, metrics, max_queue, stream_interval)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the child (the "stop" command first, then SIGTERM, then SIGKILL)."""
@@ -157,9 +157,10 @@ class CoreClient:
 
     results = staticmethod(AsyncEngine.results)
 
-    def __init__(self, process: EngineProcess, metrics: Metrics | None = None, max_queue: int = 256):
-        if max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+    def __init__(self, process: EngineProcess, metrics: Metrics | None = None, max_queue: int = 256,
+                 stream_interval: int = 1):
+        check_loop_args(max_queue, stream_interval)
+        self.stream_interval = stream_interval  # `dispatch`'s interval
         info = process.info
         self.process, self.metrics, self.max_queue = process, metrics, max_queue
         self.accounting = Accounting(metrics, *info.counts, tree_depths=info.tree_depths, spec_depth=info.spec_depth,
@@ -301,7 +302,7 @@ class CoreClient:
             outs.append(mirror.update(m))
             if m[3]:  # finished
                 del self._mirrors[m[0]]
-        for q, item in dispatch(self._trackers, outs, self.accounting, self._release):
+        for q, item in dispatch(self._trackers, outs, self.accounting, self._release, self.stream_interval):
             q.put_nowait(item)
 
     def _ack(self, tag: int, err: tuple | None, result) -> None:
