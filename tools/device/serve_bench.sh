@@ -17,7 +17,8 @@
 # "plain-eager": the same with --max-prefill-seqs 0, a wave of arrivals prefilled in one step, eagerly past 16
 # sequences, as before session 68; "spec-si" and "plain-si": the interpreter's GIL switch interval at SWITCH_MS,
 # 0.5 ms, in place of Python's 5; "spec-proc" and "plain-proc": --engine-process; "spec-proc-si" and
-# "plain-proc-si": both; any of them + "-nogc": with EYAS_GC_FREEZE=0), SERVE_ARGS (added to every server and to
+# "plain-proc-si": both; any of them + "-sN": with --stream-interval N (since session 72), then + "-nogc": with
+# EYAS_GC_FREEZE=0), SERVE_ARGS (added to every server and to
 # the offline run, so only options both take, such as --device and --dtype), PROMPTS ($S/question.jsonl), CLIENTS
 # (the client's processes, 8 since session 71 (4 in session 70), at most the concurrency: `eyas bench serve
 # --client-processes`; one Python client was 76-98% busy at 16 and 64 before, 8 were 21-44% each in session 71).
@@ -73,27 +74,31 @@ serve_runs() {  # NAME SERVE-ARGS...: one server, loaded at each concurrency, th
   done
   kill -INT $pid; wait $pid
   grep "ms a step" $OUT/server_$name.log | grep -E "^(engine process: )?decode, batch (1|16|6[0-4]):"
-  grep -E "^(engine process: )?latency: " $OUT/server_$name.log
+  grep -E "^(engine process: )?latency: |^busy window" $OUT/server_$name.log
   grep -E -A2 "^(engine process: )?slow step" $OUT/server_$name.log | head -n 12 | cut -c1-200
   echo "$name: done [t=$(el)]"
 }
 
 for s in ${SERVERS:-spec plain}; do
-  case ${s%-nogc} in  # any server's name + "-nogc": the same with EYAS_GC_FREEZE=0 (no frozen heap)
-    spec) serve_runs $s --draft default --no-engine-process ;;  # the loop on a thread of the server's
-    plain) serve_runs $s --draft none --no-engine-process ;;
+  base=${s%-nogc} more=()  # any server's name + "-nogc": the same with EYAS_GC_FREEZE=0 (no frozen heap)
+  if [[ $base =~ ^(.*)-s([0-9]+)$ ]]; then  # + "-sN" (before any "-nogc"): with --stream-interval N
+    base=${BASH_REMATCH[1]} more=(--stream-interval ${BASH_REMATCH[2]})
+  fi
+  case $base in
+    spec) serve_runs $s --draft default --no-engine-process "${more[@]}" ;;  # the loop on a thread of the server's
+    plain) serve_runs $s --draft none --no-engine-process "${more[@]}" ;;
     # a wave of arrivals in one prefill step, eager past 16 sequences (before session 68)
-    spec-eager) serve_runs $s --draft default --no-engine-process --max-prefill-seqs 0 ;;
-    plain-eager) serve_runs $s --draft none --no-engine-process --max-prefill-seqs 0 ;;
+    spec-eager) serve_runs $s --draft default --no-engine-process --max-prefill-seqs 0 "${more[@]}" ;;
+    plain-eager) serve_runs $s --draft none --no-engine-process --max-prefill-seqs 0 "${more[@]}" ;;
     # the GIL's switch interval at SWITCH_MS (0.5) in place of 5 ms
-    spec-si) serve_runs $s --draft default --no-engine-process ;;
-    plain-si) serve_runs $s --draft none --no-engine-process ;;
+    spec-si) serve_runs $s --draft default --no-engine-process "${more[@]}" ;;
+    plain-si) serve_runs $s --draft none --no-engine-process "${more[@]}" ;;
     # the engine in a process of its own (serve_steps.py times its steps there: "engine process: ...")
-    spec-proc) serve_runs $s --draft default --engine-process ;;
-    plain-proc) serve_runs $s --draft none --engine-process ;;
+    spec-proc) serve_runs $s --draft default --engine-process "${more[@]}" ;;
+    plain-proc) serve_runs $s --draft none --engine-process "${more[@]}" ;;
     # both: the parent's switch interval (its command queue's feeder thread waits less for the event loop's GIL)
-    spec-proc-si) serve_runs $s --draft default --engine-process ;;
-    plain-proc-si) serve_runs $s --draft none --engine-process ;;
+    spec-proc-si) serve_runs $s --draft default --engine-process "${more[@]}" ;;
+    plain-proc-si) serve_runs $s --draft none --engine-process "${more[@]}" ;;
     *) echo "unknown server $s"; exit 1 ;;
   esac
 done

@@ -29,7 +29,9 @@ the child's send to the parent's read ("step" and "acks" messages); and the even
 the parent's loop wakes), in either mode, so the in-process server's loop is measured the same way. So are the garbage
 collector's pauses, by generation, in each process (`EYAS_GC_FREEZE=0` in the environment: without the frozen heap,
 eyas.engine.heap), and, for requests from `eyas bench serve` on this machine (its send stamped in a header), each
-request's way from the client's send to the server's handler (since session 71).
+request's way from the client's send to the server's handler (since session 71). Lines "busy window ..." (since
+session 72): each stretch of serving (requests in flight, no more than 1 s apart), with the server process's CPU
+and its event loop thread's as shares of one core; the loop thread near 100% means the HTTP side set the pace.
 """
 from __future__ import annotations
 
@@ -247,10 +249,55 @@ def watch_gc(lat: Latencies) -> None:
     gc.callbacks.append(cb)
 
 
-def watch_arrivals(lat: Latencies) -> None:
+class BusyWindows:
+    """The server process's CPU while it served: a window opens with a request's arrival at the handler when none
+    was in flight for `gap_s`, and ends with the last request's end. Each window's wall time, requests, the process's
+    CPU (every thread: `time.process_time`) and the event loop thread's (`time.thread_time`, read on that thread)
+    as shares of one core: a share near 1 means the HTTP side, not the engine, set the pace."""
+
+    def __init__(self, gap_s: float = 1.0):
+        self.gap_s = gap_s
+        self.windows: list[dict] = []
+        self.inflight = 0
+
+    @staticmethod
+    def _now() -> tuple[float, float, float]:
+        return time.monotonic(), time.process_time(), time.thread_time()
+
+    def begin(self) -> None:
+        now = self._now()
+        w = self.windows[-1] if self.windows else None
+        if w is None or (self.inflight == 0 and now[0] - w["end"][0] > self.gap_s):
+            self.windows.append(w := {"start": now, "end": now, "requests": 0})
+        w["requests"] += 1
+        self.inflight += 1
+
+    def end(self) -> None:
+        self.inflight -= 1
+        self.windows[-1]["end"] = self._now()
+
+    def report(self) -> list[dict]:
+        out = []
+        for w in self.windows:
+            wall, cpu, loop = (e - s for s, e in zip(w["start"], w["end"]))
+            if wall > 0:
+                out.append({"requests": w["requests"], "seconds": wall, "process_cpu_share": cpu / wall,
+                            "event_loop_cpu_share": loop / wall})
+        return out
+
+    def print(self, who: str = "") -> None:
+        for k, r in enumerate(self.report()):
+            if r["requests"] < 2:  # a lone request between runs (a /metrics scrape): the JSON keeps it
+                continue
+            print(f"{who}busy window {k + 1}: {r['requests']} requests in {r['seconds']:.2f} s, the process's CPU "
+                  f"{r['process_cpu_share']:.0%} of a core, its event loop thread's {r['event_loop_cpu_share']:.0%}",
+                  file=sys.stderr, flush=True)
+
+
+def watch_arrivals(lat: Latencies, busy: BusyWindows | None = None) -> None:
     """Note how long each request took from the client's send to the server's handler, where the client stamps its
     send (`eyas bench serve`'s `SENT_HEADER`, on the monotonic clock this machine shares): the connection, uvicorn's
-    parsing and the event loop's queue before the handler."""
+    parsing and the event loop's queue before the handler. `busy`: each request's start and end, for its windows."""
     from eyas.bench.serve import SENT_HEADER
     from eyas.serve import api_server
     key = SENT_HEADER.encode()
@@ -264,11 +311,18 @@ def watch_arrivals(lat: Latencies) -> None:
                 self.inner = inner
 
             async def __call__(self, scope, receive, send):
-                if scope["type"] == "http" and lat.live:
-                    sent = dict(scope["headers"]).get(key)
-                    if sent is not None:
-                        lat.add("client's send -> server's handler", time.monotonic() - float(sent))
-                await self.inner(scope, receive, send)
+                if scope["type"] != "http" or not lat.live:
+                    return await self.inner(scope, receive, send)
+                sent = dict(scope["headers"]).get(key)
+                if sent is not None:
+                    lat.add("client's send -> server's handler", time.monotonic() - float(sent))
+                if busy is None:
+                    return await self.inner(scope, receive, send)
+                busy.begin()
+                try:
+                    await self.inner(scope, receive, send)
+                finally:
+                    busy.end()
 
         app.add_middleware(Arrivals)
         return app
@@ -316,8 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     engine_process = api_server.use_engine_process(api_server.parse_serve_args(serve))
     watch_parent(lat, engine_process)
     watch_gc(lat)
-    watch_arrivals(lat)
-    atexit.register(report, clock, args.out, serve, "", lat)
+    busy = BusyWindows()
+    watch_arrivals(lat, busy)
+    atexit.register(report, clock, args.out, serve, "", lat, busy)
     if engine_process:  # the engine steps in a child: time it there (`engine_main`), report there
         import eyas.serve.core_client as core_client
         core_client.core_main = functools.partial(engine_main, args.idle_ms / 1000, args.slow_ms / 1000,
@@ -326,11 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     return api_server.main(serve)
 
 
-def report(clock: StepClock, out: str | None, serve: list[str], who: str = "", lat: Latencies | None = None) -> None:
-    """Print the steps' table and the latencies (stderr) and write them to `out` (JSON)."""
+def report(clock: StepClock, out: str | None, serve: list[str], who: str = "", lat: Latencies | None = None,
+           busy: BusyWindows | None = None) -> None:
+    """Print the steps' table, the latencies and the busy windows (stderr) and write them to `out` (JSON)."""
     rows = clock.report()
     if lat is not None:
         lat.print(who)
+    if busy is not None:
+        busy.print(who)
     for r in rows:
         gap, ev = ("-" if r[k] is None else f"{r[k]:.3f}" for k in ("ms_between_steps",
                                                                      "event_loop_cpu_ms_per_step"))
@@ -345,7 +403,8 @@ def report(clock: StepClock, out: str | None, serve: list[str], who: str = "", l
     if out:
         with open(out, "w") as f:
             json.dump({"serve_args": serve, "switch_interval_ms": 1000 * sys.getswitchinterval(), "steps": rows,
-                       "latencies": lat.report() if lat is not None else {}, "slow_steps": clock.slow}, f, indent=1)
+                       "latencies": lat.report() if lat is not None else {}, "slow_steps": clock.slow,
+                       "busy_windows": busy.report() if busy is not None else []}, f, indent=1)
 
 
 def engine_main(idle_s: float, slow_s: float, out: str | None, serve: list[str], *args) -> None:

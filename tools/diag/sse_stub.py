@@ -16,12 +16,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
+
+SENT = b"x-eyas-bench-sent"  # eyas.bench.serve.SENT_HEADER: the client's send on this machine's monotonic clock
 
 
 class Stub:
     def __init__(self, tokens: int, step_s: float, hold_s: float = 0.0):
         self.tokens, self.step_s, self.hold_s = tokens, step_s, hold_s
         self.inflight = self.peak = 0
+        self.arrivals: list[float] = []  # ms from each stamped request's send to this handler, since the last /peak
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -32,12 +36,15 @@ class Stub:
                 if done:
                     return
         if scope["path"] == "/peak":
-            await self._whole(send, 200, json.dumps({"peak": self.peak}).encode())
-            self.peak = self.inflight
+            await self._whole(send, 200, json.dumps({"peak": self.peak, "arrival_ms": summary(self.arrivals)}).encode())
+            self.peak, self.arrivals = self.inflight, []
             return
         if scope["method"] != "POST":
             await self._whole(send, 404, b"")
             return
+        sent = dict(scope["headers"]).get(SENT)
+        if sent is not None:
+            self.arrivals.append(1000 * (time.monotonic() - float(sent)))
         self.inflight += 1
         self.peak = max(self.peak, self.inflight)
         try:
@@ -67,6 +74,15 @@ class Stub:
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": body})
+
+
+def summary(ms: list[float]) -> dict | None:
+    """count, mean, p50, p99 and max of `ms`; None when empty."""
+    if not ms:
+        return None
+    xs = sorted(ms)
+    return {"count": len(xs), "mean": sum(xs) / len(xs), "p50": xs[len(xs) // 2],
+            "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))], "max": xs[-1]}
 
 
 def main() -> None:
