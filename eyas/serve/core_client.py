@@ -26,7 +26,6 @@ from eyas.engine.detokenizer import OutputText
 from eyas.engine.engine import RequestOutput, encode_prompt
 from eyas.serve.async_engine import (Accounting, AsyncEngine, EngineDead, EngineError, _Tracker, check_capacity,
                                      check_loop_args, dispatch)
-from eyas.serve.command_pipe import CommandWriter
 from eyas.serve.engine_core import EngineInfo, core_main
 from eyas.serve.metrics import Metrics
 from eyas.spec.grammar import LazyGrammarBackend
@@ -48,14 +47,12 @@ class EngineProcess:
             if llm_kwargs.get(key):
                 raise ValueError(f"an engine in a process of its own does not combine with {key} yet")
         ctx = mp.get_context("spawn")
-        child_commands, commands = ctx.Pipe(duplex=False)
-        self.commands = CommandWriter(commands)  # the child reads them (`CommandReader`) between two steps
+        self.commands = ctx.Queue()
         self.conn, child_conn = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=core_main, args=(llm_kwargs, prepare, log_level, child_commands, child_conn),
+        self.proc = ctx.Process(target=core_main, args=(llm_kwargs, prepare, log_level, self.commands, child_conn),
                                 name="eyas-engine", daemon=True)
         self.proc.start()
-        child_conn.close()  # the child's ends: once the child is gone, reads here meet EOF, writes a broken pipe
-        child_commands.close()
+        child_conn.close()  # the child's end: once the child is gone, reads here meet EOF
         deadline = time.monotonic() + start_timeout
         while not self.conn.poll(1.0):
             if not self.proc.is_alive():
@@ -108,6 +105,7 @@ class EngineProcess:
             self.proc.kill()
             self.proc.join(5)
         self.commands.close()
+        self.commands.join_thread()
         self.conn.close()
 
 
@@ -182,7 +180,6 @@ class CoreClient:
         if self._loop is not None:
             return
         self._loop = loop or asyncio.get_running_loop()
-        self.process.commands.attach(self._loop)
         self._loop.add_reader(self.process.conn.fileno(), self._readable)
 
     def shutdown(self, timeout: float = 10.0) -> None:

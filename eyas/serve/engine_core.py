@@ -7,8 +7,8 @@ CPU a step beside decode steps of 2.7-4.8 ms, which took 1.55 ms with no server 
 Here the engine and its loop live in a child process (spawned: CUDA cannot be forked), the HTTP side in the parent;
 `eyas.serve.core_client` is the parent's half.
 
-* The parent sends commands on a pipe of their own (`eyas.serve.command_pipe`: written from its event loop, which
-  never blocks on a full pipe): ("add", tag, [(request id, prompt, params), ...]), ("abort", [request ids]),
+* The parent sends commands on a `multiprocessing` queue (its feeder thread pickles and writes them, so the event
+  loop never blocks on a full pipe): ("add", tag, [(request id, prompt, params), ...]), ("abort", [request ids]),
   ("call", tag, fn) (`fn(engine)`, a module-level function, pickled by name), ("stop",).
 * Between two steps the child takes every command waiting, answers the adds and calls in one "acks" message, steps
   the engine, and sends the step's outputs in one "step" message on a pipe, which the parent's event loop reads when
@@ -30,7 +30,6 @@ import traceback
 from dataclasses import dataclass
 
 from eyas.engine.heap import freeze_heap
-from eyas.serve.command_pipe import CommandReader
 
 log = logging.getLogger("eyas.serve")
 
@@ -72,7 +71,6 @@ class EngineCore:
     """The child's loop over one `LLMEngine` (see the module's docstring)."""
 
     def __init__(self, engine, commands, conn):
-        """`commands`: the parent's (`eyas.serve.command_pipe.CommandReader`); `conn`: the pipe to the parent."""
         self.engine, self.commands, self.conn = engine, commands, conn
         # per live request: output tokens, text pieces and logprobs sent so far, and whether its prompt's logprobs
         # went whole
@@ -209,7 +207,7 @@ def core_main(llm_kwargs: dict, prepare, log_level: str, commands, conn) -> None
     freeze_heap("engine process")
     conn.send(("ready", info))
     try:
-        EngineCore(eng, CommandReader(commands), conn).run()
+        EngineCore(eng, commands, conn).run()
     except (BrokenPipeError, EOFError, OSError):  # the parent went away
         pass
     except BaseException:  # a bug in the loop itself: the parent says so on /health and to every waiting client
