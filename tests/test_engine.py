@@ -83,6 +83,48 @@ def test_min_admit_batches_admissions_and_changes_no_token(tiny_dir, alone_greed
         LLM(str(tiny_dir), device="cpu", dtype="float32", min_admit=0)
 
 
+def staggered_admissions(tiny_dir, lens, **kw):
+    """Requests through the engine step by step on a clock the test moves 1 ms a step: the first 4 at once, then
+    one a step. Returns their tokens and, for each step that admitted waiting requests while others decoded, how long
+    (ms, sorted) each had waited."""
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32", max_num_seqs=8, **kw)
+    eng, now = llm.engine, [0.0]
+    eng.scheduler.clock = lambda: now[0]
+    seqs, delays = [], []
+    while len(seqs) < 8 or eng.has_unfinished():
+        for p, n in list(zip(prompts8(), lens))[len(seqs):4 if not seqs else len(seqs) + 1]:
+            seqs.append(eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)))
+            seqs[-1].arrival = now[0]
+        sched = eng.scheduler
+        waiting, decoding = list(sched.waiting), any(not s.in_prefill for s in sched.running)
+        eng.step()
+        admitted = [s for s in waiting if s not in sched.waiting]
+        if admitted and decoding:
+            delays.append(sorted(round(1000 * (now[0] - s.arrival)) for s in admitted))
+        now[0] += 0.001
+    assert eng.blocks.num_used == 0
+    return [s.output_ids for s in seqs], delays
+
+
+def test_prefill_wait_shares_prefill_steps_and_changes_no_token(tiny_dir, alone_greedy):
+    """`prefill_wait_ms`: while others decode, waiting requests are admitted only once the earliest has waited that
+    long, or a whole prefill step's worth (`max_prefill_seqs`) waits; every request gets the tokens it gets alone.
+    Requests arriving one a step while 4 decode: with a 3 ms wait the four are admitted together once the earliest
+    has waited 3 ms; with a wait longer than the run and prefill steps of 2, in pairs at once; with
+    no wait, each at its own next step."""
+    lens = [40, 9, 17, 25, 33, 12, 40, 21]
+    want = [a[:n] for a, n in zip(alone_greedy, lens)]
+    out, delays = staggered_admissions(tiny_dir, lens, prefill_wait_ms=3.0)
+    assert out == want
+    assert delays == [[0, 1, 2, 3]], delays  # once the earliest had waited 3 ms, all four in one prefill step
+    out, delays = staggered_admissions(tiny_dir, lens, prefill_wait_ms=1000.0, max_prefill_seqs=2)
+    assert out == want and delays and all(len(d) == 2 for d in delays), delays  # a full step at once
+    out, delays = staggered_admissions(tiny_dir, lens)
+    assert out == want and delays == [[0]] * 4, delays  # each alone, at the next step
+    with pytest.raises(ValueError, match="prefill_wait"):
+        LLM(str(tiny_dir), device="cpu", dtype="float32", prefill_wait_ms=-1)
+
+
 def test_max_prefill_seqs_caps_a_prefill_step_and_changes_no_token(tiny_dir, alone_greedy):
     """`max_prefill_seqs`: a prefill step takes at most that many sequences (on a GPU with CUDA graphs it defaults
     to the prefill graphs' largest batch, so a wave of arrivals is not prefilled eagerly at its own shape); the

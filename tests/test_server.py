@@ -1268,7 +1268,8 @@ def test_serve_command_line(tiny_dir):
     args = parser.parse_args(["serve"])
     assert args.func is run_serve and args.model == "smollm2" and args.draft == "auto"
     from eyas.serve.api_server import _engine_kwargs
-    assert _engine_kwargs(args)["scheduling_policy"] == "fcfs"
+    assert _engine_kwargs(args)["scheduling_policy"] == "fcfs" and "prefill_wait_ms" not in _engine_kwargs(args)
+    assert _engine_kwargs(parser.parse_args(["serve", "--prefill-wait-ms", "2.5"]))["prefill_wait_ms"] == 2.5
     assert _engine_kwargs(parser.parse_args(["serve", "--scheduling-policy", "priority"]))["scheduling_policy"] == \
         "priority"
     assert (args.host, args.port, args.max_queue) == ("127.0.0.1", 8000, 256)

@@ -57,6 +57,9 @@ class EngineConfig:
     # decode: an offline job's prefill steps come fewer and larger (`make-distill-data`); 1 (admit at once) keeps a
     # server's time to first token
     min_admit: int = 1
+    # while requests decode, a new one waits up to this long (ms) for others to share its prefill step, each of
+    # which stalls every decoding request (eyas.engine.scheduler, `prefill_wait`); 0: admitted at the next step
+    prefill_wait_ms: float = 0.0
     # "prefill": every request is handed off once its prompt is prefilled and its first token committed
     # (`take_handoffs`), for a decode engine to go on with it (`add_prefilled`; eyas.engine.disagg). "both": prefill
     # and decode here
@@ -221,7 +224,8 @@ class LLMEngine:
             max_prefill_seqs = BATCH_BUCKETS[-1] if self.runner.prefill_graphs is not None else 0
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    self.runner.lookahead, cfg.min_admit, with_draft=draft is not None,
-                                   policy=cfg.scheduling_policy, max_prefill_seqs=max_prefill_seqs)
+                                   policy=cfg.scheduling_policy, max_prefill_seqs=max_prefill_seqs,
+                                   prefill_wait=cfg.prefill_wait_ms / 1000)
         self.seqs: dict[str, Sequence] = {}
         self.eos_ids = set(mcfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:

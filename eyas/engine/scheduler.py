@@ -23,6 +23,7 @@ step, where it finds those blocks cached.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -46,17 +47,25 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, lookahead: int,
-                 min_admit: int = 1, with_draft: bool = False, policy: str = "fcfs", max_prefill_seqs: int = 0):
+                 min_admit: int = 1, with_draft: bool = False, policy: str = "fcfs", max_prefill_seqs: int = 0,
+                 prefill_wait: float = 0.0):
         """`lookahead`: KV slots a decode step may fill beyond the committed ones (tree depth + 1). `min_admit`:
         while some sequence is decoding, waiting requests are admitted only once that many places in the batch are
         free (or all that wait fit): fewer, larger prefill steps for offline jobs (`EngineConfig.min_admit`).
         `with_draft`: the engine has a draft, whose KV a cached block must hold too. `policy`: "fcfs" or
         "priority" (the module's docstring). `max_prefill_seqs`: sequences a prefill step takes at most (0: no
-        limit; `EngineConfig.max_prefill_seqs`)."""
+        limit; `EngineConfig.max_prefill_seqs`). `prefill_wait` (seconds): while some sequence is decoding, waiting
+        requests are admitted only once the earliest has waited that long, or a whole prefill step's worth
+        (`max_prefill_seqs`) waits: arrivals a moment apart share one prefill step, which stalls every decoding
+        sequence once, not once each (`EngineConfig.prefill_wait_ms`; vLLM v0's --scheduler-delay-factor)."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
         if max_prefill_seqs < 0:
             raise ValueError(f"max_prefill_seqs must be >= 0 (0: no limit), got {max_prefill_seqs}")
+        if prefill_wait < 0:
+            raise ValueError(f"prefill_wait must be >= 0 s (EngineConfig.prefill_wait_ms), got {prefill_wait}")
+        self.prefill_wait = prefill_wait
+        self.clock = time.perf_counter  # what `Sequence.arrival` is read against
         self.max_prefill_seqs = max_prefill_seqs or max_num_seqs
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -176,9 +185,15 @@ class Scheduler:
         return ScheduledBatch("decode", scheduled) if scheduled else None
 
     def _admission_open(self) -> bool:
-        """`min_admit`: whether waiting requests may be admitted now. Always when nothing is decoding (no running
-        sequence has finished its prefill), so nothing waits for places that will never free up."""
-        if self.min_admit <= 1 or not any(not s.in_prefill for s in self.running):
+        """`min_admit` and `prefill_wait`: whether waiting requests may be admitted now. Always when nothing is
+        decoding (no running sequence has finished its prefill), so nothing waits for places that will never free
+        up."""
+        if not any(not s.in_prefill for s in self.running):
+            return True
+        if (self.prefill_wait > 0 and self.waiting and len(self.waiting) < self.max_prefill_seqs
+                and self.clock() - min(s.arrival for s in self.waiting) < self.prefill_wait):
+            return False
+        if self.min_admit <= 1:
             return True
         return self.max_num_seqs - len(self.running) >= min(self.min_admit, len(self.waiting))
 

@@ -1049,6 +1049,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-seqs", type=int, default=None,
                    help="requests a prefill step takes at most; 0: no limit (default: with CUDA graphs, the prefill "
                         "graphs' largest batch, 16, so that a wave of arrivals prefills from graphs, not eagerly)")
+    p.add_argument("--prefill-wait-ms", type=float, default=0.0, metavar="MS",
+                   help="while requests decode, a new one waits up to MS for others to share its prefill step (each "
+                        "prefill step stalls every stream): more tokens/s at many streams for a longer TTFT; 0: none")
     p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
                    help="auto: a request's unset temperature, top_p, top_k, min_p and repetition_penalty come from "
                         "the model's generation_config.json (vLLM's default); vllm: OpenAI's defaults always")
@@ -1105,6 +1108,8 @@ def _engine_kwargs(args) -> dict:
         kwargs["max_model_len"] = args.max_model_len
     if getattr(args, "max_prefill_seqs", None) is not None:
         kwargs["max_prefill_seqs"] = args.max_prefill_seqs
+    if getattr(args, "prefill_wait_ms", 0.0):
+        kwargs["prefill_wait_ms"] = args.prefill_wait_ms
     if args.num_blocks is not None:
         kwargs["num_blocks"] = args.num_blocks
     return kwargs
