@@ -2,7 +2,9 @@
 `--tokens` chat chunks of one "x" each (whatever it asks), one per `--step-ms` (a decode step), then the usage
 chunk and `data: [DONE]`, with no model and no engine behind it (`--hold-ms`: the body ends that long after
 `[DONE]`). `GET /peak` answers the most requests it held at once since the last `/peak` (what concurrency the
-client really reached); `/metrics` is absent, as on a peer without metrics.
+client really reached) and, since session 72, the stamped requests' ms from the client's send to this handler
+(`arrival_ms`: count, mean, p50, p99, max; `eyas bench serve` stamps each); `/metrics` is absent, as on a peer
+without metrics.
 
     python tools/diag/sse_stub.py --port 8741 --tokens 16 --step-ms 2 &
     eyas bench serve --base-url http://127.0.0.1:8741/v1 --model stub --num-prompts 2000 --max-tokens 16 \\
