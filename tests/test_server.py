@@ -1464,6 +1464,9 @@ def test_bench_serve_counts_what_the_server_served(chat_tiny, tmp_path, endpoint
     # client's, so never longer on average
     assert s["server"]["ttft_count"] == 12 and s["server"]["e2e_count"] == 12
     assert 0 < s["server"]["ttft_ms"] <= s["ttft_ms"]["mean"] and 0 < s["server"]["e2e_ms"] <= s["e2e_ms"]["mean"]
+    steps = {k: int(after[f"eyas:engine_steps_total{{kind={k}}}"] - before[f"eyas:engine_steps_total{{kind={k}}}"])
+             for k in ("decode", "prefill")}
+    assert s["server"]["steps"] == steps and steps["prefill"] > 0 and steps["decode"] > 0  # the engine's, in the run
     assert (tmp_path / "a" / "serve.png").stat().st_size > 0
     assert main(common + ["--out", str(tmp_path / "b"), "--label", "second", "--num-prompts", "2",
                           "--compare", str(tmp_path / "a" / "serve.json")]) == 0

@@ -54,6 +54,8 @@ DRAIN_S = 2.0  # how long a stream's body may go on past `[DONE]` before the cli
 SENT_HEADER = "x-eyas-bench-sent"
 # the server's latency histograms read from its /metrics, by their names past the prefix (eyas:, vllm:, sglang:)
 SERVER_HISTOGRAMS = {"time_to_first_token_seconds": "ttft", "e2e_request_latency_seconds": "e2e"}
+# eyas's engine steps by kind (a prefill step stalls every stream: how many a run took says what its arrivals cost)
+SERVER_STEPS = "engine_steps"
 
 
 def request_starts(n: int, rate: float, seed: int) -> list[float]:
@@ -334,9 +336,10 @@ def _run_processes(args, prompts: list[list[str]], guides: list) -> tuple[list[d
 
 
 def scrape_server(base_url: str, api_key: str = "unused", timeout: float = 10.0) -> dict | None:
-    """{"ttft": (sum s, count), "e2e": (sum s, count)} from the server's Prometheus `/metrics` (the API's root,
-    `base_url` without `/v1`), summed over every label set of each histogram in `SERVER_HISTOGRAMS`; None when the
-    server answers none of them."""
+    """{"ttft": (sum s, count), "e2e": (sum s, count), "steps": {kind: count}} from the server's Prometheus
+    `/metrics` (the API's root, `base_url` without `/v1`), summed over every label set of each histogram in
+    `SERVER_HISTOGRAMS`, and eyas's engine steps by kind (`SERVER_STEPS`, where the server counts them); None when
+    the server answers none of them."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
     root = base_url.rstrip("/")
@@ -347,6 +350,13 @@ def scrape_server(base_url: str, api_key: str = "unused", timeout: float = 10.0)
             return None
         found: dict[str, list[float]] = {}
         for family in text_string_to_metric_families(r.text):
+            if family.name.split(":")[-1] == SERVER_STEPS and family.type == "counter":
+                steps = found.setdefault("steps", {})
+                for sample in family.samples:
+                    if sample.name.endswith("_total") and "kind" in sample.labels:
+                        kind = sample.labels["kind"]
+                        steps[kind] = steps.get(kind, 0.0) + sample.value
+                continue
             key = SERVER_HISTOGRAMS.get(family.name.split(":")[-1])
             if key is None or family.type != "histogram":
                 continue
@@ -358,12 +368,13 @@ def scrape_server(base_url: str, api_key: str = "unused", timeout: float = 10.0)
                     acc[1] += sample.value
     except (httpx.HTTPError, ValueError):  # unreachable, or not Prometheus' text format
         return None
-    return {k: tuple(v) for k, v in found.items()} or None
+    return {k: v if k == "steps" else tuple(v) for k, v in found.items()} or None
 
 
 def server_means(before: dict | None, after: dict | None) -> dict | None:
     """The server's means over the run, in ms, from two `scrape_server` readings: {"ttft_ms": .., "e2e_ms": ..,
-    "ttft_count": .., "e2e_count": ..} (None where a histogram saw nothing new); None without both readings."""
+    "ttft_count": .., "e2e_count": ..} (None where a histogram saw nothing new), and "steps": the engine's steps by
+    kind in the run where the server counts them; None without both readings."""
     if before is None or after is None:
         return None
     out = {}
@@ -371,6 +382,8 @@ def server_means(before: dict | None, after: dict | None) -> dict | None:
         (s0, c0), (s1, c1) = before.get(key, (0.0, 0.0)), after.get(key, (0.0, 0.0))
         out[f"{key}_ms"] = 1000.0 * (s1 - s0) / (c1 - c0) if c1 > c0 else None
         out[f"{key}_count"] = int(c1 - c0)
+    if "steps" in after:
+        out["steps"] = {k: int(v - before.get("steps", {}).get(k, 0.0)) for k, v in sorted(after["steps"].items())}
     return out
 
 
