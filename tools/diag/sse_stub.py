@@ -3,7 +3,7 @@
 chunk and `data: [DONE]`, with no model and no engine behind it (`--hold-ms`: the body ends that long after
 `[DONE]`). `GET /peak` answers the most requests it held at once since the last `/peak` (what concurrency the
 client really reached) and, since session 72, the stamped requests' ms from the client's send to this handler
-(`arrival_ms`: count, mean, p50, p99, max; `eyas bench serve` stamps each); `/metrics` is absent, as on a peer
+(`arrival_ms`: count, mean, p50, p90, p99, max; `eyas bench serve` stamps each); `/metrics` is absent, as on a peer
 without metrics.
 
     python tools/diag/sse_stub.py --port 8741 --tokens 16 --step-ms 2 &
@@ -20,14 +20,16 @@ import asyncio
 import json
 import time
 
-SENT = b"x-eyas-bench-sent"  # eyas.bench.serve.SENT_HEADER: the client's send on this machine's monotonic clock
+from eyas.bench.serve import SENT_HEADER, _stats
+
+SENT = SENT_HEADER.encode()  # the client's send on this machine's monotonic clock
 
 
 class Stub:
     def __init__(self, tokens: int, step_s: float, hold_s: float = 0.0):
         self.tokens, self.step_s, self.hold_s = tokens, step_s, hold_s
         self.inflight = self.peak = 0
-        self.arrivals: list[float] = []  # ms from each stamped request's send to this handler, since the last /peak
+        self.arrivals: list[float] = []  # s from each stamped request's send to this handler, since the last /peak
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -38,7 +40,8 @@ class Stub:
                 if done:
                     return
         if scope["path"] == "/peak":
-            await self._whole(send, 200, json.dumps({"peak": self.peak, "arrival_ms": summary(self.arrivals)}).encode())
+            peak = {"peak": self.peak, "arrival_ms": arrivals(self.arrivals)}
+            await self._whole(send, 200, json.dumps(peak).encode())
             self.peak, self.arrivals = self.inflight, []
             return
         if scope["method"] != "POST":
@@ -46,7 +49,7 @@ class Stub:
             return
         sent = dict(scope["headers"]).get(SENT)
         if sent is not None:
-            self.arrivals.append(1000 * (time.monotonic() - float(sent)))
+            self.arrivals.append(time.monotonic() - float(sent))
         self.inflight += 1
         self.peak = max(self.peak, self.inflight)
         try:
@@ -78,13 +81,10 @@ class Stub:
         await send({"type": "http.response.body", "body": body})
 
 
-def summary(ms: list[float]) -> dict | None:
-    """count, mean, p50, p99 and max of `ms`; None when empty."""
-    if not ms:
-        return None
-    xs = sorted(ms)
-    return {"count": len(xs), "mean": sum(xs) / len(xs), "p50": xs[len(xs) // 2],
-            "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))], "max": xs[-1]}
+def arrivals(seconds: list[float]) -> dict | None:
+    """The arrivals' count, then their mean and percentiles and max in ms (as `eyas bench serve` states its
+    latencies); None when none came."""
+    return {"count": len(seconds), **_stats(seconds), "max": 1000 * max(seconds)} if seconds else None
 
 
 def main() -> None:
