@@ -348,7 +348,7 @@ def scrape_server(base_url: str, api_key: str = "unused", timeout: float = 10.0)
         r = httpx.get(root + "/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=timeout)
         if r.status_code != 200:
             return None
-        found: dict[str, list[float]] = {}
+        found: dict[str, list[float] | dict[str, float]] = {}
         for family in text_string_to_metric_families(r.text):
             if family.name.split(":")[-1] == SERVER_STEPS and family.type == "counter":
                 steps = found.setdefault("steps", {})

@@ -89,22 +89,23 @@ for s in ${SERVERS:-spec plain}; do
     esac
   done
   case $base in
-    spec) serve_runs $s --draft default --no-engine-process "${more[@]}" ;;  # the loop on a thread of the server's
-    plain) serve_runs $s --draft none --no-engine-process "${more[@]}" ;;
+    spec) args=(--draft default --no-engine-process) ;;  # the loop on a thread of the server's
+    plain) args=(--draft none --no-engine-process) ;;
     # a wave of arrivals in one prefill step, eager past 16 sequences (before session 68)
-    spec-eager) serve_runs $s --draft default --no-engine-process --max-prefill-seqs 0 "${more[@]}" ;;
-    plain-eager) serve_runs $s --draft none --no-engine-process --max-prefill-seqs 0 "${more[@]}" ;;
+    spec-eager) args=(--draft default --no-engine-process --max-prefill-seqs 0) ;;
+    plain-eager) args=(--draft none --no-engine-process --max-prefill-seqs 0) ;;
     # the GIL's switch interval at SWITCH_MS (0.5) in place of 5 ms
-    spec-si) serve_runs $s --draft default --no-engine-process "${more[@]}" ;;
-    plain-si) serve_runs $s --draft none --no-engine-process "${more[@]}" ;;
+    spec-si) args=(--draft default --no-engine-process) ;;
+    plain-si) args=(--draft none --no-engine-process) ;;
     # the engine in a process of its own (serve_steps.py times its steps there: "engine process: ...")
-    spec-proc) serve_runs $s --draft default --engine-process "${more[@]}" ;;
-    plain-proc) serve_runs $s --draft none --engine-process "${more[@]}" ;;
+    spec-proc) args=(--draft default --engine-process) ;;
+    plain-proc) args=(--draft none --engine-process) ;;
     # both: the parent's switch interval (its command queue's feeder thread waits less for the event loop's GIL)
-    spec-proc-si) serve_runs $s --draft default --engine-process "${more[@]}" ;;
-    plain-proc-si) serve_runs $s --draft none --engine-process "${more[@]}" ;;
+    spec-proc-si) args=(--draft default --engine-process) ;;
+    plain-proc-si) args=(--draft none --engine-process) ;;
     *) echo "unknown server $s"; exit 1 ;;
   esac
+  serve_runs $s "${args[@]}" "${more[@]}"
 done
 [ ${#runs[@]} -gt 0 ] || { echo "no run"; exit 1; }
 last=$(dirname ${runs[-1]})

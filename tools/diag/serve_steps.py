@@ -294,7 +294,7 @@ class BusyWindows:
                   file=sys.stderr, flush=True)
 
 
-def watch_arrivals(lat: Latencies, busy: BusyWindows | None = None) -> None:
+def watch_arrivals(lat: Latencies, busy: BusyWindows) -> None:
     """Note how long each request took from the client's send to the server's handler, where the client stamps its
     send (`eyas bench serve`'s `SENT_HEADER`, on the monotonic clock this machine shares): the connection, uvicorn's
     parsing and the event loop's queue before the handler. `busy`: each request's start and end, for its windows."""
@@ -316,8 +316,6 @@ def watch_arrivals(lat: Latencies, busy: BusyWindows | None = None) -> None:
                 sent = dict(scope["headers"]).get(key)
                 if sent is not None:
                     lat.add("client's send -> server's handler", time.monotonic() - float(sent))
-                if busy is None:
-                    return await self.inner(scope, receive, send)
                 busy.begin()
                 try:
                     await self.inner(scope, receive, send)
