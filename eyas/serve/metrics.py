@@ -3,6 +3,12 @@
 Names follow vLLM's (`vllm:` -> `eyas:`). Everything is updated by the engine loop thread; the gauges after every
 engine step and whenever the loop goes idle, so that a scrape of `/metrics` sees the state after the last step.
 
+Several HTTP processes (`eyas serve --api-server-count N`) keep their values in prometheus-client's multiprocess
+files (`share_across_processes`, before any metric is made), and a scrape of any of them reads the sum over all:
+each server counts its own requests and the engine steps it hears of (each engine message carries what the counts
+moved since the last one, to any server), and a gauge reads as the value set last, by any process. TPC is worked
+out at the scrape from the summed counters.
+
 | metric | kind | meaning |
 | --- | --- | --- |
 | eyas:time_to_first_token_seconds | histogram | arrival of a request (its HTTP handler) to its first token |
@@ -29,12 +35,11 @@ engine step and whenever the loop goes idle, so that a scrape of `/metrics` sees
 from __future__ import annotations
 
 import bisect
-import threading
+import os
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.utils import floatToGoString
+from prometheus_client.multiprocess import MultiProcessCollector
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
@@ -44,43 +49,63 @@ TPC_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+_MULTIPROCESS_DIR: str | None = None  # set by `share_across_processes`
+
+
+def share_across_processes(path: str) -> None:
+    """Keep this process's metrics in prometheus-client's multiprocess files under `path` (a directory of this
+    server's own, empty at its start), so that every HTTP process of one server scrapes the same sums. Call it
+    before any `Metrics` is made; the processes it spawns inherit it."""
+    global _MULTIPROCESS_DIR
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    values.ValueClass = values.MultiProcessValue()
+    _MULTIPROCESS_DIR = path
+
+
 class RepeatedHistogram:
-    """A histogram (one label value, exposed as prometheus-client's own are) that takes one value k times in one
-    call: `observe(v, k)`. TTIT counts each of the k tokens a step commits to a request at the step's gap / k, and
-    prometheus-client's `Histogram.observe` takes one value a call (~0.8 us each, under a lock): k of them per
-    request per step were most of the server loop's accounting at large batches. Registered as a custom collector
-    (`collect`), so that a scrape reads the counts under the same lock that `observe` takes."""
+    """A histogram (one label value) that takes one value k times in one call: `observe(v, k)`. TTIT counts each of
+    the k tokens a step commits to a request at the step's gap / k, and prometheus-client's `Histogram.observe`
+    takes one value a call (~0.8 us each, under a lock): k of them per request per step were most of the server
+    loop's accounting at large batches. It is prometheus-client's own histogram, whose bucket and sum values this
+    adds k and k * v to (the values are what its multiprocess mode keeps in files, so the sums across processes
+    hold too)."""
 
     def __init__(self, name: str, doc: str, label: tuple[str, str], buckets: tuple[float, ...],
                  registry: CollectorRegistry):
-        self.name, self.doc, self.label = name, doc, label
-        self.bounds = tuple(float(b) for b in buckets)
-        self._counts = [0] * (len(self.bounds) + 1)  # per bucket, not cumulative; the last one: above every bound
-        self._sum = 0.0
-        self._lock = threading.Lock()
-        registry.register(self)
+        self._child = Histogram(name, doc, [label[0]], buckets=buckets, registry=registry).labels(label[1])
+        self.bounds = tuple(float(b) for b in buckets) + (float("inf"),)  # Histogram's own: +Inf last
+        assert len(self.bounds) == len(self._child._buckets)
 
     def observe(self, value: float, count: int = 1) -> None:
-        i = bisect.bisect_left(self.bounds, value)  # the first bound >= value: Prometheus's buckets are le
-        with self._lock:
-            self._counts[i] += count
-            self._sum += value * count
+        child = self._child
+        # the first bound >= value, as Histogram.observe's `value <= bound`: Prometheus's buckets are le
+        child._buckets[bisect.bisect_left(self.bounds, value)].inc(count)
+        child._sum.inc(value * count)
+
+
+class _Summed:
+    """A scrape of every process's values (prometheus-client's `MultiProcessCollector`), with TPC worked out from the
+    summed counters (each process's TPC gauge is its own requests')."""
+
+    def __init__(self, path: str):
+        self.collector = MultiProcessCollector(None, path)
 
     def collect(self):
-        with self._lock:
-            counts, total = list(self._counts), self._sum
-        cumulative, run = [], 0
-        for bound, c in zip(self.bounds + (float("inf"),), counts):
-            run += c
-            cumulative.append((floatToGoString(bound), run))
-        family = HistogramMetricFamily(self.name, self.doc, labels=[self.label[0]])
-        family.add_metric([self.label[1]], cumulative, total)
-        yield family
+        families = list(self.collector.collect())
+        total = {f.name: sum(s.value for s in f.samples if s.name.endswith("_total")) for f in families
+                 if f.name in ("eyas:spec_target_calls", "eyas:spec_committed_tokens")}
+        calls = total.get("eyas:spec_target_calls", 0)
+        for f in families:
+            if f.name == "eyas:spec_tokens_per_call":
+                tpc = total.get("eyas:spec_committed_tokens", 0) / calls if calls else 0.0
+                f.samples = [s._replace(value=tpc) for s in f.samples]
+        return families
 
 
 class Metrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
+        self.multiprocess_dir = _MULTIPROCESS_DIR
         lab = ["model_name"]
         self.model_name = model_name
 
@@ -90,8 +115,8 @@ class Metrics:
         def counter(name, doc):
             return Counter(name, doc, lab, registry=r).labels(model_name)
 
-        def gauge(name, doc):
-            return Gauge(name, doc, lab, registry=r).labels(model_name)
+        def gauge(name, doc):  # several processes: the value set last
+            return Gauge(name, doc, lab, registry=r, multiprocess_mode="mostrecent").labels(model_name)
 
         self.ttft = hist("eyas:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
         self.ttit = RepeatedHistogram("eyas:time_per_output_token_seconds",
@@ -164,4 +189,8 @@ class Metrics:
         self.tpc.set(self._committed_total / self._calls_total)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        summed = CollectorRegistry()
+        summed.register(_Summed(self.multiprocess_dir))
+        return generate_latest(summed)
