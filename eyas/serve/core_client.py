@@ -3,9 +3,11 @@ why: `eyas.serve.engine_core`).
 
 `EngineProcess` starts the child and stands for its engine where the server reads one (`Server`, `create_app`):
 the tokenizer, `encode`, `max_model_len`, the model's generation defaults, guided decoding's grammar backend
-(made in the parent: a request's guide is checked here before it is queued). Its `make_loop` gives the server a
-`CoreClient` in place of `eyas.serve.async_engine.AsyncEngine`, with the same interface (`add`, `abort`, `call`,
-`results`, `alive`, `capacity`, `start`, `shutdown`) and the same metrics (`eyas.serve.async_engine.Accounting`).
+(made in the parent: a request's guide is checked here before it is queued). With `eyas serve --api-server-count
+N`, N HTTP processes share the child: the first holds the `EngineProcess`, each other an `EngineLink` of its own
+(`EngineProcess.link_parts`). A link's `make_loop` gives its server a `CoreClient` in place of
+`eyas.serve.async_engine.AsyncEngine`, with the same interface (`add`, `abort`, `call`, `results`, `alive`,
+`capacity`, `start`, `shutdown`) and the same metrics (`eyas.serve.async_engine.Accounting`).
 
 `CoreClient` lives on the event loop: the child's messages are read when its pipe is readable
 (`loop.add_reader`), each output rebuilt as a `RequestOutput` from what it added (`Mirror`) and put on its
@@ -36,40 +38,15 @@ READ_BATCH = 16  # the child's messages handled at most on one wake-up of the ev
 START_TIMEOUT_S = 3600.0  # loading the model and capturing its graphs in the child (a fresh GPU's compiles too)
 
 
-class EngineProcess:
-    """An engine built and stepped in a child process. `llm_kwargs`: what `eyas.LLM` takes; `prepare`: a
-    module-level function the child calls on its engine before it is ready (pickled by name; e.g. capturing the
-    CUDA graphs), or None. Raises RuntimeError, with the child's traceback, when the engine cannot be built."""
+class EngineLink:
+    """One HTTP process's handle on the engine process: client `client` of its loop (`eyas.serve.engine_core`), with
+    the commands queue they share and a pipe of its own. It stands for the engine where the server reads one
+    (`Server`, `create_app`): the tokenizer, `encode`, `max_model_len`, the model's generation defaults, guided
+    decoding's grammar backend (made here: a request's guide is checked before it is queued). The first server's is
+    the `EngineProcess` itself; `eyas serve --api-server-count N` gives each other server one (`link_parts`)."""
 
-    def __init__(self, llm_kwargs: dict, prepare=None, log_level: str = "info",
-                 start_timeout: float = START_TIMEOUT_S):
-        for key in ("disaggregate", "prefill_process"):
-            if llm_kwargs.get(key):
-                raise ValueError(f"an engine in a process of its own does not combine with {key} yet")
-        ctx = mp.get_context("spawn")
-        self.commands = ctx.Queue()
-        self.conn, child_conn = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=core_main, args=(llm_kwargs, prepare, log_level, self.commands, child_conn),
-                                name="eyas-engine", daemon=True)
-        self.proc.start()
-        child_conn.close()  # the child's end: once the child is gone, reads here meet EOF
-        deadline = time.monotonic() + start_timeout
-        while not self.conn.poll(1.0):
-            if not self.proc.is_alive():
-                self.close()
-                raise RuntimeError(f"the engine process died while starting (exit code {self.proc.exitcode})")
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"the engine process was not ready in {start_timeout:.0f} s")
-        try:
-            msg = self.conn.recv()
-        except EOFError:
-            msg = ("start failed", f"the engine process died while starting (exit code {self.proc.exitcode})")
-        if msg[0] != "ready":
-            self.close()
-            raise RuntimeError(f"the engine process failed to start:\n{msg[1]}")
-        self.info: EngineInfo = msg[1]
-        info = self.info
+    def __init__(self, info: EngineInfo, commands, conn, client: int):
+        self.info, self.commands, self.conn, self.client = info, commands, conn, client
         self.tokenizer = info.tokenizer
         self.max_model_len = info.max_model_len
         self.target = SimpleNamespace(config=SimpleNamespace(vocab_size=info.vocab_size,
@@ -90,8 +67,93 @@ class EngineProcess:
         """The server's engine loop (what `AsyncEngine` is for an engine of this process)."""
         return CoreClient(self, metrics, max_queue, stream_interval)
 
+    def is_alive(self) -> bool:
+        """Whether the engine process runs; another server's link learns its end from its pipe (EOF)."""
+        return True
+
+    @property
+    def exitcode(self) -> int | None:
+        return None
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Leave the engine: its requests from this server are aborted ("detach"), the engine goes on. The queue
+        stays open (the process's exit flushes what it holds): other links of this process may share it."""
+        try:
+            self.commands.put(("detach", self.client))
+        except (OSError, ValueError):
+            pass
+        self.conn.close()
+
+
+class EngineProcess(EngineLink):
+    """An engine built and stepped in a child process, and the first server's link to it (client 0).
+    `llm_kwargs`: what `eyas.LLM` takes; `prepare`: a module-level function the child calls on its engine before it
+    is ready (pickled by name; e.g. capturing the CUDA graphs), or None; `clients`: the HTTP processes that will
+    share it (`link_parts(i)` makes client i's link in its process). Raises RuntimeError, with the child's
+    traceback, when the engine cannot be built."""
+
+    def __init__(self, llm_kwargs: dict, prepare=None, log_level: str = "info",
+                 start_timeout: float = START_TIMEOUT_S, clients: int = 1):
+        for key in ("disaggregate", "prefill_process"):
+            if llm_kwargs.get(key):
+                raise ValueError(f"an engine in a process of its own does not combine with {key} yet")
+        if clients < 1:
+            raise ValueError(f"an engine process needs at least one client, got {clients}")
+        ctx = mp.get_context("spawn")
+        commands = ctx.Queue()
+        pipes = [ctx.Pipe(duplex=False) for _ in range(clients)]
+        self.proc = ctx.Process(target=core_main, args=(llm_kwargs, prepare, log_level, commands,
+                                                        [w for _, w in pipes]),
+                                name="eyas-engine", daemon=True)
+        self.proc.start()
+        for _, w in pipes:  # the child's ends: once the child is gone, reads here meet EOF
+            w.close()
+        conn = pipes[0][0]
+        self._others = [r for r, _ in pipes[1:]]  # the other clients' ends, until their processes take them
+        self.commands, self.conn = commands, conn  # what `close` needs, should the start fail
+        deadline = time.monotonic() + start_timeout
+        while not conn.poll(1.0):
+            if not self.proc.is_alive():
+                self.close()
+                raise RuntimeError(f"the engine process died while starting (exit code {self.proc.exitcode})")
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the engine process was not ready in {start_timeout:.0f} s")
+        try:
+            msg = conn.recv()
+        except EOFError:
+            msg = ("start failed", f"the engine process died while starting (exit code {self.proc.exitcode})")
+        if msg[0] != "ready":
+            self.close()
+            raise RuntimeError(f"the engine process failed to start:\n{msg[1]}")
+        super().__init__(msg[1], commands, conn, 0)
+        # run first by `close` (once): `eyas serve --api-server-count` stops the other servers there, so that none
+        # loses the engine while it still serves
+        self.on_close: list = []
+
+    def link_parts(self, client: int) -> tuple:
+        """What client `client` (1..clients - 1) needs for its `EngineLink(*parts)`, to hand to its process."""
+        if not 1 <= client <= len(self._others):
+            raise ValueError(f"client must be in 1..{len(self._others)}, got {client}")
+        return self.info, self.commands, self._others[client - 1], client
+
+    def close_links(self) -> None:
+        """Close this process's copies of the other clients' pipe ends, once their processes hold theirs: the engine
+        then meets a broken pipe when such a process dies, and drops its requests."""
+        for c in self._others:
+            c.close()
+
+    def is_alive(self) -> bool:
+        return self.proc.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.exitcode
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the child (the "stop" command first, then SIGTERM, then SIGKILL)."""
+        while getattr(self, "on_close", None):
+            self.on_close.pop()()
         if self.proc.is_alive():
             try:
                 self.commands.put(("stop",))
@@ -107,6 +169,8 @@ class EngineProcess:
         self.commands.close()
         self.commands.join_thread()
         self.conn.close()
+        for c in self._others:
+            c.close()
 
 
 class Mirror:
@@ -152,12 +216,12 @@ class _Pending:
 
 
 class CoreClient:
-    """`AsyncEngine`'s interface over an `EngineProcess` (see the module's docstring). Every method but `abort`
+    """`AsyncEngine`'s interface over an `EngineLink` (see the module's docstring). Every method but `abort`
     runs on the event loop; `abort` is safe from any thread."""
 
     results = staticmethod(AsyncEngine.results)
 
-    def __init__(self, process: EngineProcess, metrics: Metrics | None = None, max_queue: int = 256,
+    def __init__(self, process: EngineLink, metrics: Metrics | None = None, max_queue: int = 256,
                  stream_interval: int = 1):
         check_loop_args(max_queue, stream_interval)
         self.stream_interval = stream_interval  # `dispatch`'s interval
@@ -173,6 +237,9 @@ class CoreClient:
         self._handed_in = 0  # requests in adds not yet answered (the waiting gauge counts them)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: str | None = None
+        # the engine's counts as this server heard of them: it adds up the moves each message carries (with several
+        # servers, each hears of a part; `eyas.serve.metrics` sums them over the processes)
+        self._counts = [dict(info.counts[0]), dict(info.counts[1]), info.counts[2]]
         self.accounting.set_gauges(0, 0, 0)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
@@ -183,7 +250,8 @@ class CoreClient:
         self._loop.add_reader(self.process.conn.fileno(), self._readable)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the child: the requests it holds are aborted."""
+        """Stop the child (a link of another server: leave it): the requests it holds for this server are
+        aborted."""
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self.process.conn.fileno())
         for tr_id in list(self._trackers):
@@ -193,7 +261,7 @@ class CoreClient:
 
     @property
     def alive(self) -> bool:
-        return self._loop is not None and self._dead is None and self.process.proc.is_alive()
+        return self._loop is not None and self._dead is None and self.process.is_alive()
 
     @property
     def capacity(self) -> int:
@@ -214,7 +282,7 @@ class CoreClient:
         tag = next(self._tags)
         p = self._pending[tag] = _Pending(self._loop.create_future(), items, asyncio.Queue(),
                                           arrival or time.perf_counter())
-        self.process.commands.put(("add", tag, items))
+        self.process.commands.put(("add", self.process.client, tag, items))
         try:
             await p.future
         except asyncio.CancelledError:  # the client went away while we waited: its requests go once added
@@ -229,7 +297,7 @@ class CoreClient:
             raise EngineDead(self._dead or "the engine process is not running")
         tag = next(self._tags)
         p = self._pending[tag] = _Pending(self._loop.create_future())
-        self.process.commands.put(("call", tag, fn))
+        self.process.commands.put(("call", self.process.client, tag, fn))
         return await p.future
 
     def abort(self, request_ids: list[str]) -> None:
@@ -248,7 +316,7 @@ class CoreClient:
         for rid in request_ids:
             self._drop(rid, "abort")
         if self._dead is None:
-            self.process.commands.put(("abort", list(request_ids)))
+            self.process.commands.put(("abort", self.process.client, list(request_ids)))
 
     def _drop(self, rid: str, reason: str) -> None:
         tr = self._trackers.pop(rid, None)
@@ -272,7 +340,8 @@ class CoreClient:
                 self._handle(conn.recv())
         except (EOFError, OSError):
             self._loop.remove_reader(conn.fileno())
-            self._die(f"the engine process exited (exit code {self.process.proc.exitcode})")
+            code = self.process.exitcode  # unknown to another server's link
+            self._die("the engine process exited" + ("" if code is None else f" (exit code {code})"))
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -289,8 +358,15 @@ class CoreClient:
         elif kind == "stopped":
             return
         if len(msg) > 2:
-            running, waiting, used, counts, trees, preempted = msg[-1]
-            self.accounting.count_steps(counts, trees, preempted)
+            running, waiting, used, steps, trees, preempted = msg[-1]
+            if steps or trees or preempted:  # the counts' moves since the engine's last message (to any server)
+                c = self._counts
+                for k, d in steps.items():
+                    c[0][k] = c[0].get(k, 0) + d
+                for k, d in trees.items():
+                    c[1][k] = c[1].get(k, 0) + d
+                c[2] += preempted
+                self.accounting.count_steps(*c)
             self.accounting.set_gauges(running, waiting + self._handed_in, used)
 
     def _outputs(self, msgs: list[tuple]) -> None:
@@ -312,7 +388,7 @@ class CoreClient:
         if p.items is not None:  # an add
             self._handed_in -= len(p.items)
             if err is None and p.cancelled:  # added after its caller left: gone again
-                self.process.commands.put(("abort", [rid for rid, _, _ in p.items]))
+                self.process.commands.put(("abort", self.process.client, [rid for rid, _, _ in p.items]))
                 self._release(len(p.items))
                 self.accounting.finished("abort", len(p.items))
                 return

@@ -160,7 +160,7 @@ class Latencies:
 
 class _StampedQueue:
     """The parent's command queue with each "add" stamped with its put time (`time.monotonic`, one clock for
-    both processes); the child's `_take` (`stamp_engine_core`) strips nothing: the engine reads cmd[1] and cmd[2]."""
+    both processes); the child's `_take` (`stamp_engine_core`) strips nothing: the engine reads cmd[1] to cmd[3]."""
 
     def __init__(self, q):
         self._q = q
@@ -338,8 +338,8 @@ def stamp_engine_core(lat: Latencies) -> None:
         cmds = orig(self, block)
         now = time.monotonic()
         for cmd in cmds or ():
-            if cmd[0] == "add" and len(cmd) > 3:
-                lat.add("parent's add command, put -> child's take", now - cmd[3])
+            if cmd[0] == "add" and len(cmd) > 4:
+                lat.add("parent's add command, put -> child's take", now - cmd[4])
         return cmds
 
     EngineCore._take = _take
@@ -415,9 +415,9 @@ def engine_main(idle_s: float, slow_s: float, out: str | None, serve: list[str],
     lat = Latencies()
     stamp_engine_core(lat)
     watch_gc(lat)
-    *rest, conn = args
+    *rest, conns = args
     try:
-        core_main(*rest, _StampedConn(conn))
+        core_main(*rest, [_StampedConn(conns[0]), *conns[1:]])  # the first server's: the one watched here
     finally:
         report(clock, out, serve, "engine process: ", lat)
 
