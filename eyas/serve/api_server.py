@@ -535,8 +535,8 @@ def create_app(llm, served_model_name: str | None = None, max_queue: int = 256,
     async def reset_prefix_cache():
         """Forget every cached KV block (vLLM's endpoint of the same name): cold-start timings without a restart."""
         from eyas.engine.engine import LLMEngine
-        from eyas.serve.core_client import EngineProcess
-        if not isinstance(server.engine, (LLMEngine, EngineProcess)):  # TP ranks must stay in step; two engines
+        from eyas.serve.core_client import EngineLink
+        if not isinstance(server.engine, (LLMEngine, EngineLink)):  # TP ranks must stay in step; two engines
             raise APIError("reset_prefix_cache is only available on a single engine (no --tensor-parallel or "
                            "--disaggregate)")
         n = await server.async_engine.call(_reset_prefix_cache)
@@ -1023,6 +1023,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="a stream's chunk once per N tokens, the first token's and the last at once (SGLang's and "
                         "vLLM's option): less of the server's CPU a token at many streams, a coarser stream")
+    p.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="N HTTP processes on the one port, sharing one engine process (vLLM's option; "
+                        "eyas.serve.api_servers): at many streams one process's event loop sets the pace; the "
+                        "metrics are summed over them, stored /v1/responses stay in the process that made them")
     p.set_defaults(func=run_serve)
     return p
 
@@ -1169,22 +1173,23 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _serve_app(app, engine, args, sock: socket.socket | None = None) -> None:
+def _serve_app(app, engine, args, sock: socket.socket | None = None, announce: bool = True) -> None:
     import uvicorn
     sock = sock if sock is not None else listen(args.host, args.port)
     spec = f"speculation {engine.tree.name}" if engine.draft is not None else "no speculation"
     tp = f", tensor parallel {args.tensor_parallel}" if args.tensor_parallel > 1 else ""
-    log.info("serving %s (%s%s) on http://%s:%d", args.served_model_name or args.model, spec, tp, args.host,
-             sock.getsockname()[1])
+    if announce:
+        log.info("serving %s (%s%s) on http://%s:%d", args.served_model_name or args.model, spec, tp, args.host,
+                 sock.getsockname()[1])
     # SIGTERM (`kill`, `docker stop`, Kubernetes) stops the server as Ctrl-C does. uvicorn shuts the app down on
     # either, then raises the signal again with the handler it found: by default SIGTERM's would kill the process
     # before Python's finalizers ran (an engine process's queues then leave "leaked semaphore" warnings, exit 143).
     prev = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() \
         else None
-    app.state.server.wait_for_warmup()
-    freeze_heap("server")  # the engine (or the engine process's client) and the app are built: see eyas.engine.heap
     with sock:
         try:
+            app.state.server.wait_for_warmup()
+            freeze_heap("server")  # the engine (or the engine process's client) and the app are built: eyas.engine.heap
             uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
         except (KeyboardInterrupt, _Terminated):  # uvicorn shut the app down, then raised the signal again
             log.info("stopped")
@@ -1294,6 +1299,8 @@ def run_serve(args) -> int:
     if args.tensor_parallel < 1:
         raise ValueError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from eyas.serve.api_servers import check_api_server_count, serve_shared
+    shared = check_api_server_count(args) > 1  # --api-server-count: turns the engine process on
     if args.tensor_parallel > 1 and getattr(args, "disaggregate", None):
         raise ValueError("--disaggregate does not combine with --tensor-parallel yet")
     if getattr(args, "engine_process", None) is None:
@@ -1323,6 +1330,8 @@ def run_serve(args) -> int:
             if getattr(args, flag, None):
                 raise ValueError(f"--engine-process does not combine with --{flag.replace('_', '-')} yet")
     sock = listen(args.host, args.port)
+    if shared:
+        return serve_shared(args, options, sock)
     try:
         if args.engine_process:
             from eyas.serve.core_client import EngineProcess

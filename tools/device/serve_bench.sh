@@ -18,7 +18,8 @@
 # sequences, as before session 68; "spec-si" and "plain-si": the interpreter's GIL switch interval at SWITCH_MS,
 # 0.5 ms, in place of Python's 5; "spec-proc" and "plain-proc": --engine-process; "spec-proc-si" and
 # "plain-proc-si": both; any of them + "-sN": with --stream-interval N, + "-wMS": with --prefill-wait-ms MS (both
-# since session 72; "spec-proc-w2-s4"), then + "-nogc": with EYAS_GC_FREEZE=0), SERVE_ARGS (added to every server and to
+# since session 72; "spec-proc-w2-s4"), + "-aN": with --api-server-count N (session 73; serve_steps.py watches the
+# first HTTP process only), then + "-nogc": with EYAS_GC_FREEZE=0), SERVE_ARGS (added to every server and to
 # the offline run, so only options both take, such as --device and --dtype), PROMPTS ($S/question.jsonl), CLIENTS
 # (the client's processes, 8 since session 71 (4 in session 70), at most the concurrency: `eyas bench serve
 # --client-processes`; one Python client was 76-98% busy at 16 and 64 before, 8 were 21-44% each in session 71).
@@ -81,11 +82,12 @@ serve_runs() {  # NAME SERVE-ARGS...: one server, loaded at each concurrency, th
 
 for s in ${SERVERS:-spec plain}; do
   base=${s%-nogc} more=()  # any server's name + "-nogc": the same with EYAS_GC_FREEZE=0 (no frozen heap)
-  while [[ $base =~ ^(.*)-([sw])([0-9.]+)$ ]]; do  # + "-sN" / "-wMS" (before any "-nogc"): with --stream-interval N
-    base=${BASH_REMATCH[1]}                      # / --prefill-wait-ms MS
+  while [[ $base =~ ^(.*)-([swa])([0-9.]+)$ ]]; do  # + "-sN" / "-wMS" / "-aN" (before any "-nogc"): with
+    base=${BASH_REMATCH[1]}                       # --stream-interval N / --prefill-wait-ms MS / --api-server-count N
     case ${BASH_REMATCH[2]} in
       s) more+=(--stream-interval ${BASH_REMATCH[3]}) ;;
       w) more+=(--prefill-wait-ms ${BASH_REMATCH[3]}) ;;
+      a) more+=(--api-server-count ${BASH_REMATCH[3]}) ;;
     esac
   done
   case $base in
