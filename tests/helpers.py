@@ -532,3 +532,45 @@ def live_children(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 kids.append(int(d.name))
     return kids + [g for k in kids for g in live_children(k)]
+
+
+def start_serve_group(model_dir: Path, args: list[str], timeout: float = 120.0):
+    """`eyas serve --model MODEL_DIR ARGS` (served as "tiny", float32 on the CPU, 32 KV blocks) on a free port, in a
+    process group of its own (a terminal's Ctrl-C reaches the whole group), up and healthy: (process, port). Its
+    output is piped (read it once it has ended)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "eyas.cli", "serve", "--model", str(model_dir), *args, "--served-model-name", "tiny",
+           "--device", "cpu", "--dtype", "float32", "--port", str(port), "--log-level", "warning", "--num-blocks", "32"]
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read().decode())
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, port
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, 9)
+            raise AssertionError(f"eyas serve {' '.join(args)} did not come up in {timeout} s")
+        time.sleep(0.2)
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> None:
+    """Until none of `pids` lives (zombies, which only wait for their parent to read them, count as gone)."""
+    import time
+    deadline = time.monotonic() + timeout
+    while any(Path(f"/proc/{k}").exists() and "Z" not in Path(f"/proc/{k}/stat").read_text().split()[2]
+              for k in pids):
+        assert time.monotonic() < deadline, "a process outlived the server"
+        time.sleep(0.1)

@@ -5,10 +5,10 @@ metrics of several processes are summed at a scrape; the command serves from eve
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from eyas import LLM, SamplingParams
 from eyas.serve.api_server import create_app
 from eyas.serve.core_client import EngineLink, EngineProcess
-from helpers import LiveServer, live_children, write_tiny_chat_model, write_tiny_llama
+from helpers import (LiveServer, live_children, start_serve_group, wait_gone, write_tiny_chat_model,
+                     write_tiny_llama)
 
 PROMPTS = [[5 + i, 9, 17 + 3 * i, 2] for i in range(8)]
 MAX_TOKENS = [6 + 3 * i for i in range(8)]
@@ -76,7 +77,6 @@ def test_each_server_gets_its_own_outputs_and_the_step_counts_add_up(two):
         with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
                           json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
             assert r.status_code == 200
-            import json
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     chunk = json.loads(line[6:])
@@ -243,27 +243,9 @@ def test_eyas_serve_api_server_count_command_line(tmp_path, how):
     scrape, whichever process answers it, counts every request. SIGTERM to the command or Ctrl-C to its process
     group stops it cleanly (exit 0, no traceback, none left behind); a server killed stops the command with exit 1."""
     d = write_tiny_llama(tmp_path / "m", vocab=64, hidden=32, layers=1)
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "eyas.cli", "serve", "--model", str(d), "--api-server-count", "2",
-           "--served-model-name", "tiny", "--device", "cpu", "--dtype", "float32", "--port", str(port),
-           "--log-level", "warning", "--num-blocks", "32"]
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, port = start_serve_group(d, ["--api-server-count", "2"])
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4}
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if _get(port, "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "no server"
-            time.sleep(0.2)
         kids = live_children(proc.pid)
         servers = _listening(kids, port)  # the second server: the child that holds the listening socket
         assert len(servers) == 1, kids
@@ -294,11 +276,7 @@ def test_eyas_serve_api_server_count_command_line(tmp_path, how):
             assert proc.wait(60) == 0
             out = proc.stdout.read().decode()
             assert "Traceback" not in out and "leaked" not in out, out
-        deadline = time.monotonic() + 10
-        while any(Path(f"/proc/{k}").exists() and "Z" not in Path(f"/proc/{k}/stat").read_text().split()[2]
-                  for k in kids):
-            assert time.monotonic() < deadline, "a process outlived the server"
-            time.sleep(0.1)
+        wait_gone(kids)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -7,10 +7,7 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -20,7 +17,8 @@ from eyas import LLM, SamplingParams
 from eyas.sampling_params import GuidedDecoding
 from eyas.serve.api_server import create_app
 from eyas.serve.core_client import EngineProcess
-from helpers import LiveServer, live_children, write_tiny_chat_model, write_tiny_llama
+from helpers import (LiveServer, live_children, start_serve_group, wait_gone, write_tiny_chat_model,
+                     write_tiny_llama)
 
 MODEL = "smollm2"
 TREE_PATHS = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]  # a small branching tree: several tokens a step, cheap on a CPU
@@ -251,26 +249,8 @@ def test_eyas_serve_engine_process_command_line(tmp_path, how):
     SIGTERM to the server alone (`kill`, `docker stop`) stops the server and its engine process cleanly (exit code
     0, no traceback, no leaked semaphore of the command queue), none left behind."""
     d = write_tiny_llama(tmp_path / "m", vocab=64, hidden=32, layers=1)
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "eyas.cli", "serve", "--model", str(d), "--engine-process", "--served-model-name",
-           "tiny", "--device", "cpu", "--dtype", "float32", "--port", str(port), "--log-level", "warning",
-           "--num-blocks", "32"]
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, port = start_serve_group(d, ["--engine-process"], timeout=90)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "no server"
-            time.sleep(0.2)
         kids = live_children(proc.pid)
         assert kids  # the engine process (and the spawn machinery's helper)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
@@ -283,11 +263,7 @@ def test_eyas_serve_engine_process_command_line(tmp_path, how):
         assert proc.wait(30) == 0
         out = proc.stdout.read().decode()
         assert "Traceback" not in out and "leaked" not in out, out  # a clean stop: no one complains
-        deadline = time.monotonic() + 10
-        while any(Path(f"/proc/{k}").exists() and "Z" not in Path(f"/proc/{k}/stat").read_text().split()[2]
-                  for k in kids):
-            assert time.monotonic() < deadline, "an engine process outlived the server"
-            time.sleep(0.1)
+        wait_gone(kids)  # no engine process outlives the server
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
