@@ -534,10 +534,10 @@ def live_children(pid: int) -> list[int]:
     return kids + [g for k in kids for g in live_children(k)]
 
 
-def start_serve_group(model_dir: Path, args: list[str], timeout: float = 120.0):
-    """`eyas serve --model MODEL_DIR ARGS` (served as "tiny", float32 on the CPU, 32 KV blocks) on a free port, in a
-    process group of its own (a terminal's Ctrl-C reaches the whole group), up and healthy: (process, port). Its
-    output is piped (read it once it has ended)."""
+def start_serve(args: list[str], timeout: float = 90.0, group: bool = False):
+    """`eyas serve ARGS` (served as "tiny", float32 on the CPU) on a free port, up and healthy: (process, port). With
+    `group`, in a process group of its own (a terminal's Ctrl-C reaches the whole group). Its output is piped (read
+    it once it has ended)."""
     import socket
     import subprocess
     import sys
@@ -547,10 +547,10 @@ def start_serve_group(model_dir: Path, args: list[str], timeout: float = 120.0):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "eyas.cli", "serve", "--model", str(model_dir), *args, "--served-model-name", "tiny",
-           "--device", "cpu", "--dtype", "float32", "--port", str(port), "--log-level", "warning", "--num-blocks", "32"]
+    cmd = [sys.executable, "-m", "eyas.cli", "serve", *args, "--served-model-name", "tiny", "--device", "cpu",
+           "--dtype", "float32", "--port", str(port), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=group)
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
@@ -561,7 +561,7 @@ def start_serve_group(model_dir: Path, args: list[str], timeout: float = 120.0):
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
-            os.killpg(proc.pid, 9)
+            os.killpg(proc.pid, 9) if group else proc.kill()
             raise AssertionError(f"eyas serve {' '.join(args)} did not come up in {timeout} s")
         time.sleep(0.2)
 
@@ -574,3 +574,17 @@ def wait_gone(pids: list[int], timeout: float = 10.0) -> None:
               for k in pids):
         assert time.monotonic() < deadline, "a process outlived the server"
         time.sleep(0.1)
+
+
+def stop_cleanly(proc, how: str, timeout: float = 60.0) -> None:
+    """Stop a `start_serve(..., group=True)` server: "ctrl-c" (SIGINT to its process group, as a terminal sends it)
+    or "sigterm" (to the server alone: `kill`, `docker stop`). It must exit 0, and no one complains (no traceback,
+    no leaked semaphore)."""
+    import signal
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout) == 0
+    out = proc.stdout.read().decode()
+    assert "Traceback" not in out and "leaked" not in out, out

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from eyas import LLM, SamplingParams
 from eyas.serve.api_server import create_app
 from eyas.serve.core_client import EngineLink, EngineProcess
-from helpers import (LiveServer, live_children, start_serve_group, wait_gone, write_tiny_chat_model,
+from helpers import (LiveServer, live_children, start_serve, stop_cleanly, wait_gone, write_tiny_chat_model,
                      write_tiny_llama)
 
 PROMPTS = [[5 + i, 9, 17 + 3 * i, 2] for i in range(8)]
@@ -243,7 +243,8 @@ def test_eyas_serve_api_server_count_command_line(tmp_path, how):
     scrape, whichever process answers it, counts every request. SIGTERM to the command or Ctrl-C to its process
     group stops it cleanly (exit 0, no traceback, none left behind); a server killed stops the command with exit 1."""
     d = write_tiny_llama(tmp_path / "m", vocab=64, hidden=32, layers=1)
-    proc, port = start_serve_group(d, ["--api-server-count", "2"])
+    proc, port = start_serve(["--model", str(d), "--api-server-count", "2", "--num-blocks", "32"], timeout=120,
+                              group=True)
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4}
     try:
         kids = live_children(proc.pid)
@@ -269,13 +270,7 @@ def test_eyas_serve_api_server_count_command_line(tmp_path, how):
             assert proc.wait(60) == 1
             assert "ended while serving" in proc.stdout.read().decode()
         else:
-            if how == "ctrl-c":
-                os.killpg(proc.pid, signal.SIGINT)
-            else:
-                proc.send_signal(signal.SIGTERM)
-            assert proc.wait(60) == 0
-            out = proc.stdout.read().decode()
-            assert "Traceback" not in out and "leaked" not in out, out
+            stop_cleanly(proc, how)
         wait_gone(kids)
     finally:
         if proc.poll() is None:

@@ -17,7 +17,7 @@ from eyas import LLM, SamplingParams
 from eyas.sampling_params import GuidedDecoding
 from eyas.serve.api_server import create_app
 from eyas.serve.core_client import EngineProcess
-from helpers import (LiveServer, live_children, start_serve_group, wait_gone, write_tiny_chat_model,
+from helpers import (LiveServer, live_children, start_serve, stop_cleanly, wait_gone, write_tiny_chat_model,
                      write_tiny_llama)
 
 MODEL = "smollm2"
@@ -249,20 +249,14 @@ def test_eyas_serve_engine_process_command_line(tmp_path, how):
     SIGTERM to the server alone (`kill`, `docker stop`) stops the server and its engine process cleanly (exit code
     0, no traceback, no leaked semaphore of the command queue), none left behind."""
     d = write_tiny_llama(tmp_path / "m", vocab=64, hidden=32, layers=1)
-    proc, port = start_serve_group(d, ["--engine-process"], timeout=90)
+    proc, port = start_serve(["--model", str(d), "--engine-process", "--num-blocks", "32"], group=True)
     try:
         kids = live_children(proc.pid)
         assert kids  # the engine process (and the spawn machinery's helper)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                        json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        if how == "ctrl-c":
-            os.killpg(proc.pid, signal.SIGINT)
-        else:
-            proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-        out = proc.stdout.read().decode()
-        assert "Traceback" not in out and "leaked" not in out, out  # a clean stop: no one complains
+        stop_cleanly(proc, how, timeout=30)
         wait_gone(kids)  # no engine process outlives the server
     finally:
         if proc.poll() is None:

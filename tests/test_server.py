@@ -17,7 +17,6 @@ import math
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from eyas import LLM, SamplingParams
 from eyas.loader.resolve import resolve_draft_arg as _resolve_draft
 from eyas.engine.detokenizer import TextStream
 from eyas.serve.api_server import add_serve_parser, create_app, run_serve
-from helpers import LiveServer, live_children, write_tiny_llama
+from helpers import LiveServer, live_children, start_serve, write_tiny_llama
 
 MODEL = "smollm2"
 TREE_PATHS = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
@@ -1284,34 +1283,9 @@ def test_serve_command_line(tiny_dir):
     assert _resolve_draft("smollm2", "auto") == ("default" if default_draft_path("smollm2") else None)
 
 
-def _start_serve(args: list[str], timeout: float = 90) -> tuple[subprocess.Popen, int]:
-    """`eyas serve ARGS` (served as "tiny", float32 on the CPU) in its own process on a free port, up and healthy."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "eyas.cli", "serve", *args, "--served-model-name", "tiny", "--device", "cpu",
-           "--dtype", "float32", "--port", str(port), "--log-level", "warning"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(proc.stdout.read().decode())
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc, port
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"eyas serve {' '.join(args)} did not come up in {timeout} s")
-        time.sleep(0.2)
-
-
 def test_eyas_serve_subprocess(tiny_dir):
     """`eyas serve` through the real command line, in its own process."""
-    proc, port = _start_serve(["--model", str(tiny_dir), "--num-blocks", "32"])
+    proc, port = start_serve(["--model", str(tiny_dir), "--num-blocks", "32"])
     try:
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                        json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)
@@ -1388,7 +1362,7 @@ def test_eyas_serve_tensor_parallel(tmp_path):
     prompts = ["The capital of France is", "def fibonacci(n):"]
     llm = LLM(str(mdir), device="cpu", dtype="float32")
     want = [o.text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))]
-    proc, port = _start_serve(["--model", str(mdir), "--draft", str(ddir), "--speculation", "chain:3",
+    proc, port = start_serve(["--model", str(mdir), "--draft", str(ddir), "--speculation", "chain:3",
                                "--num-blocks", "64", "--tensor-parallel", "2"], timeout=120)
     try:
         assert len(live_children(proc.pid)) >= 2  # the two ranks
