@@ -199,6 +199,8 @@ class EngineCore:
 
     def _add(self, client: int, tag: int, items: list) -> tuple:
         eng, added = self.engine, []
+        if client in self.gone:  # sent before it left: nobody would read the outputs
+            return tag, ("error", f"HTTP server {client} has left"), None
         try:
             for rid, prompt, params in items:
                 eng.add_request(prompt, params, request_id=rid)
