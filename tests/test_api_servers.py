@@ -225,9 +225,11 @@ def test_api_server_count_refuses_what_it_cannot_run():
     clear error before anything loads."""
     from eyas.serve.api_server import parse_serve_args, run_serve
     for argv, match in ((["--api-server-count", "0"], "must be >= 1"),
-                        (["--api-server-count", "2", "--no-engine-process"], "--no-engine-process"),
-                        (["--api-server-count", "2", "--tensor-parallel", "2"], "--tensor-parallel"),
-                        (["--api-server-count", "2", "--disaggregate", "cpu,cpu"], "--disaggregate")):
+                        (["--api-server-count", "2", "--no-engine-process"], "combine with --no-engine-process"),
+                        (["--api-server-count", "2", "--tensor-parallel", "2"],
+                         "--api-server-count > 1 does not combine with --tensor-parallel"),
+                        (["--api-server-count", "2", "--disaggregate", "cpu,cpu"],
+                         "--api-server-count > 1 does not combine with --disaggregate")):
         with pytest.raises(ValueError, match=match):
             run_serve(parse_serve_args(["--model", "no-such-model", *argv]))
 
