@@ -296,3 +296,38 @@ def _listening(pids: list[int], port: int) -> list[int]:
         if links & inodes:
             held.append(pid)
     return held
+
+
+def test_the_engine_core_refuses_an_add_from_a_server_that_left(tmp_path):
+    """The engine's loop in this process (a thread), two clients: after client 1 detaches, an add it sent late is
+    refused (nobody would read its outputs) and nothing is added; client 0's add goes on as before."""
+    import queue
+    from multiprocessing import Pipe
+
+    from eyas.serve.engine_core import EngineCore
+    engine = LLM(str(write_tiny_llama(tmp_path / "m", vocab=64, hidden=32, layers=1)), device="cpu",
+                 dtype="float32", num_blocks=32).engine
+    commands, pipes = queue.Queue(), [Pipe(duplex=False) for _ in range(2)]
+    core = EngineCore(engine, commands, [w for _, w in pipes])
+    loop = threading.Thread(target=core.run, daemon=True)
+    loop.start()
+    commands.put(("detach", 1))
+    commands.put(("add", 1, 7, [("late", [1, 2, 3], SamplingParams(max_tokens=25, temperature=0))]))
+    commands.put(("add", 0, 8, [("mine", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))]))
+    got, reader = {}, pipes[0][0]
+    while "mine" not in got:  # client 0's messages: its add's answer, then its request's outputs
+        msg = reader.recv()
+        if msg[0] == "acks":
+            got.update({tag: (err, result) for tag, err, result in msg[1]})
+        elif msg[0] == "step":
+            got.update({m[0]: m[3] for m in msg[1] if m[3]})
+    commands.put(("call", 0, 9, _live_requests))  # what the engine holds once client 0's request is done
+    while 9 not in got:
+        msg = reader.recv()
+        if msg[0] == "acks":
+            got.update({tag: (err, result) for tag, err, result in msg[1]})
+    commands.put(("stop",))
+    loop.join(30)
+    assert got[8] == (None, None) and got[9] == (None, 0)  # the late add was never taken
+    with pytest.raises(EOFError):  # and client 1 heard nothing: its pipe was closed at once
+        pipes[1][0].recv()
