@@ -159,6 +159,21 @@ def test_a_server_that_stops_on_a_signal_is_no_failure(monkeypatch):
     api_servers._watch([p], stopping, died)
     assert died == [] and len(sent) == 1
     p.join()
+    # one stops on its own (0), another fails later: the watch goes on after the first, and names the second
+    servers = [ctx.Process(target=sys.exit, args=(0,), name="quiet"),
+               ctx.Process(target=_exit_after, args=(1.0, 5), name="failing")]
+    for p in servers:
+        p.start()
+    died = []
+    api_servers._watch(servers, threading.Event(), died)
+    assert died == ["failing"] and len(sent) == 2
+    for p in servers:
+        p.join()
+
+
+def _exit_after(seconds: float, code: int) -> None:
+    time.sleep(seconds)
+    sys.exit(code)
 
 
 def _wait_idle(server: LiveServer, timeout: float = 30.0) -> None:

@@ -104,21 +104,26 @@ def serve_shared(args, options: dict, sock: socket.socket) -> int:
 
 
 def _watch(servers: list, stopping: threading.Event, died: list) -> None:
-    """Stop the whole command (SIGTERM to this process) when a server ends while it serves."""
+    """Stop the whole command (SIGTERM to this process) when a server ends while it serves with an exit code but 0
+    (a server that stopped on a signal of its own, as Ctrl-C to the process group gives, is no failure)."""
     from multiprocessing.connection import wait
-    ended = [p for p in servers if p.sentinel in wait([p.sentinel for p in servers])]
-    if stopping.is_set():
-        return
-    for p in ended:  # its sentinel closes as it exits, its exit code comes once it is reaped
-        p.join(5)
-    failed = [p for p in ended if p.exitcode != 0]
-    if not failed:  # stopped on a signal of its own (Ctrl-C reaches every process): the others go on, or stop too
+    left = list(servers)
+    while left:
+        ready = wait([p.sentinel for p in left])
+        ended = [p for p in left if p.sentinel in ready]
+        if stopping.is_set():
+            return
+        for p in ended:  # its sentinel closes as it exits, its exit code comes once it is reaped
+            p.join(5)
+        failed = [p for p in ended if p.exitcode != 0]
+        if failed:
+            died.extend(p.name for p in failed)
+            log.critical("%s ended while serving (exit code %s): stopping the server",
+                         ", ".join(p.name for p in failed), ", ".join(str(p.exitcode) for p in failed))
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         log.info("%s stopped", ", ".join(p.name for p in ended))
-        return
-    died.extend(p.name for p in failed)
-    log.critical("%s ended while serving (exit code %s): stopping the server", ", ".join(p.name for p in failed),
-                 ", ".join(str(p.exitcode) for p in failed))
-    os.kill(os.getpid(), signal.SIGTERM)
+        left = [p for p in left if p not in ended]
 
 
 def api_server_main(index: int, sock: socket.socket, parts: tuple, args, options: dict, metrics_dir: str) -> None:
