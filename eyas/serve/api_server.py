@@ -1132,6 +1132,21 @@ def build_llm(args):
     return LLM(**llm_kwargs(args))
 
 
+def start_engine_process(args, clients: int = 1):
+    """The engine of `args` in a process of its own, its graphs captured there (`--engine-process`), for `clients`
+    HTTP processes (`--api-server-count`)."""
+    from eyas.serve.core_client import EngineProcess
+    return EngineProcess(llm_kwargs(args), _Capture(args.max_num_seqs, tuple(args.capture_extras)), args.log_level,
+                         clients=clients)
+
+
+def serve_app(llm, args, options: dict, sock: socket.socket | None = None, announce: bool = True) -> None:
+    """`create_app(llm)` with the command line's name, queue and `options` (`_app_options`), served until stopped
+    (`_serve_app`)."""
+    app = create_app(llm, args.served_model_name or args.model, max_queue=args.max_queue, **options)
+    _serve_app(app, getattr(llm, "engine", llm), args, sock, announce)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Capture:
     """`_capture_graphs` with the command line's sizes: an engine process's `prepare` (pickled)."""
@@ -1228,8 +1243,7 @@ def _tp_serve(rank: int, world_size: int, device, args, options: dict) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        _serve_app(create_app(engine, args.served_model_name or args.model, max_queue=args.max_queue, **options),
-                   engine, args)
+        serve_app(engine, args, options)
     finally:
         engine.close()  # the server has stopped (its engine loop too): release the other ranks
 
@@ -1334,9 +1348,7 @@ def run_serve(args) -> int:
         return serve_shared(args, options, sock)
     try:
         if args.engine_process:
-            from eyas.serve.core_client import EngineProcess
-            llm = EngineProcess(llm_kwargs(args), _Capture(args.max_num_seqs, tuple(args.capture_extras)),
-                                args.log_level)
+            llm = start_engine_process(args)
         else:
             llm = build_llm(args)
             _capture_graphs(llm.engine, args.max_num_seqs, args.capture_extras)
@@ -1344,8 +1356,7 @@ def run_serve(args) -> int:
         sock.close()
         raise
     try:
-        _serve_app(create_app(llm, args.served_model_name or args.model, max_queue=args.max_queue, **options),
-                   getattr(llm, "engine", llm), args, sock)
+        serve_app(llm, args, options, sock)
     finally:
         if args.engine_process:
             llm.close()

@@ -58,15 +58,13 @@ def check_api_server_count(args) -> int:
 def serve_shared(args, options: dict, sock: socket.socket) -> int:
     """`eyas serve` with `args.api_server_count` HTTP processes (see the module's docstring); `sock`: the bound
     listening socket. Returns the exit status: 1 when a server died while serving."""
-    from eyas.serve.api_server import _Capture, _serve_app, create_app, llm_kwargs
-    from eyas.serve.core_client import EngineProcess
+    from eyas.serve.api_server import serve_app, start_engine_process
     from eyas.serve.metrics import share_across_processes
     n = args.api_server_count
     metrics_dir = tempfile.mkdtemp(prefix="eyas-metrics-")
     share_across_processes(metrics_dir)  # before any metric is made here; the servers spawned inherit it
     try:
-        llm = EngineProcess(llm_kwargs(args), _Capture(args.max_num_seqs, tuple(args.capture_extras)),
-                            args.log_level, clients=n)
+        llm = start_engine_process(args, clients=n)
     except BaseException:
         sock.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -95,8 +93,7 @@ def serve_shared(args, options: dict, sock: socket.socket) -> int:
         threading.Thread(target=_watch, args=(servers, stopping, died), name="eyas-api-servers-watch",
                          daemon=True).start()
         log.info("%d HTTP processes share the engine process (--api-server-count)", n)
-        _serve_app(create_app(llm, args.served_model_name or args.model, max_queue=args.max_queue, **options),
-                   llm, args, sock)
+        serve_app(llm, args, options, sock)
     finally:
         llm.close()  # stop_servers first (the app's shutdown has done both already, unless it did not start)
         shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -128,12 +125,10 @@ def _watch(servers: list, stopping: threading.Event, died: list) -> None:
 
 def api_server_main(index: int, sock: socket.socket, parts: tuple, args, options: dict, metrics_dir: str) -> None:
     """HTTP process `index` (1..N-1): the app on the shared socket, client `index` of the engine process."""
-    from eyas.serve.api_server import _serve_app, create_app
+    from eyas.serve.api_server import serve_app
     from eyas.serve.core_client import EngineLink
     from eyas.serve.metrics import share_across_processes
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s (api server {index}): %(message)s")
     share_across_processes(metrics_dir)
-    link = EngineLink(*parts)
-    _serve_app(create_app(link, args.served_model_name or args.model, max_queue=args.max_queue, **options),
-               link, args, sock, announce=False)
+    serve_app(EngineLink(*parts), args, options, sock, announce=False)

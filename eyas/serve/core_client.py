@@ -99,6 +99,9 @@ class EngineProcess(EngineLink):
                 raise ValueError(f"an engine in a process of its own does not combine with {key} yet")
         if clients < 1:
             raise ValueError(f"an engine process needs at least one client, got {clients}")
+        # run first by `close` (once): `eyas serve --api-server-count` stops the other servers there, so that none
+        # loses the engine while it still serves
+        self.on_close: list = []
         ctx = mp.get_context("spawn")
         commands = ctx.Queue()
         pipes = [ctx.Pipe(duplex=False) for _ in range(clients)]
@@ -127,9 +130,6 @@ class EngineProcess(EngineLink):
             self.close()
             raise RuntimeError(f"the engine process failed to start:\n{msg[1]}")
         super().__init__(msg[1], commands, conn, 0)
-        # run first by `close` (once): `eyas serve --api-server-count` stops the other servers there, so that none
-        # loses the engine while it still serves
-        self.on_close: list = []
 
     def link_parts(self, client: int) -> tuple:
         """What client `client` (1..clients - 1) needs for its `EngineLink(*parts)`, to hand to its process."""
@@ -152,7 +152,7 @@ class EngineProcess(EngineLink):
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the child (the "stop" command first, then SIGTERM, then SIGKILL)."""
-        while getattr(self, "on_close", None):
+        while self.on_close:
             self.on_close.pop()()
         if self.proc.is_alive():
             try:
